@@ -1,0 +1,19 @@
+"""Framework-neutral codecs on NumPy arrays (CuPy arrays go to kernels/ via horovod_quant.gpu).
+
+Nothing here imports torch, tensorflow or horovod.
+"""
+from .base import Codec, as_vector, mean_estimate, worker_seed
+from .baselines import BF16, FP16, NoCompression
+from .payload import Payload
+from .quantizers import QSGD, NUQSGD, NaturalCompression, NaturalDithering, StandardDithering
+from .registry import available_codecs, get_codec, register
+from .rng import derive_key
+
+for _cls in (NoCompression, FP16, BF16, QSGD, NUQSGD, NaturalCompression, NaturalDithering,
+             StandardDithering):
+    register(_cls)
+
+__all__ = [
+    "Codec", "Payload", "as_vector", "available_codecs", "derive_key", "get_codec",
+    "mean_estimate", "register", "worker_seed",
+]

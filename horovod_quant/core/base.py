@@ -1,0 +1,145 @@
+"""The codec contract shared by every algorithm (see docs/design.md)."""
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+from .payload import Payload
+from .rng import derive_key
+
+EXCHANGES = ("sum", "gather", "custom")
+
+
+def as_vector(x: Any) -> np.ndarray:
+    """A flat float32 view of ``x`` (a copy only when the dtype or layout requires one).
+
+    float16, bfloat16 (``ml_dtypes``/torch-converted) and float64 inputs are accepted; codecs
+    compute in float32 and decode to float32, as the adapters cast back to the tensor's dtype.
+    """
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "fV" and arr.dtype.name != "bfloat16":
+        raise TypeError(f"expected a floating-point array, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+
+
+def worker_seed(seed: int, rank: int) -> int:
+    """The seed worker ``rank`` encodes with when the exchange's seed is ``seed``.
+
+    Adapters derive ``seed`` itself from (user seed, step, tensor); every rank can compute
+    every other rank's seed, which DQSG/NDQSG receivers need to regenerate dithers.
+    """
+    return derive_key(seed, 0x7A4B, rank)
+
+
+def check_int(name: str, value: Any, low: int, high: int | None = None, hint: str = "") -> int:
+    """Validate an integer parameter, raising ValueError that says what to change."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        rng = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name}={value} is out of range: use a value in {rng}. {hint}".strip())
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid: choose one of {list(choices)}")
+    return value
+
+
+class Codec(abc.ABC):
+    """An unbiased (or baseline) gradient compressor on flat float32 NumPy arrays.
+
+    Subclasses validate their parameters in ``__init__`` and implement :meth:`encode` and
+    :meth:`decode`. ``exchange`` says how payloads of n workers combine:
+
+    * ``"sum"``: payload arrays add up elementwise under a plain allreduce and
+      :meth:`decode_sum` turns the sum into the mean estimate;
+    * ``"gather"``: each worker's payload is decoded separately and the results averaged;
+    * ``"custom"``: the codec's own reduction (Global-QSGD exponent reduce, NDQSG side
+      information), simulated by :meth:`reference_mean` and run for real by ``horovod_quant.comm``.
+    """
+
+    name: ClassVar[str]
+    exchange: ClassVar[str]
+
+    def __init__(self, **params: Any) -> None:
+        self.params = dict(params)
+
+    # -- contract ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def encode(self, x: Any, seed: int = 0) -> Payload:
+        """Encode a 1-D float array. ``seed`` makes every random draw reproducible."""
+
+    @abc.abstractmethod
+    def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        """Decode one worker's payload to float32 (into ``out`` when given)."""
+
+    def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
+        """``out += decode(payload)``; codecs override with a fused kernel."""
+        out += self.decode(payload)
+        return out
+
+    def decode_sum(self, payload: Payload, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        """For ``exchange == "sum"``: the mean estimate from the elementwise sum of n payloads."""
+        raise NotImplementedError(f"{self.name} payloads do not sum; exchange={self.exchange}")
+
+    def payload_from_wire(self, data: np.ndarray, size: int) -> Payload:
+        """Rebuild a payload from the bytes a collective delivered."""
+        return Payload(np.asarray(data).view(self.wire_dtype).reshape(-1), int(size))
+
+    #: dtype of ``Payload.data`` (what a collective moves)
+    wire_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
+
+    def config(self) -> dict[str, Any]:
+        """Everything that must agree across ranks (checked once at the first step)."""
+        return {"codec": self.name, **self.params}
+
+    def reference_mean(self, xs: Sequence[np.ndarray], seed: int) -> tuple[np.ndarray, int]:
+        """Single-process simulation of the n-worker exchange; see :func:`mean_estimate`."""
+        n = len(xs)
+        payloads = [self.encode(x, seed=worker_seed(seed, r)) for r, x in enumerate(xs)]
+        size = payloads[0].size
+        if self.exchange == "sum":
+            total = payloads[0].data.copy()
+            for p in payloads[1:]:
+                total += p.data
+            est = self.decode_sum(Payload(total, size, dict(payloads[0].meta)), n)
+        else:
+            est = np.zeros(size, np.float32)
+            for p in payloads:
+                self.decode_add(p, est)
+            est *= np.float32(1.0 / n)
+        return est, max(p.nbytes for p in payloads)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"{type(self).__name__}({args})"
+
+
+def mean_estimate(codec: Codec, xs: Sequence[Any], seed: int = 0) -> tuple[np.ndarray, int]:
+    """The n-worker mean that the distributed exchange computes, simulated in one process.
+
+    Worker ``r`` encodes ``xs[r]`` with :func:`worker_seed` ``(seed, r)``; payloads combine as
+    the codec's exchange does (sum, gather, or its custom reduction such as Global-QSGD's
+    stochastic exponent reduce or NDQSG's side-information decoding). A real n-rank run with
+    the same inputs and seed gives bit-identical numbers.
+
+    Args:
+        codec: a codec from :func:`get_codec`.
+        xs: n 1-D arrays of equal length, one per worker.
+        seed: the exchange seed.
+
+    Returns:
+        ``(estimate, wire_bytes)``: the float32 mean estimate and the largest number of bytes
+        one worker puts on the wire for its payload (excluding a norm allreduce of one float).
+    """
+    vecs = [as_vector(x) for x in xs]
+    if not vecs:
+        raise ValueError("mean_estimate needs at least one worker's vector")
+    if len({v.size for v in vecs}) != 1:
+        raise ValueError(f"all workers' vectors must have one length, got {[v.size for v in vecs]}")
+    return codec.reference_mean(vecs, seed)

@@ -1,0 +1,291 @@
+"""Per-worker level quantizers: QSGD, standard dithering, NUQSGD, natural dithering, C_nat.
+
+All five are "general dithering" (natural-compression paper, Definition 3): normalize a bucket
+by a scale, round each magnitude stochastically to one of two neighbouring levels so that the
+expectation is exact, and send the sign with the level index. They share one kernel
+(:mod:`.kernels_cpu`) and differ in the level grid and the scale.
+
+How ``bits`` maps to levels (``bits`` counts every bit sent per element, the sign included):
+
+=====================  ==========================================  ==============================
+codec                  levels                                      default from ``bits`` = b
+=====================  ==========================================  ==============================
+qsgd                   0, 1/s, ..., 1 (QSGD, L2 or max norm)       s = 2^(b-1) - 1 (b=4: s=7)
+standard_dithering     0, 1/s, ..., 1 (p-norm)                     s = 2^(b-1) - 1
+nuqsgd                 0, 2^-s, ..., 1/2, 1 (s internal levels)    s = 2^(b-1) - 2 (b=4: s=6)
+natural_dithering      0, 2^(1-s), ..., 1/2, 1 (s levels, p-norm)  s = 2^(b-1) - 1
+natural                C_nat: sign * 2^e                           e in 2^(b-1) - 1 exponents
+                                                                   below the bucket's top power
+=====================  ==========================================  ==============================
+
+Departures from the papers (also in docs/codecs.md):
+* QSGD's experiments count bits for the level only (their "4 bits" has s = 16 plus a sign and
+  Elias coding); here ``bits`` is the exact wire width, so 4 bits means s = 7.
+* C_nat (Definition 1) has a full 8-bit float exponent (9 bits). ``natural`` keeps the sign and
+  2^(b-1) - 1 exponents below a per-bucket power of two 2^T >= max|x| (sent as one float32):
+  with b = 8 that is 127 binades, so every normal float within 2^-126 of the bucket maximum is
+  rounded exactly as C_nat does; smaller values are rounded unbiasedly to 0 or the smallest
+  level (adding at most d * 4^(1-s) to omega, i.e. nothing measurable at b = 8).
+* Natural dithering's Theorem 4 states omega = 1/s + ...; its first term cannot be below C_nat's
+  own 1/8 (d = 2, y = (2^-0.5, 2^-0.5) gives 0.12), so bounds here use max(1/8, 1/s).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import numpy as np
+
+from . import kernels_cpu as K
+from .base import Codec, as_vector, check_choice, check_int
+from .payload import Payload
+from .rng import derive_key, split_key
+
+DEFAULT_BUCKET = 512
+
+
+def _check_bucket(bucket_size: Any) -> int | None:
+    if bucket_size is None:
+        return None
+    return check_int("bucket_size", bucket_size, 1, hint="None means one bucket per tensor.")
+
+
+def _check_p(p: Any) -> float:
+    try:
+        p = float(p)
+    except (TypeError, ValueError):
+        raise ValueError(f"p={p!r} must be a number >= 1 or float('inf')") from None
+    if not p >= 1:
+        raise ValueError(f"p={p} is not a norm: use p >= 1 (2 for L2, float('inf') for max)")
+    return p
+
+
+def uniform_grid_omega(d: int, s: int, p: float = 2.0) -> float:
+    """Variance bound of uniform levels {j/s} with a p-norm scale on a d-element bucket.
+
+    Per element the variance is at most min(1/(4 s^2), y_i / s) times the squared scale; with
+    ||x||_p <= d^(1/r - 1/2) ||x||_2 and ||x||_1 <= sqrt(d) ||x||_2 (r = min(p, 2)) this gives
+    min(d^(2/r) / (4 s^2), d^(1/r) / s): QSGD Lemma 3.1 (min(d/s^2, sqrt(d)/s)) for p = 2,
+    sharpened by the 1/4 of a Bernoulli variance.
+    """
+    if d <= 1:
+        return 0.0 if d == 0 else min(1 / (4 * s * s), 1 / s)
+    r = min(p, 2.0)
+    return min(d ** (2 / r) / (4 * s * s), d ** (1 / r) / s)
+
+
+def geometric_grid_omega(d: int, s: int, p: float = 2.0, scale_slack: float = 1.0) -> float:
+    """Variance bound of binary-geometric levels {0, 2^(1-s), ..., 1} (s nonzero levels).
+
+    Between powers of two the relative variance is at most 1/8 (C_nat, Theorem 1); below the
+    smallest level l = 2^(1-s) it is at most min(l^2/4, y_i l). With r = min(p, 2) this is
+    natural dithering's Theorem 4 with its first term read as max(1/8, 1/s) (see module doc).
+    ``scale_slack`` bounds scale / ||x||_p (2 for C_nat's power-of-two scale).
+    """
+    if d == 0:
+        return 0.0
+    r = min(p, 2.0)
+    low = 2.0 ** (1 - s) * scale_slack
+    return max(1 / 8, 1 / s) + min(d ** (2 / r) * low * low / 4, d ** (1 / r) * low)
+
+
+class LevelQuantizer(Codec):
+    """Shared implementation; subclasses fix the grid and how parameters map to it."""
+
+    exchange: ClassVar[str] = "gather"
+    grid: ClassVar[int]
+
+    def __init__(self, params: dict[str, Any], *, bits: int, nonzero_levels: int,
+                 bucket_size: int | None, p: float, pow2_scale: bool = False) -> None:
+        super().__init__(**params)
+        self.bits = bits
+        self.s = nonzero_levels
+        self.bucket_size = bucket_size
+        self.p = p
+        if pow2_scale:
+            self.norm_kind = K.NORM_POW2
+        elif p == 2:
+            self.norm_kind = K.NORM_L2
+        elif math.isinf(p):
+            self.norm_kind = K.NORM_MAX
+        else:
+            self.norm_kind = K.NORM_P
+        self.table = self._signed_table()
+
+    def _levels(self) -> np.ndarray:
+        """Level value of each magnitude index 0..s."""
+        j = np.arange(self.s + 1, dtype=np.float64)
+        if self.grid == K.GRID_UNIFORM:
+            return (j / self.s).astype(np.float32)
+        lv = np.ldexp(1.0, (j - self.s).astype(np.int64))
+        lv[0] = 0.0
+        return lv.astype(np.float32)
+
+    def _signed_table(self) -> np.ndarray:
+        half = 1 << (self.bits - 1)
+        table = np.zeros(2 * half, np.float32)
+        lv = self._levels()
+        table[: self.s + 1] = lv
+        table[half : half + self.s + 1] = -lv
+        return table
+
+    def _bucket(self, n: int) -> int:
+        return self.bucket_size if self.bucket_size is not None else max(n, 1)
+
+    def payload_nbytes(self, n: int) -> int:
+        """Exact payload size for n elements: one float32 per bucket plus packed codes."""
+        return int(K.levels_nbytes(n, self._bucket(n), self.bits))
+
+    def encode(self, x: Any, seed: int = 0) -> Payload:
+        v = as_vector(x)
+        bucket = self._bucket(v.size)
+        out = np.empty(self.payload_nbytes(v.size), np.uint8)
+        k0, k1 = split_key(derive_key(seed))
+        K.encode_levels(v, bucket, self.norm_kind, self.p, self.grid, self.s, self.bits, k0, k1, out)
+        return Payload(out, v.size)
+
+    def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        n = payload.size
+        if out is None:
+            out = np.empty(n, np.float32)
+        K.decode_levels(payload.data, n, self._bucket(n), self.bits, self.table, out, False)
+        return out
+
+    def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
+        n = payload.size
+        K.decode_levels(payload.data, n, self._bucket(n), self.bits, self.table, out, True)
+        return out
+
+    def omega(self, d: int) -> float:
+        """Bound on E||Q(x) - x||^2 / ||x||^2 for one bucket of d elements."""
+        raise NotImplementedError
+
+
+def _default_levels(name: str, levels: Any, bits: int, most: int, least: int = 1) -> int:
+    if levels is None:
+        return most
+    return check_int(f"{name} levels", levels, least, most,
+                     hint=f"{bits} bits hold at most {most}; raise bits for more levels.")
+
+
+class QSGD(LevelQuantizer):
+    """QSGD (Alistarh et al., 2017, Section 3.1): uniform levels j/s scaled by the bucket's L2
+    norm, or by its max norm for the "QSGDinf" variant used in the paper's experiments.
+
+    Args:
+        bits: wire bits per element including the sign, 2..8; s = 2^(bits-1) - 1 by default.
+        bucket_size: elements per bucket (one float32 scale each); None = whole tensor.
+        norm: "l2" (Lemma 3.1) or "max".
+        levels: s, to use fewer levels than ``bits`` can hold.
+    """
+
+    name = "qsgd"
+    grid = K.GRID_UNIFORM
+
+    def __init__(self, bits: int = 4, bucket_size: int | None = DEFAULT_BUCKET, norm: str = "l2",
+                 levels: int | None = None) -> None:
+        bits = check_int("bits", bits, 2, 8)
+        check_choice("norm", norm, ("l2", "max"))
+        s = _default_levels("qsgd", levels, bits, (1 << (bits - 1)) - 1)
+        super().__init__({"bits": bits, "bucket_size": bucket_size, "norm": norm, "levels": s}, bits=bits, nonzero_levels=s, bucket_size=_check_bucket(bucket_size),
+                         p=2.0 if norm == "l2" else math.inf)
+
+    def omega(self, d: int) -> float:
+        return uniform_grid_omega(d, self.s, self.p)
+
+
+class StandardDithering(LevelQuantizer):
+    """Standard random dithering D_sta^{p,s} (natural-compression paper, Definition 3).
+
+    Args:
+        bits: wire bits per element including the sign, 2..8.
+        bucket_size: elements per bucket; None = whole tensor.
+        p: norm used for the scale (>= 1, ``float('inf')`` for max).
+        levels: s (default 2^(bits-1) - 1).
+    """
+
+    name = "standard_dithering"
+    grid = K.GRID_UNIFORM
+
+    def __init__(self, bits: int = 4, bucket_size: int | None = DEFAULT_BUCKET, p: float = 2.0,
+                 levels: int | None = None) -> None:
+        bits = check_int("bits", bits, 2, 8)
+        p = _check_p(p)
+        s = _default_levels("standard_dithering", levels, bits, (1 << (bits - 1)) - 1)
+        super().__init__({"bits": bits, "bucket_size": bucket_size, "p": p, "levels": s}, bits=bits, nonzero_levels=s, bucket_size=_check_bucket(bucket_size), p=p)
+
+    def omega(self, d: int) -> float:
+        return uniform_grid_omega(d, self.s, self.p)
+
+
+class NUQSGD(LevelQuantizer):
+    """NUQSGD (Ramezani-Kebrya et al.): levels (0, 2^-s, ..., 1/2, 1), L2 bucket norm.
+
+    Args:
+        bits: wire bits per element including the sign, 3..8; s = 2^(bits-1) - 2 internal
+            levels by default (s + 2 levels with zero and one).
+        bucket_size: elements per bucket; None = whole tensor.
+        levels: s, the paper's number of internal levels (>= 1).
+    """
+
+    name = "nuqsgd"
+    grid = K.GRID_GEOMETRIC
+
+    def __init__(self, bits: int = 4, bucket_size: int | None = DEFAULT_BUCKET,
+                 levels: int | None = None) -> None:
+        bits = check_int("bits", bits, 3, 8, hint="NUQSGD needs s >= 1 internal levels.")
+        s = _default_levels("nuqsgd", levels, bits, (1 << (bits - 1)) - 2)
+        super().__init__({"bits": bits, "bucket_size": bucket_size, "levels": s}, bits=bits, nonzero_levels=s + 1, bucket_size=_check_bucket(bucket_size),
+                         p=2.0)
+
+    def omega(self, d: int) -> float:
+        return geometric_grid_omega(d, self.s, 2.0)
+
+
+class NaturalDithering(LevelQuantizer):
+    """Natural dithering D_nat^{p,s} (natural-compression paper, Definition 3, Theorem 4):
+    binary-geometric levels 0, 2^(1-s), ..., 1/2, 1 with a p-norm scale.
+
+    Args:
+        bits: wire bits per element including the sign, 2..8; s = 2^(bits-1) - 1 by default.
+        bucket_size: elements per bucket; None = whole tensor.
+        p: norm used for the scale.
+        levels: s.
+    """
+
+    name = "natural_dithering"
+    grid = K.GRID_GEOMETRIC
+
+    def __init__(self, bits: int = 4, bucket_size: int | None = DEFAULT_BUCKET, p: float = 2.0,
+                 levels: int | None = None) -> None:
+        bits = check_int("bits", bits, 2, 8)
+        p = _check_p(p)
+        s = _default_levels("natural_dithering", levels, bits, (1 << (bits - 1)) - 1)
+        super().__init__({"bits": bits, "bucket_size": bucket_size, "p": p, "levels": s}, bits=bits, nonzero_levels=s, bucket_size=_check_bucket(bucket_size), p=p)
+
+    def omega(self, d: int) -> float:
+        return geometric_grid_omega(d, self.s, self.p)
+
+
+class NaturalCompression(LevelQuantizer):
+    """Natural compression C_nat (natural-compression paper, Definition 1, Theorem 1):
+    each value rounds to one of its two neighbouring powers of two, unbiasedly.
+
+    Args:
+        bits: wire bits per element including the sign, 2..8 (2^(bits-1) - 1 binades kept
+            below each bucket's top power of two; 8 reproduces C_nat for all normal floats
+            within 2^-126 of the bucket maximum).
+        bucket_size: elements sharing one top exponent; None = whole tensor.
+    """
+
+    name = "natural"
+    grid = K.GRID_GEOMETRIC
+
+    def __init__(self, bits: int = 8, bucket_size: int | None = DEFAULT_BUCKET) -> None:
+        bits = check_int("bits", bits, 2, 8)
+        super().__init__({"bits": bits, "bucket_size": bucket_size}, bits=bits, nonzero_levels=(1 << (bits - 1)) - 1,
+                         bucket_size=_check_bucket(bucket_size), p=math.inf, pow2_scale=True)
+
+    def omega(self, d: int) -> float:
+        low = 2.0 ** (1 - self.s) * 2.0
+        return 1 / 8 + min(d * low * low / 4, math.sqrt(d) * low)

@@ -1,0 +1,129 @@
+"""Counter-based random numbers: every draw is a pure function of (key, element index).
+
+Stochastic rounding needs one uniform number per element. Drawing them from a stateful
+generator would (a) materialize a tensor of random numbers, (b) make a receiver unable to
+regenerate a sender's dither (DQSG/NDQSG), and (c) make CPU and GPU disagree. Instead every
+draw is ``hash32(index, key)``, where the 64-bit ``key`` is derived once per call from
+``(seed, step, tensor, rank, round, ...)`` with SplitMix64. The same two functions are written
+in CUDA in ``kernels/hq_common.cuh``; both must change together.
+
+The element hash is a keyed variant of Wellons' ``lowbias32`` mixer (two rounds, 32-bit
+multiplies only, so it vectorizes with AVX2 ``vpmulld`` and maps to one IMAD on a GPU).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64 finalizer (Steele et al., 2014) on a Python int, modulo 2**64."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def derive_key(seed: int, *fields: int) -> int:
+    """Fold ``seed`` and any number of integer fields (step, tensor id, rank, round, ...) into a
+    64-bit key. Different field tuples give statistically independent streams.
+
+    Args:
+        seed: user seed (any int; reduced modulo 2**64).
+        *fields: further integers identifying the draw (negative values are allowed).
+
+    Returns:
+        A 64-bit key as a Python int.
+    """
+    key = splitmix64(int(seed) & _MASK64)
+    for f in fields:
+        key = splitmix64(key ^ (int(f) & _MASK64))
+    return key
+
+
+def split_key(key: int) -> tuple[np.uint32, np.uint32]:
+    """The two 32-bit halves used by the element hash."""
+    return np.uint32(key & 0xFFFFFFFF), np.uint32(key >> 32)
+
+
+@intrinsic
+def _hash32_ir(typingctx, lo, k0, k1):
+    """LLVM IR of the element hash on i32 lanes. Written as an intrinsic because numba widens
+    uint32 arithmetic to 64 bits, which halves the SIMD width of the rounding loops."""
+    sig = types.uint32(types.uint32, types.uint32, types.uint32)
+
+    def codegen(context, builder, signature, args):
+        lo_, k0_, k1_ = args
+        i32 = ir.IntType(32)
+
+        def const(v):
+            return ir.Constant(i32, v)
+
+        def mix(x):
+            x = builder.xor(x, builder.lshr(x, const(16)))
+            x = builder.mul(x, const(0x21F0AAAD))
+            x = builder.xor(x, builder.lshr(x, const(15)))
+            x = builder.mul(x, const(0xD35A2D97))
+            return builder.xor(x, builder.lshr(x, const(15)))
+
+        x = mix(builder.add(builder.mul(lo_, const(0x9E3779B9)), k0_))
+        return mix(builder.xor(x, k1_))
+
+    return sig, codegen
+
+
+@intrinsic
+def u24_float(typingctx, h):
+    """``(h >> 8) * 2**-24`` as float32 via i32 ops (exact uniform on a 24-bit grid)."""
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        v = builder.sitofp(builder.lshr(args[0], ir.Constant(i32, 8)), ir.FloatType())
+        return builder.fmul(v, ir.Constant(ir.FloatType(), 1.0 / 16777216.0))
+
+    return sig, codegen
+
+
+@numba.njit(inline="always")
+def block_key(start, k0):
+    """First key half for indices sharing ``start >> 32`` (fold the high word once per block)."""
+    return np.uint32(k0 ^ np.uint32((np.uint64(start) >> np.uint64(32)) * np.uint64(0x85EBCA6B) & np.uint64(0xFFFFFFFF)))
+
+
+@numba.njit(inline="always")
+def hash32(index, k0, k1):
+    """32 random bits for element ``index`` under key halves ``(k0, k1)``.
+
+    ``hash32(i, k0, k1) == mix(mix(lo(i) * 0x9E3779B9 + (k0 ^ hi(i) * 0x85EBCA6B)) ^ k1)`` with
+    ``mix`` the lowbias32 round; inner loops hoist the high-word fold with :func:`block_key`
+    and call :func:`hash32_lo`.
+    """
+    return _hash32_ir(np.uint32(np.uint64(index) & np.uint64(0xFFFFFFFF)), block_key(index, k0), k1)
+
+
+@numba.njit(inline="always")
+def hash32_lo(lo, kb, k1):
+    """:func:`hash32` for an index whose high word is already folded into ``kb``."""
+    return _hash32_ir(np.uint32(lo), kb, k1)
+
+
+@numba.njit(cache=True)
+def uniform24(n, k0, k1, start=0):
+    """``n`` uniforms in [0, 1) with 24-bit resolution (exact float32), for tests and NumPy
+    codecs. Kernels call :func:`hash32` inline instead of materializing this array."""
+    out = np.empty(n, np.float32)
+    for i in range(n):
+        out[i] = u24_float(hash32(np.uint64(start + i), k0, k1))
+    return out
+
+
+def uniforms(n: int, key: int, start: int = 0) -> np.ndarray:
+    """Uniform [0, 1) float32 draws for element indices ``start .. start+n-1`` under ``key``."""
+    k0, k1 = split_key(key)
+    return uniform24(int(n), k0, k1, int(start))
