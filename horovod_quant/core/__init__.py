@@ -2,12 +2,13 @@
 
 Nothing here imports torch, tensorflow or horovod.
 """
-from .base import Codec, as_vector, mean_estimate, worker_seed
+from .base import Codec, as_vector, worker_seed
 from .baselines import BF16, FP16, NoCompression
 from .payload import Payload
 from .quantizers import QSGD, NUQSGD, NaturalCompression, NaturalDithering, StandardDithering
 from .registry import available_codecs, get_codec, register
 from .rng import derive_key
+from .schedules import mean_estimate
 
 for _cls in (NoCompression, FP16, BF16, QSGD, NUQSGD, NaturalCompression, NaturalDithering,
              StandardDithering):

@@ -87,9 +87,13 @@ class Codec(abc.ABC):
         """For ``exchange == "sum"``: the mean estimate from the elementwise sum of n payloads."""
         raise NotImplementedError(f"{self.name} payloads do not sum; exchange={self.exchange}")
 
-    def payload_from_wire(self, data: np.ndarray, size: int) -> Payload:
-        """Rebuild a payload from the bytes a collective delivered."""
-        return Payload(np.asarray(data).view(self.wire_dtype).reshape(-1), int(size))
+    def payload_from_wire(self, data: np.ndarray, size: int, **meta: Any) -> Payload:
+        """Rebuild a payload from the bytes a collective delivered.
+
+        ``meta`` carries what every rank knows without it being sent: the sender's seed
+        (``seed=worker_seed(s, r)``, for codecs that regenerate a dither), the global norm, ...
+        """
+        return Payload(np.asarray(data).view(self.wire_dtype).reshape(-1), int(size), dict(meta))
 
     #: dtype of ``Payload.data`` (what a collective moves)
     wire_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
@@ -99,7 +103,8 @@ class Codec(abc.ABC):
         return {"codec": self.name, **self.params}
 
     def reference_mean(self, xs: Sequence[np.ndarray], seed: int) -> tuple[np.ndarray, int]:
-        """Single-process simulation of the n-worker exchange; see :func:`mean_estimate`."""
+        """Single-process simulation of the n-worker exchange (allgather schedule for gather
+        codecs); see :func:`horovod_quant.core.schedules.mean_estimate`."""
         n = len(xs)
         payloads = [self.encode(x, seed=worker_seed(seed, r)) for r, x in enumerate(xs)]
         size = payloads[0].size
@@ -119,27 +124,3 @@ class Codec(abc.ABC):
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"{type(self).__name__}({args})"
 
-
-def mean_estimate(codec: Codec, xs: Sequence[Any], seed: int = 0) -> tuple[np.ndarray, int]:
-    """The n-worker mean that the distributed exchange computes, simulated in one process.
-
-    Worker ``r`` encodes ``xs[r]`` with :func:`worker_seed` ``(seed, r)``; payloads combine as
-    the codec's exchange does (sum, gather, or its custom reduction such as Global-QSGD's
-    stochastic exponent reduce or NDQSG's side-information decoding). A real n-rank run with
-    the same inputs and seed gives bit-identical numbers.
-
-    Args:
-        codec: a codec from :func:`get_codec`.
-        xs: n 1-D arrays of equal length, one per worker.
-        seed: the exchange seed.
-
-    Returns:
-        ``(estimate, wire_bytes)``: the float32 mean estimate and the largest number of bytes
-        one worker puts on the wire for its payload (excluding a norm allreduce of one float).
-    """
-    vecs = [as_vector(x) for x in xs]
-    if not vecs:
-        raise ValueError("mean_estimate needs at least one worker's vector")
-    if len({v.size for v in vecs}) != 1:
-        raise ValueError(f"all workers' vectors must have one length, got {[v.size for v in vecs]}")
-    return codec.reference_mean(vecs, seed)
