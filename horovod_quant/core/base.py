@@ -102,23 +102,39 @@ class Codec(abc.ABC):
         """Everything that must agree across ranks (checked once at the first step)."""
         return {"codec": self.name, **self.params}
 
+    def encode_worker(self, x: Any, seed: int, rank: int, norm: float | None = None) -> Payload:
+        """What worker ``rank`` sends in an exchange with seed ``seed``.
+
+        ``norm`` is the global norm for codecs that normalize by one (Global-QSGD); codecs whose
+        encoding depends on the rank (NDQSG's two groups) override this.
+        """
+        return self.encode(x, seed=worker_seed(seed, rank))
+
+    def combine_gathered(self, payloads: Sequence[Payload], seed: int) -> np.ndarray:
+        """The mean estimate from every worker's payload, given in rank order.
+
+        Gather exchanges decode and accumulate in rank order in float32, so every rank (and
+        the reference) performs the same operations; custom exchanges override this with
+        their reduction (a fallback when no custom collective is available).
+        """
+        est = np.zeros(payloads[0].size, np.float32)
+        for p in payloads:
+            self.decode_add(p, est)
+        est *= np.float32(1.0 / len(payloads))
+        return est
+
     def reference_mean(self, xs: Sequence[np.ndarray], seed: int) -> tuple[np.ndarray, int]:
         """Single-process simulation of the n-worker exchange (allgather schedule for gather
         codecs); see :func:`horovod_quant.core.schedules.mean_estimate`."""
         n = len(xs)
-        payloads = [self.encode(x, seed=worker_seed(seed, r)) for r, x in enumerate(xs)]
-        size = payloads[0].size
+        payloads = [self.encode_worker(x, seed, r) for r, x in enumerate(xs)]
+        wire = max(p.nbytes for p in payloads)
         if self.exchange == "sum":
             total = payloads[0].data.copy()
             for p in payloads[1:]:
                 total += p.data
-            est = self.decode_sum(Payload(total, size, dict(payloads[0].meta)), n)
-        else:
-            est = np.zeros(size, np.float32)
-            for p in payloads:
-                self.decode_add(p, est)
-            est *= np.float32(1.0 / n)
-        return est, max(p.nbytes for p in payloads)
+            return self.decode_sum(Payload(total, payloads[0].size, dict(payloads[0].meta)), n), wire
+        return self.combine_gathered(payloads, seed), wire
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())

@@ -59,15 +59,6 @@ def reencode_seed(seed: int, chunk: int) -> int:
     return derive_key(seed, REENCODE_TAG, chunk)
 
 
-def decode_mean(codec: Codec, payloads: Sequence, size: int) -> np.ndarray:
-    """Average of decoded payloads, accumulated in rank order in float32 (as every rank does)."""
-    est = np.zeros(size, np.float32)
-    for p in payloads:
-        codec.decode_add(p, est)
-    est *= np.float32(1.0 / len(payloads))
-    return est
-
-
 def sra_reference(codec: Codec, xs: Sequence[np.ndarray], seed: int) -> tuple[np.ndarray, int]:
     """Single-process result of the sra schedule; returns (mean, bytes one worker sends)."""
     n = len(xs)
@@ -77,7 +68,7 @@ def sra_reference(codec: Codec, xs: Sequence[np.ndarray], seed: int) -> tuple[np
     for c, (lo, hi) in enumerate(chunk_bounds(size, n)):
         parts = [codec.encode(x[lo:hi], seed=chunk_seed(seed, r, c)) for r, x in enumerate(xs)]
         sent += [p.nbytes for p in parts]
-        mean = decode_mean(codec, parts, hi - lo)
+        mean = Codec.combine_gathered(codec, parts, seed)
         again = codec.encode(mean, seed=reencode_seed(seed, c))
         sent[c] += again.nbytes
         codec.decode(again, out[lo:hi])

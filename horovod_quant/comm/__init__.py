@@ -1,0 +1,8 @@
+"""How payloads travel between ranks: exchanges over Horovod collectives and custom allreduces."""
+from .backend import Collectives, Done, Handle, LocalCollectives
+from .exchange import CUSTOM_COLLECTIVES, Exchange, ExchangeStats, Pending, global_norm
+
+__all__ = [
+    "CUSTOM_COLLECTIVES", "Collectives", "Done", "Exchange", "ExchangeStats", "Handle",
+    "LocalCollectives", "Pending", "global_norm",
+]

@@ -1,0 +1,80 @@
+"""The collectives an exchange needs, on NumPy arrays, independent of the framework.
+
+Adapters implement :class:`Collectives` over their Horovod module (``horovod.torch``,
+``horovod.tensorflow``); tests and the single-process path use :class:`LocalCollectives`.
+Every call names its collective, because Horovod matches operations across ranks by name.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import numpy as np
+
+
+class Handle(abc.ABC):
+    """A collective in flight."""
+
+    @abc.abstractmethod
+    def wait(self) -> Any:
+        """Block until done; return the result (a NumPy array, or for alltoall a pair of the
+        received array and the received split sizes)."""
+
+
+class Done(Handle):
+    """An already available result."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def wait(self) -> Any:
+        return self.value
+
+
+class Collectives(abc.ABC):
+    """Asynchronous collectives over 1-D NumPy arrays.
+
+    Attributes:
+        rank: this process's rank in the group.
+        size: number of ranks.
+    """
+
+    rank: int
+    size: int
+
+    @abc.abstractmethod
+    def allreduce_async(self, arr: np.ndarray, name: str, op: str = "sum") -> Handle:
+        """Elementwise ``op`` ("sum" or "max") over ranks. Integer sums must be exact
+        (two's-complement wrap-around included), float sums in the backend's order."""
+
+    @abc.abstractmethod
+    def allgather_async(self, arr: np.ndarray, name: str) -> Handle:
+        """Concatenation of every rank's array in rank order (lengths may differ)."""
+
+    @abc.abstractmethod
+    def alltoall_async(self, arr: np.ndarray, splits: list[int], name: str) -> Handle:
+        """Send ``arr[sum(splits[:r]):sum(splits[:r+1])]`` to rank r; receive the pieces sent
+        to this rank, concatenated in sender order; ``wait()`` gives (data, received splits)."""
+
+    @abc.abstractmethod
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        """Every rank's picklable object, in rank order (blocking)."""
+
+
+class LocalCollectives(Collectives):
+    """The one-rank world: every collective is the identity."""
+
+    rank = 0
+    size = 1
+
+    def allreduce_async(self, arr, name, op="sum"):
+        return Done(np.array(arr, copy=True))
+
+    def allgather_async(self, arr, name):
+        return Done(np.array(arr, copy=True))
+
+    def alltoall_async(self, arr, splits, name):
+        return Done((np.array(arr, copy=True), list(splits)))
+
+    def allgather_object(self, obj, name):
+        return [obj]
