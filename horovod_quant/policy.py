@@ -1,0 +1,61 @@
+"""Which tensors get compressed: the per-layer policy shared by the torch and TF adapters."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from .core.base import Codec
+
+
+@dataclass
+class LayerPolicy:
+    """Decides, per tensor, whether it is compressed and with which codec.
+
+    The QSGD and NUQSGD papers leave small layers and biases uncompressed: their bytes are
+    negligible while their quantization variance is not (a bucket of 3 values has a large
+    relative error). Sparse gradients always travel uncompressed (Horovod's sparse path).
+
+    Args:
+        min_elements: tensors with fewer elements travel uncompressed.
+        compress_1d: compress 1-D tensors (biases, norm scales) too.
+        rules: ``(regex, codec_or_None)`` pairs matched against the parameter name in order;
+            the first match wins (None = uncompressed). Only the optimizer door knows names;
+            the ``compression=`` door applies the size rules alone.
+    """
+
+    min_elements: int = 1024
+    compress_1d: bool = False
+    rules: Sequence[tuple[str, Optional[Codec]]] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.min_elements < 0:
+            raise ValueError(f"min_elements={self.min_elements} must be >= 0")
+        self._compiled = [(re.compile(p), c) for p, c in self.rules]
+
+    def codec_for(self, default: Codec, shape: Sequence[int], name: str | None = None,
+                  sparse: bool = False) -> Codec | None:
+        """The codec for a tensor, or None when it travels uncompressed."""
+        if sparse:
+            return None
+        if name is not None:
+            for pattern, codec in self._compiled:
+                if pattern.search(name):
+                    return codec
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        if numel < self.min_elements or (len(shape) <= 1 and not self.compress_1d):
+            return None
+        return default
+
+    @classmethod
+    def everything(cls) -> "LayerPolicy":
+        """Compress every dense tensor, whatever its size (used by exactness tests)."""
+        return cls(min_elements=0, compress_1d=True)
+
+
+def describe(policy: Any) -> dict[str, Any]:
+    """A comparable summary for the cross-rank configuration check."""
+    return {"min_elements": policy.min_elements, "compress_1d": policy.compress_1d,
+            "rules": [(p, c.config() if c is not None else None) for p, c in policy.rules]}

@@ -1,0 +1,14 @@
+"""PyTorch adapter: ``Compression.<codec>(...)`` for ``hvd.DistributedOptimizer`` and a drop-in
+``DistributedOptimizer`` with fusion, grouped norms and a per-layer policy.
+
+    import horovod.torch as hvd
+    import horovod_quant.torch as hq
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   compression=hq.Compression.qsgd(bits=4, bucket_size=512))
+"""
+from ..policy import LayerPolicy
+from ..stats import StepStats
+from .compression import Compression, QuantizedCompressor
+from .optimizer import DistributedOptimizer
+
+__all__ = ["Compression", "DistributedOptimizer", "LayerPolicy", "QuantizedCompressor", "StepStats"]

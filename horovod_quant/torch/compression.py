@@ -1,0 +1,153 @@
+"""``hq.torch.Compression.<codec>(**params)``: Horovod ``Compressor`` objects for every codec.
+
+Horovod's ``DistributedOptimizer`` allreduces whatever ``compress`` returns, with the user's
+``op``. Quantized payloads do not survive that (Horovod's torch allreduce has no int8, Average
+truncates integers, gathered codes do not add), so a :class:`QuantizedCompressor` carries its
+own exchange: ``compress`` encodes the gradient and *starts* the codec's collective
+asynchronously (so communication still overlaps the rest of backward), keeps the handle in
+``ctx``, and hands Horovod a one-element placeholder holding 1.0. Horovod reduces the
+placeholder with the user's op, pre/postscale factors and process set, which tells
+``decompress`` the exact factor to apply to the mean estimate: 1 for Average, n for Sum.
+``none`` and ``fp16`` keep Horovod's own path (a cast, reduced by Horovod).
+
+Collective names and seeds come from a per-compressor call counter: the k-th tensor this
+compressor compresses (counting from 0) is exchanged as ``hq.<id>.<k>`` with seed
+``derive_key(seed, k)``. Horovod calls ``compress`` in backward-hook order, which is the same on
+every rank for the same model, as Horovod's own grouping also assumes.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+from horovod.torch.compression import Compressor
+
+from ..comm.exchange import Exchange
+from ..core import available_codecs, get_codec
+from ..core.base import Codec
+from ..core.rng import derive_key
+from ..policy import LayerPolicy, describe
+from ..stats import StepStats
+from .collectives import HorovodTorchCollectives
+
+_IDS = itertools.count()
+_HOROVOD_PATH = ("none", "fp16")
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A flat float32 NumPy view of a gradient (zero-copy for contiguous CPU float32)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype != torch.float32 or flat.device.type != "cpu":
+        flat = flat.to(device="cpu", dtype=torch.float32)
+    return flat.numpy()
+
+
+def check_same_config(comm, config: dict, name: str) -> None:
+    """Raise the same ValueError on every rank when ``config`` differs between ranks."""
+    configs = comm.allgather_object(config, name)
+    if any(c != configs[0] for c in configs):
+        lines = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(configs))
+        raise ValueError("horovod_quant configuration differs between ranks; every rank must "
+                         f"build the same codec, parameters and seed:\n{lines}")
+
+
+class QuantizedCompressor(Compressor):
+    """A ``horovod.torch.compression.Compressor`` running a horovod_quant codec.
+
+    Args:
+        codec: the codec (see :func:`horovod_quant.get_codec`).
+        seed: base seed of every random draw.
+        gather: schedule for gather codecs: "auto", "allgather" or "sra".
+        policy: which tensors are compressed (default :class:`LayerPolicy`: small and 1-D
+            tensors travel uncompressed through Horovod's own allreduce).
+        process_set: Horovod process set of the optimizer, if not the global one.
+
+    Attributes:
+        stats: :class:`~horovod_quant.stats.StepStats` since the last ``stats.reset()``.
+    """
+
+    def __init__(self, codec: Codec, seed: int = 0, gather: str = "auto",
+                 policy: LayerPolicy | None = None, process_set: Any = None) -> None:
+        self.codec = codec
+        self.seed = int(seed)
+        self.gather = gather
+        self.policy = policy if policy is not None else LayerPolicy()
+        self.process_set = process_set
+        self.stats = StepStats()
+        self._id = next(_IDS)
+        self._calls = 0
+        self._exchange: Exchange | None = None
+
+    def _start(self) -> Exchange:
+        comm = HorovodTorchCollectives(self.process_set)
+        check_same_config(comm, {**self.codec.config(), "seed": self.seed, "gather": self.gather,
+                                 "policy": describe(self.policy)}, f"hq.config.{self._id}")
+        return Exchange(self.codec, comm, gather=self.gather)
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if self._exchange is None:
+            self._exchange = self._start()
+        codec = self.policy.codec_for(self.codec, tensor.shape, sparse=tensor.is_sparse)
+        if codec is None or self.codec.name == "none":
+            self.stats.add_raw(tensor.numel() * tensor.element_size())
+            return tensor, None
+        if self.codec.name == "fp16":
+            self.stats.add_raw(tensor.numel() * 2)
+            return tensor.half(), tensor.dtype
+        k = self._calls
+        self._calls += 1
+        pending = self._exchange.start(to_numpy(tensor), derive_key(self.seed, k),
+                                       f"hq.{self._id}.{k}")
+        placeholder = torch.ones(1, dtype=torch.float32)
+        return placeholder, (pending, tensor)
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        if ctx is None:
+            return tensor
+        if isinstance(ctx, torch.dtype):
+            return tensor.to(ctx)
+        pending, grad = ctx
+        mean = torch.from_numpy(pending.wait()).reshape(grad.shape)
+        self.stats.add(pending.stats)
+        self.stats.bytes_sent += tensor.numel() * tensor.element_size()
+        factor = float(tensor.reshape(-1)[0])
+        if factor != 1.0:
+            mean.mul_(factor)
+        return mean.to(device=grad.device, dtype=grad.dtype)
+
+
+def _factory(name: str) -> Callable[..., QuantizedCompressor]:
+    def make(seed: int = 0, gather: str = "auto", policy: LayerPolicy | None = None,
+             process_set: Any = None, **params: Any) -> QuantizedCompressor:
+        if name in ("global_qsgd", "nested_dithered") and "world_size" not in params:
+            ps = process_set if process_set is not None else hvd.global_process_set
+            params["world_size"] = ps.size()
+        return QuantizedCompressor(get_codec(name, **params), seed=seed, gather=gather,
+                                   policy=policy, process_set=process_set)
+
+    make.__name__ = name
+    make.__doc__ = (f"A Horovod Compressor running the ``{name}`` codec.\n\n"
+                    f"Args: seed, gather, policy, process_set (see QuantizedCompressor) and the "
+                    f"codec's own parameters (docs/codecs.md).")
+    return make
+
+
+class _CompressionNamespace:
+    """``Compression.<codec>(**params)`` for every registered codec, like Horovod's
+    ``hvd.Compression`` (whose members are used without a call)."""
+
+    def __getattr__(self, name: str) -> Callable[..., QuantizedCompressor]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in available_codecs():
+            raise AttributeError(f"no codec {name!r}; valid: {', '.join(available_codecs())}")
+        return _factory(name)
+
+    def __dir__(self) -> list[str]:
+        return available_codecs()
+
+
+Compression = _CompressionNamespace()

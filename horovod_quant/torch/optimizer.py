@@ -1,0 +1,327 @@
+"""``hq.torch.DistributedOptimizer``: Horovod's signature, plus fusion, grouped norms, policy.
+
+What it adds over ``hvd.DistributedOptimizer(compression=...)``:
+
+* Fusion: compressed gradients are packed into fixed buckets of about ``fusion_bytes`` (formed
+  once, in reverse parameter order, so early-ready gradients of the last layers go first); a
+  bucket's exchange starts from the backward hook of its last gradient, so communication
+  overlaps the rest of backward, and many small tensors cost one collective.
+* Global norm: codecs that normalize by the norm of the whole step (Global-QSGD) get it from one
+  allreduce over all buckets at ``synchronize()`` (their buckets start there).
+* Per-layer policy: small, 1-D and sparse gradients travel uncompressed through Horovod's own
+  allreduce (fused by Horovod); name patterns can override (:class:`LayerPolicy`).
+
+Bucket ``i`` of step ``t`` is exchanged with seed ``derive_key(seed, t, i)``; its flat vector is
+the concatenation of its gradients in bucket order, so ``mean_estimate(codec, [that vector on
+each rank], derive_key(seed, t, i))`` reproduces the result exactly (for a global-norm codec,
+when the step has one bucket).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+
+from ..comm.exchange import Exchange, global_norm
+from ..core import get_codec
+from ..core.base import Codec
+from ..core.rng import derive_key
+from ..policy import LayerPolicy, describe
+from ..stats import StepStats
+from .collectives import HorovodTorchCollectives
+from .compression import QuantizedCompressor, check_same_config, to_numpy
+
+DEFAULT_FUSION_BYTES = 32 << 20
+_IDS = itertools.count()
+
+
+def _resolve_codec(compression: Any) -> tuple[Codec, dict]:
+    """(codec, compressor settings) from what a user may pass as ``compression``."""
+    if isinstance(compression, QuantizedCompressor):
+        return compression.codec, {"seed": compression.seed, "gather": compression.gather,
+                                   "policy": compression.policy}
+    if isinstance(compression, Codec):
+        return compression, {}
+    if isinstance(compression, str):
+        return get_codec(compression), {}
+    if compression is None or compression is hvd.Compression.none:
+        return get_codec("none"), {}
+    if compression is hvd.Compression.fp16:
+        return get_codec("fp16"), {}
+    raise ValueError(f"compression={compression!r} is not understood: pass "
+                     "hq.torch.Compression.<codec>(...), a codec, a codec name, or "
+                     "hvd.Compression.none/fp16")
+
+
+class _Bucket:
+    __slots__ = ("index", "params", "numel", "ready", "pending")
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter]) -> None:
+        self.index = index
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.ready = 0
+        self.pending = None
+
+
+class _QuantDistributedOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, named_parameters, codec: Codec, backward_passes_per_step: int,
+                 op, gradient_predivide_factor: float, groups, sparse_as_dense: bool,
+                 process_set, fusion_bytes: int, policy: LayerPolicy, seed: int, gather: str,
+                 on_step: Callable[[StepStats], None] | None) -> None:
+        super(self.__class__, self).__init__(params)
+        if op not in (hvd.Average, hvd.Sum):
+            raise ValueError("horovod_quant optimizers support op=hvd.Average or hvd.Sum; "
+                             "Adasum combines models, not gradient means")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+        if fusion_bytes < 1:
+            raise ValueError(f"fusion_bytes={fusion_bytes} must be >= 1")
+        self.codec = codec
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.backward_passes_per_step = backward_passes_per_step
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self.policy = policy
+        self.seed = int(seed)
+        self.gather = gather
+        self.on_step = on_step
+        self.stats = StepStats()
+        self.last_stats: StepStats | None = None
+        self._id = next(_IDS)
+        self._step = 0
+
+        all_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
+                raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                                 "tuples, usually model.named_parameters()")
+            names = {id(p): n for n, p in named}
+            dups = {n for n in names.values() if list(names.values()).count(n) > 1}
+            if dups:
+                raise ValueError(f"parameter names must be unique; duplicates: {sorted(dups)}")
+            missing = [p for p in all_params if id(p) not in names]
+            if missing:
+                raise ValueError(f"{len(missing)} optimizer parameters are missing from "
+                                 "named_parameters")
+        else:
+            names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
+        self._names = names
+
+        self._raw = []
+        compressed = []
+        for p in all_params:
+            c = policy.codec_for(codec, p.shape, names[id(p)])
+            (compressed if c is not None and codec.name != "none" else self._raw).append(p)
+        self._buckets = self._make_buckets(compressed, groups, fusion_bytes)
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._delay = {id(p): backward_passes_per_step for p in all_params}
+        self._raw_handles: dict[int, Any] = {}
+        self._hooked: set[int] = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._comm = HorovodTorchCollectives(process_set)
+        self._exchange = Exchange(codec, self._comm, gather=gather)
+        self._defer = self._exchange.needs_norm
+        check_same_config(self._comm, {**codec.config(), "seed": self.seed, "gather": gather,
+                                       "policy": describe(policy), "fusion_bytes": fusion_bytes,
+                                       "buckets": [b.numel for b in self._buckets]},
+                          f"hq.opt.config.{self._id}")
+        self._grad_accs = []
+        if self._comm.size > 1:
+            for p in all_params:
+                acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                acc.register_hook(self._make_hook(p))
+                self._grad_accs.append(acc)
+
+    @staticmethod
+    def _make_buckets(params: list, groups, fusion_bytes: int) -> list[_Bucket]:
+        if groups is not None and not isinstance(groups, int):
+            chosen = {id(p) for g in groups for p in g}
+            lists = [[p for p in g if any(p is q for q in params)] for g in groups]
+            lists += [[p] for p in params if id(p) not in chosen]
+        else:
+            lists, cur, size = [], [], 0
+            limit = fusion_bytes
+            if isinstance(groups, int) and groups > 0:
+                total = sum(p.numel() * 4 for p in params)
+                limit = max(1, -(-total // groups))
+            for p in reversed(params):
+                cur.append(p)
+                size += p.numel() * 4
+                if size >= limit:
+                    lists.append(cur)
+                    cur, size = [], 0
+            if cur:
+                lists.append(cur)
+        return [_Bucket(i, ps) for i, ps in enumerate(l for l in lists if l)]
+
+    # -- hooks --------------------------------------------------------------------------
+    def _make_hook(self, p: torch.nn.Parameter):
+        def hook(*_):
+            key = id(p)
+            if self._delay[key] <= 0:
+                raise AssertionError("Gradients were computed more than backward_passes_per_step "
+                                     "times before step(); raise backward_passes_per_step to "
+                                     "accumulate gradients locally.")
+            self._delay[key] -= 1
+            if self._delay[key] == 0:
+                self._hooked.add(key)
+                self._ready(p)
+        return hook
+
+    def _ready(self, p: torch.nn.Parameter) -> None:
+        bucket = self._bucket_of.get(id(p))
+        if bucket is None:
+            self._start_raw(p)
+            return
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params) and not self._defer:
+            self._start_bucket(bucket, None)
+
+    def _start_raw(self, p: torch.nn.Parameter) -> None:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if p.grad.is_sparse and self.sparse_as_dense:
+            p.grad = p.grad.to_dense()
+        name = f"hq.o{self._id}.raw.{self._names[id(p)]}"
+        if p.grad.is_sparse:
+            handle = hvd.sparse_allreduce_async(p.grad, name=name, op=self.op,
+                                                process_set=self.process_set)
+        else:
+            handle = hvd.allreduce_async_(p.grad, name=name, op=self.op,
+                                          prescale_factor=1.0 / self.gradient_predivide_factor
+                                          if self.op == hvd.Average else 1.0,
+                                          postscale_factor=self.gradient_predivide_factor
+                                          if self.op == hvd.Average else 1.0,
+                                          process_set=self.process_set)
+        self.stats.add_raw(p.grad.numel() * p.grad.element_size())
+        self._raw_handles[id(p)] = (p, handle)
+
+    def _flat(self, bucket: _Bucket) -> np.ndarray:
+        parts = [to_numpy(p.grad) if p.grad is not None else np.zeros(p.numel(), np.float32)
+                 for p in bucket.params]
+        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
+
+    def _start_bucket(self, bucket: _Bucket, norm: float | None) -> None:
+        seed = derive_key(self.seed, self._step, bucket.index)
+        name = f"hq.o{self._id}.s{self._step}.b{bucket.index}"
+        bucket.pending = self._exchange.start(self._flat(bucket), seed, name, norm=norm)
+
+    # -- synchronize / step -------------------------------------------------------------
+    def synchronize(self) -> None:
+        if self._comm.size == 1:
+            self._finish_step()
+            return
+        for p in [p for b in self._buckets for p in b.params] + self._raw:
+            if id(p) not in self._hooked:  # no gradient this step (unused parameter)
+                self._hooked.add(id(p))
+                self._ready(p)
+        pending = [b for b in self._buckets if b.pending is None]
+        if pending:
+            norm = None
+            if self._defer:
+                t = time.perf_counter()
+                norm = global_norm(self.codec, [self._flat(b) for b in pending], self._comm,
+                                   f"hq.o{self._id}.s{self._step}.norm")
+                self.stats.exchange_s += time.perf_counter() - t
+                self.stats.bytes_sent += 8
+            for b in pending:
+                self._start_bucket(b, norm)
+        factor = float(self._comm.size) if self.op == hvd.Sum else 1.0
+        for b in self._buckets:
+            mean = torch.from_numpy(b.pending.wait())
+            self.stats.add(b.pending.stats)
+            if factor != 1.0:
+                mean.mul_(factor)
+            offset = 0
+            for p in b.params:
+                n = p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(mean[offset:offset + n].view_as(p.grad))
+                offset += n
+            b.pending = None
+            b.ready = 0
+        for p, handle in self._raw_handles.values():
+            out = hvd.synchronize(handle)
+            if p.grad.is_sparse:
+                p.grad = out
+        self._raw_handles.clear()
+        self._finish_step()
+
+    def _finish_step(self) -> None:
+        self._hooked.clear()
+        for key in self._delay:
+            self._delay[key] = self.backward_passes_per_step
+        self._step += 1
+        self.last_stats = self.stats.reset()
+        if self.on_step is not None:
+            self.on_step(self.last_stats)
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Use after an explicit ``synchronize()`` (e.g. for gradient clipping) around step()."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, *args, **kwargs):
+        if self._raw_handles or any(b.pending is not None for b in self._buckets):
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize()")
+        return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+                         compression: Any = None, backward_passes_per_step: int = 1,
+                         op: Any = hvd.Average, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: Any = hvd.global_process_set, *,
+                         fusion_bytes: int = DEFAULT_FUSION_BYTES,
+                         policy: LayerPolicy | None = None, seed: int | None = None,
+                         gather: str | None = None,
+                         on_step: Callable[[StepStats], None] | None = None):
+    """Wrap ``optimizer`` so gradients are averaged across ranks through a horovod_quant codec.
+
+    Same arguments as ``horovod.torch.DistributedOptimizer`` (``num_groups``/``groups`` define
+    the fusion buckets when given), plus:
+
+    Args:
+        fusion_bytes: float32 bytes per fused bucket of compressed gradients.
+        policy: per-layer policy (default :class:`LayerPolicy`, or the compressor's).
+        seed: base seed (default: the compressor's, else 0).
+        gather: schedule for gather codecs (default: the compressor's, else "auto").
+        on_step: called with each step's :class:`StepStats` (also at ``.last_stats``).
+
+    Returns:
+        An optimizer of a subclass of ``type(optimizer)``.
+    """
+    codec, settings = _resolve_codec(compression)
+    if num_groups and groups is None:
+        groups = num_groups
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_QuantDistributedOptimizer.__dict__))
+    opt = cls(optimizer.param_groups, named_parameters, codec, backward_passes_per_step, op,
+              gradient_predivide_factor, groups, sparse_as_dense, process_set, fusion_bytes,
+              policy if policy is not None else settings.get("policy", LayerPolicy()),
+              seed if seed is not None else settings.get("seed", 0),
+              gather if gather is not None else settings.get("gather", "auto"), on_step)
+    opt.load_state_dict(optimizer.state_dict())
+    return opt

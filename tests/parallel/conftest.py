@@ -1,0 +1,46 @@
+"""Parallel tests run once per rank under horovodrun/mpirun (tests/parallel/run.sh) and also
+under plain pytest as a one-rank world. Every test issues its collectives in the same order on
+every rank, and no test skips on some ranks only (that would desynchronize the ranks)."""
+import os
+
+import numpy as np
+import pytest
+
+hvd = pytest.importorskip("horovod.torch")
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def horovod_world():
+    hvd.init()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    yield hvd
+
+
+def rank_gradients(shapes, step, rank, scale=1.0):
+    """Deterministic per-rank gradients that every rank can recompute for any other rank."""
+    rng = np.random.default_rng([step, rank, 1234])
+    return [(rng.standard_normal(s) * scale * (rank + 1)).astype(np.float32) for s in shapes]
+
+
+class Linear(torch.nn.Module):
+    """Parameters whose gradient is a chosen tensor: loss = sum_i <p_i, g_i>."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in shapes])
+
+    def loss(self, grads):
+        return sum((p * torch.from_numpy(g)).sum() for p, g in zip(self.ps, grads))
+
+
+def codec_params(name):
+    """Parameters that make every codec valid in this world."""
+    if name in ("global_qsgd", "nested_dithered"):
+        return {"world_size": hvd.size()}
+    return {}
+
+
+def ids():
+    return {"rank": hvd.rank(), "size": hvd.size(), "controller": os.environ.get("HQ_CONTROLLER", "?")}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs tests/parallel under real Horovod worlds: 2 and 4 ranks, gloo and MPI controllers.
+# Every run has a deadline, so a hang fails the job instead of stalling CI.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PWD}" OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 TF_USE_LEGACY_KERAS=1
+: "${HQ_PARALLEL_WORLDS:=2 4}"
+: "${HQ_PARALLEL_CONTROLLERS:=gloo mpi}"
+: "${HQ_PARALLEL_TIMEOUT:=900}"
+status=0
+for np in $HQ_PARALLEL_WORLDS; do
+  for ctrl in $HQ_PARALLEL_CONTROLLERS; do
+    echo "== tests/parallel: $np ranks, $ctrl =="
+    if ! HQ_CONTROLLER=$ctrl timeout --kill-after=30 "$HQ_PARALLEL_TIMEOUT" \
+        horovodrun -np "$np" -H "localhost:$np" "--$ctrl" \
+        python3 -m pytest -q -x -p no:cacheprovider tests/parallel "$@"; then
+      echo "!! tests/parallel failed: $np ranks, $ctrl"
+      status=1
+    fi
+  done
+done
+exit $status

@@ -1,0 +1,77 @@
+"""Bad input and faults through the PyTorch doors: clear errors on every rank, never a hang."""
+import numpy as np
+import pytest
+import torch
+import horovod.torch as hvd
+
+import horovod_quant.torch as hqt
+
+from conftest import Linear, codec_params, rank_gradients
+
+EVERYTHING = hqt.LayerPolicy.everything()
+
+
+def _step(opt, model, grads):
+    opt.zero_grad()
+    model.loss(grads).backward()
+    opt.step()
+
+
+def test_config_mismatch_raises_on_every_rank():
+    model = Linear([(8, 8)])
+    bits = 4 if hvd.rank() == 0 else 8
+    if hvd.size() == 1:
+        return
+    with pytest.raises(ValueError, match="differs between ranks"):
+        hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(),
+                                 compression=hqt.Compression.qsgd(bits=bits))
+
+
+def test_config_mismatch_through_horovod_door():
+    model = Linear([(8, 8)])
+    seed = 1 if hvd.rank() == 0 else 2
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hqt.Compression.qsgd(seed=seed, policy=EVERYTHING))
+    if hvd.size() == 1:
+        return
+    with pytest.raises(ValueError, match="differs between ranks"):
+        _step(opt, model, rank_gradients([(8, 8)], 0, hvd.rank()))
+    opt._handles.clear()
+
+
+def test_world_too_large_for_width_fails_at_construction():
+    with pytest.raises(ValueError, match="bits"):
+        hqt.Compression.global_qsgd(bits=2, levels="linear", world_size=64)
+
+
+def test_unknown_codec_lists_valid_ones():
+    with pytest.raises(AttributeError, match="qsgd"):
+        hqt.Compression.qsdg
+
+
+@pytest.mark.parametrize("name", ["qsgd", "natural", "global_qsgd", "dithered"])
+@pytest.mark.parametrize("door", ["horovod", "quant"])
+def test_nonfinite_zero_empty_and_unused(name, door):
+    shapes = [(0,), (1,), (4, 300), (3, 3), (5,)]
+    model = Linear(shapes)
+    comp = hqt.Compression.__getattr__(name)(policy=EVERYTHING, **codec_params(name))
+    wrap = hvd.DistributedOptimizer if door == "horovod" else hqt.DistributedOptimizer
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.0),
+               named_parameters=model.named_parameters(), compression=comp)
+    grads = rank_gradients(shapes, 0, hvd.rank())
+    grads[2][1, 7] = np.inf if hvd.rank() == 0 else 1.0
+    grads[3][:] = 0.0
+    opt.zero_grad()
+    # the last parameter gets no gradient at all (unused in this step)
+    sum((p * torch.from_numpy(g)).sum() for p, g in zip(list(model.ps)[:4], grads[:4])).backward()
+    if door == "horovod" and hvd.size() > 1:
+        # Horovod's own optimizer requires a grad for every parameter it tracks
+        model.ps[4].grad = torch.zeros(5)
+    opt.step()
+    assert model.ps[0].grad.numel() == 0
+    assert torch.isfinite(model.ps[1].grad).all()
+    if hvd.size() > 1:
+        assert not torch.isfinite(model.ps[2].grad).all(), "overflow must stay visible"
+    assert torch.equal(model.ps[3].grad, torch.zeros(3, 3))
