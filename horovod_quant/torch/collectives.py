@@ -1,6 +1,7 @@
 """:class:`Collectives` over ``horovod.torch``: NumPy arrays in and out, zero-copy on CPU."""
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import horovod.torch as hvd
@@ -50,4 +51,9 @@ class HorovodTorchCollectives(Collectives):
         return _TorchHandle(handle, lambda out: (out[0].numpy(), out[1].tolist()))
 
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
-        return hvd.allgather_object(obj, name=name, process_set=self.process_set)
+        # hvd.allgather_object has no process_set argument; the same two allgathers with one
+        data = np.frombuffer(bytearray(pickle.dumps(obj)), np.uint8)
+        sizes = self.allgather_async(np.array([data.size], np.int64), name + ".size").wait()
+        blob = self.allgather_async(data, name + ".data").wait()
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        return [pickle.loads(blob[bounds[r]:bounds[r + 1]].tobytes()) for r in range(self.size)]

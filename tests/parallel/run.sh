@@ -3,7 +3,9 @@
 # Every run has a deadline, so a hang fails the job instead of stalling CI.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PWD}" OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 TF_USE_LEGACY_KERAS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 TF_USE_LEGACY_KERAS=1
+# oversubscribed ranks (4 on 2 cores) must not spin while waiting
+export OMPI_MCA_mpi_yield_when_idle=1 HOROVOD_CYCLE_TIME=${HOROVOD_CYCLE_TIME:-1}
 : "${HQ_PARALLEL_WORLDS:=2 4}"
 : "${HQ_PARALLEL_CONTROLLERS:=gloo mpi}"
 : "${HQ_PARALLEL_TIMEOUT:=900}"

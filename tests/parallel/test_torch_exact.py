@@ -110,7 +110,9 @@ def test_wire_bytes_measured_at_the_collective(monkeypatch):
         orig = getattr(HorovodTorchCollectives, meth)
 
         def rec(self, arr, *a, _orig=orig, **k):
-            sent.append(np.asarray(arr).nbytes)
+            names = [x for x in (*a, *k.values()) if isinstance(x, str) and x.startswith("hq.")]
+            if ".config" not in names[0]:  # the one-time configuration check
+                sent.append(np.asarray(arr).nbytes)
             return _orig(self, arr, *a, **k)
         monkeypatch.setattr(HorovodTorchCollectives, meth, rec)
     d = 64 * 512
