@@ -1,6 +1,9 @@
 """How payloads travel between ranks: exchanges over Horovod collectives and custom allreduces."""
 from .backend import Collectives, Done, Handle, LocalCollectives
 from .exchange import CUSTOM_COLLECTIVES, Exchange, ExchangeStats, Pending, global_norm
+from .mpi_exp import mpi_exponent_factory
+
+CUSTOM_COLLECTIVES["global_qsgd"] = mpi_exponent_factory
 
 __all__ = [
     "CUSTOM_COLLECTIVES", "Collectives", "Done", "Exchange", "ExchangeStats", "Handle",

@@ -60,6 +60,11 @@ class Collectives(abc.ABC):
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
         """Every rank's picklable object, in rank order (blocking)."""
 
+    def mpi_communicator(self) -> Any | None:
+        """An mpi4py communicator over the same ranks for custom collectives, or None.
+        Collective: every rank calls it at the same point."""
+        return None
+
 
 class LocalCollectives(Collectives):
     """The one-rank world: every collective is the identity."""

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..comm.backend import Collectives, Handle
+from ..comm.mpi_exp import world_communicator
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
 
@@ -49,6 +50,11 @@ class HorovodTorchCollectives(Collectives):
         handle = hvd.alltoall_async(t, splits=torch.tensor(splits, dtype=torch.int32), name=name,
                                     process_set=self.process_set)
         return _TorchHandle(handle, lambda out: (out[0].numpy(), out[1].tolist()))
+
+    def mpi_communicator(self) -> Any | None:
+        if self.process_set is not hvd.global_process_set:
+            return None
+        return world_communicator(hvd)
 
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
         # hvd.allgather_object has no process_set argument; the same two allgathers with one

@@ -1,0 +1,41 @@
+# Entry points for developers and CI (.ci/run calls `make test`).
+# scripts/install.sh is idempotent: after the first run it only checks and skips (a few seconds).
+PYTHON ?= python3
+export PYTHON
+
+.PHONY: all install test unit parallel kernels demo bench clean clean-cache
+
+all: test
+
+install:
+	bash scripts/install.sh
+
+test: install
+	$(PYTHON) -m pytest -q tests/unit || [ $$? -eq 5 ]
+	@if [ -f tests/parallel/run.sh ]; then bash tests/parallel/run.sh; else echo "(no tests/parallel/run.sh)"; fi
+	@if [ -f tests/kernels/compile.sh ]; then bash tests/kernels/compile.sh; else echo "(no tests/kernels/compile.sh)"; fi
+
+# The pieces of `test` on their own, without the install step.
+unit:
+	$(PYTHON) -m pytest -q tests/unit
+
+parallel:
+	bash tests/parallel/run.sh
+
+kernels:
+	bash tests/kernels/compile.sh
+
+demo: install
+	$(PYTHON) -m horovod_quant.demo
+
+bench:
+	$(PYTHON) benchmarks/codec_throughput.py
+
+clean:
+	rm -rf build dist .eggs *.egg-info bench_out .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+	find . \( -name '*.py[co]' -o -name '*.nbi' -o -name '*.nbc' \) -type f -delete
+
+# Drops the cached Horovod wheels and sources: the next `make install` rebuilds Horovod.
+clean-cache:
+	rm -rf "$${HQ_CACHE:-$$HOME/.cache/horovod_quant}"

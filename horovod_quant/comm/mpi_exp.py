@@ -1,0 +1,143 @@
+"""The Global-QSGD exponent allreduce over MPI (mpi4py): the paper's custom reduction.
+
+Exponential-level payloads (``sign * 2^-e`` codes) do not add under a plain allreduce: two
+values combine into one unbiased C_nat rounding of their sum (Global-QSGD, Appendix B). This
+module runs exactly the schedule of :func:`horovod_quant.core.exp_reduce.schedule` between
+real ranks: per round every rank posts its sends (its current bytes of the ranges its partners
+combine) and receives, waits, then combines what it received into its own bytes with
+:func:`~horovod_quant.core.exp_reduce.exp_combine` and the round's key. "tree" folds the ranks
+beyond the largest power of two, reduce-scatters by recursive halving (ceil(log2 n) roundings
+per element at ring-like bandwidth); "ring" is the n - 1 round alternative. The owned ranges
+are then allgathered (``Allgatherv``, bytes copied), so every rank holds the same codes, equal
+to the single-process :func:`~horovod_quant.core.exp_reduce.reduce_packed`.
+
+The communicator is a duplicate of ``MPI.COMM_WORLD`` (so nothing collides with Horovod's own
+traffic). It is used only when Horovod itself runs on MPI with ``MPI_THREAD_MULTIPLE`` (the
+reduction runs on a worker thread to overlap with backward, beside Horovod's background
+thread); otherwise, e.g. under gloo, :class:`horovod_quant.comm.Exchange` falls back to
+allgathering the payloads and reducing locally with the same schedule (same result, O(n)
+receive volume). ``HQ_MPI_EXCHANGE=0`` forces the fallback.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ..core.exp_reduce import exp_combine, packed_range, round_key, schedule
+from ..core.packing import PACK_BLOCK
+from ..core.payload import Payload
+from .backend import Handle
+
+
+def world_communicator(horovod_module: Any) -> Any | None:
+    """A duplicate of MPI.COMM_WORLD when the custom MPI reduction may run, else None.
+
+    Args:
+        horovod_module: ``horovod.torch`` or ``horovod.tensorflow`` (already initialized).
+    """
+    if os.environ.get("HQ_MPI_EXCHANGE", "1") == "0":
+        return None
+    if not (horovod_module.mpi_enabled() and horovod_module.mpi_threads_supported()):
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return None
+    world = MPI.COMM_WORLD
+    if world.Get_size() != horovod_module.size() or world.Get_rank() != horovod_module.rank():
+        return None
+    return world.Dup()
+
+
+class _FutureHandle(Handle):
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self) -> Any:
+        return self._future.result()
+
+
+def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, seed: int,
+                             reduction: str) -> np.ndarray:
+    """Reduce every rank's packed exponent codes; every rank returns the same reduced bytes.
+
+    Args:
+        comm: an mpi4py communicator.
+        data: this rank's packed codes (uint8).
+        size: elements per payload.
+        bits: code width.
+        seed: the exchange seed (round keys: :func:`~horovod_quant.core.exp_reduce.round_key`).
+        reduction: "tree" or "ring".
+    """
+    from mpi4py import MPI
+
+    rank, n = comm.Get_rank(), comm.Get_size()
+    work = np.array(data, dtype=np.uint8, copy=True)
+    rounds, owners = schedule(n, -(-size // PACK_BLOCK), reduction)
+
+    def byte_range(b0: int, b1: int) -> tuple[int, int, int, int]:
+        i0, i1 = min(b0 * PACK_BLOCK, size), min(b1 * PACK_BLOCK, size)
+        return (i0, i1, *packed_range(i0, i1, size, bits))
+
+    for step in rounds:
+        requests, received = [], []
+        for c in step:
+            i0, i1, lo, hi = byte_range(c.b0, c.b1)
+            if i1 == i0:
+                continue
+            if c.partner == rank:
+                requests.append(comm.Isend(work[lo:hi], dest=c.rank, tag=c.round))
+            if c.rank == rank:
+                buf = np.empty(hi - lo, np.uint8)
+                requests.append(comm.Irecv(buf, source=c.partner, tag=c.round))
+                received.append((c, buf, i0, i1, lo, hi))
+        MPI.Request.Waitall(requests)
+        for c, buf, i0, i1, lo, hi in received:
+            k0, k1 = round_key(seed, c.round, c.rank)
+            own = work[lo:hi]
+            exp_combine(own, buf, own, i1 - i0, i0, bits, k0, k1)
+    counts, displs = [0] * n, [0] * n
+    for g, b0, b1 in owners:
+        _, _, lo, hi = byte_range(b0, b1)
+        counts[g], displs[g] = hi - lo, lo
+    out = np.empty_like(work)
+    mine = work[displs[rank]:displs[rank] + counts[rank]]
+    comm.Allgatherv(mine, [out, counts, displs, MPI.BYTE])
+    return out
+
+
+class MpiExponentReduce:
+    """The custom collective for dense exponential Global-QSGD (registered in
+    :data:`horovod_quant.comm.exchange.CUSTOM_COLLECTIVES`).
+
+    Calls run in order on one worker thread per codec, identical on every rank.
+    """
+
+    def __init__(self, codec: Any, comm: Any) -> None:
+        self.codec = codec
+        self.comm = comm
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hq-mpi-exp")
+
+    def __call__(self, payload: Payload, seed: int, name: str) -> Handle:
+        codec, n = self.codec, self.comm.Get_size()
+
+        def run() -> np.ndarray:
+            reduced = allreduce_exponent_codes(self.comm, payload.data.view(np.uint8),
+                                               payload.size, codec.bits, seed, codec.reduction)
+            return codec.decode_sum(Payload(reduced, payload.size, dict(payload.meta)), n)
+
+        return _FutureHandle(self._pool.submit(run))
+
+
+def mpi_exponent_factory(codec: Any, collectives: Any) -> MpiExponentReduce | None:
+    """Use the MPI reduction when the collectives expose an MPI communicator and the codec is
+    dense exponential Global-QSGD; None means "fall back to allgather + local reduction"."""
+    if getattr(codec, "levels", None) != "exponential" or codec.mode != "dense":
+        return None
+    comm = collectives.mpi_communicator()
+    return MpiExponentReduce(codec, comm) if comm is not None else None

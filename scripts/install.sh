@@ -1,0 +1,256 @@
+#!/usr/bin/env bash
+# Sets up everything horovod_quant needs: system packages (Open MPI, CMake, a C++ compiler),
+# Python packages (CPU torch, optional CPU TensorFlow, numba, mpi4py, test tools), Horovod built
+# from source with the patches it needs for torch 2.x / TensorFlow 2.21 (see DEVELOPERS.md), and
+# this project itself (editable).
+#
+# One idempotent script for CI, the Makefile and Docker images: it installs what is missing and
+# skips what is there. The Horovod wheel is cached under $HQ_WHEEL_DIR, keyed by the Horovod,
+# torch and TensorFlow versions, so only the first run on a machine compiles it.
+#
+# Every setting below can be overridden from the environment (Docker build args set them).
+set -euo pipefail
+
+# ---- pinned versions ---------------------------------------------------------------------------
+: "${HOROVOD_VERSION:=0.28.1}"
+: "${TORCH_VERSION:=2.13.0}"
+: "${NUMBA_VERSION:=0.68.1}"
+: "${TENSORFLOW_VERSION:=2.21.0}"
+: "${TF_KERAS_VERSION:=${TENSORFLOW_VERSION}}"
+
+# ---- switches ----------------------------------------------------------------------------------
+: "${HQ_WITH_TENSORFLOW:=1}"            # 1: tensorflow-cpu + tf-keras, Horovod built with TF ops
+: "${HQ_CACHE:=${HOME:-/root}/.cache/horovod_quant}"
+: "${HQ_WHEEL_DIR:=${HQ_CACHE}/wheels}" # cached Horovod wheels, one folder per build key
+: "${HQ_TORCH_SPEC:=torch==${TORCH_VERSION}}"
+: "${HQ_TORCH_PIP_ARGS:=}"              # e.g. "--index-url https://download.pytorch.org/whl/cpu"
+: "${HQ_TENSORFLOW_SPEC:=tensorflow-cpu==${TENSORFLOW_VERSION}}"
+: "${HQ_SKIP_APT:=0}"                   # 1: never call apt-get (images that bring their own MPI)
+: "${HQ_INSTALL_PROJECT:=1}"            # 0: stop after the dependencies
+: "${HQ_EDITABLE:=1}"                   # 0: install the project as a regular package
+: "${PYTHON:=python3}"
+
+APT_PACKAGES=(openmpi-bin libopenmpi-dev cmake g++ make)
+PY_PACKAGES=(
+  "setuptools>=64" wheel packaging cloudpickle psutil pyyaml   # build + Horovod runtime deps
+  numpy "numba==${NUMBA_VERSION}" mpi4py
+  pytest scikit-learn matplotlib tqdm
+)
+# Bump when the Horovod patches below change, so cached wheels built without them are not reused.
+PATCH_REV=p1
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
+# The real interpreter, not a pyenv shim: later steps must not depend on PATH.
+PYTHON="$("$PYTHON" -c 'import sys; print(sys.executable)')" || { echo "[install] ERROR: no $PYTHON" >&2; exit 1; }
+PIP=("$PYTHON" -m pip)
+NPROC="$(nproc 2>/dev/null || echo 2)"
+T_START=$SECONDS
+
+say() { printf '[install] %s\n' "$*"; }
+die() { printf '[install] ERROR: %s\n' "$*" >&2; exit 1; }
+pip_quiet() {  # pip with the noise filtered out (root warning, local-index notes); keeps errors
+  local rc
+  set +e
+  "${PIP[@]}" "$@" 2>&1 | grep -v -e "is ignored: it is neither" -e "Running pip as the 'root'" \
+    -e "^Looking in" -e "^Processing "
+  rc=${PIPESTATUS[0]}
+  set -e
+  return "$rc"
+}
+
+# Prints the requirement specs (args) that the current environment does not satisfy.
+missing_py() {
+  "$PYTHON" - "$@" <<'PY'
+import sys
+from importlib import metadata
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # packaging itself may be the missing piece
+    from pip._vendor.packaging.requirements import Requirement
+for spec in sys.argv[1:]:
+    req = Requirement(spec)
+    try:
+        version = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        print(spec)
+        continue
+    if req.specifier and not req.specifier.contains(version, prereleases=True):
+        print(spec)
+PY
+}
+
+# ---- 1. system packages --------------------------------------------------------------------------
+step_apt() {
+  if [[ "$HQ_SKIP_APT" == 1 ]]; then say "apt: skipped (HQ_SKIP_APT=1)"; return; fi
+  local missing=() p
+  for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null | grep -qx installed || missing+=("$p")
+  done
+  if ((${#missing[@]} == 0)); then say "apt: all present (${APT_PACKAGES[*]})"; return; fi
+  command -v apt-get >/dev/null || die "missing ${missing[*]} and no apt-get: install them yourself"
+  local sudo=()
+  if [[ "$(id -u)" != 0 ]]; then command -v sudo >/dev/null && sudo=(sudo) || die "need root for apt-get"; fi
+  say "apt: installing ${missing[*]}"
+  local t=$SECONDS
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  say "apt: done in $((SECONDS - t))s"
+}
+
+# ---- 2. Python packages --------------------------------------------------------------------------
+step_python() {
+  local t=$SECONDS
+  # torch first and on its own, so nothing else can pull in a (CUDA) torch from PyPI.
+  if [[ -n "$(missing_py "$HQ_TORCH_SPEC")" ]]; then
+    say "pip: installing $HQ_TORCH_SPEC ${HQ_TORCH_PIP_ARGS}"
+    # shellcheck disable=SC2086  # HQ_TORCH_PIP_ARGS is a word list on purpose
+    pip_quiet install -q $HQ_TORCH_PIP_ARGS "$HQ_TORCH_SPEC"
+  fi
+  say "torch: $("$PYTHON" -c 'import torch; print(torch.__version__, "cuda=%s" % torch.version.cuda)')"
+
+  local want=("${PY_PACKAGES[@]}")
+  [[ "$HQ_WITH_TENSORFLOW" == 1 ]] && want+=("$HQ_TENSORFLOW_SPEC")
+  local missing
+  mapfile -t missing < <(missing_py "${want[@]}")
+  if ((${#missing[@]})); then
+    say "pip: installing ${missing[*]}"
+    pip_quiet install -q "${missing[@]}"
+  fi
+  if [[ "$HQ_WITH_TENSORFLOW" == 1 && -n "$(missing_py "tf-keras==${TF_KERAS_VERSION}")" ]]; then
+    # --no-deps: tf-keras requires the package "tensorflow", which would install a second,
+    # full TensorFlow over tensorflow-cpu.
+    say "pip: installing tf-keras==${TF_KERAS_VERSION} (--no-deps)"
+    pip_quiet install -q --no-deps "tf-keras==${TF_KERAS_VERSION}"
+  fi
+  say "python packages: ready in $((SECONDS - t))s"
+}
+
+# ---- 3. Horovod ----------------------------------------------------------------------------------
+pkg_version() { "$PYTHON" -c "from importlib import metadata as m; print(m.version('$1'))" 2>/dev/null || echo none; }
+
+# Succeeds when the installed Horovod was built by this script with the same key and works.
+horovod_ok() {
+  local key="$1"
+  TF_USE_LEGACY_KERAS=1 "$PYTHON" - "$key" "$HQ_WITH_TENSORFLOW" <<'PY' >/dev/null 2>&1
+import os, sys
+import horovod, horovod.torch as hvd
+stamp = os.path.join(os.path.dirname(horovod.__file__), "HQ_BUILD_KEY")
+assert open(stamp).read().strip() == sys.argv[1]
+assert hvd.mpi_built() and hvd.gloo_built()
+if sys.argv[2] == "1":
+    import horovod.tensorflow  # noqa: F401
+PY
+}
+
+build_horovod_wheel() {  # $1: folder that receives the wheel
+  local out="$1" src="$HQ_CACHE/src" sdist work log t
+  mkdir -p "$src" "$HQ_CACHE/logs"
+  sdist="$src/horovod-${HOROVOD_VERSION}.tar.gz"
+  if [[ ! -f "$sdist" ]]; then
+    say "horovod: downloading sdist ${HOROVOD_VERSION}"
+    pip_quiet download -q --no-binary :all: --no-deps -d "$src" "horovod==${HOROVOD_VERSION}"
+  fi
+  [[ -f "$sdist" ]] || die "no $sdist after pip download"
+  work="$(mktemp -d "${TMPDIR:-/tmp}/hq-horovod-build.XXXXXX")"
+  tar xzf "$sdist" -C "$work"
+  pushd "$work/horovod-${HOROVOD_VERSION}" >/dev/null
+
+  # Patch 1: torch 2.x headers need C++17; Horovod 0.28.1 asks for C++14.
+  sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+    CMakeLists.txt horovod/torch/CMakeLists.txt
+  grep -q 'set(CMAKE_CXX_STANDARD 17)' horovod/torch/CMakeLists.txt || die "C++17 patch did not apply"
+  # Patch 2: the TF XLA ops (a GPU-XLA feature) include a highwayhash header that TF 2.21
+  # wheels no longer ship; leave that source out.
+  sed -i '/xla_mpi_ops\.cc/d' horovod/tensorflow/CMakeLists.txt
+  ! grep -q 'xla_mpi_ops' horovod/tensorflow/CMakeLists.txt || die "XLA patch did not apply"
+
+  # CMake 4.x (the pip package "cmake") refuses Horovod's bundled gloo: use the system CMake
+  # (Debian 12: 3.25) explicitly, whatever a pip-installed cmake puts first on PATH.
+  local cmake_bin=/usr/bin/cmake
+  [[ -x "$cmake_bin" ]] || cmake_bin="$(command -v cmake)" || die "cmake not found"
+  local -a env_build=(
+    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_MXNET=1
+    HOROVOD_CMAKE="$cmake_bin" MAKEFLAGS="-j${NPROC}"
+  )
+  if [[ "$HQ_WITH_TENSORFLOW" == 1 ]]; then env_build+=(HOROVOD_WITH_TENSORFLOW=1)
+  else env_build+=(HOROVOD_WITHOUT_TENSORFLOW=1); fi
+
+  log="$HQ_CACHE/logs/horovod-build-$(date +%Y%m%d-%H%M%S).log"
+  say "horovod: building wheel with $cmake_bin ($("$cmake_bin" --version | head -1)), -j${NPROC}; log: $log"
+  t=$SECONDS
+  if ! env "${env_build[@]}" "${PIP[@]}" wheel --no-build-isolation --no-deps -v -w "$work/dist" . >"$log" 2>&1; then
+    tail -n 60 "$log" >&2
+    die "Horovod build failed (full log: $log)"
+  fi
+  say "horovod: wheel built in $((SECONDS - t))s"
+  popd >/dev/null
+  mkdir -p "$out"
+  mv "$work"/dist/horovod-*.whl "$out"/
+  rm -rf "$work"
+}
+
+step_horovod() {
+  local torch_v tf_v key pyv dir wheel
+  torch_v="$(pkg_version torch)"
+  tf_v=none
+  [[ "$HQ_WITH_TENSORFLOW" == 1 ]] && tf_v="$(pkg_version tensorflow-cpu)"
+  [[ "$tf_v" == none && "$HQ_WITH_TENSORFLOW" == 1 ]] && tf_v="$(pkg_version tensorflow)"
+  pyv="$("$PYTHON" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
+  key="horovod-${HOROVOD_VERSION}_torch-${torch_v}_tf-${tf_v}_${pyv}_${PATCH_REV}"
+  key="${key//+/-}"
+
+  if horovod_ok "$key"; then say "horovod: installed build matches ($key), skipping"; return; fi
+
+  dir="$HQ_WHEEL_DIR/$key"
+  wheel="$(ls "$dir"/horovod-*.whl 2>/dev/null | head -1 || true)"
+  if [[ -z "$wheel" ]]; then
+    say "horovod: no cached wheel for $key"
+    build_horovod_wheel "$dir"
+    wheel="$(ls "$dir"/horovod-*.whl | head -1)"
+  else
+    say "horovod: using cached wheel $wheel"
+  fi
+  pip_quiet install -q --no-deps --force-reinstall "$wheel"
+  local pkgdir
+  pkgdir="$("$PYTHON" -c 'import horovod, os; print(os.path.dirname(horovod.__file__))')"
+  echo "$key" >"$pkgdir/HQ_BUILD_KEY"
+  command -v pyenv >/dev/null 2>&1 && pyenv rehash 2>/dev/null || true  # horovodrun on PATH
+  horovod_ok "$key" || die "Horovod installed but 'import horovod.torch' (or .tensorflow) fails"
+  say "horovod: installed ($key)"
+}
+
+# ---- 4. this project -----------------------------------------------------------------------------
+project_ok() {  # installed editable from this checkout, with horovod_quant.kernels resolvable
+  (cd / && "$PYTHON" - "$ROOT" <<'PY' >/dev/null 2>&1
+import os, sys, importlib.resources as r
+import horovod_quant
+here = os.path.realpath(os.path.dirname(os.path.dirname(horovod_quant.__file__)))
+assert here == os.path.realpath(sys.argv[1]), here
+r.files("horovod_quant.kernels")
+PY
+  )
+}
+
+step_project() {
+  if [[ "$HQ_INSTALL_PROJECT" != 1 ]]; then say "project: skipped (HQ_INSTALL_PROJECT=0)"; return; fi
+  [[ -f "$ROOT/setup.py" ]] || { say "project: no setup.py in $ROOT, skipped"; return; }
+  if [[ "$HQ_EDITABLE" == 1 ]] && project_ok; then
+    say "project: horovod_quant already installed (editable) from $ROOT"
+    return
+  fi
+  # --no-deps: numpy/numba are installed above; nothing may drag a CUDA torch in.
+  if [[ "$HQ_EDITABLE" == 1 ]]; then
+    say "project: pip install -e $ROOT"
+    pip_quiet install -q --no-deps --no-build-isolation -e "$ROOT"
+  else
+    say "project: pip install $ROOT"
+    pip_quiet install -q --no-deps --no-build-isolation "$ROOT"
+  fi
+}
+
+say "python: $("$PYTHON" --version 2>&1) ($(command -v "$PYTHON")); cache: $HQ_CACHE; TF: $HQ_WITH_TENSORFLOW"
+step_apt
+step_python
+step_horovod
+step_project
+say "done in $((SECONDS - T_START))s"

@@ -1,0 +1,64 @@
+"""Packaging for horovod_quant.
+
+The CUDA sources live in the top-level ``kernels/`` folder of the repository and are shipped inside
+the installed package as ``horovod_quant/kernels/*.cu`` / ``*.cuh``: ``package_dir`` maps the
+package ``horovod_quant.kernels`` to the folder ``kernels``, so both ``pip install .`` and the
+editable install (``pip install -e .``) expose them to
+``importlib.resources.files("horovod_quant.kernels")``.
+
+Horovod is deliberately not a dependency: it has to be built from source against the installed
+torch / TensorFlow (scripts/install.sh does that). The ``torch`` extra only asks for torch>=2.0;
+install a CPU or CUDA build of torch yourself first so that pip does not pick one for you.
+"""
+import os
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def read_version():
+    with open(os.path.join(HERE, "horovod_quant", "__init__.py"), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("__version__"):
+                return line.split("=", 1)[1].strip().strip("\"'")
+    return "0.1.0"
+
+
+def read_long_description():
+    path = os.path.join(HERE, "README.md")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    return ""
+
+
+TEST = ["pytest", "scikit-learn"]
+
+setup(
+    name="horovod_quant",
+    version=read_version(),
+    description="Unbiased gradient quantizers (QSGD, NUQSGD, natural compression, dithering) "
+                "as a Horovod compression plugin",
+    long_description=read_long_description(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["horovod_quant", "horovod_quant.*"]) + ["horovod_quant.kernels"],
+    package_dir={"horovod_quant.kernels": "kernels"},
+    package_data={"horovod_quant.kernels": ["*.cu", "*.cuh"]},
+    include_package_data=False,
+    zip_safe=False,
+    install_requires=["numpy", "numba"],
+    extras_require={
+        "torch": ["torch>=2.0"],
+        "tensorflow": ["tensorflow-cpu", "tf-keras"],
+        "mpi": ["mpi4py"],
+        "gpu": ["cupy-cuda12x"],
+        "test": TEST,
+        "dev": TEST + ["ruff", "matplotlib", "tqdm"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
