@@ -56,11 +56,16 @@ def unframe(buf: np.ndarray) -> list[np.ndarray]:
 
 
 def global_norm(codec: Codec, xs_local: list[np.ndarray], comm: Collectives, name: str) -> float:
-    """Global norm over every rank and every given vector: one allreduce of one float64."""
+    """Global norm over every rank and every given vector.
+
+    The per-rank statistics (one float64 each) are allgathered and combined in rank order, as
+    the reference does: an allreduce would sum in the backend's order and MPI's max of a NaN
+    is implementation-defined, and either would break bit-exactness.
+    """
     stats = [codec.norm_statistic(x) for x in xs_local]
     local = max(stats) if codec.norm_op == "max" else sum(stats)
-    reduced = comm.allreduce_async(np.array([local], np.float64), name, codec.norm_op).wait()
-    return codec.norm_from_statistic(float(reduced[0]))
+    per_rank = comm.allgather_async(np.array([local], np.float64), name).wait()
+    return codec.norm_from_statistics([float(s) for s in per_rank])
 
 
 class ExchangeStats:
@@ -109,7 +114,7 @@ class Exchange:
     def __init__(self, codec: Codec, comm: Collectives, gather: str = "auto") -> None:
         self.codec = codec
         self.comm = comm
-        self.gather = resolve_gather(gather, comm.size)
+        self.gather = resolve_gather(gather, comm.size, codec)
         factory = CUSTOM_COLLECTIVES.get(codec.name) if codec.exchange == "custom" else None
         self._custom = factory(codec, comm) if factory is not None else None
 

@@ -4,6 +4,8 @@ Nothing here imports torch, tensorflow or horovod.
 """
 from .base import Codec, as_vector, worker_seed
 from .baselines import BF16, FP16, NoCompression
+from .dithered import DitheredQuantizer, NestedDitheredQuantizer
+from .global_qsgd import GlobalQSGD
 from .payload import Payload
 from .quantizers import QSGD, NUQSGD, NaturalCompression, NaturalDithering, StandardDithering
 from .registry import available_codecs, get_codec, register
@@ -11,7 +13,7 @@ from .rng import derive_key
 from .schedules import mean_estimate
 
 for _cls in (NoCompression, FP16, BF16, QSGD, NUQSGD, NaturalCompression, NaturalDithering,
-             StandardDithering):
+             StandardDithering, GlobalQSGD, DitheredQuantizer, NestedDitheredQuantizer):
     register(_cls)
 
 __all__ = [

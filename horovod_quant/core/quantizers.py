@@ -38,6 +38,7 @@ import numpy as np
 
 from . import kernels_cpu as K
 from .base import Codec, as_vector, check_choice, check_int
+from .elias import elias_decode, elias_encode_levels
 from .payload import Payload
 from .rng import derive_key, split_key
 
@@ -177,18 +178,58 @@ class QSGD(LevelQuantizer):
         bucket_size: elements per bucket (one float32 scale each); None = whole tensor.
         norm: "l2" (Lemma 3.1) or "max".
         levels: s, to use fewer levels than ``bits`` can hold.
+        elias: send the codes Elias-coded (Section 3.2, :mod:`.elias`): payload
+            ``[float32 scale per bucket][Elias bit stream]`` of data-dependent length, smaller
+            than ``bits`` bits per element in the sparse regime (small s, large buckets).
     """
 
     name = "qsgd"
     grid = K.GRID_UNIFORM
 
     def __init__(self, bits: int = 4, bucket_size: int | None = DEFAULT_BUCKET, norm: str = "l2",
-                 levels: int | None = None) -> None:
+                 levels: int | None = None, elias: bool = False) -> None:
         bits = check_int("bits", bits, 2, 8)
         check_choice("norm", norm, ("l2", "max"))
+        check_choice("elias", elias, (False, True))
         s = _default_levels("qsgd", levels, bits, (1 << (bits - 1)) - 1)
-        super().__init__({"bits": bits, "bucket_size": bucket_size, "norm": norm, "levels": s}, bits=bits, nonzero_levels=s, bucket_size=_check_bucket(bucket_size),
-                         p=2.0 if norm == "l2" else math.inf)
+        super().__init__({"bits": bits, "bucket_size": bucket_size, "norm": norm, "levels": s,
+                          "elias": bool(elias)}, bits=bits, nonzero_levels=s,
+                         bucket_size=_check_bucket(bucket_size), p=2.0 if norm == "l2" else math.inf)
+        self.elias = bool(elias)
+
+    def payload_nbytes(self, n: int) -> int:
+        if self.elias:
+            raise ValueError("Elias payload sizes depend on the data; payload_nbytes is for "
+                             "elias=False (the fixed-width size)")
+        return super().payload_nbytes(n)
+
+    def encode(self, x: Any, seed: int = 0) -> Payload:
+        if not self.elias:
+            return super().encode(x, seed)
+        # the fixed-width codes first (same kernel, same codes), then their Elias form
+        v = as_vector(x)
+        bucket = self._bucket(v.size)
+        fixed = np.empty(int(K.levels_nbytes(v.size, bucket, self.bits)), np.uint8)
+        k0, k1 = split_key(derive_key(seed))
+        K.encode_levels(v, bucket, self.norm_kind, self.p, self.grid, self.s, self.bits, k0, k1,
+                        fixed)
+        return Payload(elias_encode_levels(fixed, v.size, bucket, self.bits), v.size)
+
+    def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        if not self.elias:
+            return super().decode(payload, out)
+        n = payload.size
+        if out is None:
+            out = np.empty(n, np.float32)
+        return elias_decode(np.asarray(payload.data).view(np.uint8), n, self._bucket(n),
+                            self.bits, self.table, out, False)
+
+    def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
+        if not self.elias:
+            return super().decode_add(payload, out)
+        n = payload.size
+        return elias_decode(np.asarray(payload.data).view(np.uint8), n, self._bucket(n),
+                            self.bits, self.table, out, True)
 
     def omega(self, d: int) -> float:
         return uniform_grid_omega(d, self.s, self.p)

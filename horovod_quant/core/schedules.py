@@ -29,10 +29,16 @@ SRA_MIN_WORLD = 5
 GATHER_SCHEDULES = ("auto", "allgather", "sra")
 
 
-def resolve_gather(schedule: str, n: int) -> str:
-    """The concrete schedule for ``schedule`` ("auto", "allgather" or "sra") and n workers."""
+def resolve_gather(schedule: str, n: int, codec: Codec | None = None) -> str:
+    """The concrete schedule for ``schedule`` ("auto", "allgather" or "sra") and n workers.
+
+    Codecs normalized by a global norm (sparse Global-QSGD) always allgather: re-encoding a
+    chunk mean would need a second global norm, which the sra schedule does not have.
+    """
     if schedule not in GATHER_SCHEDULES:
         raise ValueError(f"gather={schedule!r} is not valid: choose one of {list(GATHER_SCHEDULES)}")
+    if codec is not None and hasattr(codec, "norm_statistic"):
+        return "allgather"
     if schedule == "auto":
         return "sra" if n >= SRA_MIN_WORLD else "allgather"
     return schedule
@@ -99,6 +105,6 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
         raise ValueError("mean_estimate needs at least one worker's vector")
     if len({v.size for v in vecs}) != 1:
         raise ValueError(f"all workers' vectors must have one length, got {[v.size for v in vecs]}")
-    if codec.exchange == "gather" and resolve_gather(gather, len(vecs)) == "sra":
+    if codec.exchange == "gather" and resolve_gather(gather, len(vecs), codec) == "sra":
         return sra_reference(codec, vecs, seed)
     return codec.reference_mean(vecs, seed)

@@ -1,0 +1,701 @@
+"""Dithered (DQSG) and nested dithered (NDQSG) quantization of gradients.
+
+Paper: "Nested Dithered Quantization for Communication Reduction in Distributed Training"
+(``../shared/papers/nested-dithered-quantization.md``).
+
+DQSG (eq. (2), Alg. 1). Per bucket, ``kappa = max|x|`` and ``v = x / kappa`` in [-1, 1]; the
+sender adds a dither ``u ~ U[-Delta/2, Delta/2]``, sends the index ``q = round((v + u) / Delta)``
+and the receiver, which regenerates ``u`` from the sender's seed, decodes
+``x_hat = kappa (Delta q - u)``. By Schuchman's theorem (Theorem 1) the error
+``(x_hat - x) / kappa`` is uniform on [-Delta/2, Delta/2] and independent of x: unbiased, with the
+data-independent variance ``kappa^2 Delta^2 / 12`` per element.
+
+How ``bits`` maps to the step: ``Delta = 1/M`` with ``M = 2^(bits-1) - 1`` (bits = 4: M = 7).
+Writing ``u = (1/2 - rho) Delta`` with ``rho`` the element's counter-based uniform in [0, 1)
+(:func:`.rng.u24_float` of ``hash32`` under ``derive_key(seed)``), the index is
+``q = ceil(v M - rho)`` (``round`` with ties down of ``v M + 1/2 - rho``); ``|v| <= 1`` gives
+``q in [-M, M]``, 2M + 1 values, sent as the code ``q + M`` in ``bits`` bits, and
+``x_hat = (kappa / M) (q - 1/2 + rho)``. (Codes here are offset binary, not sign-magnitude: the
+dithered decode of index 0 still depends on the side of zero the dither pushed it to.)
+``x / kappa`` is a division rather than a multiplication by ``M / kappa``, so a subnormal kappa
+cannot overflow the scale, and ``|x / kappa| <= 1`` holds exactly in float32.
+
+NDQSG (eq. (6)-(7), Alg. 2). Ranks ``0 .. n1-1`` (group P1) send DQSG codes with step
+``Delta1 = 1/M``; the others (P2) send only the position of the fine bin inside a coarse bin of
+``Delta2 = k Delta1`` (k odd, so coarse centres are fine centres): ``s = Q1(t) - Q2(t)`` with
+``t = alpha v + u``, an index ``m = q - k round(q / k)`` in [-(k-1)/2, (k-1)/2], sent as
+``m + (k-1)/2`` in ``ceil(log2 k)`` bits. Receivers decode P1, take the P1 mean ``y`` as side
+information (``Y = (y / kappa_p) M`` in the P2 sender's fine steps) and recover the fine index
+``q_hat = m - k round((m - 1/2 + rho - alpha Y) / k)``, which is eq. (7)
+``x_hat = y + alpha (r - Q2(r))``, ``r = s - u - alpha y``, rewritten as
+``x_hat = alpha (kappa / M) (q_hat - 1/2 + rho) + (1 - alpha^2) y``: with alpha = 1 and a correct
+coarse bin it is bit for bit the DQSG decode. Decoding is correct iff
+``|alpha z + e| < Delta2 / 2`` (z the side-information error, e the fine dither error);
+Theorem 6 bounds the outage probability by ``Delta1^2 / (3 Delta2^2) + 4 alpha^2 sigma_z^2 /
+Delta2^2`` (Chebyshev on ``alpha z + e``). The decoder clamps the coarse shift to the shifts
+that real indices use (``|round(q / k)| <= round(M / k)``): a wrong coarse bin then still decodes
+within ``|q_hat| <= M + (k-1)/2``, so an outage costs at most about ``(2 + Delta2/2) kappa`` per
+element, and a wrong bin pointing past the range is corrected outright.
+
+Wire layout. DQSG: ``[float32 kappa per bucket][packed codes]`` (:mod:`.packing`). NDQSG adds an
+int32 header: ``[int32 k][float32 kappa per bucket][packed codes]`` with ``k = 0`` for a P1
+payload (``bits``-bit DQSG codes) and the coarse ratio for a P2 payload. Sending k makes a P2
+payload decodable whatever the receiver's state: exchanges of several tensors may be in flight
+on one codec while its running estimate changes.
+
+Randomness: worker r of an exchange with seed s encodes with ``worker_seed(s, r)``; decoding
+needs that seed (``payload.meta["seed"]``, which every rank can compute, so it is not sent).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Sequence
+
+import numba
+import numpy as np
+
+from .base import Codec, as_vector, check_int, worker_seed
+from .kernels_cpu import NORM_MAX, _bucket_scale
+from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
+from .payload import Payload
+from .quantizers import DEFAULT_BUCKET, _check_bucket
+from .rng import block_key, derive_key, hash32_at, split_key, u24_float
+
+#: bytes of the NDQSG header (int32 k)
+HEADER = 4
+_HALF = np.float32(0.5)
+
+
+def fine_levels(bits: int) -> int:
+    """M, the largest fine index of a ``bits``-bit dithered code: Delta = 1/M, q in [-M, M]."""
+    return (1 << (bits - 1)) - 1
+
+
+def coarse_bits(k: int) -> int:
+    """Bits of a nested index in [-(k-1)/2, (k-1)/2]: ceil(log2 k)."""
+    return (k - 1).bit_length()
+
+
+def outage_bound(k: int, alpha: float, sigma2: float, M: int) -> float:
+    """Theorem 6, eq. (8): ``P(|alpha z + u| > Delta2/2) <= Delta1^2 / (3 Delta2^2)
+    + 4 alpha^2 sigma_z^2 / Delta2^2`` with ``Delta1 = 1/M``, ``Delta2 = k Delta1`` and
+    ``sigma_z^2 = E z^2`` in units of the bucket scale (Chebyshev on ``alpha z + u``)."""
+    d1 = 1.0 / M
+    d2 = k * d1
+    return d1 * d1 / (3 * d2 * d2) + 4 * alpha * alpha * sigma2 / (d2 * d2)
+
+
+def theorem6_ratio(bits: int, alpha: float, sigma2: float, outage: float) -> int:
+    """The smallest odd k >= 3 whose Theorem 6 bound (:func:`outage_bound`) is <= ``outage``,
+    capped at ``2M + 1`` (``M = 2^(bits-1) - 1``): a coarse bin of 2M + 1 fine bins holds every
+    index, so that k never decodes wrongly (and costs ``bits`` bits, like DQSG).
+
+    Args:
+        bits: fine code width (P1).
+        alpha: shrinkage factor in (0, 1].
+        sigma2: side-information error variance in units of the bucket scale (inf: no
+            measurement yet).
+        outage: target probability of a wrong coarse bin.
+
+    Returns:
+        The coarse ratio k.
+    """
+    M = fine_levels(bits)
+    top = 2 * M + 1
+    if not math.isfinite(sigma2):
+        return top
+    for k in range(3, top, 2):
+        if outage_bound(k, alpha, sigma2, M) <= outage:
+            return k
+    return top
+
+
+# -- kernels ---------------------------------------------------------------------------------
+@numba.njit(inline="always")
+def _fine_index(v, kap, am, rho):
+    """``ceil((v / kap) am - rho)`` as int32: the dithered fine index of v (|result| <= M when
+    am <= M). ``ceil(t - rho) = floor(t) + (rho < frac(t))``, in 32-bit lanes."""
+    t = (v / kap) * am
+    lvl = np.floor(t)
+    return np.int32(np.int32(lvl) + np.int32(rho < t - lvl))
+
+
+@numba.njit(inline="always")
+def _nested_index(c, rho, yv, kap, am, kf, invk, cmf, h):
+    """Fine index recovered from a nested code c (= m + h) and the side information yv.
+
+    Returns ``(q_hat, resid)``: ``q_hat = m - k f`` with ``f = round((m - 1/2 + rho - alpha Y)
+    / k)`` clamped to [-cmf, cmf], ``cmf = round(M / k)`` (the shifts real indices use; a NaN
+    side information lands on a bound instead of an undefined integer), and
+    ``resid = (r - Q2(r)) / Delta1`` in fine steps (|resid| <= k/2 unless clamped).
+    """
+    m = np.int32(np.int32(c) - h)
+    a = ((np.float32(m) - _HALF) + rho) - (yv / kap) * am
+    f = np.floor(a * invk + _HALF)
+    f = f if f > -cmf else -cmf
+    f = f if f < cmf else cmf
+    return np.int32(m - np.int32(kf) * np.int32(f)), a - kf * f
+
+
+@numba.njit(cache=True)
+def encode_dithered(x, bucket, M, am, k, bits, k0, k1, out, o):
+    """Encode float32 ``x`` into ``out[o:]`` = [float32 kappa per bucket][packed codes].
+
+    ``k == 0``: DQSG codes ``q + M``; ``k >= 3``: nested codes ``(q + h) mod k`` (= m + h,
+    h = (k-1)/2). ``q = ceil((x / kappa) am - rho)``; ``am = alpha M`` (M for DQSG). Zero and
+    non-finite buckets get the neutral code (q = 0); their kappa alone defines the decode.
+    Returns the end offset.
+    """
+    n = x.size
+    nb = (n + bucket - 1) // bucket
+    scales = out[o : o + 4 * nb].view(np.float32)
+    codes = np.empty(PACK_BLOCK + 8, np.uint8)
+    h = np.int32((k - 1) // 2) if k > 0 else np.int32(0)
+    ki = np.int32(k)
+    invk = np.float32(1.0 / k) if k > 0 else np.float32(0.0)
+    neutral = np.uint8(M) if k == 0 else np.uint8(h)
+    o += 4 * nb
+    next_bucket = 0
+    for b0 in range(0, n, PACK_BLOCK):
+        b1 = min(b0 + PACK_BLOCK, n)
+        while next_bucket < nb and next_bucket * bucket < b1:
+            lo = next_bucket * bucket
+            scales[next_bucket] = _bucket_scale(x, lo, min(lo + bucket, n), NORM_MAX, 0.0)
+            next_bucket += 1
+        kb = block_key(b0, k0)
+        i = b0
+        while i < b1:
+            kk = i // bucket
+            hi = min((kk + 1) * bucket, b1)
+            kap = scales[kk]
+            xs = x[i:hi]
+            cs = codes[i - b0 : hi - b0]
+            base = np.uint32(i & 0xFFFFFFFF)
+            if not (kap > 0 and np.isfinite(kap)):
+                cs[:] = neutral
+            elif k == 0:
+                for j in range(xs.size):
+                    q = _fine_index(xs[j], kap, am, u24_float(hash32_at(base, j, kb, k1)))
+                    cs[j] = np.uint8(q + M)
+            else:
+                for j in range(xs.size):
+                    q = _fine_index(xs[j], kap, am, u24_float(hash32_at(base, j, kb, k1)))
+                    a = np.int32(q + h)
+                    # floor(a / k) exactly: a + 1/2 sits >= 1/(2k) away from a multiple of k
+                    f = np.floor((np.float32(a) + _HALF) * invk)
+                    cs[j] = np.uint8(a - ki * np.int32(f))
+            i = hi
+        o = pack_block(codes, b1 - b0, bits, out, o)
+    return o
+
+
+@numba.njit(cache=True)
+def decode_dithered(data, o, n, bucket, M, bits, k0, k1, out, accumulate):
+    """Decode DQSG codes at ``data[o:]`` into ``out`` (``+=`` if accumulate):
+    ``x_hat = (kappa / M) ((code - M) - 1/2 + rho)``; zero buckets decode to zeros, non-finite
+    kappa to non-finite values."""
+    nb = (n + bucket - 1) // bucket
+    scales = data[o : o + 4 * nb].view(np.float32)
+    codes = np.empty(PACK_BLOCK + 8, np.uint8)
+    fm = np.float32(M)
+    o += 4 * nb
+    for b0 in range(0, n, PACK_BLOCK):
+        b1 = min(b0 + PACK_BLOCK, n)
+        o = unpack_block(data, o, b1 - b0, bits, codes)
+        kb = block_key(b0, k0)
+        i = b0
+        while i < b1:
+            kk = i // bucket
+            hi = min((kk + 1) * bucket, b1)
+            step = scales[kk] / fm
+            ob = out[i:hi]
+            cb = codes[i - b0 : hi - b0]
+            base = np.uint32(i & 0xFFFFFFFF)
+            for j in range(ob.size):
+                rho = u24_float(hash32_at(base, j, kb, k1))
+                v = ((np.float32(np.int32(cb[j]) - M) - _HALF) + rho) * step
+                ob[j] = ob[j] + v if accumulate else v
+            i = hi
+    return out
+
+
+@numba.njit(cache=True)
+def decode_nested(data, o, n, bucket, M, k, bits, am, alpha, y, k0, k1, out):
+    """``out += x_hat`` of a P2 payload (codes at ``data[o:]``) with side information y.
+
+    ``x_hat = alpha (kappa / M) (q_hat - 1/2 + rho) + (1 - alpha^2) y`` (module doc); zero
+    buckets add nothing, non-finite kappa adds NaN. Returns ``(sum resid^2, count)`` over the
+    finite nonzero buckets, in fine steps (float64, 8 interleaved lanes in a fixed order, so
+    every rank computes the same value).
+    """
+    nb = (n + bucket - 1) // bucket
+    scales = data[o : o + 4 * nb].view(np.float32)
+    codes = np.empty(PACK_BLOCK + 8, np.uint8)
+    resid = np.empty(PACK_BLOCK, np.float32)
+    lanes = np.zeros(8, np.float64)
+    h = np.int32((k - 1) // 2)
+    kf = np.float32(k)
+    invk = np.float32(1.0 / k)
+    # |round(q / k)| <= round(M / k) = (M + h) // k for |q| <= M (k odd)
+    cmf = np.float32((M + h) // k)
+    fm = np.float32(M)
+    beta = np.float32(1.0) - alpha * alpha
+    count = 0
+    o += 4 * nb
+    for b0 in range(0, n, PACK_BLOCK):
+        b1 = min(b0 + PACK_BLOCK, n)
+        o = unpack_block(data, o, b1 - b0, bits, codes)
+        kb = block_key(b0, k0)
+        i = b0
+        while i < b1:
+            kk = i // bucket
+            hi = min((kk + 1) * bucket, b1)
+            kap = scales[kk]
+            ob = out[i:hi]
+            if kap > 0 and np.isfinite(kap):
+                step = kap / fm
+                ys = y[i:hi]
+                cb = codes[i - b0 : hi - b0]
+                rs = resid[: hi - i]
+                base = np.uint32(i & 0xFFFFFFFF)
+                for j in range(ob.size):
+                    rho = u24_float(hash32_at(base, j, kb, k1))
+                    q, r = _nested_index(cb[j], rho, ys[j], kap, am, kf, invk, cmf, h)
+                    rs[j] = r
+                    ob[j] += (((np.float32(q) - _HALF) + rho) * step) * alpha + beta * ys[j]
+                m8 = rs.size // 8 * 8
+                for t in range(0, m8, 8):
+                    for l in range(8):
+                        v = np.float64(rs[t + l])
+                        lanes[l] += v * v
+                for t in range(m8, rs.size):
+                    v = np.float64(rs[t])
+                    lanes[t - m8] += v * v
+                count += rs.size
+            elif kap != 0:
+                for j in range(ob.size):
+                    ob[j] += kap * np.float32(0.0)
+            i = hi
+    total = 0.0
+    for l in range(8):
+        total += lanes[l]
+    return total, count
+
+
+@numba.njit(cache=True)
+def nested_outside(data, o, n, bucket, M, k, bits, am, y, k0, k1, fine):
+    """Number of P2 elements (finite nonzero buckets) whose recovered fine index differs from
+    the sender's ``fine`` (from :func:`fine_indices`): the exact outage count, for simulations
+    that know the inputs."""
+    nb = (n + bucket - 1) // bucket
+    scales = data[o : o + 4 * nb].view(np.float32)
+    codes = np.empty(PACK_BLOCK + 8, np.uint8)
+    h = np.int32((k - 1) // 2)
+    kf = np.float32(k)
+    invk = np.float32(1.0 / k)
+    cmf = np.float32((M + h) // k)
+    wrong = 0
+    o += 4 * nb
+    for b0 in range(0, n, PACK_BLOCK):
+        b1 = min(b0 + PACK_BLOCK, n)
+        o = unpack_block(data, o, b1 - b0, bits, codes)
+        kb = block_key(b0, k0)
+        for i in range(b0, b1):
+            kap = scales[i // bucket]
+            if kap > 0 and np.isfinite(kap):
+                rho = u24_float(hash32_at(np.uint32(b0 & 0xFFFFFFFF), i - b0, kb, k1))
+                q, _ = _nested_index(codes[i - b0], rho, y[i], kap, am, kf, invk, cmf, h)
+                wrong += q != fine[i]
+    return wrong
+
+
+@numba.njit(cache=True)
+def fine_indices(x, bucket, am, k0, k1):
+    """The sender's fine indices ``ceil((x / kappa) am - rho)`` (0 in zero/non-finite buckets):
+    what a P2 receiver should recover. For statistics only (the encoder fuses this)."""
+    n = x.size
+    out = np.zeros(n, np.int32)
+    for lo in range(0, n, bucket):
+        hi = min(lo + bucket, n)
+        kap = _bucket_scale(x, lo, hi, NORM_MAX, 0.0)
+        if kap > 0 and np.isfinite(kap):
+            for i in range(lo, hi):
+                kb = block_key(i, k0)
+                rho = u24_float(hash32_at(np.uint32(i & 0xFFFFFFFF), 0, kb, k1))
+                out[i] = _fine_index(x[i], kap, am, rho)
+    return out
+
+
+# -- codecs ----------------------------------------------------------------------------------
+def _seed_of(payload: Payload) -> int:
+    try:
+        return int(payload.meta["seed"])
+    except KeyError:
+        raise ValueError("payload.meta has no 'seed': the receiver regenerates the sender's "
+                         "dither from it; rebuild the payload with payload_from_wire(data, size, "
+                         "seed=worker_seed(exchange_seed, rank))") from None
+
+
+def _check_bits(bits: Any) -> int:
+    return check_int("bits", bits, 2, 8, hint="bits = b gives 2^b - 1 dithered levels "
+                     "(Delta = 1/(2^(b-1) - 1)); b = 2 is the smallest with a nonzero level.")
+
+
+class DitheredQuantizer(Codec):
+    """DQSG (eq. (2), Alg. 1): subtractive uniform dither regenerated by the receiver.
+
+    The error ``(x_hat - x) / kappa`` is uniform on [-Delta/2, Delta/2] and independent of x
+    (Theorem 1), so the codec is unbiased with variance ``sum_buckets kappa^2 d Delta^2 / 12``
+    (Lemma 3), whatever the data.
+
+    Args:
+        bits: wire bits per element, 2..8; ``Delta = 1/M``, ``M = 2^(bits-1) - 1`` (module doc).
+        bucket_size: elements per bucket (one float32 ``kappa = max|x|`` each); None = whole
+            tensor.
+    """
+
+    name = "dithered"
+    exchange: ClassVar[str] = "gather"
+
+    def __init__(self, bits: int = 4, bucket_size: int | None = DEFAULT_BUCKET) -> None:
+        bits = _check_bits(bits)
+        super().__init__(bits=bits, bucket_size=bucket_size)
+        self.bits = bits
+        self.bucket_size = _check_bucket(bucket_size)
+        self.M = fine_levels(bits)
+
+    @property
+    def delta(self) -> float:
+        """The quantization step Delta = 1/M (in units of the bucket scale)."""
+        return 1.0 / self.M
+
+    def _bucket(self, n: int) -> int:
+        return self.bucket_size if self.bucket_size is not None else max(n, 1)
+
+    def payload_nbytes(self, n: int) -> int:
+        """Payload bytes for n elements: one float32 per bucket plus packed codes."""
+        return 4 * -(-n // self._bucket(n)) + int(packed_nbytes(n, self.bits))
+
+    def encode(self, x: Any, seed: int = 0) -> Payload:
+        """Encode a 1-D float array; ``meta["seed"]`` keeps the seed the decoder needs (not
+        sent: a receiver knows every sender's seed)."""
+        v = as_vector(x)
+        out = np.empty(self.payload_nbytes(v.size), np.uint8)
+        k0, k1 = split_key(derive_key(seed))
+        encode_dithered(v, self._bucket(v.size), self.M, np.float32(self.M), 0, self.bits,
+                        k0, k1, out, 0)
+        return Payload(out, v.size, {"seed": int(seed)})
+
+    def _decode(self, payload: Payload, out: np.ndarray, accumulate: bool) -> np.ndarray:
+        n = payload.size
+        k0, k1 = split_key(derive_key(_seed_of(payload)))
+        decode_dithered(np.asarray(payload.data).view(np.uint8), 0, n, self._bucket(n), self.M,
+                        self.bits, k0, k1, out, accumulate)
+        return out
+
+    def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        return self._decode(payload, np.empty(payload.size, np.float32) if out is None else out,
+                            False)
+
+    def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
+        return self._decode(payload, out, True)
+
+    def error_variance(self, kappa: float) -> float:
+        """Per-element error variance ``kappa^2 Delta^2 / 12`` (Theorem 1, Lemma 3)."""
+        return kappa * kappa * self.delta * self.delta / 12.0
+
+
+class NestedDitheredQuantizer(Codec):
+    """NDQSG (eq. (6)-(7), Alg. 2, Theorem 6): P2 ranks send the fine bin's position inside a
+    coarse bin; receivers resolve the coarse bin with the P1 mean as side information.
+
+    The coarse ratio k adapts when ``coarse_ratio`` is None: each exchange measures the
+    side-information error ``sigma_z^2 = E[(x/kappa - y/kappa)^2]`` of the P2 values from what
+    every rank holds after decoding (the recovered residuals of eq. (7): with a correct decode
+    ``r - Q2(r) = -(alpha z + e)`` (Appendix E), e the fine dither error, so
+    ``E (r - Q2 r)^2 = alpha^2 sigma_z^2 + Delta1^2 / 12`` and
+    ``sigma_z^2 = (E (r - Q2 r)^2 - Delta1^2 / 12) / alpha^2``), and the next exchange
+    uses :func:`theorem6_ratio` of it. Before any measurement k = 2M + 1, which holds every fine
+    index (no outage possible; the P2 payload then costs ``bits`` bits like DQSG). Residuals
+    are wrapped into the coarse bin, so after an outage-heavy exchange the estimate is about
+    ``Delta2^2 / 12`` and the next k grows by ~1/sqrt(3 outage): the rule recovers by itself.
+    Every rank updates the state in :meth:`decode_side_info` from the same data in the same
+    order, so ranks agree on k as long as they finish exchanges in the same order; each P2
+    payload carries its k, so decoding never depends on that.
+
+    After each exchange ``last_stats`` holds:
+
+    * ``"outside_share"``: share of P2 values whose coarse bin was wrong, i.e. with
+      ``|alpha z + u| > Delta2/2`` (recovered fine index != the sender's). Exact, and only
+      available where the inputs are known (:meth:`reference_mean`, or ``inputs=`` of
+      :meth:`decode_side_info`); None otherwise: a receiver cannot tell a wrong coarse bin
+      from a right one (the decoded value is always within Delta2/2 of the side information).
+    * ``"outside_bound"``: Theorem 6's bound at this exchange's k and measured sigma_z^2.
+    * ``"k"``, ``"bits_p2"``: coarse ratio and P2 code width of this exchange (the largest if
+      P2 payloads disagree).
+    * ``"sigma2"``: the measured sigma_z^2 (None without P2 values); ``"next_k"``: the ratio
+      the next exchange will use.
+
+    Args:
+        world_size: n, number of ranks in the exchange (required).
+        bits: fine code width of P1 (2..8); ``Delta1 = 1/M``, ``M = 2^(bits-1) - 1``.
+        p1_fraction: share of ranks in P1, in (0, 1]; ``n1 = max(1, ceil(p1_fraction n))``,
+            ranks ``0 .. n1-1``.
+        alpha: shrinkage in (0, 1]. 1 keeps DQSG's variance with Delta1 and an unbiased
+            estimate when the coarse bin is right; ``sqrt(1 - Delta1^2 / (12 sigma_z^2))``
+            gives the same variance but is biased towards the side information (eq. (9)).
+        coarse_ratio: k, odd, 3..2M+1; None chooses it by Theorem 6 (above).
+        outage: target outage probability for the automatic k, in (0, 1).
+        bucket_size: elements per bucket (one float32 kappa each); None = whole tensor.
+    """
+
+    name = "nested_dithered"
+    exchange: ClassVar[str] = "custom"
+
+    def __init__(self, world_size: int | None = None, bits: int = 4, p1_fraction: float = 0.5,
+                 alpha: float = 1.0, coarse_ratio: int | None = None, outage: float = 0.01,
+                 bucket_size: int | None = DEFAULT_BUCKET) -> None:
+        if world_size is None:
+            raise ValueError("nested_dithered needs world_size: the number of ranks whose "
+                             "payloads combine (hvd.size() for a full allreduce)")
+        n = check_int("world_size", world_size, 1)
+        bits = _check_bits(bits)
+        M = fine_levels(bits)
+        p1_fraction = self._check_unit("p1_fraction", p1_fraction, closed=True,
+                                       hint="it is the share of ranks sending plain DQSG codes")
+        alpha = self._check_unit("alpha", alpha, closed=True,
+                                 hint="1.0 keeps the estimate unbiased (Theorem 6)")
+        outage = self._check_unit("outage", outage, closed=False,
+                                  hint="e.g. 0.01 for one wrong coarse bin in a hundred")
+        if coarse_ratio is not None:
+            coarse_ratio = check_int("coarse_ratio", coarse_ratio, 3, 2 * M + 1,
+                                     hint=f"an odd k <= 2^bits - 1 = {2 * M + 1} (larger k "
+                                          f"cost more bits than DQSG), or None to choose k by "
+                                          f"Theorem 6.")
+            if coarse_ratio % 2 == 0:
+                raise ValueError(f"coarse_ratio={coarse_ratio} must be odd so that coarse "
+                                 f"bins are centred on fine ones: use {coarse_ratio - 1} or "
+                                 f"{coarse_ratio + 1}")
+        super().__init__(world_size=n, bits=bits, p1_fraction=p1_fraction, alpha=alpha,
+                         coarse_ratio=coarse_ratio, outage=outage, bucket_size=bucket_size)
+        self.world_size = n
+        self.bits = bits
+        self.M = M
+        self.n1 = max(1, min(n, math.ceil(p1_fraction * n - 1e-9)))
+        self.alpha = alpha
+        self.coarse_ratio = coarse_ratio
+        self.outage = outage
+        self.bucket_size = _check_bucket(bucket_size)
+        #: side-information error estimate (inf until an exchange has measured it)
+        self.sigma2 = math.inf
+        self.last_stats: dict[str, Any] = {}
+
+    @staticmethod
+    def _check_unit(name: str, value: Any, closed: bool, hint: str) -> float:
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}={value!r} must be a number") from None
+        if not (0 < v < 1 or (closed and v == 1)):
+            rng = "(0, 1]" if closed else "(0, 1)"
+            raise ValueError(f"{name}={value!r} is out of range: use a value in {rng}; {hint}")
+        return v
+
+    # -- groups and parameters --------------------------------------------------------------
+    @property
+    def delta1(self) -> float:
+        """Fine step Delta1 = 1/M."""
+        return 1.0 / self.M
+
+    @property
+    def current_k(self) -> int:
+        """The coarse ratio the next P2 encode uses."""
+        if self.coarse_ratio is not None:
+            return self.coarse_ratio
+        return theorem6_ratio(self.bits, self.alpha, self.sigma2, self.outage)
+
+    def in_p1(self, rank: int) -> bool:
+        """Whether ``rank`` sends plain DQSG codes (group P1)."""
+        return check_int("rank", rank, 0, self.world_size - 1) < self.n1
+
+    def _bucket(self, n: int) -> int:
+        return self.bucket_size if self.bucket_size is not None else max(n, 1)
+
+    def payload_nbytes(self, n: int, rank: int = 0) -> int:
+        """Payload bytes for n elements from ``rank`` (P2 at the current k)."""
+        bits = self.bits if self.in_p1(rank) else coarse_bits(self.current_k)
+        return HEADER + 4 * -(-n // self._bucket(n)) + int(packed_nbytes(n, bits))
+
+    # -- contract ----------------------------------------------------------------------------
+    def encode(self, x: Any, seed: int = 0, rank: int = 0) -> Payload:
+        """What rank ``rank`` sends: DQSG codes (P1) or nested codes at :attr:`current_k` (P2).
+
+        Args:
+            x: 1-D float array.
+            seed: this rank's seed (``worker_seed(exchange_seed, rank)``), kept in
+                ``meta["seed"]`` (not sent).
+            rank: the sender's rank, 0 .. world_size - 1.
+
+        Returns:
+            The payload ``[int32 k][float32 kappa per bucket][packed codes]``, k = 0 for P1.
+        """
+        v = as_vector(x)
+        k = 0 if self.in_p1(rank) else self.current_k
+        bits = self.bits if k == 0 else coarse_bits(k)
+        am = np.float32(self.M) if k == 0 else np.float32(self.alpha * self.M)
+        out = np.empty(self.payload_nbytes(v.size, rank), np.uint8)
+        out[:HEADER].view(np.int32)[0] = k
+        k0, k1 = split_key(derive_key(seed))
+        encode_dithered(v, self._bucket(v.size), self.M, am, k, bits, k0, k1, out, HEADER)
+        return Payload(out, v.size, {"seed": int(seed)})
+
+    def encode_worker(self, x: Any, seed: int, rank: int, norm: float | None = None) -> Payload:
+        return self.encode(x, seed=worker_seed(seed, rank), rank=rank)
+
+    @staticmethod
+    def payload_k(payload: Payload) -> int:
+        """The coarse ratio in a payload's header (0 for a P1 payload)."""
+        data = np.asarray(payload.data).view(np.uint8)
+        if data.size < HEADER:
+            raise ValueError(f"an NDQSG payload starts with a {HEADER}-byte header; got "
+                             f"{data.size} bytes")
+        return int(data[:HEADER].view(np.int32)[0])
+
+    def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        """Decode a P1 payload (DQSG). P2 payloads need side information:
+        :meth:`decode_side_info`."""
+        if out is None:
+            out = np.empty(payload.size, np.float32)
+        return self._decode_p1(payload, _seed_of(payload), out, False)
+
+    def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
+        return self._decode_p1(payload, _seed_of(payload), out, True)
+
+    def _decode_p1(self, payload: Payload, seed: int, out: np.ndarray, accumulate: bool
+                   ) -> np.ndarray:
+        k = self.payload_k(payload)
+        if k != 0:
+            raise ValueError(f"this is a P2 payload (coarse ratio {k}): it decodes only with "
+                             f"the P1 mean as side information; use decode_side_info")
+        n = payload.size
+        k0, k1 = split_key(derive_key(seed))
+        decode_dithered(np.asarray(payload.data).view(np.uint8), HEADER, n, self._bucket(n),
+                        self.M, self.bits, k0, k1, out, accumulate)
+        return out
+
+    def decode_p2(self, payload: Payload, y: np.ndarray, out: np.ndarray | None = None
+                  ) -> np.ndarray:
+        """Decode one P2 payload with side information ``y`` (eq. (7)); no state changes.
+
+        Args:
+            payload: a P2 payload with ``meta["seed"]``.
+            y: float32 side information (the P1 mean) of the payload's length.
+            out: destination (overwritten), or None for a new array.
+
+        Returns:
+            The sender's estimate ``x_hat``.
+        """
+        k = self.payload_k(payload)
+        if k < 3:
+            raise ValueError("this is a P1 payload: decode it with decode()")
+        n = payload.size
+        out = np.zeros(n, np.float32) if out is None else out
+        out[:] = 0
+        k0, k1 = split_key(derive_key(_seed_of(payload)))
+        decode_nested(np.asarray(payload.data).view(np.uint8), HEADER, n, self._bucket(n), self.M,
+                      k, coarse_bits(k), np.float32(self.alpha * self.M), np.float32(self.alpha),
+                      np.ascontiguousarray(y, np.float32), k0, k1, out)
+        return out
+
+    def decode_side_info(self, payloads_by_rank: Sequence[Payload], seeds_by_rank: Sequence[int],
+                         inputs: Sequence[Any] | None = None) -> np.ndarray:
+        """The mean estimate of an exchange (Alg. 2 "Server"), as every rank computes it.
+
+        Decodes P1 in rank order into a float32 sum, takes the P1 mean y as side information,
+        adds every P2 decode (eq. (7)) in rank order and divides by n. Updates ``sigma2`` (and
+        so the next k) and ``last_stats``.
+
+        Args:
+            payloads_by_rank: the n payloads in rank order.
+            seeds_by_rank: each sender's seed (``worker_seed(exchange_seed, rank)``).
+            inputs: the senders' vectors, when known (simulation): makes
+                ``last_stats["outside_share"]`` exact instead of None.
+
+        Returns:
+            The float32 mean estimate.
+        """
+        n = len(payloads_by_rank)
+        if n != self.world_size or len(seeds_by_rank) != n:
+            raise ValueError(f"got {n} payloads and {len(seeds_by_rank)} seeds for a codec "
+                             f"built with world_size={self.world_size}: pass one of each per "
+                             f"rank, in rank order")
+        size = payloads_by_rank[0].size
+        if any(p.size != size for p in payloads_by_rank):
+            raise ValueError(f"payloads encode different lengths "
+                             f"{[p.size for p in payloads_by_rank]}")
+        est = np.zeros(size, np.float32)
+        for r in range(self.n1):
+            self._decode_p1(payloads_by_rank[r], int(seeds_by_rank[r]), est, True)
+        y = est * np.float32(1.0 / self.n1)
+        bucket = self._bucket(size)
+        am = np.float32(self.alpha * self.M)
+        sum_r2, count, wrong, ks = 0.0, 0, 0, []
+        for r in range(self.n1, n):
+            p = payloads_by_rank[r]
+            k = self.payload_k(p)
+            if k < 3 or k % 2 == 0:
+                raise ValueError(f"rank {r} is in P2 (ranks >= {self.n1}) but its payload "
+                                 f"header says k={k}: all ranks must build the codec with the "
+                                 f"same world_size and p1_fraction")
+            ks.append(k)
+            data = np.asarray(p.data).view(np.uint8)
+            k0, k1 = split_key(derive_key(int(seeds_by_rank[r])))
+            s2, c = decode_nested(data, HEADER, size, bucket, self.M, k, coarse_bits(k), am,
+                                  np.float32(self.alpha), y, k0, k1, est)
+            sum_r2 += s2
+            count += c
+            if inputs is not None:
+                fine = fine_indices(as_vector(inputs[r]), bucket, am, k0, k1)
+                wrong += nested_outside(data, HEADER, size, bucket, self.M, k, coarse_bits(k), am,
+                                        y, k0, k1, fine)
+        est *= np.float32(1.0 / n)
+        self._update_state(sum_r2, count, wrong, ks, inputs is not None)
+        return est
+
+    def _update_state(self, sum_r2: float, count: int, wrong: int, ks: list[int],
+                      exact: bool) -> None:
+        """sigma_z^2 from the P2 residuals (class doc) and ``last_stats``. An exchange without
+        finite P2 values (or with non-finite side information) leaves the estimate as it was."""
+        sigma2 = None
+        if count and not math.isnan(sum_r2):
+            d1 = self.delta1
+            sigma2 = max(0.0, (sum_r2 / count - 1 / 12) * d1 * d1 / (self.alpha * self.alpha))
+            self.sigma2 = sigma2
+        k = max(ks) if ks else None
+        self.last_stats = {
+            "outside_share": (wrong / count if count else 0.0) if exact else None,
+            "outside_bound": (outage_bound(k, self.alpha, sigma2, self.M)
+                              if k is not None and sigma2 is not None else None),
+            "k": k,
+            "bits_p2": coarse_bits(k) if k is not None else None,
+            "sigma2": sigma2,
+            "next_k": self.current_k,
+        }
+
+    def combine_gathered(self, payloads: Sequence[Payload], seed: int) -> np.ndarray:
+        """The exchange's mean from every rank's payload in rank order (custom exchange
+        fallback: allgather, then this on every rank)."""
+        return self.decode_side_info(payloads, [worker_seed(seed, r) for r in range(len(payloads))])
+
+    def reference_mean(self, xs: Sequence[np.ndarray], seed: int) -> tuple[np.ndarray, int]:
+        """The n-rank exchange in one process: rank r encodes ``xs[r]`` with
+        ``worker_seed(seed, r)``, then :meth:`decode_side_info` (which updates the state as
+        every rank of the distributed run does, and reports the exact outage share)."""
+        n = len(xs)
+        if n != self.world_size:
+            raise ValueError(f"got {n} workers' vectors for a codec built with "
+                             f"world_size={self.world_size}; pass world_size={n}")
+        payloads = [self.encode_worker(x, seed, r) for r, x in enumerate(xs)]
+        seeds = [worker_seed(seed, r) for r in range(n)]
+        est = self.decode_side_info(payloads, seeds, inputs=xs)
+        return est, max(p.nbytes for p in payloads)

@@ -1,0 +1,690 @@
+"""Global-QSGD (Global-QSGD paper, Definition 3.1, Algorithm 1): quantization by the GLOBAL norm.
+
+Every worker scales its vector by the norm of the concatenation of all workers' vectors (one
+scalar allreduce, Algorithm 1 line 2) instead of its own, so all workers share one grid and
+their codes can be combined without side information:
+
+* ``levels="linear"`` (Global-L_s): levels j/s; worker values ``v in [-s, s]`` are stored as
+  ``v + s`` in fields of ``bits`` bits, ``F = 64 // bits`` per uint64 word. The default
+  ``s = floor((2^bits - 1) / (2n))`` leaves the headroom that makes a plain integer SUM of n
+  workers' words exact (``exchange = "sum"``), on the 64-bit words of any allreduce (an int64
+  two's-complement sum wraps, and the fields guarantee the true sum fits).
+* ``levels="exponential"`` (Global-E_s): levels {0} U {2^-j, j < s}; after the division by
+  ``2^c >= 2n`` a value is ``sign * 2^-e`` with ``e = j + c``, sent as ``sign << (bits-1) | e``
+  and summed by the stochastic exponent reduction of :mod:`.exp_reduce`
+  (``exchange = "custom"``).
+* ``mode="sparse"``: only the nonzero codes and their positions travel (``exchange = "gather"``).
+
+Linear word layout. Words are cut into blocks of ``WORD_BLOCK`` words (``WORD_BLOCK * F``
+elements, the last block may be shorter). In a block of m elements with ``L = ceil(m / F)``
+words, word j holds elements ``j, j + L, ..., j + (F - 1) L`` of the block in fields 0..F-1
+(field f at bits ``f * bits``), so d elements take exactly ``ceil(d / F)`` words and the
+kernels read and write contiguous runs (the segment-strided layout of :mod:`.packing`).
+
+Rounding draws come from the element's counter-based hash (:mod:`.rng`). Given the float32
+ratio |x| s / norm (or |x| / norm) they are exact between two nonzero levels; between zero and
+the lowest nonzero level a probability p < 1/2 is compared on a 2^-24 grid, which rounds it up
+by less than 2^-24 (a bias below 2^-24 of that level, under float32 resolution).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numba
+import numpy as np
+
+from .base import Codec, as_vector, check_choice, check_int, worker_seed
+from .exp_reduce import (
+    REDUCTIONS,
+    exponent_offset,
+    partial_sum_sizes,
+    reduce_packed,
+    reduction_rounds,
+)
+from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
+from .payload import Payload
+from .quantizers import uniform_grid_omega
+from .rng import block_key, derive_key, hash32_lo, split_key, u24_float
+
+#: Words per block of the linear layout. Part of the wire format.
+WORD_BLOCK = 1024
+LEVELS = ("linear", "exponential")
+NORMS = ("max", "l2")
+MODES = ("dense", "sparse")
+#: Largest field of the linear dense layout (levels and offsets stay exact in int32/float32).
+MAX_LINEAR_BITS = 16
+
+_LANES = 8
+#: Norms below this are handled on values and norm scaled by ``_TINY_BOOST``: s / norm and
+#: 1 / norm overflow float32 near the subnormal range (0 * inf would round zeros to the top
+#: level). Scaling by a power of two is exact, so other norms round exactly as without it.
+_TINY_NORM = np.float32(2.0 ** -100)
+_TINY_BOOST = np.float32(2.0 ** 64)
+
+
+# -- norm ------------------------------------------------------------------------------------
+@numba.njit(cache=True)
+def _sum_squares(x):
+    """sum x^2 in float64, in 8 interleaved lanes combined in lane order (fixed order)."""
+    n = x.size
+    n8 = n // _LANES * _LANES
+    lanes = np.zeros(_LANES, np.float64)
+    for i in range(0, n8, _LANES):
+        for j in range(_LANES):
+            v = np.float64(x[i + j])
+            lanes[j] += v * v
+    for i in range(n8, n):
+        v = np.float64(x[i])
+        lanes[i - n8] += v * v
+    acc = 0.0
+    for j in range(_LANES):
+        acc += lanes[j]
+    return acc
+
+
+@numba.njit(cache=True)
+def _max_abs(x):
+    """max |x|, NaN if x holds a NaN (max() alone would skip it: x - x is NaN for NaN/Inf)."""
+    n = x.size
+    n8 = n // _LANES * _LANES
+    mx = np.zeros(_LANES, np.float32)
+    bad = np.zeros(_LANES, np.float32)
+    for i in range(0, n8, _LANES):
+        for j in range(_LANES):
+            a = np.abs(x[i + j])
+            mx[j] = a if a > mx[j] else mx[j]
+            bad[j] += x[i + j] - x[i + j]
+    for i in range(n8, n):
+        a = np.abs(x[i])
+        mx[i - n8] = a if a > mx[i - n8] else mx[i - n8]
+        bad[i - n8] += x[i] - x[i]
+    m = np.float32(0.0)
+    for j in range(_LANES):
+        m = mx[j] if mx[j] > m else m
+        m += bad[j]
+    return np.float64(m)
+
+
+# -- rounding --------------------------------------------------------------------------------
+@numba.njit(inline="always")
+def _boost(norm):
+    """Factor applied to values and norm before dividing (``_TINY_BOOST`` for tiny norms)."""
+    return _TINY_BOOST if norm < _TINY_NORM else np.float32(1.0)
+
+
+@numba.njit(inline="always")
+def _linear_level(v, boost, mult, fs, h):
+    """Signed level in [-s, s] of v on the grid {j/s} (QSGD rounding, Definition 3.1 eq. (6)):
+    floor(t) or floor(t) + 1 with t = |v| s / norm (``mult = s / (norm * boost)``), the upper
+    one with probability frac(t). A NaN compares false and lands on s (only reachable when the
+    norm does not cover x)."""
+    t = (np.abs(v) * boost) * mult
+    t = t if t < fs else fs
+    lvl = np.int32(t)
+    mag = np.int32(lvl + np.int32(u24_float(h) < t - np.float32(lvl)))
+    return np.int32(-mag) if v < 0 else mag
+
+
+@numba.njit(inline="always")
+def _exp_code(v, boost, inv, low_mult, top, s_floor, e_low, smask, h):
+    """Code ``sign | e`` of v on {0} U {2^-j, j < s} (Global-E_s), e = j + c, 0 for zero.
+
+    With r = |v| / norm in [2^-(j+1), 2^-j) the upper level is taken with probability
+    r / 2^-(j+1) - 1, the float's mantissa fraction, compared as an integer with 23 random bits
+    (exact). Below the smallest level 2^(1-s) (code ``e_low = s - 1 + c``) it is taken with
+    probability r * 2^(s-1) against 24 random bits. ``top = 127 + c``: e of the lower level is
+    ``top - biased_exponent(r)``; ``s_floor = 128 - s``: the smallest biased exponent above
+    the low range. ``inv = 1 / (norm * boost)``.
+    """
+    r = (np.abs(v) * boost) * inv
+    r = r if r < np.float32(1.0) else np.float32(1.0)
+    rb = np.int32(np.float32(r).view(np.int32))
+    be = np.int32(rb >> 23)
+    up = np.int32(np.int32(h >> np.uint32(9)) < np.int32(rb & 0x7FFFFF))
+    e_hi = np.int32(np.int32(top - be) - up)
+    e_lo = e_low if u24_float(h) < r * low_mult else np.int32(0)
+    e = e_hi if be >= s_floor else e_lo
+    return np.int32(e | smask) if (v < 0) & (e != 0) else e
+
+
+# -- linear dense ----------------------------------------------------------------------------
+@numba.njit(inline="always")
+def _linear_fields(x, lo, hi, words, sh, boost, mult, fs, s, k0, k1):
+    """OR the offset levels of x[lo:hi] into field ``sh`` of words[:hi - lo]. The range must
+    not cross a multiple of 2^32 (one high index word)."""
+    xs = x[lo:hi]
+    ws = words[: hi - lo]
+    kb = block_key(lo, k0)
+    # a 32-bit counter instead of lo + j keeps the index lanes 32 bits wide
+    idx = np.uint32(lo & 0xFFFFFFFF)
+    ush = np.uint64(sh)
+    for j in range(xs.size):
+        q = _linear_level(xs[j], boost, mult, fs, hash32_lo(idx, kb, k1))
+        ws[j] |= np.uint64(np.uint32(np.int32(q + s))) << ush
+        idx = np.uint32(idx + np.uint32(1))
+
+
+@numba.njit(cache=True)
+def encode_linear(x, norm, s, bits, k0, k1, out):
+    """Encode float32 x into the uint64 words ``out`` (layout: module doc).
+
+    Args:
+        x: float32 vector.
+        norm: global norm (float32); zero or non-finite gives all levels 0.
+        s: number of levels; bits: field width; k0, k1: element key halves.
+        out: uint64, ``ceil(x.size / (64 // bits))`` words.
+    """
+    n = x.size
+    per = 64 // bits
+    ok = norm > 0 and np.isfinite(norm)
+    boost = _boost(norm)
+    mult = np.float32(s) / (norm * boost) if ok else np.float32(0.0)
+    fs = np.float32(s)
+    for w0 in range(0, out.size, WORD_BLOCK):
+        e0 = w0 * per
+        m = min(WORD_BLOCK * per, n - e0)
+        L = (m + per - 1) // per
+        words = out[w0 : w0 + L]
+        words[:] = 0
+        for f in range(per):
+            lo = e0 + f * L
+            hi = min(lo + L, e0 + m)
+            if hi <= lo:
+                break
+            # split at a multiple of 2^32 so each call has one high index word
+            mid = min(hi, max(lo, ((lo >> 32) + 1) << 32))
+            _linear_fields(x, lo, mid, words, f * bits, boost, mult, fs, s, k0, k1)
+            if mid < hi:
+                _linear_fields(x, mid, hi, words[mid - lo :], f * bits, boost, mult, fs, s,
+                               k0, k1)
+
+
+@numba.njit(cache=True)
+def decode_linear(words, n, bits, offset, scale, out, accumulate):
+    """``out[i] (+)= (field_i - offset) * scale`` for the n elements held in ``words``."""
+    per = 64 // bits
+    mask = np.uint64((1 << bits) - 1)
+    off = np.int32(offset)
+    for w0 in range(0, words.size, WORD_BLOCK):
+        e0 = w0 * per
+        m = min(WORD_BLOCK * per, n - e0)
+        L = (m + per - 1) // per
+        ws = words[w0 : w0 + L]
+        for f in range(per):
+            lo = e0 + f * L
+            hi = min(lo + L, e0 + m)
+            if hi <= lo:
+                break
+            ob = out[lo:hi]
+            ush = np.uint64(f * bits)
+            if accumulate:
+                for j in range(ob.size):
+                    ob[j] += np.float32(np.int32(np.int32((ws[j] >> ush) & mask) - off)) * scale
+            else:
+                for j in range(ob.size):
+                    ob[j] = np.float32(np.int32(np.int32((ws[j] >> ush) & mask) - off)) * scale
+    return out
+
+
+# -- exponential dense / sparse codes ---------------------------------------------------------
+@numba.njit(inline="always")
+def _codes_block(x, b0, b1, grid_exp, norm, s, c, bits, k0, k1, codes):
+    """Sign-magnitude codes of x[b0:b1] (one packing block) into ``codes[:b1 - b0]`` as int32:
+    ``sign | e`` for exponential levels (offset c), ``sign | level`` for linear ones."""
+    ok = norm > 0 and np.isfinite(norm)
+    cs = codes[: b1 - b0]
+    if not ok:
+        cs[:] = 0
+        return
+    xs = x[b0:b1]
+    kb = block_key(b0, k0)
+    idx = np.uint32(b0 & 0xFFFFFFFF)
+    smask = np.int32(1 << (bits - 1))
+    boost = _boost(norm)
+    if grid_exp:
+        inv = np.float32(1.0) / (norm * boost)
+        low_mult = np.float32(2.0) ** np.float32(s - 1)
+        top = np.int32(127 + c)
+        s_floor = np.int32(128 - s)
+        e_low = np.int32(s - 1 + c)
+        for j in range(xs.size):
+            cs[j] = _exp_code(xs[j], boost, inv, low_mult, top, s_floor, e_low, smask,
+                              hash32_lo(idx, kb, k1))
+            idx = np.uint32(idx + np.uint32(1))
+    else:
+        mult = np.float32(s) / (norm * boost)
+        fs = np.float32(s)
+        for j in range(xs.size):
+            q = _linear_level(xs[j], boost, mult, fs, hash32_lo(idx, kb, k1))
+            cs[j] = np.int32(np.int32(-q) | smask) if q < 0 else q
+            idx = np.uint32(idx + np.uint32(1))
+
+
+@numba.njit(cache=True)
+def encode_exp(x, norm, s, c, bits, k0, k1, out):
+    """Packed exponent codes of float32 x into ``out`` (``packed_nbytes(x.size, bits)`` bytes)."""
+    n = x.size
+    codes = np.empty(PACK_BLOCK, np.int32)
+    small = np.empty(PACK_BLOCK + 8, np.uint8)
+    o = 0
+    for b0 in range(0, n, PACK_BLOCK):
+        b1 = min(b0 + PACK_BLOCK, n)
+        _codes_block(x, b0, b1, True, norm, s, c, bits, k0, k1, codes)
+        # narrowing in its own loop keeps the rounding loop free of byte shuffles
+        for j in range(b1 - b0):
+            small[j] = np.uint8(codes[j])
+        o = pack_block(small, b1 - b0, bits, out, o)
+    return o
+
+
+@numba.njit(cache=True)
+def decode_packed(data, n, bits, table, scale, out, accumulate):
+    """``out[i] (+)= table[code_i] * scale`` for the n packed codes of ``data``."""
+    codes = np.empty(PACK_BLOCK + 8, np.uint8)
+    o = 0
+    for b0 in range(0, n, PACK_BLOCK):
+        b1 = min(b0 + PACK_BLOCK, n)
+        o = unpack_block(data, o, b1 - b0, bits, codes)
+        ob = out[b0:b1]
+        cb = codes[: b1 - b0]
+        if accumulate:
+            for j in range(ob.size):
+                ob[j] += table[cb[j]] * scale
+        else:
+            for j in range(ob.size):
+                ob[j] = table[cb[j]] * scale
+    return out
+
+
+@numba.njit(cache=True)
+def encode_sparse(x, grid_exp, norm, s, c, bits, k0, k1):
+    """Sparse payload: ``[uint32 count][count uint32 positions][packed codes of the nonzeros]``.
+
+    Returns the payload as a new uint8 array of exactly its size.
+    """
+    n = x.size
+    codes = np.empty(PACK_BLOCK, np.int32)
+    pos = np.empty(n, np.uint32)
+    nz = np.empty(n + 8, np.uint8)
+    cnt = 0
+    for b0 in range(0, n, PACK_BLOCK):
+        b1 = min(b0 + PACK_BLOCK, n)
+        _codes_block(x, b0, b1, grid_exp, norm, s, c, bits, k0, k1, codes)
+        for j in range(b1 - b0):
+            if codes[j] != 0:
+                pos[cnt] = np.uint32(b0 + j)
+                nz[cnt] = np.uint8(codes[j])
+                cnt += 1
+    out = np.empty(4 + 4 * cnt + packed_nbytes(cnt, bits), np.uint8)
+    out[:4].view(np.uint32)[0] = np.uint32(cnt)
+    out[4 : 4 + 4 * cnt].view(np.uint32)[:] = pos[:cnt]
+    scratch = np.empty(PACK_BLOCK + 8, np.uint8)
+    o = 4 + 4 * cnt
+    for b0 in range(0, cnt, PACK_BLOCK):
+        m = min(PACK_BLOCK, cnt - b0)
+        scratch[:m] = nz[b0 : b0 + m]
+        o = pack_block(scratch, m, bits, out, o)
+    return out
+
+
+@numba.njit(cache=True)
+def decode_sparse(data, bits, table, scale, out):
+    """``out[pos] += table[code] * scale`` for every entry of a sparse payload."""
+    cnt = np.int64(data[:4].view(np.uint32)[0])
+    pos = data[4 : 4 + 4 * cnt].view(np.uint32)
+    codes = np.empty(PACK_BLOCK + 8, np.uint8)
+    o = 4 + 4 * cnt
+    for b0 in range(0, cnt, PACK_BLOCK):
+        m = min(PACK_BLOCK, cnt - b0)
+        o = unpack_block(data, o, m, bits, codes)
+        for j in range(m):
+            out[pos[b0 + j]] += table[codes[j]] * scale
+    return out
+
+
+# -- codec -----------------------------------------------------------------------------------
+def _bits_for(top: int) -> int:
+    """Fewest bits whose sign-magnitude code holds magnitudes up to ``top``."""
+    return max(2, top.bit_length() + 1)
+
+
+def exponential_omega(d: int, s: int) -> float:
+    """Bound on E||Q(x) - x||^2 / ||x||^2 for levels {0} U {2^-j, j < s} on d elements scaled
+    by a norm >= max|x| and <= ||x||_2 (max or L2).
+
+    Derived (it has the form of Theorem 3.3's second part, which cites natural dithering): with
+    y = |x| / norm, an element between two powers of two has variance at most y^2 / 8 (C_nat's
+    worst case, natural-compression Theorem 1); below the smallest level l = 2^(1-s) it is
+    y (l - y) <= min(l^2 / 4, y l). Summing, with ||y||_1 <= sqrt(d) ||x||_2 / norm and
+    norm <= ||x||_2: omega = 1/8 + min(d l^2 / 4, sqrt(d) l).
+    """
+    if d == 0:
+        return 0.0
+    low = 2.0 ** (1 - s)
+    return 1 / 8 + min(d * low * low / 4, math.sqrt(d) * low)
+
+
+class GlobalQSGD(Codec):
+    """Global-QSGD (Definition 3.1, Algorithm 1) with linear or exponential levels.
+
+    Every worker encodes with the global norm (``norm_statistic`` of each worker's vector,
+    combined across workers with ``norm_op``, then ``norm_from_statistic``); see the module doc
+    for the payload layouts and :mod:`.exp_reduce` for the exponent reduction.
+
+    Args:
+        world_size: n, the number of workers whose payloads combine (required; it sets the
+            headroom of the linear fields and the exponent offset).
+        bits: wire bits per element, the sign included. Linear dense: 2..16 (a field of a
+            summable word); exponential and sparse: 2..8.
+        levels: "linear" (Global-L_s) or "exponential" (Global-E_s).
+        num_levels: s; default the largest that fits (linear dense:
+            ``floor((2^bits - 1) / (2n))``; exponential dense: ``2^(bits-1) - c - R`` with
+            ``c`` = :func:`.exp_reduce.exponent_offset` and R roundings per element; sparse:
+            ``2^(bits-1) - 1``).
+        norm: "max" (L-infinity, the paper's default) or "l2" (global L2 norm).
+        mode: "dense" (allreduce-style exchange) or "sparse" (nonzeros with positions, gather).
+        reduction: exponential dense only: "tree" (recursive halving/doubling, ceil(log2 n)
+            roundings per element) or "ring" (n - 1 roundings).
+    """
+
+    name = "global_qsgd"
+    #: of the default configuration; each instance sets its own from ``levels`` and ``mode``
+    exchange = "custom"
+
+    def __init__(self, world_size: int | None = None, bits: int = 8,
+                 levels: str = "exponential", num_levels: int | None = None,
+                 norm: str = "max", mode: str = "dense", reduction: str = "tree") -> None:
+        if world_size is None:
+            raise ValueError("global_qsgd needs world_size: the number of workers whose "
+                             "payloads combine (hvd.size() for a full allreduce)")
+        n = check_int("world_size", world_size, 1)
+        check_choice("levels", levels, LEVELS)
+        check_choice("norm", norm, NORMS)
+        check_choice("mode", mode, MODES)
+        check_choice("reduction", reduction, REDUCTIONS)
+        dense = mode == "dense"
+        linear = levels == "linear"
+        if reduction != "tree" and not (dense and not linear):
+            raise ValueError(f"reduction={reduction!r} applies to levels='exponential', "
+                             f"mode='dense' only; leave it at 'tree' for {levels} {mode}")
+        hi_bits = MAX_LINEAR_BITS if dense and linear else 8
+        bits = check_int("bits", bits, 2, hi_bits,
+                         hint=f"Codes of {levels} {mode} payloads take 2..{hi_bits} bits.")
+        if num_levels is not None:
+            num_levels = check_int("num_levels", num_levels, 1)
+        self.world_size = n
+        self.bits = bits
+        self.levels = levels
+        self.norm = norm
+        self.mode = mode
+        self.reduction = reduction
+        self.rounds = reduction_rounds(n, reduction) if dense and not linear else 0
+        self.c = exponent_offset(n, reduction) if dense and not linear else 1
+        if dense and linear:
+            self.s = self._linear_dense_levels(n, bits, num_levels)
+        elif dense:
+            self.s = self._exp_dense_levels(n, bits, num_levels, reduction)
+        else:
+            most = (1 << (bits - 1)) - 1
+            self.s = most if num_levels is None else check_int(
+                "num_levels", num_levels, 1, most,
+                hint=f"{bits} bits hold at most {most} levels with the sign; raise bits.")
+        self.exchange = ("sum" if linear else "custom") if dense else "gather"
+        self.wire_dtype = np.dtype(np.uint64) if dense and linear else np.dtype(np.uint8)
+        self.norm_op = "max" if norm == "max" else "sum"
+        self.table = self._signed_table()
+        super().__init__(world_size=n, bits=bits, levels=levels, num_levels=self.s, norm=norm,
+                         mode=mode, reduction=reduction)
+
+    @staticmethod
+    def _linear_dense_levels(n: int, bits: int, num_levels: int | None) -> int:
+        """s for summable linear fields: n workers' offsets v + s sum to at most 2ns."""
+        most = ((1 << bits) - 1) // (2 * n)
+        s = most if num_levels is None else num_levels
+        if s < 1 or s > most:
+            s = max(s, 1)
+            need = (2 * n * s).bit_length()  # ceil(log2(2ns + 1))
+            raise ValueError(
+                f"linear levels: {n} workers' sum with num_levels={s} needs fields of "
+                f"ceil(log2(2*n*s+1)) = {need} bits, got bits={bits}; use bits >= {need}"
+                + (f" or num_levels <= {most}" if most else "")
+                + f" (bits={bits} supports world_size <= {((1 << bits) - 1) // (2 * s)} "
+                f"at num_levels={s})")
+        return s
+
+    @staticmethod
+    def _exp_dense_levels(n: int, bits: int, num_levels: int | None, reduction: str) -> int:
+        """s for the exponent reduction: exponents reach c + s - 1 + R (module doc)."""
+        top = (1 << (bits - 1)) - 1
+
+        def reach(m: int, s: int) -> int:
+            return exponent_offset(m, reduction) + s - 1 + reduction_rounds(m, reduction)
+
+        most = top - reach(n, 1) + 1
+        s = most if num_levels is None else num_levels
+        if s < 1 or s > most:
+            s = max(s, 1)
+            largest = 0
+            while reach(largest + 1, s) <= top:
+                largest += 1
+            raise ValueError(
+                f"exponential levels: {n} workers ({reduction} reduction) with num_levels={s} "
+                f"reach exponent c + s - 1 + R = {reach(n, s)}, which needs "
+                f"2^(bits-1) - 1 >= {reach(n, s)}, got bits={bits}; use bits >= "
+                f"{_bits_for(reach(n, s))}" + (f" or num_levels <= {most}" if most >= 1 else "")
+                + f" (bits={bits} supports world_size <= {largest} at num_levels={s})")
+        return s
+
+    def _signed_table(self) -> np.ndarray:
+        """Value of each sign-magnitude code (exponential: ±2^(c - e); sparse linear: ±j/s),
+        so that decoded = table[code] * norm (divided by n for a reduced sum)."""
+        half = 1 << (self.bits - 1)
+        table = np.zeros(2 * half, np.float32)
+        mag = np.arange(half, dtype=np.int64)
+        if self.levels == "exponential":
+            lv = np.where(mag > 0, np.ldexp(1.0, self.c - mag), 0.0)
+        else:
+            lv = mag / self.s
+        table[:half] = lv
+        table[half:] = -lv
+        return table
+
+    # -- global norm -----------------------------------------------------------------------
+    def norm_statistic(self, x: Any) -> float:
+        """This worker's part of the global norm: max|x| ("max") or sum x^2 ("l2"), computed
+        in float64; NaN/Inf in x make it non-finite. Combine the workers' values with
+        ``norm_op`` ("max" or "sum") and pass the result to :meth:`norm_from_statistic`."""
+        v = as_vector(x)
+        return float(_max_abs(v) if self.norm == "max" else _sum_squares(v))
+
+    def norm_from_statistic(self, stat: float) -> np.float32:
+        """The global norm from the combined statistic (the root for "l2"), as float32 rounded
+        up, so that |x_i| / norm <= 1 holds for every element of every worker."""
+        val = math.sqrt(stat) if self.norm == "l2" and stat >= 0 else float(stat)
+        out = np.float32(val)
+        if math.isfinite(val) and float(out) < val:
+            out = np.nextafter(out, np.float32(np.inf))
+        return out
+
+    def global_norm(self, xs: Sequence[Any]) -> np.float32:
+        """The global norm of the workers' vectors ``xs`` (see :meth:`norm_from_statistics`)."""
+        return self.norm_from_statistics([self.norm_statistic(x) for x in xs])
+
+    def norm_from_statistics(self, stats: Sequence[float]) -> np.float32:
+        """The global norm from per-worker statistics given in rank order: float64 max or
+        left-to-right sum (the exchange allgathers the statistics so every rank combines them
+        in this order), NaN if any is NaN."""
+        total = stats[0] if stats else 0.0
+        for t in stats[1:]:
+            total = max(total, t) if self.norm_op == "max" else total + t
+        if any(math.isnan(t) for t in stats):  # max() keeps the first operand on a NaN
+            total = math.nan
+        return self.norm_from_statistic(total)
+
+    # -- contract --------------------------------------------------------------------------
+    def payload_nbytes(self, d: int) -> int:
+        """Dense payload bytes for d elements (sparse: ``4 + 4 nnz + packed_nbytes(nnz)``)."""
+        if self.mode == "sparse":
+            raise ValueError("sparse payload sizes depend on the data (4 + 4*nnz + packed "
+                             "codes); payload_nbytes is for mode='dense'")
+        if self.levels == "linear":
+            return 8 * -(-d // (64 // self.bits))
+        return int(packed_nbytes(d, self.bits))
+
+    def encode(self, x: Any, seed: int = 0, norm: float | None = None) -> Payload:
+        """Encode one worker's vector with the global norm.
+
+        Args:
+            x: 1-D float array.
+            seed: this worker's seed (``worker_seed(exchange_seed, rank)``).
+            norm: the global norm over all workers (and all tensors of the step);
+                None uses this vector's own norm (n = 1 semantics). Zero gives all-zero codes;
+                NaN/Inf makes every decoded value non-finite.
+
+        Returns:
+            The payload; ``meta["norm"]`` holds the float32 norm (not sent: every rank knows
+            the global norm from the norm allreduce).
+        """
+        v = as_vector(x)
+        if norm is None:
+            g = self.norm_from_statistic(self.norm_statistic(v))
+        else:
+            g = np.float32(norm)
+            if g < 0:
+                raise ValueError(f"norm={norm} must be >= 0: pass the global norm "
+                                 f"(norm_from_statistic of the combined statistics)")
+        k0, k1 = split_key(derive_key(seed))
+        exp = self.levels == "exponential"
+        if self.mode == "sparse":
+            if v.size >= 1 << 32:
+                raise ValueError(f"sparse payloads index with uint32: split the {v.size}-element "
+                                 f"vector below 2^32 elements or use mode='dense'")
+            data = encode_sparse(v, exp, g, self.s, self.c, self.bits, k0, k1)
+        elif exp:
+            data = np.empty(self.payload_nbytes(v.size), np.uint8)
+            encode_exp(v, g, self.s, self.c, self.bits, k0, k1, data)
+        else:
+            data = np.empty(self.payload_nbytes(v.size) // 8, np.uint64)
+            encode_linear(v, g, self.s, self.bits, k0, k1, data)
+        return Payload(data, v.size, {"norm": g})
+
+    @staticmethod
+    def _norm_of(payload: Payload) -> np.float32:
+        try:
+            return np.float32(payload.meta["norm"])
+        except KeyError:
+            raise ValueError("payload.meta has no 'norm': rebuild it with "
+                             "payload_from_wire(data, size, norm=<global norm>)") from None
+
+    def _decode(self, payload: Payload, n: int, out: np.ndarray | None, acc: bool
+                ) -> np.ndarray:
+        size = payload.size
+        if out is None:
+            out = np.zeros(size, np.float32) if acc else np.empty(size, np.float32)
+        norm = self._norm_of(payload)
+        data = np.asarray(payload.data).reshape(-1)
+        if self.mode == "sparse":
+            if not acc:
+                out[:] = 0
+            if math.isfinite(norm):
+                decode_sparse(data.view(np.uint8), self.bits, self.table, norm / np.float32(n),
+                              out)
+            else:  # no nonzero codes were sent; the non-finite norm still has to show
+                out += np.float32(np.nan)
+        elif self.levels == "linear":
+            scale = np.float32(np.float64(norm) / (self.s * n))
+            decode_linear(data.view(np.uint64), size, self.bits, n * self.s, scale, out, acc)
+        else:
+            decode_packed(data.view(np.uint8), size, self.bits, self.table,
+                          np.float32(norm / np.float32(n)), out, acc)
+        return out
+
+    def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        """One worker's payload as float32 (its own estimate of x_i)."""
+        return self._decode(payload, 1, out, False)
+
+    def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
+        """``out += decode(payload)`` in one pass."""
+        return self._decode(payload, 1, out, True)
+
+    def decode_sum(self, payload: Payload, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The mean estimate from the combined payload of n workers (dense modes): the integer
+        word sum for linear levels, ``(field - n s) * norm / (s n)``; the reduced codes
+        (:meth:`reduce`) for exponential ones, ``decoded * norm * 2^c / n``."""
+        if self.mode == "sparse":
+            raise ValueError("sparse payloads are gathered, not summed: decode_add each one")
+        n = check_int("n", n, 1, self.world_size,
+                      hint=f"the codec was built for world_size={self.world_size}.")
+        return self._decode(payload, n, out, False)
+
+    def reduce(self, payloads: Sequence[Payload], seed: int) -> Payload:
+        """The combined payload of n workers, as the dense exchange computes it: the wrapping
+        uint64 sum of the words (linear) or the stochastic exponent reduction with the exchange
+        seed ``seed`` (exponential, :func:`.exp_reduce.reduce_packed`)."""
+        if self.mode == "sparse":
+            raise ValueError("sparse payloads are gathered, not reduced: decode_add each one")
+        n = len(payloads)
+        check_int("number of payloads", n, 1, self.world_size,
+                  hint=f"the codec was built for world_size={self.world_size}.")
+        first = payloads[0]
+        if self.levels == "linear":
+            total = np.asarray(first.data).view(np.uint64).copy()
+            for p in payloads[1:]:
+                total += np.asarray(p.data).view(np.uint64)
+        else:
+            total = reduce_packed([np.asarray(p.data).view(np.uint8) for p in payloads],
+                                  first.size, self.bits, seed, self.reduction)
+        return Payload(total, first.size, dict(first.meta))
+
+    def encode_worker(self, x: Any, seed: int, rank: int, norm: float | None = None) -> Payload:
+        """Worker ``rank``'s payload in an exchange with seed ``seed`` and global norm ``norm``."""
+        return self.encode(x, seed=worker_seed(seed, rank), norm=norm)
+
+    def combine_gathered(self, payloads: Sequence[Payload], seed: int) -> np.ndarray:
+        """The mean estimate from every worker's payload, in rank order: the gather of sparse
+        mode (decode_add in rank order in float32, then the mean), or the dense sum / exponent
+        reduction computed locally (what the custom exchange gives when run without MPI)."""
+        if self.mode == "sparse":
+            return super().combine_gathered(payloads, seed)
+        return self.decode_sum(self.reduce(payloads, seed), len(payloads))
+
+    def reference_mean(self, xs: Sequence[np.ndarray], seed: int) -> tuple[np.ndarray, int]:
+        """The n-worker exchange in one process: :meth:`global_norm`, worker r encoding with
+        ``worker_seed(seed, r)``, then :meth:`combine_gathered`."""
+        n = len(xs)
+        if n != self.world_size:
+            raise ValueError(f"got {n} workers' vectors for a codec built with "
+                             f"world_size={self.world_size}; pass world_size={n}")
+        norm = self.global_norm(xs)
+        payloads = [self.encode_worker(x, seed, r, norm) for r, x in enumerate(xs)]
+        return self.combine_gathered(payloads, seed), max(p.nbytes for p in payloads)
+
+    def theta(self, d: int) -> float:
+        """Bound on E||mean estimate - mean||^2 / ((1/n) sum_i ||x_i||^2) for d elements per
+        worker (Definition 2.2's theta).
+
+        Quantization (Lemma 3.2: theta = omega / n with omega of the one-worker quantizer on
+        the concatenated n*d vector): linear levels use QSGD Lemma 3.1 (see
+        :func:`.quantizers.uniform_grid_omega`), exponential ones :func:`exponential_omega`.
+
+        Exponential dense adds the reduction; derived here, because the paper's factor
+        (9/8)^R bounds second moments, not variances (two workers at 1 and 1/2 quantize
+        exactly, yet their sum rounds with variance 1/4). A combination of independent unbiased
+        partial sums A, B adds at most E(A + B)^2 / 8 (C_nat), so
+        MSE_AB <= 9/8 (MSE_A + MSE_B) + ||x_A + x_B||^2 / 8; unrolled over the R roundings and
+        with ||x_node||^2 <= g_k sum_{i in node} ||x_i||^2 for the g_k workers of a k-th
+        rounding: theta = (9/8)^R omega / n + sum_k (9/8)^(R-k) g_k / (8 n).
+        """
+        n = self.world_size
+        if self.levels == "linear":
+            omega = uniform_grid_omega(n * d, self.s, 2.0)
+        else:
+            omega = exponential_omega(n * d, self.s)
+        growth = 9 / 8
+        theta = growth ** self.rounds * omega / n
+        if self.rounds:
+            sizes = partial_sum_sizes(n, self.reduction)
+            theta += sum(growth ** (self.rounds - k) * g
+                         for k, g in enumerate(sizes, start=1)) / (8 * n)
+        return theta

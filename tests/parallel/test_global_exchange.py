@@ -1,0 +1,73 @@
+"""Global-QSGD and NDQSG exchanges between real ranks (issue: custom exchanges over MPI).
+
+Run by tests/parallel/run.sh under 2, 3 and 4 ranks, gloo and MPI. Under MPI with thread
+support the exponent reduction runs on mpi4py (horovod_quant.comm.mpi_exp); under gloo it
+falls back to allgather + local reduction. Both must equal mean_estimate bit for bit.
+"""
+import os
+
+import numpy as np
+import pytest
+import horovod.torch as hvd
+
+import horovod_quant as hq
+from horovod_quant.comm import Exchange
+from horovod_quant.comm.mpi_exp import MpiExponentReduce
+from horovod_quant.torch.collectives import HorovodTorchCollectives
+
+from conftest import rank_gradients
+
+SIZES = [0, 1, 8191, 8193, 3 * 8192 + 5]
+
+
+def _run(codec, size, seed, name, scale=1.0):
+    comm = HorovodTorchCollectives()
+    ex = Exchange(codec, comm)
+    xs = [rank_gradients([(size,)], seed, r, scale)[0] for r in range(hvd.size())]
+    got = ex.start(xs[hvd.rank()], seed, name).wait()
+    return ex, xs, got
+
+
+@pytest.mark.parametrize("reduction", ["tree", "ring"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("size", SIZES)
+def test_exponent_allreduce_matches_reference(reduction, bits, size):
+    n = hvd.size()
+    make = lambda: hq.get_codec("global_qsgd", world_size=n, bits=bits, levels="exponential",
+                                reduction=reduction)
+    ex, xs, got = _run(make(), size, 7, f"gq.exp.{reduction}.{bits}.{size}")
+    want, _ = hq.mean_estimate(make(), xs, seed=7)
+    assert np.array_equal(got, want)
+    everyone = hvd.allgather_object(got.tobytes())
+    assert all(e == everyone[0] for e in everyone), "every rank holds the same result"
+    uses_mpi = isinstance(ex._custom, MpiExponentReduce)
+    if os.environ.get("HQ_CONTROLLER") == "mpi" and hvd.mpi_threads_supported():
+        assert uses_mpi, "under MPI the mpi4py exponent allreduce must be used"
+    if os.environ.get("HQ_CONTROLLER") == "gloo":
+        assert not uses_mpi
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_linear_integer_sum_exact_at_the_width_limit(bits):
+    """Every rank at the largest level of either sign: the packed words' sum must not carry."""
+    n = hvd.size()
+    codec = hq.get_codec("global_qsgd", world_size=n, bits=bits, levels="linear")
+    size = 1000
+    for sign in (1.0, -1.0):
+        x = np.full(size, sign, np.float32)  # |x| = norm -> top level, deterministically
+        got = Exchange(codec, HorovodTorchCollectives()).start(x, 3, f"gq.lin.{bits}.{sign}").wait()
+        assert np.array_equal(got, np.full(size, sign, np.float32))
+
+
+def test_nested_dithered_matches_reference():
+    n = hvd.size()
+    make = lambda: hq.get_codec("nested_dithered", world_size=n, bits=6)
+    codec = make()
+    ref_codec = make()
+    for step in range(3):  # k adapts from the measured side-information error
+        xs = [rank_gradients([(5000,)], 100 + step, 0)[0] + 0.01 * rank_gradients([(5000,)], step, r)[0]
+              for r in range(n)]
+        got = Exchange(codec, HorovodTorchCollectives()).start(xs[hvd.rank()], step, f"nd.{step}").wait()
+        want, _ = hq.mean_estimate(ref_codec, xs, seed=step)
+        assert np.array_equal(got, want)
+        assert codec.last_stats["k"] == ref_codec.last_stats["k"]
