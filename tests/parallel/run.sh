@@ -21,4 +21,14 @@ for np in $HQ_PARALLEL_WORLDS; do
     fi
   done
 done
+# non-power-of-two world for the custom exchanges (fold round of the exponent allreduce)
+for ctrl in $HQ_PARALLEL_CONTROLLERS; do
+  echo "== tests/parallel/test_global_exchange.py: 3 ranks, $ctrl =="
+  if ! HQ_CONTROLLER=$ctrl timeout --kill-after=30 "$HQ_PARALLEL_TIMEOUT" \
+      horovodrun -np 3 -H localhost:3 "--$ctrl" \
+      python3 -m pytest -q -x -p no:cacheprovider tests/parallel/test_global_exchange.py; then
+    echo "!! tests/parallel/test_global_exchange.py failed: 3 ranks, $ctrl"
+    status=1
+  fi
+done
 exit $status
