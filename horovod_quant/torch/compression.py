@@ -10,10 +10,11 @@ placeholder with the user's op, pre/postscale factors and process set, which tel
 ``decompress`` the exact factor to apply to the mean estimate: 1 for Average, n for Sum.
 ``none`` and ``fp16`` keep Horovod's own path (a cast, reduced by Horovod).
 
-Collective names and seeds come from a per-compressor call counter: the k-th tensor this
-compressor compresses (counting from 0) is exchanged as ``hq.<id>.<k>`` with seed
-``derive_key(seed, k)``. Horovod calls ``compress`` in backward-hook order, which is the same on
-every rank for the same model, as Horovod's own grouping also assumes.
+Collective names and seeds come from the order of calls: a step is a run of ``compress`` calls
+(ended by the first ``decompress``), and the j-th tensor compressed in step t (both from 0) is
+exchanged as ``hq.<id>.<j>`` with seed ``derive_key(seed, t, j)``. Horovod calls ``compress`` in
+backward-hook order, the same on every rank for the same model (Horovod's own grouping assumes
+it too); names repeat every step, so Horovod's response cache keeps working.
 """
 from __future__ import annotations
 
@@ -78,7 +79,9 @@ class QuantizedCompressor(Compressor):
         self.process_set = process_set
         self.stats = StepStats()
         self._id = next(_IDS)
-        self._calls = 0
+        self._step = 0
+        self._index = 0
+        self._decompressing = False
         self._exchange: Exchange | None = None
 
     def _start(self) -> Exchange:
@@ -97,16 +100,19 @@ class QuantizedCompressor(Compressor):
         if self.codec.name == "fp16":
             self.stats.add_raw(tensor.numel() * 2)
             return tensor.half(), tensor.dtype
-        k = self._calls
-        self._calls += 1
-        pending = self._exchange.start(to_numpy(tensor), derive_key(self.seed, k),
-                                       f"hq.{self._id}.{k}")
+        if self._decompressing:  # first compress after a decompress: a new step
+            self._step, self._index, self._decompressing = self._step + 1, 0, False
+        j = self._index
+        self._index += 1
+        pending = self._exchange.start(to_numpy(tensor), derive_key(self.seed, self._step, j),
+                                       f"hq.{self._id}.{j}")
         placeholder = torch.ones(1, dtype=torch.float32)
         return placeholder, (pending, tensor)
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         if ctx is None:
             return tensor
+        self._decompressing = True
         if isinstance(ctx, torch.dtype):
             return tensor.to(ctx)
         pending, grad = ctx

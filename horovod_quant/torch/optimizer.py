@@ -212,7 +212,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
 
     def _start_bucket(self, bucket: _Bucket, norm: float | None) -> None:
         seed = derive_key(self.seed, self._step, bucket.index)
-        name = f"hq.o{self._id}.s{self._step}.b{bucket.index}"
+        name = f"hq.o{self._id}.b{bucket.index}"  # the same every step: Horovod caches it
         bucket.pending = self._exchange.start(self._flat(bucket), seed, name, norm=norm)
 
     # -- synchronize / step -------------------------------------------------------------
@@ -230,7 +230,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             if self._defer:
                 t = time.perf_counter()
                 norm = global_norm(self.codec, [self._flat(b) for b in pending], self._comm,
-                                   f"hq.o{self._id}.s{self._step}.norm")
+                                   f"hq.o{self._id}.norm")
                 self.stats.exchange_s += time.perf_counter() - t
                 self.stats.bytes_sent += 8
             for b in pending:
