@@ -36,7 +36,7 @@ its operands.
   Rank g then owns its final range; ranks ``< P`` allgather the owned ranges by recursive
   doubling and send the whole result to rank ``g + P`` where it exists. Each element is rounded
   ``ceil(log2 n)`` times.
-* ``"ring"``: the blocks split into n chunks by :func:`chunk_blocks`; in round
+* ``"ring"``: the blocks split into n chunks by :func:`.schedules.chunk_bounds`; in round
   ``t = 0 .. n - 2`` rank g receives chunk ``(g - t - 1) mod n`` from rank ``g - 1`` and combines
   it into its own (chunk c is accumulated in rank order c, c + 1, ...). Rank g owns chunk
   ``(g + 1) mod n`` and a ring allgather copies the owned chunks. Each element is rounded
@@ -56,6 +56,7 @@ from numba.extending import intrinsic
 
 from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
 from .rng import block_key, derive_key, hash32_lo, split_key
+from .schedules import chunk_bounds
 
 REDUCTIONS = ("tree", "ring")
 
@@ -289,18 +290,6 @@ def exponent_offset(n: int, reduction: str) -> int:
     return n if reduction == "ring" else (2 * n - 1).bit_length()
 
 
-def chunk_blocks(n_blocks: int, parts: int) -> list[tuple[int, int]]:
-    """Split ``range(n_blocks)`` into ``parts`` contiguous block ranges (the first ones one
-    longer when it does not divide)."""
-    base, extra = divmod(n_blocks, parts)
-    out, lo = [], 0
-    for c in range(parts):
-        hi = lo + base + (1 if c < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
-
-
 class Combination(NamedTuple):
     """One combination of a schedule: rank ``rank`` combines the bytes of blocks ``[b0, b1)``
     received from ``partner`` into its own, in round ``round`` (key group = ``rank``)."""
@@ -327,7 +316,7 @@ def schedule(n: int, n_blocks: int, reduction: str
         ``(rank, b0, b1)``, the fully reduced block range each owner holds before the allgather.
     """
     if reduction == "ring":
-        chunks = chunk_blocks(n_blocks, n)
+        chunks = chunk_bounds(n_blocks, n)
         rounds = [[Combination(t, g, (g - 1) % n, *chunks[(g - t - 1) % n]) for g in range(n)]
                   for t in range(n - 1)]
         return rounds, [(g, *chunks[(g + 1) % n]) for g in range(n)]

@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from horovod_quant.core.schedules import chunk_bounds
 import pytest
 
 from horovod_quant.core import get_codec, mean_estimate, worker_seed
 from horovod_quant.core.exp_reduce import (
-    chunk_blocks,
     exp_combine,
     packed_range,
     reduction_rounds,
@@ -390,9 +391,9 @@ def test_reduce_matches_documented_message_passing(n, bits, reduction):
     assert np.array_equal(est, codec.decode_sum(Payload(reduced, size, {"norm": norm}), n))
 
 
-def test_chunk_blocks_balanced():
-    assert chunk_blocks(7, 3) == [(0, 3), (3, 5), (5, 7)]
-    assert chunk_blocks(1, 3) == [(0, 1), (1, 1), (1, 1)]
+def test_chunk_bounds_balanced():
+    assert chunk_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert chunk_bounds(1, 3) == [(0, 1), (1, 1), (1, 1)]
 
 
 # --------------------------------------------------------------------------------------------
