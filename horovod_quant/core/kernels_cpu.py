@@ -10,22 +10,64 @@ uniform, and packs codes; the input is read from memory once. A code is
 ``sign << (bits - 1) | level_index``. The decoder unpacks a block and multiplies a signed level
 table by the bucket scale (fused ``+=`` for gather exchanges).
 
-Mirrored in ``kernels/levels.cu``; a change to the arithmetic here must be made there too.
+8-bit codes are written straight into the payload (their packed layout is the codes). A bucket
+whose scale is below 2^-100 is rounded on a copy scaled by 2^64 (see ``_TINY_SCALE``).
+
+Mirrored in ``kernels/levels.cu``; a change to the arithmetic here must be made there too
+(including the tiny-scale rule).
 """
 from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
-from .rng import block_key, hash32_lo, u24_float
+from .rng import block_key, hash32_at, u24_float
 
 NORM_L2, NORM_MAX, NORM_P, NORM_POW2 = 0, 1, 2, 3
 GRID_UNIFORM, GRID_GEOMETRIC = 0, 1
 
-
-
 _LANES = 8
+
+#: Buckets whose scale is below this are rounded on a copy multiplied by ``_TINY_BOOST``
+#: (and the scale too): s / scale and 1 / scale overflow float32 for scales near the subnormal
+#: range, which used to round every nonzero element to the top level (a bias). Scaling by a
+#: power of two is exact here, so every other bucket rounds exactly as before.
+_TINY_SCALE = np.float32(2.0 ** -100)
+_TINY_BOOST = np.float32(2.0 ** 64)
+
+
+@intrinsic
+def _sumsq_lanes(typingctx, arr, lo, n8, lanes):
+    """``lanes[j] += float64(x[lo + i])^2`` for i < n8 with i % 8 == j, each lane summed left
+    to right: the order of :func:`_bucket_scale`, written as <8 x double> vector operations
+    (numba would keep the lanes in memory and run them one by one). ``arr`` must be a
+    C-contiguous float32 array, ``lanes`` a C-contiguous float64 array of 8."""
+    if arr.layout != "C" or arr.dtype != types.float32 or lanes.layout != "C":
+        return None
+    sig = types.void(arr, types.intp, types.intp, lanes)
+
+    def codegen(context, builder, signature, args):
+        a, lo_, n8_, ln = args
+        src = context.make_array(signature.args[0])(context, builder, value=a).data
+        dst = context.make_array(signature.args[3])(context, builder, value=ln).data
+        v8f, v8d = ir.VectorType(ir.FloatType(), 8), ir.VectorType(ir.DoubleType(), 8)
+        dvec = builder.bitcast(dst, v8d.as_pointer())
+        acc = cgutils.alloca_once(builder, v8d)
+        builder.store(builder.load(dvec, align=8), acc)
+        base = builder.gep(src, [lo_])
+        zero, step = ir.Constant(lo_.type, 0), ir.Constant(lo_.type, _LANES)
+        with cgutils.for_range_slice(builder, zero, n8_, step) as (i, _):
+            ptr = builder.bitcast(builder.gep(base, [i]), v8f.as_pointer())
+            v = builder.fpext(builder.load(ptr, align=4), v8d)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(v, v)), acc)
+        builder.store(builder.load(acc), dvec, align=8)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @numba.njit(inline="always")
@@ -34,24 +76,39 @@ def _bucket_scale(x, lo, hi, norm_kind, p):
 
     Sums run in 8 interleaved float64 lanes (element i feeds lane (i - lo) % 8), combined in
     lane order: a fixed order the GPU kernel reproduces, and 8 independent chains that SIMD.
+    The max of finite values is taken on the integer bit patterns of |x| (same order as the
+    floats, and an integer max vectorizes); a bucket with Inf/NaN takes the float path, which
+    defines the NaN that is stored.
     """
     xs = x[lo:hi]
     n = xs.size
+    if norm_kind == NORM_MAX or norm_kind == NORM_POW2:
+        ib = xs.view(np.int32)
+        mb = np.int32(0)
+        for i in range(n):
+            a = np.int32(ib[i] & np.int32(0x7FFFFFFF))
+            mb = a if a > mb else mb
+        if mb < np.int32(0x7F800000):
+            m = np.int32(mb).view(np.float32)
+            return _pow2_ceil(m) if norm_kind == NORM_POW2 else m
     n8 = n // _LANES * _LANES
     if norm_kind == NORM_L2 or norm_kind == NORM_P:
         lanes = np.zeros(_LANES, np.float64)
-        for i in range(0, n8, _LANES):
-            for j in range(_LANES):
-                v = np.float64(xs[i + j])
-                lanes[j] += v * v if norm_kind == NORM_L2 else np.abs(v) ** p
+        if norm_kind == NORM_L2:
+            _sumsq_lanes(x, lo, n8, lanes)
+        else:
+            for i in range(0, n8, _LANES):
+                for j in range(_LANES):
+                    lanes[j] += _abs_pow(np.float64(xs[i + j]), p)
         for i in range(n8, n):
             v = np.float64(xs[i])
-            lanes[i - n8] += v * v if norm_kind == NORM_L2 else np.abs(v) ** p
+            lanes[i - n8] += v * v if norm_kind == NORM_L2 else _abs_pow(v, p)
         acc = 0.0
         for j in range(_LANES):
             acc += lanes[j]
         return np.float32(np.sqrt(acc)) if norm_kind == NORM_L2 else np.float32(acc ** (1.0 / p))
-    # max and pow2: max() skips NaN, so non-finite values are tracked by x - x (NaN for them)
+    # max and pow2 with a non-finite value: max() skips NaN, so non-finite values are tracked
+    # by x - x (NaN for them)
     mx = np.zeros(_LANES, np.float32)
     bad = np.zeros(_LANES, np.float32)
     for i in range(0, n8, _LANES):
@@ -68,7 +125,21 @@ def _bucket_scale(x, lo, hi, norm_kind, p):
         m = mx[j] if mx[j] > m else m
         m += bad[j]
     if norm_kind == NORM_POW2 and m > 0 and np.isfinite(m):
-        # smallest power of two >= m (2^-126 for subnormal m; inf above 2^127)
+        m = _pow2_ceil(m)
+    return m
+
+
+@numba.njit(inline="always")
+def _abs_pow(v, p):
+    """|v| ** p in float64; p = 1 skips pow (pow(a, 1) == a exactly)."""
+    return np.abs(v) if p == 1.0 else np.abs(v) ** p
+
+
+@numba.njit(inline="always")
+def _pow2_ceil(m):
+    """Smallest power of two >= m for finite m >= 0 (2^-126 for subnormal m; inf above 2^127);
+    0 stays 0."""
+    if m > 0:
         b = np.uint32(np.float32(m).view(np.uint32))
         ex = b >> np.uint32(23)
         if ex == 0:
@@ -80,27 +151,24 @@ def _bucket_scale(x, lo, hi, norm_kind, p):
 
 
 @numba.njit(inline="always")
-def _round_uniform(x, lo, hi, sc, s, sign_shift, kb, k1, codes, c0):
-    """Codes for x[lo:hi] on the grid {j/s}: level floor(t) or floor(t)+1, t = |x| s / sc."""
-    mult = np.float32(s) / sc
+def _round_uniform(xs, cs, base, sc, s, sign_bit, kb, k1):
+    """Codes for xs (element indices base, base + 1, ...) on the grid {j/s}: level floor(t) or
+    floor(t) + 1, t = |x| s / sc. Everything stays in 32-bit lanes (8 per AVX2 vector)."""
     fs = np.float32(s)
-    xs = x[lo:hi]
-    cs = codes[lo - c0 : hi - c0]
-    base = np.uint32(lo & 0xFFFFFFFF)
+    mult = fs / sc
     for j in range(xs.size):
         v = xs[j]
         t = min(np.abs(v) * mult, fs)
         lvl = np.int32(t)
         frac = t - np.float32(lvl)
-        u = u24_float(hash32_lo(base + np.uint32(j), kb, k1))
+        u = u24_float(hash32_at(base, j, kb, k1))
         mag = np.int32(lvl + np.int32(u < frac))
-        neg = np.int32(np.int32(v < 0) & np.int32(mag != 0))
-        cs[j] = np.uint8(mag | np.int32(neg << sign_shift))
+        cs[j] = np.uint8(mag | (sign_bit if (v < 0) & (mag != 0) else np.int32(0)))
 
 
 @numba.njit(inline="always")
-def _round_geometric(x, lo, hi, sc, s, sign_shift, kb, k1, codes, c0):
-    """Codes for x[lo:hi] on {0, 2^(1-s), ..., 1/2, 1}: code c >= 1 stands for 2^(c - s).
+def _round_geometric(xs, cs, base, sc, s, sign_bit, kb, k1):
+    """Codes for xs on {0, 2^(1-s), ..., 1/2, 1}: code c >= 1 stands for 2^(c - s).
 
     Above the smallest level the rounding probability is the float's mantissa fraction,
     compared as an integer with 23 random bits (exact); below it, r * 2^(s-1) vs 24 bits.
@@ -108,34 +176,32 @@ def _round_geometric(x, lo, hi, sc, s, sign_shift, kb, k1, codes, c0):
     inv = np.float32(1.0) / sc
     low_mult = np.float32(2.0) ** np.float32(s - 1)
     top_shift = np.int32(s - 127)
-    xs = x[lo:hi]
-    cs = codes[lo - c0 : hi - c0]
-    base = np.uint32(lo & 0xFFFFFFFF)
     for j in range(xs.size):
         v = xs[j]
         r = min(np.abs(v) * inv, np.float32(1.0))
-        h = hash32_lo(base + np.uint32(j), kb, k1)
+        h = hash32_at(base, j, kb, k1)
         rb = np.int32(np.float32(r).view(np.uint32))
         # code of the lower power of two 2^e is e + s; 127 is the float32 exponent bias
         lower = np.int32(np.int32(rb >> 23) + top_shift)
         up_hi = np.int32(np.int32(h >> np.uint32(9)) < np.int32(rb & 0x7FFFFF))
         up_lo = np.int32(u24_float(h) < r * low_mult)
         mag = np.int32(lower + up_hi) if lower >= 1 else up_lo
-        neg = np.int32(np.int32(v < 0) & np.int32(mag != 0))
-        cs[j] = np.uint8(mag | np.int32(neg << sign_shift))
+        cs[j] = np.uint8(mag | (sign_bit if (v < 0) & (mag != 0) else np.int32(0)))
 
 
 @numba.njit(cache=True)
 def encode_levels(x, bucket, norm_kind, p, grid, s, bits, k0, k1, out):
     """Encode float32 ``x`` into ``out`` = [float32 scale per bucket][packed codes].
 
-    Returns the number of bytes written.
+    Returns the number of bytes written. With ``bits == 8`` the codes go straight into
+    ``out`` (the packed layout of 8-bit codes is the codes themselves).
     """
     n = x.size
     nb = (n + bucket - 1) // bucket
     scales = out[: 4 * nb].view(np.float32)
     codes = np.empty(PACK_BLOCK + 8, np.uint8)
-    sign_shift = bits - 1
+    boosted = np.empty(0, np.float32)
+    sign_bit = np.int32(1 << (bits - 1))
     o = 4 * nb
     next_bucket = 0
     for b0 in range(0, n, PACK_BLOCK):
@@ -145,20 +211,34 @@ def encode_levels(x, bucket, norm_kind, p, grid, s, bits, k0, k1, out):
             scales[next_bucket] = _bucket_scale(x, lo, min(lo + bucket, n), norm_kind, p)
             next_bucket += 1
         kb = block_key(b0, k0)
+        dst = out[o : o + (b1 - b0)] if bits == 8 else codes
         i = b0
         while i < b1:
             k = i // bucket
             hi = min((k + 1) * bucket, b1)
             sc = scales[k]
+            cs = dst[i - b0 : hi - b0]
             if sc > 0 and np.isfinite(sc):
+                xs = x[i:hi]
+                if sc < _TINY_SCALE:
+                    if boosted.size == 0:
+                        boosted = np.empty(PACK_BLOCK, np.float32)
+                    for j in range(hi - i):
+                        boosted[j] = xs[j] * _TINY_BOOST
+                    xs = boosted[: hi - i]
+                    sc = sc * _TINY_BOOST
+                base = np.uint32(i & 0xFFFFFFFF)
                 if grid == GRID_UNIFORM:
-                    _round_uniform(x, i, hi, sc, s, sign_shift, kb, k1, codes, b0)
+                    _round_uniform(xs, cs, base, sc, s, sign_bit, kb, k1)
                 else:
-                    _round_geometric(x, i, hi, sc, s, sign_shift, kb, k1, codes, b0)
+                    _round_geometric(xs, cs, base, sc, s, sign_bit, kb, k1)
             else:
-                codes[i - b0 : hi - b0] = 0
+                cs[:] = 0
             i = hi
-        o = pack_block(codes, b1 - b0, bits, out, o)
+        if bits == 8:
+            o += b1 - b0
+        else:
+            o = pack_block(codes, b1 - b0, bits, out, o)
     return o
 
 

@@ -51,6 +51,24 @@ def split_key(key: int) -> tuple[np.uint32, np.uint32]:
     return np.uint32(key & 0xFFFFFFFF), np.uint32(key >> 32)
 
 
+def _emit_hash(builder, lo, k0, k1):
+    """IR of ``mix(mix(lo * 0x9E3779B9 + k0) ^ k1)`` on i32 values (``mix`` = lowbias32)."""
+    i32 = ir.IntType(32)
+
+    def const(v):
+        return ir.Constant(i32, v)
+
+    def mix(x):
+        x = builder.xor(x, builder.lshr(x, const(16)))
+        x = builder.mul(x, const(0x21F0AAAD))
+        x = builder.xor(x, builder.lshr(x, const(15)))
+        x = builder.mul(x, const(0xD35A2D97))
+        return builder.xor(x, builder.lshr(x, const(15)))
+
+    x = mix(builder.add(builder.mul(lo, const(0x9E3779B9)), k0))
+    return mix(builder.xor(x, k1))
+
+
 @intrinsic
 def _hash32_ir(typingctx, lo, k0, k1):
     """LLVM IR of the element hash on i32 lanes. Written as an intrinsic because numba widens
@@ -58,21 +76,22 @@ def _hash32_ir(typingctx, lo, k0, k1):
     sig = types.uint32(types.uint32, types.uint32, types.uint32)
 
     def codegen(context, builder, signature, args):
-        lo_, k0_, k1_ = args
-        i32 = ir.IntType(32)
+        return _emit_hash(builder, *args)
 
-        def const(v):
-            return ir.Constant(i32, v)
+    return sig, codegen
 
-        def mix(x):
-            x = builder.xor(x, builder.lshr(x, const(16)))
-            x = builder.mul(x, const(0x21F0AAAD))
-            x = builder.xor(x, builder.lshr(x, const(15)))
-            x = builder.mul(x, const(0xD35A2D97))
-            return builder.xor(x, builder.lshr(x, const(15)))
 
-        x = mix(builder.add(builder.mul(lo_, const(0x9E3779B9)), k0_))
-        return mix(builder.xor(x, k1_))
+@intrinsic
+def hash32_at(typingctx, base, j, kb, k1):
+    """:func:`hash32_lo` of the low index word ``base + j`` (mod 2**32), ``j`` an int64 loop
+    counter. The add is done in i32 on the truncated counter, so a vectorized loop keeps one
+    i32 induction vector instead of two i64 ones (same value as ``hash32_lo(base + j, ...)``)."""
+    sig = types.uint32(types.uint32, types.int64, types.uint32, types.uint32)
+
+    def codegen(context, builder, signature, args):
+        base_, j_, kb_, k1_ = args
+        lo = builder.add(base_, builder.trunc(j_, ir.IntType(32)))
+        return _emit_hash(builder, lo, kb_, k1_)
 
     return sig, codegen
 

@@ -1,0 +1,215 @@
+"""Encode / decode throughput of every codec in one process.
+
+    NUMBA_NUM_THREADS=1 python3 benchmarks/codec_throughput.py              # 1M and 64M elements
+    python3 benchmarks/codec_throughput.py --sizes 1M --codecs qsgd,natural --bits 4,8 \\
+        --repeat 7 --json bench_out/cpu.json
+    python3 benchmarks/codec_throughput.py --device cuda                      # horovod_quant.gpu
+
+Throughput is GB/s of float32 input (4 bytes per element), best of ``--repeat`` runs after one
+warm-up call (which also compiles the numba kernels). Columns:
+
+* ``encode``: ``codec.encode(x, seed)`` (it allocates its payload, as in training);
+* ``decode``: ``codec.decode(payload, out)`` into a preallocated float32 buffer;
+* ``decode+alloc``: ``codec.decode(payload)``, allocating the output each time.
+
+``--clock cpu`` times with the process's CPU time instead of the wall clock: on a machine
+shared with other jobs it leaves out the time the process waits for a core (it still pays
+for their use of caches and memory bandwidth). Codecs that need ``world_size`` are built with
+``--world-size`` (default 2). Codecs without a
+``bits`` parameter (the baselines) run once per size. Speed is measured here, never asserted
+in tests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import horovod_quant as hq  # noqa: E402
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * mult)
+
+
+def build(name: str, bits: int | None, world_size: int):
+    params = {} if bits is None else {"bits": bits}
+    try:
+        return hq.get_codec(name, **params)
+    except ValueError as exc:
+        if "world_size" not in str(exc):
+            raise
+        return hq.get_codec(name, world_size=world_size, **params)
+
+
+def takes_bits(name: str, world_size: int) -> bool:
+    try:
+        return "bits" in build(name, None, world_size).params
+    except ValueError:
+        return False
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def array(self, x):
+        return x
+
+    def empty(self, n):
+        return np.empty(n, np.float32)
+
+    def sync(self):
+        pass
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self):
+        try:
+            import horovod_quant.gpu as gpu
+        except ImportError as exc:
+            raise SystemExit(f"--device cuda needs horovod_quant.gpu, which failed to import: "
+                             f"{exc}") from None
+        if not gpu.available():
+            raise SystemExit("--device cuda: CuPy is missing or sees no usable CUDA device "
+                             "(horovod_quant.gpu.available() is False)")
+        import cupy
+
+        self.cp = cupy
+
+    def array(self, x):
+        return self.cp.asarray(x)
+
+    def empty(self, n):
+        return self.cp.empty(n, self.cp.float32)
+
+    def sync(self):
+        self.cp.cuda.get_current_stream().synchronize()
+
+
+CLOCK = time.perf_counter
+
+
+def best_time(fn, repeat: int, sync) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        sync()
+        t0 = CLOCK()
+        fn()
+        sync()
+        best = min(best, CLOCK() - t0)
+    return best
+
+
+def bench_one(codec, x, repeat: int, backend) -> dict:
+    gb = x.size * 4 / 1e9
+    out = backend.empty(x.size)
+    payload = codec.encode(x, seed=1)  # warm-up (compiles)
+    codec.decode(payload, out)
+    codec.decode(payload)
+    seeds = iter(range(2, 2 + 10 * repeat))
+    t_enc = best_time(lambda: codec.encode(x, seed=next(seeds)), repeat, backend.sync)
+    t_dec = best_time(lambda: codec.decode(payload, out), repeat, backend.sync)
+    t_dec_alloc = best_time(lambda: codec.decode(payload), repeat, backend.sync)
+    return {
+        "encode_gbps": gb / t_enc,
+        "decode_gbps": gb / t_dec,
+        "decode_alloc_gbps": gb / t_dec_alloc,
+        "bits_per_element": payload.nbytes * 8 / x.size,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="codec encode/decode throughput (GB/s of float32)")
+    ap.add_argument("--sizes", default="1M,64M", help="comma-separated, e.g. 1M,64M,100000")
+    ap.add_argument("--codecs", default="", help="comma-separated (default: all registered)")
+    ap.add_argument("--bits", default="4,8", help="bit widths for codecs that take bits")
+    ap.add_argument("--repeat", type=int, default=5, help="runs per measurement (best kept)")
+    ap.add_argument("--world-size", type=int, default=2, help="for codecs that need one")
+    ap.add_argument("--json", default="", help="also write the results to this file")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall clock, or process CPU time (for shared machines; cpu device only)")
+    args = ap.parse_args(argv)
+    global CLOCK
+    if args.clock == "cpu":
+        if args.device == "cuda":
+            ap.error("--clock cpu measures host CPU time; use the wall clock with --device cuda")
+        CLOCK = time.process_time
+
+    backend = CudaBackend() if args.device == "cuda" else CpuBackend()
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    names = [s for s in args.codecs.split(",") if s] or hq.available_codecs()
+    unknown = [n for n in names if n not in hq.available_codecs()]
+    if unknown:
+        ap.error(f"unknown codec(s) {unknown}; available: {', '.join(hq.available_codecs())}")
+    bit_list = [int(b) for b in args.bits.split(",") if b]
+
+    env = {
+        "device": args.device,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "NUMBA_NUM_THREADS": os.environ.get("NUMBA_NUM_THREADS", ""),
+        "clock": args.clock,
+        "load_average": " ".join(f"{v:.2f}" for v in os.getloadavg()),
+    }
+    try:
+        import numba
+
+        env["numba"] = numba.__version__
+    except ImportError:
+        pass
+    print("# " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    header = f"{'codec':<20} {'bits':>4} {'elements':>10} {'wire b/el':>9} {'encode':>8} " \
+             f"{'decode':>8} {'dec+alloc':>9}   (GB/s of float32 input)"
+    print(header)
+    print("-" * len(header))
+    results = []
+    rng = np.random.default_rng(0)
+    for n in sizes:
+        x = backend.array(rng.standard_normal(n, dtype=np.float32))
+        for name in names:
+            widths = bit_list if takes_bits(name, args.world_size) else [None]
+            for bits in widths:
+                try:
+                    codec = build(name, bits, args.world_size)
+                except ValueError as exc:
+                    print(f"{name:<20} {bits!s:>4} skipped: {exc}")
+                    continue
+                try:
+                    r = bench_one(codec, x, args.repeat, backend)
+                except Exception as exc:  # a codec without a GPU path: say so, go on
+                    if args.device != "cuda":
+                        raise
+                    print(f"{name:<20} {bits!s:>4} skipped on cuda: {type(exc).__name__}: {exc}")
+                    continue
+                r.update({"codec": name, "bits": bits, "elements": n, "params": codec.params})
+                results.append(r)
+                print(f"{name:<20} {bits if bits else '-':>4} {n:>10} "
+                      f"{r['bits_per_element']:>9.3f} {r['encode_gbps']:>8.2f} "
+                      f"{r['decode_gbps']:>8.2f} {r['decode_alloc_gbps']:>9.2f}", flush=True)
+        del x
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "repeat": args.repeat, "results": results}, f, indent=1,
+                      default=str)
+        print(f"# wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
