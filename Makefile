@@ -25,8 +25,13 @@ parallel:
 kernels:
 	bash tests/kernels/compile.sh
 
+# The main job: every codec on real gradients (bits, variance vs bound, throughput), then a
+# 2-rank horovodrun training of an MLP on digits once per codec plus fp32/fp16 baselines.
 demo: install
 	$(PYTHON) -m horovod_quant.demo
+	mkdir -p bench_out
+	OMP_NUM_THREADS=1 horovodrun -np 2 -H localhost:2 --gloo \
+	  $(PYTHON) examples/pytorch_digits.py --json bench_out/demo_training.json
 
 bench:
 	$(PYTHON) benchmarks/codec_throughput.py
