@@ -13,7 +13,8 @@ install:
 test: install
 	$(PYTHON) -m pytest -q tests/unit || [ $$? -eq 5 ]
 	@if [ -f tests/parallel/run.sh ]; then bash tests/parallel/run.sh; else echo "(no tests/parallel/run.sh)"; fi
-	@if [ -f tests/kernels/compile.sh ]; then bash tests/kernels/compile.sh; else echo "(no tests/kernels/compile.sh)"; fi
+	bash tests/kernels/compile.sh
+	$(PYTHON) -m pytest -q tests/kernels tests/gpu
 
 # The pieces of `test` on their own, without the install step.
 unit:

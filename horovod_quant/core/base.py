@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, Sequence
+import functools
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 
@@ -22,6 +23,42 @@ def as_vector(x: Any) -> np.ndarray:
     if arr.dtype.kind not in "fV" and arr.dtype.name != "bfloat16":
         raise TypeError(f"expected a floating-point array, got dtype {arr.dtype}")
     return np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+
+
+# -- device dispatch hook (horovod_quant.gpu) -------------------------------------------------
+# When an argument of one of these codec methods (or a payload's data, or an element of a list
+# argument) is a CuPy array or a CUDA torch tensor, the call goes to horovod_quant.gpu.dispatch,
+# which runs the CUDA kernels (same payload bytes as the CPU code); NumPy arguments run the
+# method as written. Checked without importing cupy or torch: core stays importable without
+# them. Codec subclasses get their overrides wrapped automatically (Codec.__init_subclass__).
+_DEVICE_METHODS = ("encode", "decode", "decode_add", "decode_sum", "combine_gathered", "reduce",
+                   "norm_statistic", "decode_side_info", "payload_from_wire")
+
+
+def _on_device(obj: Any) -> bool:
+    mod = type(obj).__module__
+    if mod.startswith("cupy"):
+        return True
+    if mod.startswith("torch"):
+        return bool(getattr(obj, "is_cuda", False))
+    if isinstance(obj, Payload):
+        return _on_device(obj.data)
+    if isinstance(obj, (list, tuple)):
+        return any(_on_device(o) for o in obj)
+    return False
+
+
+def _device_dispatching(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(_on_device(a) for a in args) or any(_on_device(v) for v in kwargs.values()):
+            from .. import gpu
+
+            return gpu.dispatch(name, self, fn, args, kwargs)
+        return fn(self, *args, **kwargs)
+
+    method._hq_device_dispatch = True  # type: ignore[attr-defined]
+    return method
 
 
 def worker_seed(seed: int, rank: int) -> int:
@@ -65,6 +102,13 @@ class Codec(abc.ABC):
 
     name: ClassVar[str]
     exchange: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _DEVICE_METHODS:  # device dispatch hook (see _device_dispatching)
+            fn = cls.__dict__.get(name)
+            if callable(fn) and not getattr(fn, "_hq_device_dispatch", False):
+                setattr(cls, name, _device_dispatching(name, fn))
 
     def __init__(self, **params: Any) -> None:
         self.params = dict(params)
@@ -140,3 +184,6 @@ class Codec(abc.ABC):
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"{type(self).__name__}({args})"
 
+
+for _name in ("decode_add", "combine_gathered", "payload_from_wire"):  # device dispatch hook
+    setattr(Codec, _name, _device_dispatching(_name, Codec.__dict__[_name]))

@@ -1,0 +1,80 @@
+// global_qsgd.cu: Global-QSGD kernels that are not plain packed codes (CuPy RawModule entry
+// points). The exponential and sparse codes use hq_encode / hq_codes of levels.cu.
+//
+//   hq_linear_encode   summable uint64 words (global_qsgd.encode_linear), one thread per word
+//   hq_linear_decode   (field - offset) * scale, optional accumulate (decode_linear)
+//   hq_exp_combine     Algorithm 2 on two packed exponent-code ranges, one block per packing
+//                      block, randomness drawn in the kernel (exp_reduce.exp_combine)
+//   hq_max_abs_bits    max |x| bit pattern (atomicMax; _max_abs, NaN when >= 0x7F800000)
+//   hq_decode_sparse   out[pos] += table[code] * scale for each entry of a sparse payload
+//   hq_sum_squares     sum x^2 in 8 float64 lanes combined in lane order (_sum_squares); the
+//                      lanes are sequential by definition, so this is 8 threads long
+#include "hq_global.cuh"
+
+#define HQ_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(HQ_THREADS)
+hq_linear_encode(const float* x, long long n, int bits, int s, float norm, unsigned int k0,
+                 unsigned int k1, unsigned long long* words, long long nwords) {
+  const bool ok = norm > 0.0f && hq_isfinite(norm);
+  const float boost = hq_norm_boost(norm);
+  const float mult = ok ? hq_fdiv((float)s, hq_fmul(norm, boost)) : 0.0f;
+  const hq_i64 stride = (hq_i64)gridDim.x * blockDim.x;
+  for (hq_i64 w = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; w < nwords; w += stride)
+    words[w] = hq_linear_word(x, n, bits, s, boost, mult, k0, k1, w);
+}
+
+extern "C" __global__ void __launch_bounds__(HQ_THREADS)
+hq_linear_decode(const unsigned long long* words, long long n, int bits, int offset, float scale,
+                 float* out, int accumulate) {
+  const hq_i64 stride = (hq_i64)gridDim.x * blockDim.x;
+  for (hq_i64 i = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float v = hq_linear_value(words, n, bits, offset, scale, i);
+    out[i] = accumulate ? hq_fadd(out[i], v) : v;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(HQ_THREADS)
+hq_exp_combine(const unsigned char* a, const unsigned char* b, unsigned char* out, long long n,
+               long long first, int bits, unsigned int k0, unsigned int k1) {
+  __shared__ hq_u8 scodes[HQ_PACK_BLOCK];
+  HqDevEx ex;
+  ex.nt = (int)blockDim.x;
+  hq_combine_block(ex, a, b, out, n, first, bits, k0, k1, (hq_i64)blockIdx.x, scodes);
+}
+
+// *result (zero-initialised) = max over x of the bit pattern of |x|
+extern "C" __global__ void __launch_bounds__(HQ_THREADS)
+hq_max_abs_bits(const float* x, long long n, int* result) {
+  hq_i32 best = 0;
+  const hq_i64 stride = (hq_i64)gridDim.x * blockDim.x;
+  for (hq_i64 i = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const hq_i32 a = hq_abs_bits(x[i]);
+    best = a > best ? a : best;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const hq_i32 t = __shfl_down_sync(0xFFFFFFFFu, best, o);
+    best = t > best ? t : best;
+  }
+  if ((threadIdx.x & 31) == 0) atomicMax(result, best);
+}
+
+// launch with one block of 8 threads: result[0] = sum x^2 (float64, lane order)
+extern "C" __global__ void hq_sum_squares(const float* x, long long n, double* result) {
+  __shared__ double lanes[HQ_LANES];
+  if (threadIdx.x < HQ_LANES) lanes[threadIdx.x] = hq_lane_value(x, n, threadIdx.x, HQ_NORM_L2, 2.0);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double acc = 0.0;
+    for (int j = 0; j < HQ_LANES; ++j) acc = hq_dadd(acc, lanes[j]);
+    result[0] = acc;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(HQ_THREADS)
+hq_decode_sparse(const unsigned char* data, long long cnt, int bits, const float* table,
+                 float scale, float* out) {
+  const hq_i64 stride = (hq_i64)gridDim.x * blockDim.x;
+  for (hq_i64 j = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; j < cnt; j += stride)
+    hq_decode_sparse_elem(data, cnt, bits, table, scale, out, j);
+}

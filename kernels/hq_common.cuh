@@ -1,0 +1,422 @@
+// hq_common.cuh: the pieces every horovod_quant kernel shares, written once as
+// __host__ __device__ functions so that the same source runs on the GPU (CuPy RawModule /
+// NVRTC) and on the CPU (nvcc host compilation in tests/kernels, compared against numba).
+//
+// Mirrors, bit for bit:
+//   horovod_quant/core/rng.py      splitmix64 / derive_key, hash32 (keyed lowbias32), block_key,
+//                                  u24_float
+//   horovod_quant/core/packing.py  PACK_BLOCK, bit planes of width 1/2/4/8, segment-strided
+//
+// Floating point: every float operation whose rounding matters goes through hq_fmul / hq_fadd /
+// ... which are the _rn intrinsics on the device (never contracted into an FMA) and plain
+// operators on the host (compile with -ffp-contract=off; x86-64 SSE has no excess precision).
+// Compile device code with -fmad=false as a second line of defence.
+//
+// Execution model. A "block program" (hq_levels.cuh, ...) is a __host__ __device__ template
+// over an executor: ex.each(f) runs f(tid) for the calling thread on the GPU and for every tid
+// in turn on the host; ex.sync() is __syncthreads() on the GPU and nothing on the host. A block
+// program may share data between threads only through the "shared" buffers it is given, and
+// only across a sync; it is then the same computation on both, which is what the host parity
+// tests exercise.
+#ifndef HQ_COMMON_CUH
+#define HQ_COMMON_CUH
+
+#if defined(__CUDACC__)
+#define HQ_HD __host__ __device__ __forceinline__
+#define HQ_HDT __host__ __device__
+#else
+#define HQ_HD static inline
+#define HQ_HDT
+#endif
+
+#if !defined(__CUDACC_RTC__)
+#include <math.h>
+#include <string.h>
+#endif
+
+typedef unsigned char hq_u8;
+typedef int hq_i32;
+typedef unsigned int hq_u32;
+typedef long long hq_i64;
+typedef unsigned long long hq_u64;
+
+// ------------------------------------------------------------------------------------------
+// constants (part of the wire format)
+// ------------------------------------------------------------------------------------------
+#define HQ_PACK_BLOCK 8192          // packing.PACK_BLOCK
+#define HQ_WORD_BLOCK 1024          // global_qsgd.WORD_BLOCK
+#define HQ_LANES 8                  // interleaved float64 lanes of the norms
+
+// kernels_cpu.py
+#define HQ_NORM_L2 0
+#define HQ_NORM_MAX 1
+#define HQ_NORM_P 2
+#define HQ_NORM_POW2 3
+#define HQ_GRID_UNIFORM 0
+#define HQ_GRID_GEOMETRIC 1
+
+// ------------------------------------------------------------------------------------------
+// IEEE float helpers: exactly rounded, never contracted
+// ------------------------------------------------------------------------------------------
+HQ_HD float hq_fmul(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+HQ_HD float hq_fadd(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+HQ_HD float hq_fsub(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+HQ_HD float hq_fdiv(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+HQ_HD double hq_dmul(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+HQ_HD double hq_dadd(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+HQ_HD double hq_dsqrt(double a) {
+#ifdef __CUDA_ARCH__
+  return __dsqrt_rn(a);
+#else
+  return sqrt(a);
+#endif
+}
+
+HQ_HD hq_u32 hq_f2u(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  hq_u32 u;
+  memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+HQ_HD float hq_u2f(hq_u32 u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+// np.isfinite on float32
+HQ_HD bool hq_isfinite(float f) { return (hq_f2u(f) & 0x7F800000u) != 0x7F800000u; }
+// The NaN the kernels store for a bucket with a non-finite value (the CPU's NaN payload bits
+// depend on the platform; both decode to non-finite values).
+HQ_HD float hq_nan() { return hq_u2f(0x7FC00000u); }
+
+// Unaligned little-endian float32 load (payload views may sit at any byte offset).
+HQ_HD float hq_load_f32(const hq_u8* p) {
+  hq_u32 u = (hq_u32)p[0] | ((hq_u32)p[1] << 8) | ((hq_u32)p[2] << 16) | ((hq_u32)p[3] << 24);
+  return hq_u2f(u);
+}
+HQ_HD void hq_store_f32(hq_u8* p, float f) {
+  hq_u32 u = hq_f2u(f);
+  p[0] = (hq_u8)u;
+  p[1] = (hq_u8)(u >> 8);
+  p[2] = (hq_u8)(u >> 16);
+  p[3] = (hq_u8)(u >> 24);
+}
+
+// 2^k as float32 for -126 <= k <= 127 (np.float32(2.0) ** np.float32(k): exact)
+HQ_HD float hq_pow2f(int k) { return hq_u2f((hq_u32)(k + 127) << 23); }
+
+// ------------------------------------------------------------------------------------------
+// counter-based randomness (rng.py)
+// ------------------------------------------------------------------------------------------
+HQ_HD hq_u64 hq_splitmix64(hq_u64 x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// derive_key(seed, *fields) with the fields given as 64-bit two's complement words
+HQ_HD hq_u64 hq_derive_key(hq_u64 seed, const hq_u64* fields, int nfields) {
+  hq_u64 key = hq_splitmix64(seed);
+  for (int i = 0; i < nfields; ++i) key = hq_splitmix64(key ^ fields[i]);
+  return key;
+}
+
+HQ_HD hq_u32 hq_mix32(hq_u32 x) {  // lowbias32
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0xD35A2D97u;
+  x ^= x >> 15;
+  return x;
+}
+
+// block_key(start, k0): fold the high index word into the first key half
+HQ_HD hq_u32 hq_block_key(hq_u64 start, hq_u32 k0) {
+  return k0 ^ (hq_u32)((start >> 32) * 0x85EBCA6Bull);
+}
+
+// hash32_lo(lo, kb, k1) = mix(mix(lo * 0x9E3779B9 + kb) ^ k1)
+HQ_HD hq_u32 hq_hash32_lo(hq_u32 lo, hq_u32 kb, hq_u32 k1) {
+  return hq_mix32(hq_mix32(lo * 0x9E3779B9u + kb) ^ k1);
+}
+
+// hash32(index, k0, k1): 32 random bits of element `index`
+HQ_HD hq_u32 hq_hash32(hq_u64 index, hq_u32 k0, hq_u32 k1) {
+  return hq_hash32_lo((hq_u32)index, hq_block_key(index, k0), k1);
+}
+
+// u24_float(h) = (h >> 8) * 2^-24, exact
+HQ_HD float hq_u24(hq_u32 h) { return hq_fmul((float)(hq_i32)(h >> 8), 5.9604644775390625e-08f); }
+
+// ------------------------------------------------------------------------------------------
+// bit planes (packing.py)
+// ------------------------------------------------------------------------------------------
+// (width, shift) of the plane-th field of a bits-wide code; width 0 past the last plane
+HQ_HD void hq_plane(int bits, int plane, int* w, int* shift) {
+  *w = 0;
+  *shift = 0;
+  if (bits == 8) {
+    if (plane == 0) *w = 8;
+    return;
+  }
+  int sh = 0, k = 0;
+  for (int ww = 1; ww <= 4; ww <<= 1) {
+    if (bits & ww) {
+      if (k == plane) {
+        *w = ww;
+        *shift = sh;
+        return;
+      }
+      ++k;
+      sh += ww;
+    }
+  }
+}
+
+HQ_HD hq_i64 hq_block_nbytes(hq_i64 m, int bits) {
+  hq_i64 total = 0;
+  for (int plane = 0; plane < 4; ++plane) {
+    int w, sh;
+    hq_plane(bits, plane, &w, &sh);
+    if (w == 0) break;
+    total += (m * w + 7) / 8;
+  }
+  return total;
+}
+
+HQ_HD hq_i64 hq_packed_nbytes(hq_i64 n, int bits) {
+  hq_i64 full = n / HQ_PACK_BLOCK;
+  return full * (HQ_PACK_BLOCK * bits / 8) + hq_block_nbytes(n - full * HQ_PACK_BLOCK, bits);
+}
+
+// byte offset of packing block `blk` from the start of the packed codes
+HQ_HD hq_i64 hq_block_offset(hq_i64 blk, int bits) { return blk * (HQ_PACK_BLOCK * bits / 8); }
+
+// Byte j of plane (w, shift) of a block of m codes: fields of codes j, j + L, j + 2L, ...
+// (codes past m count as zero). codes[] holds the block's codes.
+HQ_HD hq_u8 hq_pack_byte(const hq_u8* codes, int m, int w, int shift, int L, int j) {
+  if (w == 8) return codes[j];
+  const int per = 8 / w;
+  const hq_u32 mask = (1u << w) - 1u;
+  hq_u32 v = 0;
+  for (int t = 0; t < per; ++t) {
+    int idx = j + t * L;
+    hq_u32 c = idx < m ? (hq_u32)codes[idx] : 0u;
+    v |= ((c >> shift) & mask) << (t * w);
+  }
+  return (hq_u8)v;
+}
+
+// Block program piece: pack codes[0:m] into out[0:hq_block_nbytes(m, bits)], bytes split over
+// threads (coalesced writes). codes must not change during the call.
+template <class Ex>
+HQ_HDT inline void hq_pack_phase(Ex& ex, const hq_u8* codes, int m, int bits, hq_u8* out) {
+  int o = 0;
+  for (int plane = 0; plane < 4; ++plane) {
+    int w, sh;
+    hq_plane(bits, plane, &w, &sh);
+    if (w == 0) break;
+    const int per = 8 / w;
+    const int L = (m + per - 1) / per;
+    hq_u8* dst = out + o;
+    ex.each([&](int tid) {
+      for (int j = tid; j < L; j += ex.nt) dst[j] = hq_pack_byte(codes, m, w, sh, L, j);
+    });
+    o += L;
+  }
+}
+
+// Code of element p (0 <= p < m) of a packed block of m codes starting at blk.
+HQ_HD hq_u32 hq_unpack_code(const hq_u8* blk, int m, int bits, int p) {
+  if (bits == 8) return blk[p];
+  hq_u32 code = 0;
+  int o = 0;
+  const bool full = (m == HQ_PACK_BLOCK);
+  for (int plane = 0; plane < 3; ++plane) {
+    int w, sh;
+    hq_plane(bits, plane, &w, &sh);
+    if (w == 0) break;
+    const int per = 8 / w;
+    int L, t;
+    if (full) {  // L = 1024 w, a power of two
+      L = (HQ_PACK_BLOCK / 8) * w;
+      t = p >> (w == 1 ? 10 : (w == 2 ? 11 : 12));
+    } else {
+      L = (m + per - 1) / per;
+      t = p / L;
+    }
+    const int j = p - t * L;
+    code |= (((hq_u32)blk[o + j] >> (t * w)) & ((1u << w) - 1u)) << sh;
+    o += L;
+  }
+  return code;
+}
+
+// ------------------------------------------------------------------------------------------
+// executors
+// ------------------------------------------------------------------------------------------
+// GPU: one CUDA thread block runs the block program, each thread its own tid.
+struct HqDevEx {
+  int nt;
+  template <class F>
+  HQ_HDT inline void each(F f) {
+#ifdef __CUDA_ARCH__
+    f((int)threadIdx.x);
+#endif
+  }
+  HQ_HDT inline void sync() {
+#ifdef __CUDA_ARCH__
+    __syncthreads();
+#endif
+  }
+};
+
+// Host: every thread of the block in turn; a sync is the end of a phase.
+struct HqHostEx {
+  int nt;
+  template <class F>
+  HQ_HDT inline void each(F f) {
+    for (int t = 0; t < nt; ++t) f(t);
+  }
+  HQ_HDT inline void sync() {}
+};
+
+// ------------------------------------------------------------------------------------------
+// bucket scales (kernels_cpu._bucket_scale)
+// ------------------------------------------------------------------------------------------
+// Smallest power of two >= m for finite m >= 0 (kernels_cpu._pow2_ceil)
+HQ_HD float hq_pow2_ceil(float m) {
+  if (m > 0.0f) {
+    hq_u32 b = hq_f2u(m);
+    hq_u32 ex = b >> 23;
+    if (ex == 0)
+      ex = 1;
+    else if (b & 0x7FFFFFu)
+      ex += 1;
+    m = hq_u2f(ex << 23);
+  }
+  return m;
+}
+
+// |v| ** p in float64 (kernels_cpu._abs_pow)
+HQ_HD double hq_abs_pow(double v, double p) {
+  double a = v < 0 ? -v : v;
+  return p == 1.0 ? a : pow(a, p);
+}
+
+// Lane `lane` of the bucket xs[0:cnt]: elements lane, lane + 8, ... in order.
+//   L2: float64 sum of squares, left to right (0.0 + first term).
+//   P:  float64 sum of |x|^p.
+//   MAX / POW2: max of the int32 bit patterns of |x| (returned as a double; exact).
+HQ_HD double hq_lane_value(const float* xs, hq_i64 cnt, int lane, int kind, double p) {
+  if (kind == HQ_NORM_MAX || kind == HQ_NORM_POW2) {
+    hq_i32 mb = 0;
+    for (hq_i64 i = lane; i < cnt; i += HQ_LANES) {
+      hq_i32 a = (hq_i32)(hq_f2u(xs[i]) & 0x7FFFFFFFu);
+      mb = a > mb ? a : mb;
+    }
+    return (double)mb;
+  }
+  double acc = 0.0;
+  if (kind == HQ_NORM_L2) {
+    for (hq_i64 i = lane; i < cnt; i += HQ_LANES) {
+      double v = (double)xs[i];
+      acc = hq_dadd(acc, hq_dmul(v, v));
+    }
+  } else {
+    for (hq_i64 i = lane; i < cnt; i += HQ_LANES) acc = hq_dadd(acc, hq_abs_pow((double)xs[i], p));
+  }
+  return acc;
+}
+
+// The bucket's scale from its 8 lane values (combined in lane order).
+HQ_HD float hq_lanes_scale(const double* lanes, int kind, double p) {
+  if (kind == HQ_NORM_MAX || kind == HQ_NORM_POW2) {
+    hq_i32 mb = 0;
+    for (int j = 0; j < HQ_LANES; ++j) {
+      hq_i32 a = (hq_i32)lanes[j];
+      mb = a > mb ? a : mb;
+    }
+    if (mb >= 0x7F800000) return hq_nan();  // Inf/NaN in the bucket
+    float m = hq_u2f((hq_u32)mb);
+    return kind == HQ_NORM_POW2 ? hq_pow2_ceil(m) : m;
+  }
+  double acc = 0.0;
+  for (int j = 0; j < HQ_LANES; ++j) acc = hq_dadd(acc, lanes[j]);
+  if (kind == HQ_NORM_L2) return (float)hq_dsqrt(acc);
+  return (float)pow(acc, 1.0 / p);
+}
+
+// Block program piece: the scales of buckets [kb0, kb1) (bucket k = xs[k*bucket - base, ...)),
+// written to scales[k]. 8 threads per bucket (one per lane), rounds of ex.nt lanes.
+// lane_buf: ex.nt doubles of shared memory. xs is indexed by element - base.
+template <class Ex>
+HQ_HDT inline void hq_scales_phase(Ex& ex, const float* xs, hq_i64 base, hq_i64 n, hq_i64 bucket,
+                                   hq_i64 kb0, hq_i64 kb1, int kind, double p, double* lane_buf,
+                                   float* scales) {
+  const int per_round = ex.nt / HQ_LANES;  // buckets per round
+  for (hq_i64 r0 = kb0; r0 < kb1; r0 += per_round) {
+    ex.each([&](int tid) {
+      hq_i64 k = r0 + tid / HQ_LANES;
+      double v = 0.0;
+      if (tid < per_round * HQ_LANES && k < kb1) {
+        hq_i64 lo = k * bucket;
+        hq_i64 hi = lo + bucket < n ? lo + bucket : n;
+        v = hq_lane_value(xs + (lo - base), hi - lo, tid % HQ_LANES, kind, p);
+      }
+      lane_buf[tid] = v;
+    });
+    ex.sync();
+    ex.each([&](int tid) {
+      hq_i64 k = r0 + tid;
+      if (tid < per_round && k < kb1) scales[k] = hq_lanes_scale(lane_buf + tid * HQ_LANES, kind, p);
+    });
+    ex.sync();
+  }
+}
+
+#endif  // HQ_COMMON_CUH

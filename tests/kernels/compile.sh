@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Compile every kernels/*.cu with nvcc for sm_80 and sm_90 (-fmad=false, warnings are errors),
+# plus the host build of the block programs used by tests/kernels/test_host_parity.py.
+# Fails on any error. No GPU needed. About 30 s on 2 cores.
+#
+#   bash tests/kernels/compile.sh            # compile check (part of `make test`)
+#   bash tests/kernels/compile.sh --parity   # also run the CPU parity tests (pytest tests/kernels)
+#
+# NVCC=/path/to/nvcc overrides the compiler; HQ_SKIP_NVCC=1 skips the check (prints why).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+
+if [ "${HQ_SKIP_NVCC:-0}" = "1" ]; then
+    echo "tests/kernels/compile.sh: skipped (HQ_SKIP_NVCC=1)"
+    exit 0
+fi
+NVCC="${NVCC:-$(command -v nvcc || true)}"
+if [ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ]; then NVCC=/usr/local/cuda/bin/nvcc; fi
+if [ -z "$NVCC" ]; then
+    echo "tests/kernels/compile.sh: nvcc not found (install the CUDA toolkit, set NVCC=..., or" \
+         "HQ_SKIP_NVCC=1 to skip)" >&2
+    exit 1
+fi
+
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+flags=(-std=c++17 -fmad=false -Werror all-warnings
+       -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90)
+shopt -s nullglob
+sources=(kernels/*.cu)
+if [ ${#sources[@]} -eq 0 ]; then
+    echo "tests/kernels/compile.sh: no kernels/*.cu" >&2
+    exit 1
+fi
+echo "== nvcc $("$NVCC" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'): ${sources[*]} + host build"
+
+jobs=()
+for src in "${sources[@]}"; do
+    name="$(basename "$src" .cu)"
+    ( "$NVCC" -c "${flags[@]}" "$src" -o "$out/$name.o" > "$out/$name.log" 2>&1 \
+      || { echo "FAILED: $src"; cat "$out/$name.log"; exit 1; } ) &
+    jobs+=($!)
+done
+( "$NVCC" -x cu -shared -std=c++17 -O2 -fmad=false -Werror all-warnings \
+      -Xcompiler -fPIC -Xcompiler -ffp-contract=off \
+      tests/kernels/host_parity.cu -o "$out/libhq_host.so" > "$out/host.log" 2>&1 \
+  || { echo "FAILED: tests/kernels/host_parity.cu (host build)"; cat "$out/host.log"; exit 1; } ) &
+jobs+=($!)
+
+status=0
+for j in "${jobs[@]}"; do wait "$j" || status=1; done
+if [ $status -ne 0 ]; then
+    echo "tests/kernels/compile.sh: FAILED" >&2
+    exit 1
+fi
+echo "tests/kernels/compile.sh: ${#sources[@]} kernel files compile (sm_80, sm_90), host build OK"
+
+if [ "${1:-}" = "--parity" ]; then
+    "${PYTHON:-python3}" -m pytest -q tests/kernels
+fi
