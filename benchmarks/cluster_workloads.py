@@ -1,0 +1,297 @@
+"""The rank side of ``benchmarks/cluster.py``: runs under ``mpirun`` (Horovod's MPI controller).
+
+    mpirun -np 2 ... python3 benchmarks/cluster_workloads.py --plan plan.json --out rows.jsonl
+
+``plan.json`` (written by cluster.py) lists items; rank 0 appends JSON lines to ``--out``
+(``progress`` per exchange round, ``result`` per configuration, ``done`` per item), which
+cluster.py tails for its progress bar and its results. Two kinds of item:
+
+* ``exchange``: one flat float32 gradient of ``size_mb`` MB on every rank, averaged through
+  :class:`horovod_quant.comm.Exchange` over Horovod's torch collectives (``none`` = Horovod's
+  float32 allreduce, ``fp16`` = the same in half precision, the codecs = encode, their
+  collective, decode). The configurations of one size run interleaved (round r runs each
+  once). Each repetition starts after a barrier; its wall time is the slowest
+  rank's, its encode / exchange / decode split comes from the exchange's statistics (the same
+  numbers ``StepStats`` sums per step).
+* ``train``: SGD steps of a model on synthetic data. ``fp32`` and ``fp16`` use Horovod's own
+  ``hvd.DistributedOptimizer`` (``hvd.Compression.none`` / ``fp16``), the codecs
+  ``hq.torch.DistributedOptimizer``. A step is timed as forward+backward, ``synchronize()`` and
+  the update; the codecs' encode / exchange / decode come from ``opt.last_stats`` and compute is
+  the rest of the step; for Horovod's optimizer the exchange is the time in ``synchronize()``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
+
+from horovod_quant.comm.exchange import Exchange  # noqa: E402
+from horovod_quant.core import get_codec  # noqa: E402
+from horovod_quant.torch.collectives import HorovodTorchCollectives  # noqa: E402
+
+MB = 1 << 20
+
+
+def build_codec(cfg: dict):
+    params = dict(cfg.get("params", {}))
+    if cfg["codec"] in ("global_qsgd", "nested_dithered"):
+        params.setdefault("world_size", hvd.size())
+    return get_codec(cfg["codec"], **params)
+
+
+def barrier() -> None:
+    hvd.allreduce(torch.zeros(1), name="hqcl.barrier", op=hvd.Sum)
+
+
+def gather_rows(obj):
+    return hvd.allgather_object(obj)
+
+
+# -- exchange -------------------------------------------------------------------------------
+_DATA: dict[int, np.ndarray] = {}
+
+
+def gradient(n: int) -> np.ndarray:
+    """A gradient-like vector: Gaussian with a heavier-tailed per-512 scale (same on re-use)."""
+    if n not in _DATA:
+        _DATA.clear()
+        rng = np.random.default_rng(1000 + hvd.rank())
+        x = rng.standard_normal(n, dtype=np.float32)
+        scales = np.exp(rng.standard_normal(-(-n // 4096), dtype=np.float32)).astype(np.float32)
+        x *= np.repeat(scales, 4096)[:n]
+        _DATA[n] = x
+    return _DATA[n]
+
+
+def exact_mean_error(out: np.ndarray, n: int) -> float:
+    """Relative squared error of ``out`` vs the exact mean (every rank regenerates the data)."""
+    xs = []
+    for rk in range(hvd.size()):
+        rng = np.random.default_rng(1000 + rk)
+        v = rng.standard_normal(n, dtype=np.float32)
+        v *= np.repeat(np.exp(rng.standard_normal(-(-n // 4096), dtype=np.float32)), 4096)[:n]
+        xs.append(v)
+    mean = np.mean(xs, axis=0).astype(np.float64)
+    return float(np.sum((out.astype(np.float64) - mean) ** 2) / np.sum(mean ** 2))
+
+
+def run_exchange(item: dict, emit) -> None:
+    """All configurations of one size, interleaved: round r runs every configuration once, so
+    load changes on a shared machine hit every configuration alike."""
+    n = int(item["size_mb"] * MB) // 4
+    comm = HorovodTorchCollectives()
+    x = gradient(n)
+    state = {}
+    for cfg in item["configs"]:
+        try:
+            state[cfg["id"]] = {"ex": Exchange(build_codec(cfg), comm), "reps": [], "error": None,
+                                "out": None}
+        except Exception as exc:
+            state[cfg["id"]] = {"error": f"{type(exc).__name__}: {exc}"}
+    rounds = item["warmup"] + item["repeats"]
+    for r in range(rounds):
+        for cfg in item["configs"]:
+            st = state[cfg["id"]]
+            if st["error"]:
+                continue
+            try:
+                barrier()
+                t = time.perf_counter()
+                pending = st["ex"].start(x, seed=r, name=f"hqcl.x.{cfg['id']}.{r}")
+                out = pending.wait()
+                wall = time.perf_counter() - t
+            except Exception as exc:  # codec errors are deterministic: every rank gets them
+                traceback.print_exc()
+                st["error"] = f"{type(exc).__name__}: {exc}"
+                continue
+            s = pending.stats
+            if r >= item["warmup"]:
+                st["reps"].append({"wall_s": wall, "encode_s": s.encode_s,
+                                   "exchange_s": s.exchange_s, "decode_s": s.decode_s,
+                                   "bytes_sent": s.bytes_sent, "bytes_raw": s.bytes_raw})
+            if r == rounds - 1 and n <= 16 * MB // 4:
+                st["out"] = exact_mean_error(out, n)
+            del out, pending
+        emit({"type": "progress", "id": item["id"], "round": r})
+    for cfg in item["configs"]:
+        st = state[cfg["id"]]
+        row_id = f"{item['id']}-{cfg['id']}"
+        if st["error"]:
+            emit({"type": "result", "id": row_id, "error": st["error"]})
+            continue
+        reps = st["reps"]
+        per_rank = gather_rows(reps)
+        walls = [max(pr[i]["wall_s"] for pr in per_rank) for i in range(len(reps))]
+
+        def med(key):
+            return statistics.median(statistics.fmean(pr[i][key] for pr in per_rank)
+                                     for i in range(len(reps)))
+
+        emit({"type": "result", "id": row_id, "error": None,
+              "wall_s": statistics.median(walls), "wall_all_s": walls,
+              "wall_min_s": min(walls), "encode_s": med("encode_s"),
+              "exchange_s": med("exchange_s"), "decode_s": med("decode_s"),
+              "bytes_sent": reps[-1]["bytes_sent"], "bytes_raw": reps[-1]["bytes_raw"],
+              "rel_sq_error": st["out"],
+              # True: the mpi4py exponent allreduce ran (not the allgather fallback)
+              "custom_collective": st["ex"]._custom is not None})
+
+
+# -- training -------------------------------------------------------------------------------
+def build_model(name: str) -> tuple[torch.nn.Module, tuple, int]:
+    """(model, input shape without batch, number of classes)."""
+    if name.startswith("mlp"):
+        # "mlp" = 3 hidden 4096x4096 layers: 50.4M parameters, 201 MB of float32 gradients
+        width, depth = 4096, 3
+        layers = [torch.nn.Linear(width, width) for _ in range(depth)]
+        mods = []
+        for layer in layers:
+            mods += [layer, torch.nn.ReLU()]
+        mods.append(torch.nn.Linear(width, 10))
+        return torch.nn.Sequential(*mods), (width,), 10
+    if name == "cnn":
+        # small VGG-style conv net on 32x32 RGB: 0.96M parameters, compute-bound
+        c = torch.nn.Conv2d
+        model = torch.nn.Sequential(
+            c(3, 64, 3, padding=1), torch.nn.ReLU(),
+            c(64, 128, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            c(128, 256, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            c(256, 256, 3, padding=1), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(256, 10))
+        return model, (3, 32, 32), 10
+    raise ValueError(f"unknown model {name!r}")
+
+
+def run_train(item: dict) -> dict:
+    import horovod_quant.torch as hq
+
+    torch.manual_seed(0)
+    model, shape, classes = build_model(item["model"])
+    nparams = sum(p.numel() for p in model.parameters())
+    base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    cfg = item["config"]
+    if cfg["codec"] in ("none", "fp16"):
+        comp = hvd.Compression.fp16 if cfg["codec"] == "fp16" else hvd.Compression.none
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                       compression=comp)
+        horovod_path = True
+    else:
+        opt = hq.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                      compression=build_codec(cfg))
+        horovod_path = False
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    batch = item["batch"]
+    gen = torch.Generator().manual_seed(hvd.rank())
+    xb = torch.randn((batch,) + shape, generator=gen)
+    yb = torch.randint(0, classes, (batch,), generator=gen)
+    steps = []
+    for s in range(item["warmup"] + item["steps"]):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(xb), yb)
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.synchronize()
+        t2 = time.perf_counter()
+        with opt.skip_synchronize():
+            opt.step()
+        t3 = time.perf_counter()
+        if s < item["warmup"]:
+            continue
+        row = {"step_s": t3 - t0, "fwd_bwd_s": t1 - t0, "sync_s": t2 - t1, "update_s": t3 - t2}
+        if horovod_path:
+            row.update(encode_s=0.0, exchange_s=t2 - t1, decode_s=0.0,
+                       bytes_sent=nparams * (2 if cfg["codec"] == "fp16" else 4),
+                       bytes_raw=nparams * 4)
+        else:
+            st = opt.last_stats
+            row.update(encode_s=st.encode_s, exchange_s=st.exchange_s, decode_s=st.decode_s,
+                       bytes_sent=st.bytes_sent, bytes_raw=st.bytes_raw)
+        row["compute_s"] = row["step_s"] - row["encode_s"] - row["exchange_s"] - row["decode_s"]
+        steps.append(row)
+    per_rank = gather_rows(steps)
+    keys = ("step_s", "fwd_bwd_s", "sync_s", "update_s", "encode_s", "exchange_s", "decode_s",
+            "compute_s")
+    rank_means = [{k: statistics.fmean(r[k] for r in pr) for k in keys} for pr in per_rank]
+    slow = max(rank_means, key=lambda m: m["step_s"])
+    # both ranks step in lockstep: the slower rank's mean step sets the throughput
+    out = dict(slow)
+    out["samples_per_s"] = batch * hvd.size() / slow["step_s"]
+    out["step_median_s"] = statistics.median(
+        max(pr[i]["step_s"] for pr in per_rank) for i in range(len(steps)))
+    out["bytes_sent"] = steps[-1]["bytes_sent"]
+    out["bytes_raw"] = steps[-1]["bytes_raw"]
+    out["model_params"] = nparams
+    out["final_loss"] = float(loss.detach())
+    return out
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(wall, busy CPU seconds of the whole machine, CPU seconds of this process)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), busy, ru.ru_utime + ru.ru_stime
+
+
+def foreign_load(before, after) -> float:
+    """Cores busy with anything but the ranks during an item (other jobs, kernel threads)."""
+    own = sum(gather_rows(after[2] - before[2]))
+    return max(0.0, (after[1] - before[1] - own) / (after[0] - before[0]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    with open(args.plan) as f:
+        plan = json.load(f)
+    def emit(row: dict) -> None:
+        if hvd.rank() == 0:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    for item in plan["items"]:
+        t = time.perf_counter()
+        barrier()
+        before = cpu_snapshot()
+        if item["kind"] == "exchange":
+            rows = []
+            run_exchange(item, lambda row: rows.append(row) if row["type"] == "result"
+                         else emit(row))
+            load = foreign_load(before, cpu_snapshot())
+            for row in rows:
+                row["other_load_cores"] = load
+                emit(row)
+        else:
+            try:
+                res = run_train(item)
+                res["error"] = None
+            except Exception as exc:  # recorded; ranks fail alike (same codecs, same sizes)
+                res = {"error": f"{type(exc).__name__}: {exc}"}
+                traceback.print_exc()
+            res["other_load_cores"] = foreign_load(before, cpu_snapshot())
+            emit({"type": "result", "id": item["id"], **res})
+        emit({"type": "done", "id": item["id"], "item_s": time.perf_counter() - t})
+    barrier()
+
+
+if __name__ == "__main__":
+    main()
