@@ -1,0 +1,513 @@
+"""Convergence of data-parallel training under every codec, with real Horovod ranks.
+
+    python3 benchmarks/convergence.py                            # worlds 2 and 4, 3 seeds
+    python3 benchmarks/convergence.py --worlds 2 --seeds 1 --steps 100 --out /tmp/conv  # smoke
+    python3 benchmarks/convergence.py --plot-only                # redraw from the JSON
+
+The driver starts ONE launch per world size (``horovodrun -np N --gloo`` by default, or
+``mpirun -np N --allow-run-as-root`` with ``--launcher mpirun``) that trains every codec for
+every seed in sequence, so Horovod's start-up is paid once per world. Rank 0 of the launch
+rewrites ``<out>/convergence_n<N>.json`` after every run (a launch cut short keeps what it
+finished). The driver then draws the loss curves and writes the tables.
+
+Task: the 64-256-256-10 MLP (85,002 parameters) on scikit-learn's digits (8x8 images, ships
+with scikit-learn: no download), stratified 1,347 / 450 train/test split (random_state=0);
+each rank trains on its shard (rank::size) with mini-batches of ``--batch`` per rank, SGD with
+momentum 0.9 and learning rate ``--lr`` x world size, for a fixed budget of ``--steps`` steps
+(no schedule). Every codec runs through ``hq.DistributedOptimizer`` (fusion into one bucket,
+default LayerPolicy: biases and tensors under 1024 elements travel uncompressed, which is
+~0.6% of the parameters). For seed k, model initialisation, the mini-batch sequence and the
+codec seed are the same across codecs, so differences against fp32 are paired.
+
+Recorded per run: full training-set loss, test loss and test accuracy every ``--eval-every``
+steps (rank 0; all ranks hold the same model), bytes sent per step and rank (payloads, norms,
+uncompressed tensors), wall time per step. Outputs: ``convergence_n<N>.json``,
+``convergence_n<N>.png`` (training-loss curves, mean over seeds, shaded +- std),
+``convergence_gap.png`` (final loss gap to fp32 per codec) and ``convergence_tables.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+#: label -> (codec name, parameters). Labels are what tables and plots show.
+CODECS = {
+    "fp32": ("none", {}),
+    "fp16": ("fp16", {}),
+    "qsgd 8b b512": ("qsgd", {"bits": 8, "bucket_size": 512}),
+    "qsgd 4b b512": ("qsgd", {"bits": 4, "bucket_size": 512}),
+    "nuqsgd 4b b512": ("nuqsgd", {"bits": 4, "bucket_size": 512}),
+    "natural 8b": ("natural", {"bits": 8}),
+    "natural_dithering 4b p=inf": ("natural_dithering", {"bits": 4, "p": math.inf}),
+    "standard_dithering 4b p=inf": ("standard_dithering", {"bits": 4, "p": math.inf}),
+    "global_qsgd linear 8b": ("global_qsgd", {"bits": 8, "levels": "linear"}),
+    "global_qsgd exp 8b": ("global_qsgd", {"bits": 8, "levels": "exponential"}),
+    "global_qsgd linear 5b": ("global_qsgd", {"bits": 5, "levels": "linear"}),
+    "global_qsgd exp 5b": ("global_qsgd", {"bits": 5, "levels": "exponential"}),
+    "dithered 4b": ("dithered", {"bits": 4}),
+    "nested_dithered 4b": ("nested_dithered", {"bits": 4}),
+    # high-variance settings, for --codecs stress
+    "qsgd 2b b128": ("qsgd", {"bits": 2, "bucket_size": 128}),
+    "global_qsgd linear 4b": ("global_qsgd", {"bits": 4, "levels": "linear"}),
+    "global_qsgd exp 4b": ("global_qsgd", {"bits": 4, "levels": "exponential"}),
+    # control: no compression, learning rate changed in its 7th digit. It measures how far a
+    # run moves from the fp32 run of the same seed through chaos alone (any last-bit change to
+    # the trajectory), the noise floor of every paired gap.
+    "fp32 control (lr x (1+1e-6))": ("none", {}, 1 + 1e-6),
+}
+#: ``--codecs`` presets
+PRESETS = {
+    "default": [l for l in CODECS if l not in ("qsgd 2b b128", "global_qsgd linear 4b",
+                                               "global_qsgd exp 4b",
+                                               "fp32 control (lr x (1+1e-6))")],
+    "control": ["fp32 control (lr x (1+1e-6))"],
+    # where the measured variances differ by an order of magnitude (docs/results/variance*):
+    # does the difference show in training?
+    "stress": ["fp32", "qsgd 4b b512", "qsgd 2b b128", "global_qsgd linear 4b",
+               "global_qsgd exp 4b", "global_qsgd linear 5b", "global_qsgd exp 5b"],
+}
+
+
+# ================================================================================ worker ======
+def make_data(seed_split: int = 0):
+    import numpy as np
+    import torch
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=seed_split,
+                                          stratify=y)
+    t = lambda a, dt: torch.tensor(a, dtype=dt)
+    return (t(xtr, torch.float32), t(ytr, torch.long), t(xte, torch.float32),
+            t(yte, torch.long))
+
+
+def train_one(label: str, seed: int, args, data) -> dict:
+    import horovod.torch as hvd
+    import torch
+
+    import horovod_quant.torch as hq
+
+    name, params, *rest = CODECS[label]
+    lr_scale = rest[0] if rest else 1.0
+    xtr, ytr, xte, yte = data
+    rank, size = hvd.rank(), hvd.size()
+    xs, ys = xtr[rank::size], ytr[rank::size]
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr * size * lr_scale, momentum=0.9)
+    compression = getattr(hq.Compression, name)(seed=1000 + seed, **params)
+    opt = hq.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                  compression=compression)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    gen = torch.Generator().manual_seed(10_000 * seed + rank)
+    lossf = torch.nn.functional.cross_entropy
+
+    def evaluate(step):
+        if rank != 0:
+            return None
+        with torch.no_grad():
+            tr = lossf(model(xtr), ytr).item()
+            logits = model(xte)
+            te = lossf(logits, yte).item()
+            acc = (logits.argmax(1) == yte).float().mean().item()
+        return {"step": step, "train_loss": tr, "test_loss": te, "test_acc": acc}
+
+    curve = [evaluate(0)]
+    sent = raw = 0
+    t_train = 0.0
+    diverged = False
+    for step in range(1, args.steps + 1):
+        t = time.perf_counter()
+        idx = torch.randint(0, xs.shape[0], (args.batch,), generator=gen)
+        opt.zero_grad()
+        loss = lossf(model(xs[idx]), ys[idx])
+        loss.backward()
+        opt.step()
+        t_train += time.perf_counter() - t
+        sent += opt.last_stats.bytes_sent
+        raw += opt.last_stats.bytes_raw
+        if step % args.eval_every == 0 or step == args.steps:
+            curve.append(evaluate(step))
+            if rank == 0 and not math.isfinite(curve[-1]["train_loss"]):
+                diverged = True
+    out = {"label": label, "codec": name, "params": {k: (str(v) if isinstance(v, float) and
+                                                         math.isinf(v) else v)
+                                                     for k, v in params.items()},
+           "seed": seed, "world": size, "steps": args.steps,
+           "bytes_per_step": sent / args.steps, "raw_bytes_per_step": raw / args.steps,
+           "ms_per_step": 1e3 * t_train / args.steps, "diverged": diverged}
+    if rank == 0:
+        out["curve"] = curve
+        out["final"] = curve[-1]
+    return out
+
+
+def worker(args) -> None:
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    torch.set_num_threads(1)
+    data = make_data()
+    labels = [l for l in args.codecs.split(";") if l]
+    runs = []
+    meta = {"world": hvd.size(), "command": " ".join(sys.argv),
+            "env": {k: os.environ.get(k) for k in ("HOROVOD_FUSION_THRESHOLD",
+                                                    "HOROVOD_CYCLE_TIME", "OMP_NUM_THREADS")}, "steps": args.steps, "batch_per_rank": args.batch,
+            "lr_per_rank": args.lr, "lr": args.lr * hvd.size(), "eval_every": args.eval_every,
+            "seeds": list(range(args.first_seed, args.first_seed + args.seeds)), "codecs": labels,
+            "train": int(data[0].shape[0]), "test": int(data[2].shape[0]),
+            "mpi_enabled": bool(hvd.mpi_enabled()), "gloo_enabled": bool(hvd.gloo_enabled()),
+            "torch": torch.__version__}
+    if args.append and os.path.exists(args.json):  # add runs to an earlier launch's file
+        with open(args.json) as fh:
+            old = json.load(fh)
+        runs = old["runs"]
+        meta["codecs"] = old["meta"]["codecs"] + [l for l in labels
+                                                  if l not in old["meta"]["codecs"]]
+        meta["seeds"] = sorted(set(old["meta"]["seeds"]) | set(meta["seeds"]))
+        meta["appended"] = old["meta"].get("appended", []) + [" ".join(sys.argv)]
+    t0 = time.perf_counter()
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        for label in labels:
+            t = time.perf_counter()
+            r = train_one(label, seed, args, data)
+            r["wall_s"] = time.perf_counter() - t
+            runs.append(r)
+            if hvd.rank() == 0:
+                f = r["final"]
+                print(f"[n={hvd.size()} seed={seed}] {label:28s} train {f['train_loss']:.4f} "
+                      f"test {f['test_loss']:.4f} acc {f['test_acc']:.4f} "
+                      f"{r['bytes_per_step']:9.0f} B/step {r['ms_per_step']:6.1f} ms/step "
+                      f"({time.perf_counter() - t0:5.0f}s)", flush=True)
+                meta["elapsed_s"] = time.perf_counter() - t0
+                tmp = args.json + ".tmp"
+                with open(tmp, "w") as fh:
+                    json.dump({"meta": meta, "runs": runs}, fh, indent=1)
+                os.replace(tmp, args.json)
+
+
+# ================================================================================ driver ======
+def launch(n: int, args) -> tuple[int, float]:
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{prefix(args)}_n{n}.json")
+    inner = [sys.executable, os.path.abspath(__file__), "--worker", "--json", path,
+             "--tag", args.tag, "--first-seed", str(args.first_seed)] + (
+                 ["--append"] if args.append else []) + [
+             "--steps", str(args.steps), "--seeds", str(args.seeds), "--batch", str(args.batch),
+             "--lr", str(args.lr), "--eval-every", str(args.eval_every),
+             "--codecs", args.codecs]
+    if args.launcher == "horovodrun":
+        cmd = ["horovodrun", "-np", str(n), "-H", f"localhost:{n}", "--gloo"] + inner
+    else:
+        cmd = ["mpirun", "-np", str(n), "--allow-run-as-root", "--oversubscribe",
+               "--bind-to", "none", "-x", "OMP_NUM_THREADS", "-x", "OMPI_MCA_mpi_yield_when_idle",
+               "-x", "HOROVOD_FUSION_THRESHOLD", "-x", "HOROVOD_CYCLE_TIME"] + inner
+    # HOROVOD_FUSION_THRESHOLD=0: with fusion, which uncompressed tensors (biases) share a
+    # fused allreduce depends on timing, which changes the float summation order with n > 2
+    # ranks and makes runs irreproducible (a last-bit difference grows into a ~2% loss
+    # difference after 60 steps). Unfused, every run is bit-reproducible. HOROVOD_CYCLE_TIME:
+    # 0.5 ms instead of Horovod's default cuts the per-collective latency of this tiny model.
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1",
+               PYTHONUNBUFFERED="1", HOROVOD_FUSION_THRESHOLD="0", HOROVOD_CYCLE_TIME="0.5")
+    for k in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME"):
+        env[k] = os.environ.get(k, env[k])
+    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    t = time.perf_counter()
+    # own process group, so that a launch past --timeout is ended with all its ranks
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"world {n}: launch exceeded {args.timeout}s; keeping the runs it finished")
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        rc = 124
+    return rc, time.perf_counter() - t
+
+
+def prefix(args) -> str:
+    return "convergence" + (f"_{args.tag}" if args.tag else "")
+
+
+def load(args) -> dict:
+    res = {}
+    for n in args.worlds:
+        path = os.path.join(args.out, f"{prefix(args)}_n{n}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                res[n] = json.load(f)
+    return res
+
+
+def summarize(res: dict) -> dict:
+    """Per world and codec: mean/std over seeds of final metrics and of paired gaps to fp32."""
+    import numpy as np
+
+    summary = {}
+    for n, blob in res.items():
+        runs = [r for r in blob["runs"] if "final" in r]
+        base = {r["seed"]: r["final"] for r in runs if r["label"] == "fp32"}
+        rows = {}
+        for label in blob["meta"]["codecs"]:
+            rs = [r for r in runs if r["label"] == label]
+            if not rs:
+                continue
+            paired = [r for r in rs if r["seed"] in base]
+
+            def f(key, rs=rs):
+                return np.array([r["final"][key] for r in rs], float)
+
+            def gap(key, paired=paired, base=base):
+                return np.array([r["final"][key] - base[r["seed"]][key] for r in paired], float)
+
+            def ms(a):
+                return (float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0)
+            # area under the training-loss curve (mean loss over the evaluations): a whole-run
+            # measure that is less noisy than the last point
+            auc = np.array([np.mean([c["train_loss"] for c in r["curve"]]) for r in rs])
+            auc_base = {r["seed"]: np.mean([c["train_loss"] for c in r["curve"]])
+                        for r in runs if r["label"] == "fp32"}
+            auc_gap = np.array([np.mean([c["train_loss"] for c in r["curve"]]) -
+                                auc_base[r["seed"]] for r in paired])
+            rows[label] = {
+                "seeds": len(rs),
+                "train_loss": ms(f("train_loss")), "test_loss": ms(f("test_loss")),
+                "test_acc": ms(f("test_acc")),
+                "gap_train_loss": ms(gap("train_loss")), "gap_test_loss": ms(gap("test_loss")),
+                "gap_test_acc": ms(gap("test_acc")),
+                "mean_curve_loss": ms(auc), "gap_mean_curve_loss": ms(auc_gap),
+                "bytes_per_step": float(np.mean([r["bytes_per_step"] for r in rs])),
+                "raw_bytes_per_step": float(np.mean([r["raw_bytes_per_step"] for r in rs])),
+                "ms_per_step": ms(np.array([r["ms_per_step"] for r in rs])),
+                "diverged": int(sum(r.get("diverged", False) for r in rs)),
+            }
+        summary[n] = rows
+    return summary
+
+
+def orderings(summary: dict) -> list[dict]:
+    """The papers' claims, checked on the measured numbers (paired gaps to fp32)."""
+    checks = []
+    for n, rows in summary.items():
+        for bits in ("8b", "5b", "4b"):
+            lin, exp = rows.get(f"global_qsgd linear {bits}"), rows.get(f"global_qsgd exp {bits}")
+            if lin and exp:
+                for key in ("gap_train_loss", "gap_mean_curve_loss", "gap_test_acc"):
+                    better_lower = key != "gap_test_acc"
+                    lv, ls = lin[key]
+                    ev, es = exp[key]
+                    closer = abs(ev) < abs(lv)
+                    # "better": lower loss or higher accuracy than linear, whatever fp32 did
+                    better = ev < lv if better_lower else ev > lv
+                    checks.append({
+                        "world": n, "claim": f"Global-QSGD exponential closer to fp32 than "
+                        f"linear ({bits}), {key}",
+                        "linear": [lv, ls], "exponential": [ev, es], "holds": bool(closer),
+                        "better": bool(better),
+                        "separated": bool(abs(abs(ev) - abs(lv)) > max(ls, es)),
+                    })
+        q = rows.get("qsgd 8b b512")
+        base = rows.get("fp32")
+        if q and base:
+            g, gs = q["gap_test_acc"]
+            seed_sd = base["test_acc"][1]
+            checks.append({
+                "world": n, "claim": "QSGD 8-bit bucket 512 recovers fp32 test accuracy "
+                "(paired gap >= -max(0.5 pp, fp32 seed std))",
+                "gap_test_acc": [g, gs], "fp32_acc_std": seed_sd,
+                "holds": bool(g >= -max(0.005, seed_sd)),
+            })
+    return checks
+
+
+def plot(res: dict, summary: dict, out: str, pre: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    paths = []
+    cmap = plt.get_cmap("tab20")
+    for n, blob in res.items():
+        labels = blob["meta"]["codecs"]
+        fig, axes = plt.subplots(1, 3, figsize=(18, 5.2))
+        for i, label in enumerate(labels):
+            rs = [r for r in blob["runs"] if r["label"] == label and "curve" in r]
+            if not rs:
+                continue
+            steps = np.array([c["step"] for c in rs[0]["curve"]])
+            color = "black" if label == "fp32" else cmap(i % 20)
+            lw = 2.2 if label == "fp32" else 1.2
+            for ax, key in zip(axes, ("train_loss", "test_loss", "test_acc")):
+                m = np.array([[c[key] for c in r["curve"]] for r in rs])
+                mu, sd = m.mean(0), m.std(0)
+                ax.plot(steps, mu, color=color, lw=lw, label=f"{label} ({len(rs)} seeds)")
+                if len(rs) > 1:
+                    ax.fill_between(steps, mu - sd, mu + sd, color=color, alpha=0.12)
+        for ax, key in zip(axes, ("training-set loss", "test loss", "test accuracy")):
+            ax.set_xlabel("step")
+            ax.set_ylabel(key)
+            ax.grid(alpha=0.3, which="both")
+        axes[0].set_yscale("log")
+        axes[1].set_yscale("log")
+        axes[2].set_ylim(0.85, 1.0)
+        axes[0].legend(fontsize=7, ncol=1)
+        m = blob["meta"]
+        fig.suptitle(f"digits MLP, {n} ranks ({'gloo' if m.get('gloo_enabled') else 'MPI'}), "
+                     f"{m['steps']} steps, batch {m['batch_per_rank']}/rank, "
+                     f"lr {m['lr']:g}, momentum 0.9; mean over seeds, shaded ± std")
+        fig.tight_layout()
+        p = os.path.join(out, f"{pre}_n{n}.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    # gap plot
+    worlds = list(summary)
+    labels = [l for l in next(iter(res.values()))["meta"]["codecs"] if l != "fp32"]
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
+    width = 0.8 / max(1, len(worlds))
+    x = np.arange(len(labels))
+    for j, n in enumerate(worlds):
+        for ax, key, title in ((axes[0], "gap_train_loss", "final training loss - fp32"),
+                               (axes[1], "gap_test_acc", "final test accuracy - fp32")):
+            vals = [summary[n].get(l, {}).get(key, (np.nan, 0)) for l in labels]
+            scale = 100 if key == "gap_test_acc" else 1
+            ax.bar(x + (j - (len(worlds) - 1) / 2) * width, [v[0] * scale for v in vals],
+                   width, yerr=[v[1] * scale for v in vals], capsize=2, label=f"{n} ranks")
+            ax.set_title(title + (" (pp)" if scale == 100 else "") + ", paired by seed")
+    for ax in axes:
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend()
+    fig.tight_layout()
+    p = os.path.join(out, f"{pre}_gap.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+def tables(res: dict, summary: dict, checks: list[dict]) -> str:
+    def pm(v, scale=1.0, d=4):
+        return f"{v[0] * scale:.{d}f} ± {v[1] * scale:.{d}f}"
+
+    out = []
+    for n, rows in summary.items():
+        m = res[n]["meta"]
+        out.append(f"### {n} ranks: {m['steps']} steps, batch {m['batch_per_rank']}/rank, "
+                   f"lr {m['lr']:g}, seeds {m['seeds']} (mean ± std over seeds; Δ = paired "
+                   f"by seed against fp32)\n")
+        out.append("| codec | seeds | train loss | test loss | test acc (%) | Δ train loss | "
+                   "Δ mean-curve loss | Δ test acc (pp) | bytes/step/rank | ratio | ms/step |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        for label, r in rows.items():
+            ratio = r["raw_bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else 0
+            out.append(
+                f"| {label} | {r['seeds']} | {pm(r['train_loss'])} | {pm(r['test_loss'])} | "
+                f"{pm(r['test_acc'], 100, 2)} | {pm(r['gap_train_loss'])} | "
+                f"{pm(r['gap_mean_curve_loss'])} | {pm(r['gap_test_acc'], 100, 2)} | "
+                f"{r['bytes_per_step']:.0f} | {ratio:.2f} | {r['ms_per_step'][0]:.1f} |"
+                + (f" diverged {r['diverged']}" if r["diverged"] else ""))
+        out.append("")
+    out.append("### The papers' orderings, as measured\n")
+    out.append("| world | claim | measured | holds? |")
+    out.append("|---|---|---|---|")
+    for c in checks:
+        if "linear" in c:
+            meas = (f"linear {c['linear'][0]:+.4f} ± {c['linear'][1]:.4f}, exponential "
+                    f"{c['exponential'][0]:+.4f} ± {c['exponential'][1]:.4f}")
+            verdict = (("closer: yes" if c["holds"] else "closer: no")
+                       + ("; better: yes" if c["better"] else "; better: no")
+                       + ("" if c["separated"] else "; within one std: not resolved"))
+        else:
+            meas = (f"paired gap {100 * c['gap_test_acc'][0]:+.2f} ± "
+                    f"{100 * c['gap_test_acc'][1]:.2f} pp (fp32 seed std "
+                    f"{100 * c['fp32_acc_std']:.2f} pp)")
+            verdict = "yes" if c["holds"] else "no"
+        out.append(f"| {c['world']} | {c['claim']} | {meas} | {verdict} |")
+    out.append("")
+    return "\n".join(out)
+
+
+def report(args) -> None:
+    pre = prefix(args)
+    res = load(args)
+    if not res:
+        raise SystemExit(f"no {pre}_n*.json under {args.out}")
+    summary = summarize(res)
+    checks = orderings(summary)
+    paths = plot(res, summary, args.out, pre)
+    md = tables(res, summary, checks)
+    with open(os.path.join(args.out, f"{pre}_tables.md"), "w") as f:
+        f.write("<!-- generated by benchmarks/convergence.py; do not edit -->\n\n" + md)
+    with open(os.path.join(args.out, f"{pre}_summary.json"), "w") as f:
+        json.dump({"summary": {str(k): v for k, v in summary.items()}, "checks": checks}, f,
+                  indent=1)
+    print(md)
+    print("wrote " + ", ".join(paths))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--seeds", type=int, default=3, help="number of seeds")
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--append", action="store_true",
+                    help="add the runs to the existing JSON of that world (e.g. to finish "
+                    "codecs a --timeout cut short) instead of replacing it")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=16, help="mini-batch per rank")
+    ap.add_argument("--lr", type=float, default=0.025, help="per-rank lr (x world size)")
+    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--codecs", default="default",
+                    help="';'-separated labels of CODECS, or a preset: "
+                    + ", ".join(PRESETS))
+    ap.add_argument("--tag", default="", help="output name suffix: convergence_<tag>_n<N>.*")
+    ap.add_argument("--launcher", choices=("horovodrun", "mpirun"), default="horovodrun")
+    ap.add_argument("--timeout", type=int, default=720, help="seconds per launch")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results"))
+    ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    args.worlds = [int(w) for w in str(args.worlds).split(",") if w]
+    args.codecs = ";".join(PRESETS[args.codecs]) if args.codecs in PRESETS else args.codecs
+    unknown = [l for l in args.codecs.split(";") if l and l not in CODECS]
+    if unknown:
+        raise SystemExit(f"unknown codec labels {unknown}; known: {list(CODECS)}")
+    args.out = os.path.abspath(args.out)
+    if not args.plot_only:
+        for n in args.worlds:
+            rc, secs = launch(n, args)
+            print(f"world {n}: rc={rc}, {secs:.0f}s", flush=True)
+    report(args)
+
+
+if __name__ == "__main__":
+    main()
