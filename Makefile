@@ -12,7 +12,8 @@ install:
 
 test: install
 	$(PYTHON) -m pytest -q tests/unit || [ $$? -eq 5 ]
-	@if [ -f tests/parallel/run.sh ]; then bash tests/parallel/run.sh; else echo "(no tests/parallel/run.sh)"; fi
+	bash tests/parallel/run.sh
+	bash tests/parallel_tf/run.sh
 	bash tests/kernels/compile.sh
 	$(PYTHON) -m pytest -q tests/kernels tests/gpu
 
@@ -22,6 +23,7 @@ unit:
 
 parallel:
 	bash tests/parallel/run.sh
+	bash tests/parallel_tf/run.sh
 
 kernels:
 	bash tests/kernels/compile.sh

@@ -1,0 +1,14 @@
+"""TensorFlow adapter: ``Compression.<codec>(...)`` for ``hvd.DistributedGradientTape`` and the
+Keras ``hvd.DistributedOptimizer`` (horovod.tensorflow.keras), eager and inside ``tf.function``.
+
+    import horovod.tensorflow as hvd
+    import horovod_quant.tensorflow as hqtf
+    tape = hvd.DistributedGradientTape(tape, compression=hqtf.Compression.qsgd(bits=4))
+
+Use tf-keras (``TF_USE_LEGACY_KERAS=1``) for the Keras door; see docs/tensorflow.md.
+"""
+from ..policy import LayerPolicy
+from ..stats import StepStats
+from .compression import Compression, QuantizedCompressor
+
+__all__ = ["Compression", "LayerPolicy", "QuantizedCompressor", "StepStats"]
