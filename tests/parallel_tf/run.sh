@@ -11,7 +11,7 @@ export TF_USE_LEGACY_KERAS=1 TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
 export OMPI_MCA_mpi_yield_when_idle=1 HOROVOD_CYCLE_TIME=${HOROVOD_CYCLE_TIME:-1}
 : "${HQ_PARALLEL_TF_WORLDS:=2}"
 : "${HQ_PARALLEL_CONTROLLERS:=gloo mpi}"
-: "${HQ_PARALLEL_TF_TIMEOUT:=420}"
+: "${HQ_PARALLEL_TF_TIMEOUT:=900}"
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import tensorflow, tf_keras, horovod.tensorflow" >/dev/null 2>&1; then
   echo "== tests/parallel_tf: skipped (tensorflow, tf_keras or horovod.tensorflow missing) =="
