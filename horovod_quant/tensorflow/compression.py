@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -41,10 +41,10 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
 from ..comm import steps
-from ..core import available_codecs, get_codec
 from ..core.base import Codec
 from ..core.rng import derive_key
 from ..core.schedules import resolve_gather
+from ..adapters import CompressionNamespace
 from ..policy import LayerPolicy, describe
 from ..stats import StepStats
 from ._fenv import ieee_denormals
@@ -290,35 +290,4 @@ class QuantizedCompressor(Compressor):
         return tf.cast(out, ctx.dtype) if ctx.dtype != tf.float32 else out
 
 
-def _factory(name: str) -> Callable[..., QuantizedCompressor]:
-    def make(seed: int = 0, gather: str = "auto", policy: LayerPolicy | None = None,
-             process_set: Any = None, **params: Any) -> QuantizedCompressor:
-        if name in ("global_qsgd", "nested_dithered") and "world_size" not in params:
-            ps = process_set if process_set is not None else hvd.global_process_set
-            params["world_size"] = ps.size()
-        return QuantizedCompressor(get_codec(name, **params), seed=seed, gather=gather,
-                                   policy=policy, process_set=process_set)
-
-    make.__name__ = name
-    make.__doc__ = (f"A Horovod TensorFlow Compressor running the ``{name}`` codec.\n\n"
-                    f"Args: seed, gather, policy, process_set (see QuantizedCompressor) and the "
-                    f"codec's own parameters (docs/codecs.md).")
-    return make
-
-
-class _CompressionNamespace:
-    """``Compression.<codec>(**params)`` for every registered codec, like Horovod's
-    ``hvd.Compression`` (whose members are used without a call)."""
-
-    def __getattr__(self, name: str) -> Callable[..., QuantizedCompressor]:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        if name not in available_codecs():
-            raise AttributeError(f"no codec {name!r}; valid: {', '.join(available_codecs())}")
-        return _factory(name)
-
-    def __dir__(self) -> list[str]:
-        return available_codecs()
-
-
-Compression = _CompressionNamespace()
+Compression = CompressionNamespace(QuantizedCompressor, hvd.global_process_set, "TensorFlow")

@@ -1,0 +1,48 @@
+"""What the torch and TensorFlow adapters share: the ``Compression.<codec>(...)`` namespace."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .core import available_codecs, get_codec
+
+#: codecs whose construction needs the number of workers
+WORLD_SIZED = ("global_qsgd", "nested_dithered")
+
+
+class CompressionNamespace:
+    """``Compression.<codec>(**params)`` for every registered codec, like Horovod's
+    ``hvd.Compression`` (whose members are used without a call).
+
+    Args:
+        compressor_cls: the adapter's compressor class, built as
+            ``compressor_cls(codec, seed=, gather=, policy=, process_set=)``.
+        global_process_set: the framework's ``hvd.global_process_set`` (fills ``world_size``).
+        framework: named in the generated docstrings.
+    """
+
+    def __init__(self, compressor_cls: type, global_process_set: Any, framework: str) -> None:
+        self._cls = compressor_cls
+        self._global = global_process_set
+        self._framework = framework
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in available_codecs():
+            raise AttributeError(f"no codec {name!r}; valid: {', '.join(available_codecs())}")
+
+        def make(seed: int = 0, gather: str = "auto", policy: Any = None,
+                 process_set: Any = None, **params: Any) -> Any:
+            if name in WORLD_SIZED and "world_size" not in params:
+                params["world_size"] = (process_set if process_set is not None else self._global).size()
+            return self._cls(get_codec(name, **params), seed=seed, gather=gather,
+                             policy=policy, process_set=process_set)
+
+        make.__name__ = name
+        make.__doc__ = (f"A Horovod {self._framework} Compressor running the ``{name}`` codec.\n\n"
+                        f"Args: seed, gather, policy, process_set (see QuantizedCompressor) and "
+                        f"the codec's own parameters (docs/codecs.md).")
+        return make
+
+    def __dir__(self) -> list[str]:
+        return available_codecs()
