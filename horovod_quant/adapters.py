@@ -9,6 +9,21 @@ from .core import available_codecs, get_codec
 WORLD_SIZED = ("global_qsgd", "nested_dithered")
 
 
+def check_same_config(comm: Any, config: dict, name: str) -> None:
+    """Raise the same ValueError on every rank when ``config`` differs between ranks.
+
+    Args:
+        comm: the adapter's :class:`~horovod_quant.comm.Collectives` (allgather_object).
+        config: everything that must agree (codec, parameters, seed, policy, ...).
+        name: collective name, the same on every rank.
+    """
+    configs = comm.allgather_object(config, name)
+    if any(c != configs[0] for c in configs):
+        lines = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(configs))
+        raise ValueError("horovod_quant configuration differs between ranks; every rank must "
+                         f"build the same codec, parameters and seed:\n{lines}")
+
+
 class CompressionNamespace:
     """``Compression.<codec>(**params)`` for every registered codec, like Horovod's
     ``hvd.Compression`` (whose members are used without a call).

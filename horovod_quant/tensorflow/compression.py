@@ -44,7 +44,7 @@ from ..comm import steps
 from ..core.base import Codec
 from ..core.rng import derive_key
 from ..core.schedules import resolve_gather
-from ..adapters import CompressionNamespace
+from ..adapters import CompressionNamespace, check_same_config
 from ..policy import LayerPolicy, describe
 from ..stats import StepStats
 from ._fenv import ieee_denormals
@@ -53,15 +53,6 @@ from .collectives import HorovodTFCollectives
 _IDS = itertools.count()
 _NORM_WIRE_BYTES = 16  # the norm statistic and its NaN flag, two float64
 _PLACEHOLDER_BYTES = 4
-
-
-def check_same_config(comm, config: dict, name: str) -> None:
-    """Raise the same ValueError on every rank when ``config`` differs between ranks."""
-    configs = comm.allgather_object(config, name)
-    if any(c != configs[0] for c in configs):
-        lines = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(configs))
-        raise ValueError("horovod_quant configuration differs between ranks; every rank must "
-                         f"build the same codec, parameters and seed:\n{lines}")
 
 
 class _Ctx(NamedTuple):

@@ -29,7 +29,7 @@ from horovod.torch.compression import Compressor
 from ..comm.exchange import Exchange
 from ..core.base import Codec
 from ..core.rng import derive_key
-from ..adapters import CompressionNamespace
+from ..adapters import CompressionNamespace, check_same_config
 from ..policy import LayerPolicy, describe
 from ..stats import StepStats
 from .collectives import HorovodTorchCollectives
@@ -44,15 +44,6 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     if flat.dtype != torch.float32 or flat.device.type != "cpu":
         flat = flat.to(device="cpu", dtype=torch.float32)
     return flat.numpy()
-
-
-def check_same_config(comm, config: dict, name: str) -> None:
-    """Raise the same ValueError on every rank when ``config`` differs between ranks."""
-    configs = comm.allgather_object(config, name)
-    if any(c != configs[0] for c in configs):
-        lines = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(configs))
-        raise ValueError("horovod_quant configuration differs between ranks; every rank must "
-                         f"build the same codec, parameters and seed:\n{lines}")
 
 
 class QuantizedCompressor(Compressor):

@@ -27,6 +27,7 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
+from ..adapters import check_same_config
 from ..comm.exchange import Exchange, global_norm
 from ..core import get_codec
 from ..core.base import Codec
@@ -34,7 +35,7 @@ from ..core.rng import derive_key
 from ..policy import LayerPolicy, describe
 from ..stats import StepStats
 from .collectives import HorovodTorchCollectives
-from .compression import QuantizedCompressor, check_same_config, to_numpy
+from .compression import QuantizedCompressor, to_numpy
 
 DEFAULT_FUSION_BYTES = 32 << 20
 _IDS = itertools.count()
