@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.exp_reduce import exp_combine, packed_range, round_key, schedule
+from ..core.exp_reduce import block_byte_range, exp_combine, round_key, schedule
 from ..core.packing import PACK_BLOCK
 from ..core.payload import Payload
 from .backend import Handle
@@ -80,14 +80,10 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
     work = np.array(data, dtype=np.uint8, copy=True)
     rounds, owners = schedule(n, -(-size // PACK_BLOCK), reduction)
 
-    def byte_range(b0: int, b1: int) -> tuple[int, int, int, int]:
-        i0, i1 = min(b0 * PACK_BLOCK, size), min(b1 * PACK_BLOCK, size)
-        return (i0, i1, *packed_range(i0, i1, size, bits))
-
     for step in rounds:
         requests, received = [], []
         for c in step:
-            i0, i1, lo, hi = byte_range(c.b0, c.b1)
+            i0, i1, lo, hi = block_byte_range(c.b0, c.b1, size, bits)
             if i1 == i0:
                 continue
             if c.partner == rank:
@@ -103,7 +99,7 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
             exp_combine(own, buf, own, i1 - i0, i0, bits, k0, k1)
     counts, displs = [0] * n, [0] * n
     for g, b0, b1 in owners:
-        _, _, lo, hi = byte_range(b0, b1)
+        _, _, lo, hi = block_byte_range(b0, b1, size, bits)
         counts[g], displs[g] = hi - lo, lo
     out = np.empty_like(work)
     mine = work[displs[rank]:displs[rank] + counts[rank]]

@@ -46,7 +46,7 @@ Allgathers copy bytes, so every rank ends with the same final codes.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numba
 import numpy as np
@@ -343,8 +343,15 @@ def round_key(seed: int, round_index: int, group: int) -> tuple[np.uint32, np.ui
     return split_key(derive_key(seed, round_index, group))
 
 
-def reduce_packed(buffers: Sequence[np.ndarray], size: int, bits: int, seed: int,
-                  reduction: str) -> np.ndarray:
+def block_byte_range(b0: int, b1: int, size: int, bits: int) -> tuple[int, int, int, int]:
+    """``(i0, i1, lo, hi)``: the elements ``[i0, i1)`` of packing blocks ``[b0, b1)`` of a
+    ``size``-element payload and their packed byte range ``[lo, hi)``."""
+    i0, i1 = min(b0 * PACK_BLOCK, size), min(b1 * PACK_BLOCK, size)
+    return (i0, i1, *packed_range(i0, i1, size, bits))
+
+
+def reduce_packed(buffers: Sequence[Any], size: int, bits: int, seed: int, reduction: str,
+                  xp: Any = np, combine: Callable = exp_combine) -> Any:
     """Run the reduction of n ranks' packed codes in one process, combination by combination.
 
     Args:
@@ -354,30 +361,26 @@ def reduce_packed(buffers: Sequence[np.ndarray], size: int, bits: int, seed: int
         bits: code width.
         seed: the exchange seed (keys: module doc).
         reduction: "tree" or "ring".
+        xp: array module of the buffers (NumPy, or CuPy for device buffers).
+        combine: the combination kernel, :func:`exp_combine` or its device twin.
 
     Returns:
         The reduced packed codes every rank holds after the allgather.
     """
     n = len(buffers)
-    work = [np.array(b, dtype=np.uint8, copy=True) for b in buffers]
-    n_blocks = -(-size // PACK_BLOCK)
-    rounds, owners = schedule(n, n_blocks, reduction)
-
-    def elements(b0: int, b1: int) -> tuple[int, int]:
-        return min(b0 * PACK_BLOCK, size), min(b1 * PACK_BLOCK, size)
-
+    work = [xp.array(b, dtype=xp.uint8, copy=True) for b in buffers]
+    rounds, owners = schedule(n, -(-size // PACK_BLOCK), reduction)
     for step in rounds:
         for c in step:
-            i0, i1 = elements(c.b0, c.b1)
+            i0, i1, lo, hi = block_byte_range(c.b0, c.b1, size, bits)
             if i1 == i0:
                 continue
-            lo, hi = packed_range(i0, i1, size, bits)
             k0, k1 = round_key(seed, c.round, c.rank)
             own = work[c.rank][lo:hi]
-            exp_combine(own, work[c.partner][lo:hi], own, i1 - i0, i0, bits, k0, k1)
-    out = np.empty(int(packed_nbytes(size, bits)), np.uint8)
+            combine(own, work[c.partner][lo:hi], own, i1 - i0, i0, bits, k0, k1)
+    out = xp.empty(int(packed_nbytes(size, bits)), xp.uint8)
     for g, b0, b1 in owners:
-        lo, hi = packed_range(*elements(b0, b1), size, bits)
+        _, _, lo, hi = block_byte_range(b0, b1, size, bits)
         out[lo:hi] = work[g][lo:hi]
     return out
 

@@ -314,32 +314,10 @@ class Ops:
     def reduce_packed(self, buffers: Sequence[Any], size: int, bits: int, seed: int,
                       reduction: str) -> Any:
         """:func:`horovod_quant.core.exp_reduce.reduce_packed` on device buffers."""
-        from ..core.exp_reduce import packed_range, round_key, schedule
+        from ..core.exp_reduce import reduce_packed
 
-        xp = self.xp
-        n = len(buffers)
-        work = [xp.array(b, dtype=xp.uint8, copy=True) for b in buffers]
-        n_blocks = -(-size // PACK_BLOCK)
-        rounds, owners = schedule(n, n_blocks, reduction)
-
-        def elements(b0: int, b1: int) -> tuple[int, int]:
-            return min(b0 * PACK_BLOCK, size), min(b1 * PACK_BLOCK, size)
-
-        for step in rounds:
-            for c in step:
-                i0, i1 = elements(c.b0, c.b1)
-                if i1 == i0:
-                    continue
-                lo, hi = packed_range(i0, i1, size, bits)
-                k0, k1 = round_key(seed, c.round, c.rank)
-                own = work[c.rank][lo:hi]
-                self.exp_combine(own, work[c.partner][lo:hi], own, i1 - i0, i0, bits, int(k0),
-                                 int(k1))
-        out = xp.empty(int(packed_nbytes(size, bits)), xp.uint8)
-        for g, b0, b1 in owners:
-            lo, hi = packed_range(*elements(b0, b1), size, bits)
-            out[lo:hi] = work[g][lo:hi]
-        return out
+        return reduce_packed(buffers, size, bits, seed, reduction, xp=self.xp,
+                             combine=self.exp_combine)
 
     def gq_reduce(self, codec: Any, payloads: Sequence[Payload], seed: int) -> Payload:
         xp = self.xp
