@@ -1,71 +1,50 @@
-"""Run one codec's exchange for a flat float32 vector over :class:`Collectives`.
+"""Run one codec's exchange for a flat float32 vector over :class:`Collectives`, pipelined.
 
-The result equals :func:`horovod_quant.mean_estimate` for the same inputs, seed and schedule,
-bit for bit, on every rank:
+:class:`Exchange` drives the steps of :mod:`horovod_quant.comm.steps` (the one implementation
+of every exchange, which the TensorFlow adapter runs as graph ops) through asynchronous
+collectives, and returns :class:`Pending` handles. The result equals
+:func:`horovod_quant.mean_estimate` (with the same ``gather`` and ``pipeline_elems``) bit for
+bit, on every rank:
 
-* ``sum`` codecs: the payload array goes through one allreduce(sum) (unsigned integer words are
-  reinterpreted as int64, whose wrapping sum is exact modulo 2^64) and ``decode_sum`` turns the
-  sum into the mean.
-* ``gather`` codecs: ``allgather`` or ``sra`` (see :mod:`horovod_quant.core.schedules`). Every
-  gathered payload travels with an 8-byte length, so variable-length payloads (Elias) and
-  unequal chunks need no extra round.
+* ``sum`` codecs: the payload words go through one allreduce(sum) (uint64 words as int64,
+  whose wrapping sum is exact modulo 2^64) and ``decode_sum`` turns the sum into the mean;
+* ``gather`` codecs: ``allgather`` or ``sra`` (:mod:`horovod_quant.core.schedules`), payloads
+  framed with their length;
 * ``custom`` codecs: the codec's own collective when one is registered (the mpi4py exponent
-  allreduce of Global-QSGD); otherwise the payloads are allgathered and every rank runs the
-  codec's reduction locally (``combine_gathered``), which gives the same bytes everywhere.
+  allreduce of Global-QSGD), else allgather and the codec's reduction on every rank.
 
-Codecs with a global norm (Global-QSGD) get it from one allreduce before encoding unless the
-caller passes it (the optimizer groups all buckets of a step into one norm allreduce).
+Pipelining: a vector longer than ``pipeline_elems`` is exchanged as pieces
+(:func:`~horovod_quant.core.schedules.pipeline_bounds`), each started as soon as it is
+encoded. Horovod (or the custom collective's thread) moves piece k while this thread encodes
+piece k + 1, and :meth:`Pending.wait` decodes piece k while later pieces are still on the wire,
+so encode and decode hide behind the transfer instead of adding to it.
+
+Codecs with a global norm (Global-QSGD) get it from one allgather of per-rank statistics
+before encoding unless the caller passes it (the optimizer groups all buckets of a step).
 """
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
-from ..core.base import Codec, worker_seed
-from ..core.payload import Payload
-from ..core.schedules import chunk_bounds, chunk_seed, reencode_seed, resolve_gather
+from ..core.base import Codec
+from ..core.schedules import (DEFAULT_PIPELINE_ELEMS, check_pipeline_elems, pipeline_bounds,
+                              pipeline_seed)
+from . import steps
 from .backend import Collectives, Handle
+from .steps import frame, unframe  # noqa: F401  (re-exported: the wire framing)
 
-_LEN = np.dtype("<u8")
-
-#: custom collectives by codec name: ``factory(codec, comm) -> runner`` where
-#: ``runner(payload, seed, name) -> Handle`` whose wait() gives the mean estimate.
+#: custom collectives by codec name: ``factory(codec, comm) -> runner`` (or None to fall back)
+#: where ``runner(payload, seed, name) -> Handle`` whose wait() gives the mean estimate.
 CUSTOM_COLLECTIVES: dict[str, Callable] = {}
 
 
-def frame(payload: Payload) -> np.ndarray:
-    """``[uint64 little-endian byte length][payload bytes]`` as one uint8 array."""
-    body = payload.data.reshape(-1).view(np.uint8)
-    out = np.empty(_LEN.itemsize + body.size, np.uint8)
-    out[: _LEN.itemsize].view(_LEN)[0] = body.size
-    out[_LEN.itemsize :] = body
-    return out
-
-
-def unframe(buf: np.ndarray) -> list[np.ndarray]:
-    """Split a concatenation of :func:`frame` outputs back into payload byte arrays."""
-    parts, o = [], 0
-    while o < buf.size:
-        length = int(buf[o : o + _LEN.itemsize].view(_LEN)[0])
-        o += _LEN.itemsize
-        parts.append(buf[o : o + length])
-        o += length
-    return parts
-
-
 def global_norm(codec: Codec, xs_local: list[np.ndarray], comm: Collectives, name: str) -> float:
-    """Global norm over every rank and every given vector.
-
-    The per-rank statistics (one float64 each) are allgathered and combined in rank order, as
-    the reference does: an allreduce would sum in the backend's order and MPI's max of a NaN
-    is implementation-defined, and either would break bit-exactness.
-    """
-    stats = [codec.norm_statistic(x) for x in xs_local]
-    local = max(stats) if codec.norm_op == "max" else sum(stats)
-    per_rank = comm.allgather_async(np.array([local], np.float64), name).wait()
-    return codec.norm_from_statistics([float(s) for s in per_rank])
+    """Global norm over every rank and every given vector (one allgather of a float64)."""
+    wire = steps.norm_wire(codec, xs_local)
+    return steps.norm_from_gathered(codec, comm.allgather_async(wire, name).wait())
 
 
 class ExchangeStats:
@@ -95,11 +74,20 @@ class Pending:
         return self._result
 
 
-def _timed_wait(handle: Handle, stats: ExchangeStats):
-    t = time.perf_counter()
-    out = handle.wait()
-    stats.exchange_s += time.perf_counter() - t
-    return out
+class _Timer:
+    """Adds the seconds of a ``with`` block to one field of an :class:`ExchangeStats`."""
+
+    __slots__ = ("stats", "field", "t")
+
+    def __init__(self, stats: ExchangeStats, field: str) -> None:
+        self.stats, self.field = stats, field
+
+    def __enter__(self) -> None:
+        self.t = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        setattr(self.stats, self.field,
+                getattr(self.stats, self.field) + time.perf_counter() - self.t)
 
 
 class Exchange:
@@ -109,103 +97,109 @@ class Exchange:
         codec: the codec.
         comm: the collectives of the group.
         gather: schedule for gather codecs ("auto", "allgather", "sra").
+        pipeline_elems: piece length of the pipeline (elements; default
+            :data:`~horovod_quant.core.schedules.DEFAULT_PIPELINE_ELEMS`, 8 MiB of float32);
+            None exchanges every vector whole.
     """
 
-    def __init__(self, codec: Codec, comm: Collectives, gather: str = "auto") -> None:
+    def __init__(self, codec: Codec, comm: Collectives, gather: str = "auto",
+                 pipeline_elems: int | None = DEFAULT_PIPELINE_ELEMS) -> None:
         self.codec = codec
         self.comm = comm
-        self.gather = resolve_gather(gather, comm.size, codec)
+        self.kind = steps.plan(codec, comm.size, gather)
+        self.gather = "sra" if self.kind == "sra" else "allgather"
+        self.pipeline_elems = check_pipeline_elems(pipeline_elems)
         factory = CUSTOM_COLLECTIVES.get(codec.name) if codec.exchange == "custom" else None
         self._custom = factory(codec, comm) if factory is not None else None
 
     @property
     def needs_norm(self) -> bool:
-        return hasattr(self.codec, "norm_statistic")
+        return steps.needs_norm(self.codec)
 
     def start(self, x: np.ndarray, seed: int, name: str, norm: float | None = None) -> Pending:
-        """Encode ``x`` (float32, 1-D) and start its exchange under collective name ``name``."""
+        """Encode ``x`` (float32, 1-D) and start its exchange under collective name ``name``
+        (pieces add ``.p<k>``); every rank must start its exchanges in the same order."""
         stats = ExchangeStats(x.size * 4)
         if self.needs_norm and norm is None:
-            norm = global_norm(self.codec, [x], self.comm, name + ".norm")
-        if self.codec.exchange == "gather" and self.gather == "sra":
-            return self._start_sra(x, seed, name, stats)
-        t = time.perf_counter()
-        payload = self.codec.encode_worker(x, seed, self.comm.rank, norm)
-        stats.encode_s += time.perf_counter() - t
-        if self.codec.exchange == "sum":
-            return self._start_sum(payload, name, stats)
-        if self._custom is not None:
-            handle = self._custom(payload, seed, name)
-            stats.bytes_sent += payload.nbytes
-            return Pending(lambda: _timed_wait(handle, stats), stats)
-        return self._start_allgather(payload, seed, name, stats)
-
-    def _start_sum(self, payload: Payload, name: str, stats: ExchangeStats) -> Pending:
-        data = payload.data
-        wire = data.view(np.int64) if data.dtype == np.uint64 else data
-        handle = self.comm.allreduce_async(wire, name, "sum")
-        stats.bytes_sent += data.nbytes
+            with _Timer(stats, "exchange_s"):
+                norm = global_norm(self.codec, [x], self.comm, name + ".norm")
+            stats.bytes_sent += 8
+        bounds = pipeline_bounds(x.size, self.pipeline_elems)
+        if len(bounds) == 1:
+            return Pending(self._start_piece(x, seed, name, norm, stats), stats)
+        finishes = [self._start_piece(x[lo:hi], pipeline_seed(seed, k, len(bounds)),
+                                      f"{name}.p{k}", norm, stats)
+                    for k, (lo, hi) in enumerate(bounds)]
 
         def finish() -> np.ndarray:
-            total = np.asarray(_timed_wait(handle, stats)).view(data.dtype)
-            t = time.perf_counter()
-            est = self.codec.decode_sum(Payload(total, payload.size, payload.meta), self.comm.size)
-            stats.decode_s += time.perf_counter() - t
-            return est
-
-        return Pending(finish, stats)
-
-    def _gathered_payloads(self, parts: list[np.ndarray], size: int, seeds: list[int],
-                           meta: dict) -> list[Payload]:
-        return [self.codec.payload_from_wire(b, size, **{**meta, "seed": s})
-                for b, s in zip(parts, seeds)]
-
-    def _start_allgather(self, payload: Payload, seed: int, name: str,
-                         stats: ExchangeStats) -> Pending:
-        buf = frame(payload)
-        handle = self.comm.allgather_async(buf, name)
-        stats.bytes_sent += buf.nbytes
-        shared_meta = {k: v for k, v in payload.meta.items() if k != "seed"}
-
-        def finish() -> np.ndarray:
-            parts = unframe(np.asarray(_timed_wait(handle, stats)))
-            t = time.perf_counter()
-            seeds = [worker_seed(seed, r) for r in range(self.comm.size)]
-            payloads = self._gathered_payloads(parts, payload.size, seeds, shared_meta)
-            est = self.codec.combine_gathered(payloads, seed)
-            stats.decode_s += time.perf_counter() - t
-            return est
-
-        return Pending(finish, stats)
-
-    def _start_sra(self, x: np.ndarray, seed: int, name: str, stats: ExchangeStats) -> Pending:
-        comm, codec = self.comm, self.codec
-        bounds = chunk_bounds(x.size, comm.size)
-        t = time.perf_counter()
-        frames = [frame(codec.encode(x[lo:hi], seed=chunk_seed(seed, comm.rank, c)))
-                  for c, (lo, hi) in enumerate(bounds)]
-        stats.encode_s += time.perf_counter() - t
-        send = np.concatenate(frames)
-        handle = comm.alltoall_async(send, [f.size for f in frames], name + ".scatter")
-        stats.bytes_sent += send.nbytes
-
-        def finish() -> np.ndarray:
-            received, _ = _timed_wait(handle, stats)
-            lo, hi = bounds[comm.rank]
-            t0 = time.perf_counter()
-            seeds = [chunk_seed(seed, r, comm.rank) for r in range(comm.size)]
-            mine = self._gathered_payloads(unframe(np.asarray(received)), hi - lo, seeds, {})
-            mean = Codec.combine_gathered(codec, mine, seed)
-            again = frame(codec.encode(mean, seed=reencode_seed(seed, comm.rank)))
-            stats.decode_s += time.perf_counter() - t0
-            stats.bytes_sent += again.nbytes
-            gathered = unframe(np.asarray(_timed_wait(comm.allgather_async(again, name + ".gather"), stats)))
-            t1 = time.perf_counter()
             out = np.empty(x.size, np.float32)
-            for c, ((clo, chi), part) in enumerate(zip(bounds, gathered)):
-                p = codec.payload_from_wire(part, chi - clo, seed=reencode_seed(seed, c))
-                codec.decode(p, out[clo:chi])
-            stats.decode_s += time.perf_counter() - t1
+            for (lo, hi), piece in zip(bounds, finishes):
+                out[lo:hi] = piece()
             return out
 
         return Pending(finish, stats)
+
+    def _wait(self, handle: Handle, stats: ExchangeStats) -> Any:
+        with _Timer(stats, "exchange_s"):
+            return handle.wait()
+
+    def _start_piece(self, x: np.ndarray, seed: int, name: str, norm: float | None,
+                     stats: ExchangeStats) -> Callable[[], np.ndarray]:
+        """Encode one piece and start its collectives; returns the function finishing it."""
+        codec, comm, n = self.codec, self.comm, self.comm.size
+        if self.kind == "sra":
+            return self._start_sra(x, seed, name, stats)
+        if self._custom is not None:
+            with _Timer(stats, "encode_s"):
+                payload = steps.encode_payload(codec, x, seed, comm.rank, norm)
+            stats.bytes_sent += payload.nbytes
+            handle = self._custom(payload, seed, name)
+            return lambda: self._wait(handle, stats)
+        with _Timer(stats, "encode_s"):
+            wire, meta = steps.encode_wire(codec, x, seed, comm.rank, self.kind, norm)
+        stats.bytes_sent += wire.nbytes
+        if self.kind == "sum":
+            handle = comm.allreduce_async(wire, name, "sum")
+
+            def finish_sum() -> np.ndarray:
+                total = np.asarray(self._wait(handle, stats))
+                with _Timer(stats, "decode_s"):
+                    # float32 sums are this rank's own buffer: scale them in place
+                    out = total if total.dtype == np.float32 and total.flags.writeable else None
+                    return steps.decode_sum_wire(codec, total, x.size, n, meta, out)
+
+            return finish_sum
+        handle = comm.allgather_async(wire, name)
+
+        def finish_gather() -> np.ndarray:
+            gathered = self._wait(handle, stats)
+            with _Timer(stats, "decode_s"):
+                own = (comm.rank, x) if steps.counts_outage(codec) else None
+                mean = steps.combine_wire(codec, gathered, x.size, seed, n, meta, own)
+            if own is not None:
+                total = self._wait(comm.allreduce_async(steps.outage_wire(codec),
+                                                        name + ".outage", "sum"), stats)
+                steps.outage_from_wire(codec, total)
+                stats.bytes_sent += 8
+            return mean
+
+        return finish_gather
+
+    def _start_sra(self, x: np.ndarray, seed: int, name: str, stats: ExchangeStats
+                   ) -> Callable[[], np.ndarray]:
+        codec, comm, n = self.codec, self.comm, self.comm.size
+        with _Timer(stats, "encode_s"):
+            send, splits = steps.sra_encode_wire(codec, x, seed, comm.rank, n)
+        stats.bytes_sent += send.nbytes
+        handle = comm.alltoall_async(send, splits.tolist(), name + ".scatter")
+
+        def finish() -> np.ndarray:
+            received, _ = self._wait(handle, stats)
+            with _Timer(stats, "decode_s"):
+                again = steps.sra_reduce_wire(codec, received, x.size, seed, comm.rank, n)
+            stats.bytes_sent += again.nbytes
+            gathered = self._wait(comm.allgather_async(again, name + ".gather"), stats)
+            with _Timer(stats, "decode_s"):
+                return steps.sra_decode_wire(codec, gathered, x.size, seed, n)
+
+        return finish

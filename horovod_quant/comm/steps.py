@@ -1,17 +1,17 @@
-"""One exchange cut into pure steps, for adapters that run collectives themselves.
+"""One exchange cut into pure steps: the single implementation every adapter runs.
 
-:class:`~horovod_quant.comm.exchange.Exchange` drives the collectives itself (NumPy arrays in
-and out through :class:`~horovod_quant.comm.backend.Collectives`). A graph framework wants the
-opposite: it runs the collectives as its own ops (``hvd.allgather`` inside a ``tf.function``) and
-calls back into NumPy only for the math, e.g. through ``tf.numpy_function``. These functions
-are those callbacks: each takes what a collective delivered (NumPy arrays) and returns what the
-next collective sends, with the same framing, seeds and order of operations as
-:class:`Exchange`, so the result equals :func:`horovod_quant.mean_estimate` bit for bit.
+Each step takes what a collective delivered (NumPy arrays) and returns what the next collective
+sends, with the framing, seeds and order of operations that make the result equal
+:func:`horovod_quant.mean_estimate` bit for bit. Two drivers run them:
+:class:`~horovod_quant.comm.exchange.Exchange` calls the collectives itself (torch, tests), and
+the TensorFlow adapter runs them as Horovod TF ops between ``tf.numpy_function`` callbacks.
 
 An exchange of a flat float32 vector ``x`` with exchange seed ``seed`` between ``n`` ranks:
 
-* global-norm codecs (``needs_norm``) first: ``norm_wire(codec, x)`` -> allreduce with
-  ``codec.norm_op`` ("max" or "sum", elementwise) -> ``norm_from_wire(codec, reduced)``;
+* global-norm codecs (``needs_norm``) first: ``norm_wire(codec, [x, ...])`` -> allgather ->
+  ``norm_from_gathered(codec, gathered)``. The per-rank statistics are gathered and combined in
+  rank order, as the reference does: an allreduce would add in the backend's order (not
+  bit-exact for n >= 3) and MPI's max of a NaN is implementation-defined;
 * ``plan(codec, n, gather)`` says which collectives follow:
 
   - ``"sum"``: ``encode_wire`` -> allreduce(sum) of the int64/float words -> ``decode_sum_wire``;
@@ -21,20 +21,47 @@ An exchange of a flat float32 vector ``x`` with exchange seed ``seed`` between `
   - ``"sra"``: ``sra_encode_wire`` -> alltoall with the returned splits -> ``sra_reduce_wire``
     -> allgather -> ``sra_decode_wire``.
 
+* NDQSG (``counts_outage``): ``combine_wire(..., own=(rank, x))`` counts this rank's wrong
+  coarse bins; allreduce(sum) of ``outage_wire(codec)`` -> ``outage_from_wire`` makes the
+  codec's ``last_stats["outside_share"]`` exact.
+
 ``encode_wire`` also returns the payload's ``meta`` (values every rank knows without sending
 them, such as the global norm); pass it back to the decoding step of the same exchange.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from ..core.base import Codec, as_vector, worker_seed
+from ..core.dithered import NestedDitheredQuantizer
 from ..core.payload import Payload
 from ..core.schedules import chunk_bounds, chunk_seed, reencode_seed, resolve_gather
-from .exchange import frame, unframe
+
+_LEN = np.dtype("<u8")
+
+
+def frame(payload: Payload) -> np.ndarray:
+    """``[uint64 little-endian byte length][payload bytes]`` as one uint8 array: gathered
+    payloads of any length (Elias, unequal chunks) split again without an extra round."""
+    body = payload.data.reshape(-1).view(np.uint8)
+    out = np.empty(_LEN.itemsize + body.size, np.uint8)
+    out[: _LEN.itemsize].view(_LEN)[0] = body.size
+    out[_LEN.itemsize :] = body
+    return out
+
+
+def unframe(buf: np.ndarray) -> list[np.ndarray]:
+    """Split a concatenation of :func:`frame` outputs back into payload byte arrays (views)."""
+    buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    parts, o = [], 0
+    while o < buf.size:
+        length = int(buf[o : o + _LEN.itemsize].view(_LEN)[0])
+        o += _LEN.itemsize
+        parts.append(buf[o : o + length])
+        o += length
+    return parts
 
 PLANS = ("sum", "allgather", "sra")
 
@@ -48,7 +75,7 @@ def plan(codec: Codec, n: int, gather: str = "auto") -> str:
     """Which collectives an exchange of ``codec`` between ``n`` ranks runs (module doc)."""
     if codec.exchange == "sum":
         return "sum"
-    if codec.exchange == "gather" and resolve_gather(gather, n) == "sra":
+    if codec.exchange == "gather" and resolve_gather(gather, n, codec) == "sra":
         return "sra"
     return "allgather"
 
@@ -63,27 +90,29 @@ def wire_dtype(codec: Codec, kind: str) -> np.dtype:
 
 
 # -- global norm -------------------------------------------------------------------------------
-def norm_wire(codec: Codec, x: Any) -> np.ndarray:
-    """This rank's contribution to the global norm: float64 ``[statistic, nan_flag]``.
-
-    Reduce it elementwise with ``codec.norm_op`` over the ranks. A NaN statistic travels as
-    ``[0, 1]``: an allreduce(max) may drop a NaN operand (``max(1, nan)`` depends on the order),
-    while the reference (``GlobalQSGD.global_norm``) makes the norm NaN when any rank's is.
-    """
-    stat = float(codec.norm_statistic(as_vector(x)))
-    if math.isnan(stat):
-        return np.array([0.0, 1.0], np.float64)
-    return np.array([stat, 0.0], np.float64)
+def norm_wire(codec: Codec, xs: list[Any]) -> np.ndarray:
+    """This rank's part of the global norm over the vectors ``xs``: one float64 statistic
+    (max or sum over the vectors, as ``codec.norm_op``), to be allgathered."""
+    stats = [codec.norm_statistic(as_vector(x)) for x in xs]
+    local = (max(stats) if codec.norm_op == "max" else sum(stats)) if stats else 0.0
+    if any(np.isnan(t) for t in stats):  # max() may drop a NaN operand
+        local = float("nan")
+    return np.array([local], np.float64)
 
 
-def norm_from_wire(codec: Codec, reduced: np.ndarray) -> np.float32:
-    """The float32 global norm from the reduced ``norm_wire`` arrays."""
-    r = np.asarray(reduced, np.float64).reshape(-1)
-    stat = math.nan if r[1] > 0 else float(r[0])
-    return np.float32(codec.norm_from_statistic(stat))
+def norm_from_gathered(codec: Codec, gathered: np.ndarray) -> np.float32:
+    """The float32 global norm from the allgathered ``norm_wire`` statistics (rank order)."""
+    return codec.norm_from_statistics([float(t) for t in np.asarray(gathered).reshape(-1)])
 
 
 # -- sum and allgather plans -------------------------------------------------------------------
+def encode_payload(codec: Codec, x: Any, seed: int, rank: int,
+                   norm: float | None = None) -> Payload:
+    """Rank ``rank``'s payload in an exchange with seed ``seed`` (for custom collectives that
+    take payloads rather than wire arrays)."""
+    return codec.encode_worker(as_vector(x), seed, rank, norm)
+
+
 def encode_wire(codec: Codec, x: Any, seed: int, rank: int, kind: str,
                 norm: float | None = None) -> tuple[np.ndarray, dict]:
     """What rank ``rank`` sends in an exchange with seed ``seed``: ``(wire array, meta)``.
@@ -91,7 +120,7 @@ def encode_wire(codec: Codec, x: Any, seed: int, rank: int, kind: str,
     For ``kind == "sum"`` the payload's words (dtype :func:`wire_dtype`), to be summed
     elementwise; for ``"allgather"`` the framed payload bytes (:func:`frame`).
     """
-    payload = codec.encode_worker(as_vector(x), seed, rank, norm)
+    payload = encode_payload(codec, x, seed, rank, norm)
     if kind == "sum":
         data = payload.data.reshape(-1)
         wire = data.view(np.int64) if data.dtype == np.uint64 else data
@@ -99,21 +128,48 @@ def encode_wire(codec: Codec, x: Any, seed: int, rank: int, kind: str,
     return frame(payload), {k: v for k, v in payload.meta.items() if k != "seed"}
 
 
-def decode_sum_wire(codec: Codec, total: np.ndarray, size: int, n: int, meta: dict) -> np.ndarray:
-    """Sum plan: the float32 mean estimate from the elementwise sum of n ranks' words."""
+def decode_sum_wire(codec: Codec, total: np.ndarray, size: int, n: int, meta: dict,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """Sum plan: the float32 mean estimate from the elementwise sum of n ranks' words (into
+    ``out`` when given; for float32 words that may be ``total`` itself)."""
     data = np.ascontiguousarray(total).reshape(-1).view(np.dtype(codec.wire_dtype))
-    return codec.decode_sum(Payload(data, int(size), dict(meta)), int(n))
+    return codec.decode_sum(Payload(data, int(size), dict(meta)), int(n), out)
+
+
+def counts_outage(codec: Codec) -> bool:
+    """Whether an exchange of ``codec`` ends with the outage-count allreduce (NDQSG)."""
+    return isinstance(codec, NestedDitheredQuantizer)
 
 
 def combine_wire(codec: Codec, gathered: np.ndarray, size: int, seed: int, n: int,
-                 meta: dict) -> np.ndarray:
-    """Allgather plan: the float32 mean estimate from the concatenated frames of n ranks."""
-    parts = unframe(np.ascontiguousarray(gathered).reshape(-1).view(np.uint8))
+                 meta: dict, own: tuple[int, Any] | None = None) -> np.ndarray:
+    """Allgather plan: the float32 mean estimate from the concatenated frames of n ranks.
+
+    ``own = (rank, x)``: this rank's input, with which an NDQSG P2 sender counts its own wrong
+    coarse bins (``codec.last_stats["outside_count"]``, see :func:`outage_wire`).
+    """
+    parts = unframe(gathered)
     if len(parts) != n:
         raise ValueError(f"expected {n} framed payloads, got {len(parts)}")
-    payloads = [codec.payload_from_wire(b, int(size), **{**meta, "seed": worker_seed(seed, r)})
-                for r, b in enumerate(parts)]
+    seeds = [worker_seed(seed, r) for r in range(n)]
+    payloads = [codec.payload_from_wire(b, int(size), **{**meta, "seed": s})
+                for b, s in zip(parts, seeds)]
+    if own is not None and counts_outage(codec):
+        inputs: list[Any] = [None] * n
+        inputs[own[0]] = own[1]
+        return codec.decode_side_info(payloads, seeds, inputs=inputs)
     return codec.combine_gathered(payloads, seed)
+
+
+def outage_wire(codec: Codec) -> np.ndarray:
+    """NDQSG: this rank's wrong coarse bins of the last ``combine_wire(own=...)`` as one int64,
+    to be allreduced with sum."""
+    return np.array([codec.last_stats.get("outside_count", 0)], np.int64)
+
+
+def outage_from_wire(codec: Codec, total: np.ndarray) -> None:
+    """NDQSG: set ``last_stats["outside_share"]`` from the allreduced :func:`outage_wire`."""
+    codec.set_outside_total(int(np.asarray(total).reshape(-1)[0]))
 
 
 # -- scatter-reduce-allgather plan -------------------------------------------------------------
@@ -131,7 +187,7 @@ def sra_reduce_wire(codec: Codec, received: np.ndarray, size: int, seed: int, ra
     """Sra plan, step 2: the mean of this rank's chunk from the n received frames, re-encoded
     and framed for the allgather."""
     lo, hi = chunk_bounds(int(size), n)[rank]
-    parts = unframe(np.ascontiguousarray(received).reshape(-1).view(np.uint8))
+    parts = unframe(received)
     mine = [codec.payload_from_wire(b, hi - lo, seed=chunk_seed(seed, r, rank))
             for r, b in enumerate(parts)]
     mean = Codec.combine_gathered(codec, mine, seed)
@@ -142,7 +198,7 @@ def sra_decode_wire(codec: Codec, gathered: np.ndarray, size: int, seed: int, n:
                     ) -> np.ndarray:
     """Sra plan, step 3: the float32 mean estimate from the allgathered re-encoded chunks."""
     out = np.empty(int(size), np.float32)
-    parts = unframe(np.ascontiguousarray(gathered).reshape(-1).view(np.uint8))
+    parts = unframe(gathered)
     for c, ((lo, hi), part) in enumerate(zip(chunk_bounds(int(size), n), parts)):
         codec.decode(codec.payload_from_wire(part, hi - lo, seed=reencode_seed(seed, c)),
                      out[lo:hi])

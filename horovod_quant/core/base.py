@@ -167,18 +167,23 @@ class Codec(abc.ABC):
         est *= np.float32(1.0 / len(payloads))
         return est
 
-    def reference_mean(self, xs: Sequence[np.ndarray], seed: int) -> tuple[np.ndarray, int]:
-        """Single-process simulation of the n-worker exchange (allgather schedule for gather
-        codecs); see :func:`horovod_quant.core.schedules.mean_estimate`."""
-        n = len(xs)
-        payloads = [self.encode_worker(x, seed, r) for r, x in enumerate(xs)]
-        wire = max(p.nbytes for p in payloads)
+    def combine_payloads(self, payloads: Sequence[Payload], seed: int) -> np.ndarray:
+        """The mean estimate from every worker's payload (rank order) as the exchange combines
+        them: the elementwise sum of the words then :meth:`decode_sum` for ``"sum"`` codecs,
+        :meth:`combine_gathered` otherwise."""
         if self.exchange == "sum":
             total = payloads[0].data.copy()
             for p in payloads[1:]:
                 total += p.data
-            return self.decode_sum(Payload(total, payloads[0].size, dict(payloads[0].meta)), n), wire
-        return self.combine_gathered(payloads, seed), wire
+            return self.decode_sum(Payload(total, payloads[0].size, dict(payloads[0].meta)),
+                                   len(payloads))
+        return self.combine_gathered(payloads, seed)
+
+    def reference_mean(self, xs: Sequence[np.ndarray], seed: int) -> tuple[np.ndarray, int]:
+        """Single-process simulation of the n-worker exchange (allgather schedule for gather
+        codecs); see :func:`horovod_quant.core.schedules.mean_estimate`."""
+        payloads = [self.encode_worker(x, seed, r) for r, x in enumerate(xs)]
+        return self.combine_payloads(payloads, seed), max(p.nbytes for p in payloads)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())

@@ -30,9 +30,9 @@ class _FloatBaseline(Codec):
         super().__init__()
 
     def decode_sum(self, payload: Payload, n: int, out: np.ndarray | None = None) -> np.ndarray:
-        est = self.decode(payload, out)
-        est *= np.float32(1.0 / n)
-        return est
+        # one pass: widen and scale together (out may be the summed buffer itself)
+        return np.multiply(payload.data, np.float32(1.0 / n), out=out, dtype=np.float32,
+                           casting="unsafe")
 
 
 class NoCompression(_FloatBaseline):

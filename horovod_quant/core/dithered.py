@@ -426,10 +426,15 @@ class NestedDitheredQuantizer(Codec):
     After each exchange ``last_stats`` holds:
 
     * ``"outside_share"``: share of P2 values whose coarse bin was wrong, i.e. with
-      ``|alpha z + u| > Delta2/2`` (recovered fine index != the sender's). Exact, and only
-      available where the inputs are known (:meth:`reference_mean`, or ``inputs=`` of
-      :meth:`decode_side_info`); None otherwise: a receiver cannot tell a wrong coarse bin
-      from a right one (the decoded value is always within Delta2/2 of the side information).
+      ``|alpha z + u| > Delta2/2`` (recovered fine index != the sender's). Exact. A receiver
+      cannot tell a wrong coarse bin from a right one (the decoded value is always within
+      Delta2/2 of the side information), but each P2 sender can check its own values: in a
+      distributed exchange every rank counts its own wrong bins (``"outside_count"``, from
+      ``inputs=`` with only its own vector), :class:`horovod_quant.comm.Exchange` sums the
+      counts with one integer allreduce and calls :meth:`set_outside_total`. None until then;
+      :meth:`reference_mean` knows every input and fills it directly.
+    * ``"outside_count"``: wrong coarse bins among the P2 senders whose input was given;
+      ``"p2_values"``: P2 values decoded (finite, non-zero buckets), the share's denominator.
     * ``"outside_bound"``: Theorem 6's bound at this exchange's k and measured sigma_z^2.
     * ``"k"``, ``"bits_p2"``: coarse ratio and P2 code width of this exchange (the largest if
       P2 payloads disagree).
@@ -618,8 +623,10 @@ class NestedDitheredQuantizer(Codec):
         Args:
             payloads_by_rank: the n payloads in rank order.
             seeds_by_rank: each sender's seed (``worker_seed(exchange_seed, rank)``).
-            inputs: the senders' vectors, when known (simulation): makes
-                ``last_stats["outside_share"]`` exact instead of None.
+            inputs: the senders' vectors in rank order, None (or a None entry) where not
+                known: wrong coarse bins of the known P2 senders are counted in
+                ``last_stats["outside_count"]``; with every P2 input known,
+                ``last_stats["outside_share"]`` is set (else None, see the class doc).
 
         Returns:
             The float32 mean estimate.
@@ -654,13 +661,22 @@ class NestedDitheredQuantizer(Codec):
                                   np.float32(self.alpha), y, k0, k1, est)
             sum_r2 += s2
             count += c
-            if inputs is not None:
+            if inputs is not None and inputs[r] is not None:
                 fine = fine_indices(as_vector(inputs[r]), bucket, am, k0, k1)
                 wrong += nested_outside(data, HEADER, size, bucket, self.M, k, coarse_bits(k), am,
                                         y, k0, k1, fine)
         est *= np.float32(1.0 / n)
-        self._update_state(sum_r2, count, wrong, ks, inputs is not None)
+        self._update_state(sum_r2, count, wrong, ks, self._all_p2_known(inputs))
         return est
+
+    def _all_p2_known(self, inputs: Sequence[Any] | None) -> bool:
+        return inputs is not None and all(x is not None for x in inputs[self.n1:])
+
+    def set_outside_total(self, wrong: int) -> None:
+        """Complete ``last_stats["outside_share"]`` from the wrong coarse bins of all P2 senders
+        (the sum over ranks of each one's ``"outside_count"``)."""
+        count = self.last_stats.get("p2_values", 0)
+        self.last_stats["outside_share"] = int(wrong) / count if count else 0.0
 
     def _update_state(self, sum_r2: float, count: int, wrong: int, ks: list[int],
                       exact: bool) -> None:
@@ -674,6 +690,8 @@ class NestedDitheredQuantizer(Codec):
         k = max(ks) if ks else None
         self.last_stats = {
             "outside_share": (wrong / count if count else 0.0) if exact else None,
+            "outside_count": wrong,
+            "p2_values": count,
             "outside_bound": (outage_bound(k, self.alpha, sigma2, self.M)
                               if k is not None and sigma2 is not None else None),
             "k": k,

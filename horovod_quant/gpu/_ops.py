@@ -469,12 +469,12 @@ class Ops:
                                               float(np.float32(codec.alpha)), y, k0, k1, est)
             sum_r2 += s2
             count += c
-            if inputs is not None:
+            if inputs is not None and inputs[r] is not None:
                 hx = _base.as_vector(self.be.to_host(self.vector(inputs[r])))
                 hk0, hk1 = np.uint32(k0), np.uint32(k1)
                 fine = fine_indices(hx, bucket, am, hk0, hk1)
                 wrong += nested_outside(self.be.to_host(data), HEADER, size, bucket, codec.M, k,
                                         coarse_bits(k), am, self.be.to_host(y), hk0, hk1, fine)
         self.scale_into(est, 1.0 / n, est)
-        codec._update_state(sum_r2, count, wrong, ks, inputs is not None)
+        codec._update_state(sum_r2, count, wrong, ks, codec._all_p2_known(inputs))
         return est

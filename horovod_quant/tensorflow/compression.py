@@ -13,8 +13,9 @@ quantized codes, so ``compress`` builds the codec's own exchange out of graph op
 :mod:`horovod_quant.comm.steps` (the same core code as every other adapter) around Horovod's TF
 collectives on the encoded bytes (``hvd.allgather`` of uint8 frames for gather and custom
 codecs, ``hvd.allreduce(op=hvd.Sum)`` of int64 words for summable ones, ``hvd.alltoall`` +
-``hvd.allgather`` for the scatter-reduce-allgather schedule, and first an allreduce(max/sum) of
-the norm statistic for global-norm codecs). The gathered/reduced tensor stays in ``ctx`` and
+``hvd.allgather`` for the scatter-reduce-allgather schedule, and first an allgather of the
+per-rank norm statistics for global-norm codecs; NDQSG ends with an int64 allreduce of the
+ranks' wrong-coarse-bin counts). The gathered/reduced tensor stays in ``ctx`` and
 Horovod reduces a one-element float32 placeholder holding 1.0, whose reduced value is the
 factor the user's op and pre/postscale factors imply (1 for Average, n for Sum); ``decompress``
 decodes, applies that factor, reshapes and casts back to the gradient's dtype.
@@ -51,7 +52,7 @@ from ._fenv import ieee_denormals
 from .collectives import HorovodTFCollectives
 
 _IDS = itertools.count()
-_NORM_WIRE_BYTES = 16  # the norm statistic and its NaN flag, two float64
+_NORM_WIRE_BYTES = 8  # the rank's norm statistic, one float64
 _PLACEHOLDER_BYTES = 4
 
 
@@ -60,6 +61,7 @@ class _Ctx(NamedTuple):
 
     result: tf.Tensor
     k: tf.Tensor
+    flat: tf.Tensor  # this rank's input: NDQSG senders count their own wrong coarse bins
     shape: Any
     dtype: tf.DType
 
@@ -129,11 +131,11 @@ class QuantizedCompressor(Compressor):
     # -- numpy callbacks (run when the graph runs) --------------------------------------------
     def _norm_wire(self, flat: np.ndarray) -> np.ndarray:
         with ieee_denormals():
-            return steps.norm_wire(self.codec, flat)
+            return steps.norm_wire(self.codec, [flat])
 
-    def _norm_from_wire(self, reduced: np.ndarray) -> np.ndarray:
+    def _norm_from_gathered(self, gathered: np.ndarray) -> np.ndarray:
         with ieee_denormals():
-            return np.float32(steps.norm_from_wire(self.codec, reduced))
+            return np.float32(steps.norm_from_gathered(self.codec, gathered))
 
     def _begin(self, k: int, size: int, meta: dict, t0: float, nbytes: int) -> None:
         t1 = time.perf_counter()
@@ -171,7 +173,7 @@ class QuantizedCompressor(Compressor):
             return wire
 
     def _decode(self, kind: str, n: int, result: np.ndarray, k: np.ndarray,
-                factor: np.ndarray) -> np.ndarray:
+                factor: np.ndarray, flat: np.ndarray | None = None):
         with ieee_denormals():
             k = int(k)
             rec = self._finish(k)
@@ -180,10 +182,17 @@ class QuantizedCompressor(Compressor):
             if kind == "sum":
                 mean = steps.decode_sum_wire(self.codec, result, rec["size"], n, rec["meta"])
             elif kind == "allgather":
-                mean = steps.combine_wire(self.codec, result, rec["size"], seed, n, rec["meta"])
+                own = (self._ps().rank(), flat) if flat is not None else None
+                mean = steps.combine_wire(self.codec, result, rec["size"], seed, n, rec["meta"],
+                                          own)
             else:
                 mean = steps.sra_decode_wire(self.codec, result, rec["size"], seed, n)
-            return self._end(mean, factor, t0)
+            mean = self._end(mean, factor, t0)
+            return mean if flat is None else (mean, steps.outage_wire(self.codec))
+
+    def _outage_total(self, total: np.ndarray) -> np.ndarray:
+        steps.outage_from_wire(self.codec, total)
+        return np.zeros([], np.int64)
 
     def _sra_encode(self, rank: int, n: int, flat: np.ndarray, k: np.ndarray):
         with ieee_denormals():
@@ -246,10 +255,9 @@ class QuantizedCompressor(Compressor):
                 if steps.needs_norm(self.codec):
                     stat = tf.numpy_function(self._norm_wire, [flat], tf.float64,
                                              stateful=True, name="hq_norm_stat")
-                    stat.set_shape([2])
-                    op = hvd.Max if self.codec.norm_op == "max" else hvd.Sum
-                    reduced = hvd.allreduce(stat, op=op, process_set=ps)
-                    norm = tf.numpy_function(self._norm_from_wire, [reduced], tf.float32,
+                    stat.set_shape([1])
+                    gathered = hvd.allgather(stat, process_set=ps)
+                    norm = tf.numpy_function(self._norm_from_gathered, [gathered], tf.float32,
                                              stateful=True, name="hq_norm")
                     norm.set_shape([])
                     inputs.append(norm)
@@ -262,7 +270,7 @@ class QuantizedCompressor(Compressor):
                 else:
                     result = hvd.allgather(wire, process_set=ps)
             placeholder = tf.ones([1], tf.float32)
-        return placeholder, _Ctx(result, k, shape, tensor.dtype)
+        return placeholder, _Ctx(result, k, flat, shape, tensor.dtype)
 
     @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor: Any, ctx: Any) -> Any:
@@ -273,9 +281,20 @@ class QuantizedCompressor(Compressor):
         n = self._ps().size()
         kind = steps.plan(self.codec, n, self.gather)
         with tf.device("/cpu:0"):
-            mean = tf.numpy_function(lambda r, kk, f: self._decode(kind, n, r, kk, f),
-                                     [ctx.result, ctx.k, tf.cast(tensor, tf.float32)],
-                                     tf.float32, stateful=True, name="hq_decode")
+            args = [ctx.result, ctx.k, tf.cast(tensor, tf.float32)]
+            if kind == "allgather" and steps.counts_outage(self.codec):
+                mean, count = tf.numpy_function(
+                    lambda r, kk, f, x: self._decode(kind, n, r, kk, f, x), args + [ctx.flat],
+                    [tf.float32, tf.int64], stateful=True, name="hq_decode")
+                count.set_shape([1])
+                total = hvd.allreduce(count, op=hvd.Sum, process_set=self._ps())
+                done = tf.numpy_function(self._outage_total, [total], tf.int64, stateful=True,
+                                         name="hq_outage")
+                with tf.control_dependencies([done]):
+                    mean = tf.identity(mean)
+            else:
+                mean = tf.numpy_function(lambda r, kk, f: self._decode(kind, n, r, kk, f), args,
+                                         tf.float32, stateful=True, name="hq_decode")
             mean.set_shape([ctx.shape.num_elements()])
             out = tf.reshape(mean, ctx.shape)
         return tf.cast(out, ctx.dtype) if ctx.dtype != tf.float32 else out

@@ -71,3 +71,23 @@ def test_nested_dithered_matches_reference():
         want, _ = hq.mean_estimate(ref_codec, xs, seed=step)
         assert np.array_equal(got, want)
         assert codec.last_stats["k"] == ref_codec.last_stats["k"]
+        # each P2 rank counted its own wrong coarse bins; one allreduce made the share exact
+        assert codec.last_stats["outside_share"] == ref_codec.last_stats["outside_share"]
+
+
+@pytest.mark.parametrize("spec", ["global_qsgd:exponential", "global_qsgd:linear", "qsgd",
+                                  "nested_dithered"])
+def test_pipelined_exchange_matches_reference(spec):
+    """Pieces of one packing block: every piece its own collective (through the mpi4py exponent
+    reduction under MPI), the result equal to the pipelined reference."""
+    n = hvd.size()
+    name, _, levels = spec.partition(":")
+    params = {"world_size": n} if name != "qsgd" else {}
+    if levels:
+        params["levels"] = levels
+    size, piece = 3 * 8192 + 5, 8192
+    xs = [rank_gradients([(size,)], 21, r)[0] for r in range(n)]
+    ex = Exchange(hq.get_codec(name, **params), HorovodTorchCollectives(), pipeline_elems=piece)
+    got = ex.start(xs[hvd.rank()], 8, f"piped.{spec}").wait()
+    want, _ = hq.mean_estimate(hq.get_codec(name, **params), xs, seed=8, pipeline_elems=piece)
+    assert np.array_equal(got, want)

@@ -215,3 +215,26 @@ def test_predivide_factor_and_backward_passes():
         assert comp.calls == k0 + 1
         per_rank = [rank_gradients(shapes, 1, r)[0] * np.float32(2) for r in range(hvd.size())]
         assert np.array_equal(-vs[0].numpy().reshape(-1), reference(codec, per_rank, 4, k0))
+
+
+def test_nested_outage_share_is_exact():
+    """NDQSG through the tape: each P2 rank counts its wrong coarse bins, one allreduce sums
+    them, and the share equals the reference's (which knows every rank's input)."""
+    if hvd.size() == 1:
+        pytest.skip("needs a P2 rank")
+    shapes = [(60, 70)]
+    comp, codec = _make("nested_dithered", {"bits": 6, "coarse_ratio": 5}, seed=2)
+    vs = [tf.Variable(tf.zeros(s)) for s in shapes]
+
+    @tf.function
+    def step_fn(grads):
+        with tf.GradientTape() as tape:
+            loss = linear_loss(vs, grads)
+        return hvd.DistributedGradientTape(tape, compression=comp).gradient(loss, vs)
+
+    for step in range(2):
+        k0 = comp.calls
+        got = [g.numpy() for g in step_fn(rank_gradients(shapes, step, hvd.rank()))]
+        _check(got, codec, shapes, step, 2, k0)
+        share = comp.codec.last_stats["outside_share"]
+        assert share is not None and share == codec.last_stats["outside_share"]

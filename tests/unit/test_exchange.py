@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.comm import Exchange
+from horovod_quant.comm import Exchange, LocalCollectives
 from horovod_quant.comm.exchange import frame, unframe
 from horovod_quant.core.payload import Payload
 
@@ -48,3 +48,70 @@ def test_frames_round_trip():
     payloads = [Payload(np.arange(k, dtype=np.uint8), k) for k in (0, 1, 5, 300)]
     buf = np.concatenate([frame(p) for p in payloads])
     assert [p.tolist() for p in unframe(buf)] == [p.data.tolist() for p in payloads]
+
+
+@pytest.mark.parametrize("name", [c for c in hq.available_codecs()])
+@pytest.mark.parametrize("n", [2, 5])
+def test_pipelined_exchange_matches_pipelined_reference(name, n):
+    """Pieces of 1000 elements (the last shorter; 1000 is no multiple of the packing block or
+    bucket): the same bits as mean_estimate with the same pipeline_elems, on every rank."""
+    xs = _inputs(n, 3001, seed=4)
+
+    def rank_fn(comm):
+        ex = Exchange(_codec(name, n), comm, gather="auto", pipeline_elems=1000)
+        return ex.start(xs[comm.rank], 5, "piped").wait()
+
+    results = run_ranks(n, rank_fn)
+    ref, _ = hq.mean_estimate(_codec(name, n), xs, seed=5, gather="auto", pipeline_elems=1000)
+    whole, _ = hq.mean_estimate(_codec(name, n), xs, seed=5, gather="auto")
+    for r in results:
+        assert np.array_equal(r, ref, equal_nan=True)
+    if name not in ("none", "fp16", "bf16"):  # pieces draw their own randomness
+        assert not np.array_equal(ref, whole)
+
+
+def test_pipelined_global_norm_spans_all_pieces():
+    """One global norm for the whole vector: a piece with small values keeps its resolution
+    relative to the whole, not to itself (a per-piece norm would quantize it finer)."""
+    n = 2
+    xs = [np.concatenate([np.full(500, 100.0, np.float32), np.full(500, 0.5, np.float32)])
+          for _ in range(n)]
+    make = lambda: hq.get_codec("global_qsgd", world_size=n, bits=8, levels="linear")
+    piped, _ = hq.mean_estimate(make(), xs, seed=1, pipeline_elems=500)
+    codec = make()
+    norm = codec.global_norm(xs)
+    want = codec.combine_payloads([codec.encode_worker(x[500:], hq.core.schedules.pipeline_seed(
+        1, 1, 2), r, norm) for r, x in enumerate(xs)], hq.core.schedules.pipeline_seed(1, 1, 2))
+    assert np.array_equal(piped[500:], want)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_pipeline_elems_validated(bad):
+    with pytest.raises(ValueError, match="pipeline_elems"):
+        Exchange(hq.get_codec("qsgd"), LocalCollectives(), pipeline_elems=bad)
+    with pytest.raises(ValueError, match="pipeline_elems"):
+        hq.mean_estimate(hq.get_codec("qsgd"), [np.ones(10, np.float32)], pipeline_elems=bad)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_nested_outage_share_exact_in_a_distributed_exchange(n):
+    """Each P2 rank counts its own wrong coarse bins and one allreduce sums them: the share
+    every rank reports equals the reference's, which knows every input."""
+    rng = np.random.default_rng(9)
+    base = rng.standard_normal(6000).astype(np.float32)
+    # a loose side information and a small fixed k: some coarse bins are wrong
+    xs = [base + 0.05 * rng.standard_normal(6000).astype(np.float32) for _ in range(n)]
+    make = lambda: hq.get_codec("nested_dithered", world_size=n, bits=6, coarse_ratio=5)
+
+    def rank_fn(comm):
+        codec = make()
+        Exchange(codec, comm).start(xs[comm.rank], 2, "nd").wait()
+        return codec.last_stats
+
+    ref = make()
+    hq.mean_estimate(ref, xs, seed=2)
+    want = ref.last_stats["outside_share"]
+    assert 0 < want < 0.5
+    for stats in run_ranks(n, rank_fn):
+        assert stats["outside_share"] == want
+        assert stats["p2_values"] == ref.last_stats["p2_values"]
