@@ -48,6 +48,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PREFIX = "hqcl"
 MB = 1 << 20
+sys.path.insert(0, ROOT)
+from horovod_quant.core.schedules import DEFAULT_PIPELINE_ELEMS  # noqa: E402
 
 CODECS = ("qsgd", "nuqsgd", "natural", "natural_dithering", "standard_dithering",
           "global_qsgd-lin", "global_qsgd-exp", "dithered")
@@ -295,14 +297,16 @@ def build_plan(args, first_rate: bool) -> list[dict]:
         for size in args.sizes_mb:
             items.append({"kind": "exchange", "id": f"x-{size:g}MB", "size_mb": size,
                           "configs": [config(s) for s in args.exchange_specs], "warmup": 1,
-                          "repeats": args.repeats_large if size >= 128 else args.repeats})
+                          "repeats": args.repeats_large if size >= 128 else args.repeats,
+                          "pipeline_elems": args.pipeline_elems})
     if not args.no_training:
         models = args.models if first_rate else args.models_other_rates
         for model in models:
             for spec in args.train_specs:
                 items.append({"kind": "train", "id": f"t-{model}-{spec}", "model": model,
                               "config": config(spec), "batch": args.batch[model],
-                              "warmup": args.warmup_steps, "steps": args.steps})
+                              "warmup": args.warmup_steps, "steps": args.steps,
+                              "pipeline_elems": args.pipeline_elems})
     return items
 
 
@@ -775,10 +779,14 @@ def parse_args(argv=None):
     ap.add_argument("--no-training", action="store_true")
     ap.add_argument("--stall-timeout", type=float, default=300.0)
     ap.add_argument("--max-relaunch", type=int, default=4)
+    ap.add_argument("--pipeline-elems", type=int, default=0,
+                    help="piece length of the codecs' pipelined exchanges in elements (e.g. "
+                         f"{DEFAULT_PIPELINE_ELEMS}); 0 (default): whole vectors")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "cluster"),
                     help="output prefix (PREFIX.json, .md, _*.png)")
     args = ap.parse_args(argv)
     args.out_given = args.out != os.path.join(ROOT, "docs", "results", "cluster")
+    args.pipeline_elems = args.pipeline_elems or None
     q = args.quick
     args.rates = [parse_rate(r) for r in (args.rates or ("1gbit" if q else "1gbit,10gbit"))
                   .split(",")]

@@ -6,10 +6,11 @@
 (``progress`` per exchange round, ``result`` per configuration, ``done`` per item), which
 cluster.py tails for its progress bar and its results. Two kinds of item:
 
-* ``exchange``: one flat float32 gradient of ``size_mb`` MB on every rank, averaged through
-  :class:`horovod_quant.comm.Exchange` over Horovod's torch collectives (``none`` = Horovod's
-  float32 allreduce, ``fp16`` = the same in half precision, the codecs = encode, their
-  collective, decode). The configurations of one size run interleaved (round r runs each
+* ``exchange``: one flat float32 gradient of ``size_mb`` MB on every rank, averaged by
+  Horovod itself for the baselines (``none`` = ``hvd.allreduce(op=hvd.Average)`` of the
+  float32 tensor, ``fp16`` = the same with ``compression=hvd.Compression.fp16``) and through
+  :class:`horovod_quant.comm.Exchange` over Horovod's torch collectives for the codecs
+  (encode, their collective, decode, pipelined in pieces of ``pipeline_elems``). The configurations of one size run interleaved (round r runs each
   once). Each repetition starts after a barrier; its wall time is the slowest
   rank's, its encode / exchange / decode split comes from the exchange's statistics (the same
   numbers ``StepStats`` sums per step).
@@ -87,6 +88,43 @@ def exact_mean_error(out: np.ndarray, n: int) -> float:
     return float(np.sum((out.astype(np.float64) - mean) ** 2) / np.sum(mean ** 2))
 
 
+class HorovodAllreduce:
+    """The baselines as ``hvd.DistributedOptimizer`` runs them: Horovod's in-place averaging
+    allreduce of the (compressed) gradient, ``hvd.Compression.none`` or ``fp16``, behind
+    Exchange's start/wait/stats. ``out`` is the gradient buffer reduced in place (the copy of
+    ``x`` into it is made before the timed region, as the gradient already is in place)."""
+
+    def __init__(self, codec_name: str) -> None:
+        self.compression = hvd.Compression.fp16 if codec_name == "fp16" else hvd.Compression.none
+        self.wire_bytes = 2 if codec_name == "fp16" else 4
+
+    def start(self, x: np.ndarray, seed: int, name: str, out: np.ndarray):
+        from horovod_quant.comm.exchange import ExchangeStats, Pending
+
+        stats = ExchangeStats(x.size * 4)
+        stats.bytes_sent = x.size * self.wire_bytes
+        t = time.perf_counter()
+        tensor, ctx = self.compression.compress(torch.from_numpy(out))
+        stats.encode_s = time.perf_counter() - t
+        handle = hvd.allreduce_async_(tensor, name=name, op=hvd.Average)
+
+        def finish() -> np.ndarray:
+            t0 = time.perf_counter()
+            out = hvd.synchronize(handle)
+            t1 = time.perf_counter()
+            out = self.compression.decompress(out, ctx)
+            stats.exchange_s, stats.decode_s = t1 - t0, time.perf_counter() - t1
+            return out.numpy()
+
+        return Pending(finish, stats)
+
+
+def make_exchange(cfg: dict, comm, pipeline_elems):
+    if cfg["codec"] in ("none", "fp16"):
+        return HorovodAllreduce(cfg["codec"])
+    return Exchange(build_codec(cfg), comm, pipeline_elems=pipeline_elems)
+
+
 def run_exchange(item: dict, emit) -> None:
     """All configurations of one size, interleaved: round r runs every configuration once, so
     load changes on a shared machine hit every configuration alike."""
@@ -96,8 +134,8 @@ def run_exchange(item: dict, emit) -> None:
     state = {}
     for cfg in item["configs"]:
         try:
-            state[cfg["id"]] = {"ex": Exchange(build_codec(cfg), comm), "reps": [], "error": None,
-                                "out": None}
+            state[cfg["id"]] = {"ex": make_exchange(cfg, comm, item.get("pipeline_elems")),
+                                "reps": [], "error": None, "out": None}
         except Exception as exc:
             state[cfg["id"]] = {"error": f"{type(exc).__name__}: {exc}"}
     rounds = item["warmup"] + item["repeats"]
@@ -107,9 +145,14 @@ def run_exchange(item: dict, emit) -> None:
             if st["error"]:
                 continue
             try:
+                if "buf" not in st:  # the output buffer, reused as the optimizer does
+                    st["buf"] = np.empty_like(x)
+                if isinstance(st["ex"], HorovodAllreduce):
+                    st["buf"][:] = x
                 barrier()
                 t = time.perf_counter()
-                pending = st["ex"].start(x, seed=r, name=f"hqcl.x.{cfg['id']}.{r}")
+                pending = st["ex"].start(x, seed=r, name=f"hqcl.x.{cfg['id']}.{r}",
+                                         out=st["buf"])
                 out = pending.wait()
                 wall = time.perf_counter() - t
             except Exception as exc:  # codec errors are deterministic: every rank gets them
@@ -146,7 +189,7 @@ def run_exchange(item: dict, emit) -> None:
               "bytes_sent": reps[-1]["bytes_sent"], "bytes_raw": reps[-1]["bytes_raw"],
               "rel_sq_error": st["out"],
               # True: the mpi4py exponent allreduce ran (not the allgather fallback)
-              "custom_collective": st["ex"]._custom is not None})
+              "custom_collective": getattr(st["ex"], "_custom", None) is not None})
 
 
 # -- training -------------------------------------------------------------------------------
@@ -189,7 +232,8 @@ def run_train(item: dict) -> dict:
         horovod_path = True
     else:
         opt = hq.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                      compression=build_codec(cfg))
+                                      compression=build_codec(cfg),
+                                      pipeline_elems=item.get("pipeline_elems"))
         horovod_path = False
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     batch = item["batch"]

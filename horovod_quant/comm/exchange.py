@@ -30,8 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..core.base import Codec
-from ..core.schedules import (DEFAULT_PIPELINE_ELEMS, check_pipeline_elems, pipeline_bounds,
-                              pipeline_seed)
+from ..core.schedules import check_pipeline_elems, pipeline_bounds, pipeline_seed
 from . import steps
 from .backend import Collectives, Handle
 from .steps import frame, unframe  # noqa: F401  (re-exported: the wire framing)
@@ -97,13 +96,15 @@ class Exchange:
         codec: the codec.
         comm: the collectives of the group.
         gather: schedule for gather codecs ("auto", "allgather", "sra").
-        pipeline_elems: piece length of the pipeline (elements; default
+        pipeline_elems: piece length of the pipeline in elements (e.g.
             :data:`~horovod_quant.core.schedules.DEFAULT_PIPELINE_ELEMS`, 8 MiB of float32);
-            None exchanges every vector whole.
+            None (default) exchanges every vector whole. Pipelining needs a core for Horovod's
+            communication thread besides the one encoding: where ranks have one core each,
+            encoding slows the transfer down as much as it overlaps it (docs/cluster.md).
     """
 
     def __init__(self, codec: Codec, comm: Collectives, gather: str = "auto",
-                 pipeline_elems: int | None = DEFAULT_PIPELINE_ELEMS) -> None:
+                 pipeline_elems: int | None = None) -> None:
         self.codec = codec
         self.comm = comm
         self.kind = steps.plan(codec, comm.size, gather)
@@ -116,25 +117,39 @@ class Exchange:
     def needs_norm(self) -> bool:
         return steps.needs_norm(self.codec)
 
-    def start(self, x: np.ndarray, seed: int, name: str, norm: float | None = None) -> Pending:
+    def start(self, x: np.ndarray, seed: int, name: str, norm: float | None = None,
+              out: np.ndarray | None = None) -> Pending:
         """Encode ``x`` (float32, 1-D) and start its exchange under collective name ``name``
-        (pieces add ``.p<k>``); every rank must start its exchanges in the same order."""
+        (pieces add ``.p<k>``); every rank must start its exchanges in the same order.
+
+        Args:
+            x: this rank's vector; read again when the exchange finishes (NDQSG), so it must
+                not change before :meth:`Pending.wait` returns.
+            seed: the exchange seed (the same on every rank).
+            name: collective name (the same on every rank).
+            norm: the global norm, for global-norm codecs whose caller computed it.
+            out: float32 buffer of ``x.size`` the mean is written to (reusing one buffer
+                across steps avoids the page faults of a fresh allocation); None: a new array.
+
+        Returns:
+            The exchange in flight.
+        """
         stats = ExchangeStats(x.size * 4)
+        if out is None:
+            out = np.empty(x.size, np.float32)
         if self.needs_norm and norm is None:
             with _Timer(stats, "exchange_s"):
                 norm = global_norm(self.codec, [x], self.comm, name + ".norm")
             stats.bytes_sent += 8
         bounds = pipeline_bounds(x.size, self.pipeline_elems)
-        if len(bounds) == 1:
-            return Pending(self._start_piece(x, seed, name, norm, stats), stats)
         finishes = [self._start_piece(x[lo:hi], pipeline_seed(seed, k, len(bounds)),
-                                      f"{name}.p{k}", norm, stats)
+                                      name if len(bounds) == 1 else f"{name}.p{k}", norm, stats,
+                                      out[lo:hi])
                     for k, (lo, hi) in enumerate(bounds)]
 
         def finish() -> np.ndarray:
-            out = np.empty(x.size, np.float32)
-            for (lo, hi), piece in zip(bounds, finishes):
-                out[lo:hi] = piece()
+            for piece in finishes:
+                piece()
             return out
 
         return Pending(finish, stats)
@@ -144,62 +159,64 @@ class Exchange:
             return handle.wait()
 
     def _start_piece(self, x: np.ndarray, seed: int, name: str, norm: float | None,
-                     stats: ExchangeStats) -> Callable[[], np.ndarray]:
-        """Encode one piece and start its collectives; returns the function finishing it."""
+                     stats: ExchangeStats, out: np.ndarray) -> Callable[[], None]:
+        """Encode one piece and start its collectives; returns the function that finishes it
+        (writing the piece's mean into ``out``)."""
         codec, comm, n = self.codec, self.comm, self.comm.size
         if self.kind == "sra":
-            return self._start_sra(x, seed, name, stats)
+            return self._start_sra(x, seed, name, stats, out)
         if self._custom is not None:
             with _Timer(stats, "encode_s"):
                 payload = steps.encode_payload(codec, x, seed, comm.rank, norm)
             stats.bytes_sent += payload.nbytes
             handle = self._custom(payload, seed, name)
-            return lambda: self._wait(handle, stats)
+
+            def finish_custom() -> None:
+                out[:] = self._wait(handle, stats)
+
+            return finish_custom
         with _Timer(stats, "encode_s"):
             wire, meta = steps.encode_wire(codec, x, seed, comm.rank, self.kind, norm)
         stats.bytes_sent += wire.nbytes
         if self.kind == "sum":
             handle = comm.allreduce_async(wire, name, "sum")
 
-            def finish_sum() -> np.ndarray:
+            def finish_sum() -> None:
                 total = np.asarray(self._wait(handle, stats))
                 with _Timer(stats, "decode_s"):
-                    # float32 sums are this rank's own buffer: scale them in place
-                    out = total if total.dtype == np.float32 and total.flags.writeable else None
-                    return steps.decode_sum_wire(codec, total, x.size, n, meta, out)
+                    steps.decode_sum_wire(codec, total, x.size, n, meta, out)
 
             return finish_sum
         handle = comm.allgather_async(wire, name)
 
-        def finish_gather() -> np.ndarray:
+        def finish_gather() -> None:
             gathered = self._wait(handle, stats)
             with _Timer(stats, "decode_s"):
                 own = (comm.rank, x) if steps.counts_outage(codec) else None
-                mean = steps.combine_wire(codec, gathered, x.size, seed, n, meta, own)
+                steps.combine_wire(codec, gathered, x.size, seed, n, meta, own, out)
             if own is not None:
                 total = self._wait(comm.allreduce_async(steps.outage_wire(codec),
                                                         name + ".outage", "sum"), stats)
                 steps.outage_from_wire(codec, total)
                 stats.bytes_sent += 8
-            return mean
 
         return finish_gather
 
-    def _start_sra(self, x: np.ndarray, seed: int, name: str, stats: ExchangeStats
-                   ) -> Callable[[], np.ndarray]:
+    def _start_sra(self, x: np.ndarray, seed: int, name: str, stats: ExchangeStats,
+                   out: np.ndarray) -> Callable[[], None]:
         codec, comm, n = self.codec, self.comm, self.comm.size
         with _Timer(stats, "encode_s"):
             send, splits = steps.sra_encode_wire(codec, x, seed, comm.rank, n)
         stats.bytes_sent += send.nbytes
         handle = comm.alltoall_async(send, splits.tolist(), name + ".scatter")
 
-        def finish() -> np.ndarray:
+        def finish() -> None:
             received, _ = self._wait(handle, stats)
             with _Timer(stats, "decode_s"):
                 again = steps.sra_reduce_wire(codec, received, x.size, seed, comm.rank, n)
             stats.bytes_sent += again.nbytes
             gathered = self._wait(comm.allgather_async(again, name + ".gather"), stats)
             with _Timer(stats, "decode_s"):
-                return steps.sra_decode_wire(codec, gathered, x.size, seed, n)
+                steps.sra_decode_wire(codec, gathered, x.size, seed, n, out)
 
         return finish

@@ -142,8 +142,10 @@ def counts_outage(codec: Codec) -> bool:
 
 
 def combine_wire(codec: Codec, gathered: np.ndarray, size: int, seed: int, n: int,
-                 meta: dict, own: tuple[int, Any] | None = None) -> np.ndarray:
-    """Allgather plan: the float32 mean estimate from the concatenated frames of n ranks.
+                 meta: dict, own: tuple[int, Any] | None = None,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """Allgather plan: the float32 mean estimate from the concatenated frames of n ranks (into
+    ``out`` when given).
 
     ``own = (rank, x)``: this rank's input, with which an NDQSG P2 sender counts its own wrong
     coarse bins (``codec.last_stats["outside_count"]``, see :func:`outage_wire`).
@@ -157,8 +159,8 @@ def combine_wire(codec: Codec, gathered: np.ndarray, size: int, seed: int, n: in
     if own is not None and counts_outage(codec):
         inputs: list[Any] = [None] * n
         inputs[own[0]] = own[1]
-        return codec.decode_side_info(payloads, seeds, inputs=inputs)
-    return codec.combine_gathered(payloads, seed)
+        return codec.decode_side_info(payloads, seeds, inputs=inputs, out=out)
+    return codec.combine_gathered(payloads, seed, out=out)
 
 
 def outage_wire(codec: Codec) -> np.ndarray:
@@ -194,10 +196,11 @@ def sra_reduce_wire(codec: Codec, received: np.ndarray, size: int, seed: int, ra
     return frame(codec.encode(mean, seed=reencode_seed(seed, rank)))
 
 
-def sra_decode_wire(codec: Codec, gathered: np.ndarray, size: int, seed: int, n: int
-                    ) -> np.ndarray:
-    """Sra plan, step 3: the float32 mean estimate from the allgathered re-encoded chunks."""
-    out = np.empty(int(size), np.float32)
+def sra_decode_wire(codec: Codec, gathered: np.ndarray, size: int, seed: int, n: int,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """Sra plan, step 3: the float32 mean estimate from the allgathered re-encoded chunks
+    (into ``out`` when given)."""
+    out = np.empty(int(size), np.float32) if out is None else out
     parts = unframe(gathered)
     for c, ((lo, hi), part) in enumerate(zip(chunk_bounds(int(size), n), parts)):
         codec.decode(codec.payload_from_wire(part, hi - lo, seed=reencode_seed(seed, c)),

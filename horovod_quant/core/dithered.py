@@ -613,7 +613,8 @@ class NestedDitheredQuantizer(Codec):
         return out
 
     def decode_side_info(self, payloads_by_rank: Sequence[Payload], seeds_by_rank: Sequence[int],
-                         inputs: Sequence[Any] | None = None) -> np.ndarray:
+                         inputs: Sequence[Any] | None = None,
+                         out: np.ndarray | None = None) -> np.ndarray:
         """The mean estimate of an exchange (Alg. 2 "Server"), as every rank computes it.
 
         Decodes P1 in rank order into a float32 sum, takes the P1 mean y as side information,
@@ -627,6 +628,7 @@ class NestedDitheredQuantizer(Codec):
                 known: wrong coarse bins of the known P2 senders are counted in
                 ``last_stats["outside_count"]``; with every P2 input known,
                 ``last_stats["outside_share"]`` is set (else None, see the class doc).
+            out: destination of the estimate (overwritten), or None for a new array.
 
         Returns:
             The float32 mean estimate.
@@ -640,7 +642,8 @@ class NestedDitheredQuantizer(Codec):
         if any(p.size != size for p in payloads_by_rank):
             raise ValueError(f"payloads encode different lengths "
                              f"{[p.size for p in payloads_by_rank]}")
-        est = np.zeros(size, np.float32)
+        est = np.zeros(size, np.float32) if out is None else out
+        est.fill(0)
         for r in range(self.n1):
             self._decode_p1(payloads_by_rank[r], int(seeds_by_rank[r]), est, True)
         y = est * np.float32(1.0 / self.n1)
@@ -700,10 +703,12 @@ class NestedDitheredQuantizer(Codec):
             "next_k": self.current_k,
         }
 
-    def combine_gathered(self, payloads: Sequence[Payload], seed: int) -> np.ndarray:
+    def combine_gathered(self, payloads: Sequence[Payload], seed: int,
+                         out: np.ndarray | None = None) -> np.ndarray:
         """The exchange's mean from every rank's payload in rank order (custom exchange
         fallback: allgather, then this on every rank)."""
-        return self.decode_side_info(payloads, [worker_seed(seed, r) for r in range(len(payloads))])
+        return self.decode_side_info(payloads, [worker_seed(seed, r) for r in range(len(payloads))],
+                                     out=out)
 
     def reference_mean(self, xs: Sequence[np.ndarray], seed: int) -> tuple[np.ndarray, int]:
         """The n-rank exchange in one process: rank r encodes ``xs[r]`` with

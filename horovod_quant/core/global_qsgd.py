@@ -641,13 +641,14 @@ class GlobalQSGD(Codec):
         """Worker ``rank``'s payload in an exchange with seed ``seed`` and global norm ``norm``."""
         return self.encode(x, seed=worker_seed(seed, rank), norm=norm)
 
-    def combine_gathered(self, payloads: Sequence[Payload], seed: int) -> np.ndarray:
+    def combine_gathered(self, payloads: Sequence[Payload], seed: int,
+                         out: np.ndarray | None = None) -> np.ndarray:
         """The mean estimate from every worker's payload, in rank order: the gather of sparse
         mode (decode_add in rank order in float32, then the mean), or the dense sum / exponent
         reduction computed locally (what the custom exchange gives when run without MPI)."""
         if self.mode == "sparse":
-            return super().combine_gathered(payloads, seed)
-        return self.decode_sum(self.reduce(payloads, seed), len(payloads))
+            return super().combine_gathered(payloads, seed, out)
+        return self.decode_sum(self.reduce(payloads, seed), len(payloads), out)
 
     def reference_mean(self, xs: Sequence[np.ndarray], seed: int) -> tuple[np.ndarray, int]:
         """The n-worker exchange in one process: :meth:`global_norm`, worker r encoding with

@@ -13,8 +13,8 @@ What it adds over ``hvd.DistributedOptimizer(compression=...)``:
 
 Bucket ``i`` of step ``t`` is exchanged with seed ``derive_key(seed, t, i)``; its flat vector is
 the concatenation of its gradients in bucket order, so ``mean_estimate(codec, [that vector on
-each rank], derive_key(seed, t, i))`` reproduces the result exactly (for a global-norm codec,
-when the step has one bucket).
+each rank], derive_key(seed, t, i), pipeline_elems=opt.pipeline_elems)`` reproduces the result
+exactly (for a global-norm codec, when the step has one bucket).
 """
 from __future__ import annotations
 
@@ -60,7 +60,10 @@ def _resolve_codec(compression: Any) -> tuple[Codec, dict]:
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "numel", "ready", "pending")
+    """Parameters exchanged together, with the bucket's flat input and output buffers (kept
+    across steps: fresh multi-MB arrays would page-fault on every step)."""
+
+    __slots__ = ("index", "params", "numel", "ready", "pending", "flat", "mean")
 
     def __init__(self, index: int, params: list[torch.nn.Parameter]) -> None:
         self.index = index
@@ -68,12 +71,15 @@ class _Bucket:
         self.numel = sum(p.numel() for p in params)
         self.ready = 0
         self.pending = None
+        self.flat: np.ndarray | None = None
+        self.mean = np.empty(self.numel, np.float32)
 
 
 class _QuantDistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, codec: Codec, backward_passes_per_step: int,
                  op, gradient_predivide_factor: float, groups, sparse_as_dense: bool,
                  process_set, fusion_bytes: int, policy: LayerPolicy, seed: int, gather: str,
+                 pipeline_elems: int | None,
                  on_step: Callable[[StepStats], None] | None) -> None:
         super(self.__class__, self).__init__(params)
         if op not in (hvd.Average, hvd.Sum):
@@ -92,6 +98,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self.policy = policy
         self.seed = int(seed)
         self.gather = gather
+        self.pipeline_elems = pipeline_elems
         self.on_step = on_step
         self.stats = StepStats()
         self.last_stats: StepStats | None = None
@@ -129,7 +136,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._comm = HorovodTorchCollectives(process_set)
-        self._exchange = Exchange(codec, self._comm, gather=gather)
+        self._exchange = Exchange(codec, self._comm, gather=gather, pipeline_elems=pipeline_elems)
         self._defer = self._exchange.needs_norm
         check_same_config(self._comm, {**codec.config(), "seed": self.seed, "gather": gather,
                                        "policy": describe(policy), "fusion_bytes": fusion_bytes,
@@ -207,14 +214,29 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._raw_handles[id(p)] = (p, handle)
 
     def _flat(self, bucket: _Bucket) -> np.ndarray:
-        parts = [to_numpy(p.grad) if p.grad is not None else np.zeros(p.numel(), np.float32)
-                 for p in bucket.params]
-        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
+        """The bucket's gradients as one float32 vector: the gradient itself (a view) for a
+        one-parameter float32 bucket, else copied into the bucket's buffer. Gradients do not
+        change between the start of their exchange and ``synchronize()``."""
+        parts = [to_numpy(p.grad) if p.grad is not None else None for p in bucket.params]
+        if len(parts) == 1 and parts[0] is not None:
+            return parts[0]
+        if bucket.flat is None:
+            bucket.flat = np.empty(bucket.numel, np.float32)
+        offset = 0
+        for p, part in zip(bucket.params, parts):
+            dst = bucket.flat[offset:offset + p.numel()]
+            if part is None:
+                dst.fill(0)
+            else:
+                dst[:] = part
+            offset += p.numel()
+        return bucket.flat
 
     def _start_bucket(self, bucket: _Bucket, norm: float | None) -> None:
         seed = derive_key(self.seed, self._step, bucket.index)
         name = f"hq.o{self._id}.b{bucket.index}"  # the same every step: Horovod caches it
-        bucket.pending = self._exchange.start(self._flat(bucket), seed, name, norm=norm)
+        bucket.pending = self._exchange.start(self._flat(bucket), seed, name, norm=norm,
+                                              out=bucket.mean)
 
     # -- synchronize / step -------------------------------------------------------------
     def synchronize(self) -> None:
@@ -298,6 +320,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          fusion_bytes: int = DEFAULT_FUSION_BYTES,
                          policy: LayerPolicy | None = None, seed: int | None = None,
                          gather: str | None = None,
+                         pipeline_elems: int | None = None,
                          on_step: Callable[[StepStats], None] | None = None):
     """Wrap ``optimizer`` so gradients are averaged across ranks through a horovod_quant codec.
 
@@ -309,6 +332,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         policy: per-layer policy (default :class:`LayerPolicy`, or the compressor's).
         seed: base seed (default: the compressor's, else 0).
         gather: schedule for gather codecs (default: the compressor's, else "auto").
+        pipeline_elems: buckets longer than this are exchanged in pieces of this many elements,
+            each piece on the wire while the next is encoded and the previous decoded (see
+            :class:`horovod_quant.comm.Exchange`; e.g. ``1 << 21``); None (default) sends every
+            bucket whole.
         on_step: called with each step's :class:`StepStats` (also at ``.last_stats``).
 
     Returns:
@@ -323,6 +350,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
               gradient_predivide_factor, groups, sparse_as_dense, process_set, fusion_bytes,
               policy if policy is not None else settings.get("policy", LayerPolicy()),
               seed if seed is not None else settings.get("seed", 0),
-              gather if gather is not None else settings.get("gather", "auto"), on_step)
+              gather if gather is not None else settings.get("gather", "auto"), pipeline_elems,
+              on_step)
     opt.load_state_dict(optimizer.state_dict())
     return opt
