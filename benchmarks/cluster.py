@@ -293,6 +293,11 @@ def cleanup_leftovers() -> list[str]:
 # -- plan -----------------------------------------------------------------------------------
 def build_plan(args, first_rate: bool) -> list[dict]:
     items = []
+    if args.overlap_probe and first_rate:
+        items.append({"kind": "overlap", "id": "o-64MB", "size_mb": 64.0, "busy_s": 0.3,
+                      "warmup": 1, "repeats": 7,
+                      "configs": [{"id": m, "codec": "none", "params": {}}
+                                  for m in ("idle", "sleep", "compute")]})
     if not args.no_exchange:
         for size in args.sizes_mb:
             items.append({"kind": "exchange", "id": f"x-{size:g}MB", "size_mb": size,
@@ -311,21 +316,22 @@ def build_plan(args, first_rate: bool) -> list[dict]:
 
 
 def ticks(item: dict) -> int:
-    return item["warmup"] + item["repeats"] if item["kind"] == "exchange" else 1
+    return {"exchange": item.get("warmup", 0) + item.get("repeats", 0),
+            "overlap": item.get("warmup", 0) + item.get("repeats", 0)}.get(item["kind"], 1)
 
 
 def result_rows(items: list[dict], results: dict) -> list[dict]:
     """One row per (item, configuration), with the plan's description added."""
     rows = []
     for it in items:
-        cfgs = it["configs"] if it["kind"] == "exchange" else [it["config"]]
+        cfgs = it["configs"] if "configs" in it else [it["config"]]
         for cfg in cfgs:
-            rid = f"{it['id']}-{cfg['id']}" if it["kind"] == "exchange" else it["id"]
+            rid = f"{it['id']}-{cfg['id']}" if "configs" in it else it["id"]
             r = dict(results.get(rid, {"id": rid, "error": "missing"}))
             r.pop("type", None)
             r.update(kind=it["kind"], config_id=cfg["id"], codec=cfg["codec"],
                      codec_params=cfg["params"])
-            if it["kind"] == "exchange":
+            if it["kind"] in ("exchange", "overlap"):
                 r.update(size_mb=it["size_mb"], repeats=it["repeats"])
             else:
                 r.update(model=it["model"], batch=it["batch"], steps=it["steps"])
@@ -372,7 +378,7 @@ def run_phase(cluster: Cluster, label: str, items: list[dict], bar, args,
                     done.add(row["id"])
                     bar.set_postfix_str(f"{label} {row['id']}", refresh=False)
                 if row["type"] == "progress" or (row["type"] == "done"
-                                                 and not row["id"].startswith("x-")):
+                                                 and not row["id"].startswith(("x-", "o-"))):
                     bar.update(1)
             seen = len(lines)
             if proc.poll() is not None:
@@ -424,9 +430,15 @@ def _load(r):
 
 def analyse(data: dict) -> dict:
     """Speedups and the targets from the raw rows (added to the JSON under 'summary')."""
-    summary = {"exchange": {}, "training": {}, "targets": []}
+    summary = {"exchange": {}, "training": {}, "targets": [], "overlap": {}}
     for link in data["links"]:
         lab = link["label"]
+        probe = {r["config_id"]: r for r in link["results"]
+                 if r.get("kind") == "overlap" and not r.get("error")}
+        if probe:
+            summary["overlap"][lab] = {m: {"wall_s": r["wall_s"], "busy_s": r["busy_s"],
+                                           "walls_s": r.get("walls_s", [])}
+                                       for m, r in probe.items()}
         ex = {}
         for r in link["results"]:
             if r.get("kind") != "exchange" or r.get("error"):
@@ -523,6 +535,25 @@ def render_markdown(data: dict, prefix: str) -> str:
                  f"{cal.get('tcp_gbit_s', float('nan')):.2f} Gbit/s | "
                  f"{cal.get('tcp_rtt_ms_median', float('nan')):.3f} ms |")
     L.append("")
+    for lab, probe in s.get("overlap", {}).items():
+        idle = probe.get("idle", {}).get("wall_s")
+        L.append(f"## Does a transfer progress while its rank computes? ({lab})\n")
+        L.append("Horovod's fp32 allreduce of 64 MB posted, then the posting thread waits at "
+                 "once, sleeps, or computes (NumPy loop) for the same time, then waits. "
+                 "*stalled* = share of the busy time added to the idle wall time (0: full "
+                 "overlap, 1: none).\n")
+        L.append("| posting thread | busy ms | wall ms (median) | every repetition, ms | "
+                 "stalled |")
+        L.append("|---|---|---|---|---|")
+        for mode in ("idle", "sleep", "compute"):
+            p = probe.get(mode)
+            if p is None:
+                continue
+            stalled = ((p["wall_s"] - idle) / p["busy_s"] if idle and p["busy_s"] else None)
+            reps = " ".join(f"{w * 1e3:.0f}" for w in p.get("walls_s", []))
+            L.append(f"| {mode} | {p['busy_s'] * 1e3:.0f} | {p['wall_s'] * 1e3:.0f} | {reps} | "
+                     f"{'-' if stalled is None else f'{stalled:.2f}'} |")
+        L.append("")
     if s["targets"]:
         L.append("## Targets (1 Gbit/s, 2 hosts)\n")
         L.append("| target | best measured | 8/4-bit codecs range | met |")
@@ -622,7 +653,8 @@ def render_markdown(data: dict, prefix: str) -> str:
         for lab, i, e in errs:
             L.append(f"* {lab} {i}: {e}")
         L.append("")
-    L.append(f"Plots: `{base}_speedup.png`, `{base}_bytes.png`, `{base}_split.png`.\n")
+    if any(r.get("kind") in ("exchange", "train") for l in data["links"] for r in l["results"]):
+        L.append(f"Plots: `{base}_speedup.png`, `{base}_bytes.png`, `{base}_split.png`.\n")
     return "\n".join(L)
 
 
@@ -779,6 +811,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-training", action="store_true")
     ap.add_argument("--stall-timeout", type=float, default=300.0)
     ap.add_argument("--max-relaunch", type=int, default=4)
+    ap.add_argument("--overlap-probe", action="store_true",
+                    help="first measure whether a transfer progresses while its rank computes "
+                         "(64 MB fp32 allreduce vs a 0.3 s busy loop or sleep)")
     ap.add_argument("--pipeline-elems", type=int, default=0,
                     help="piece length of the codecs' pipelined exchanges in elements (e.g. "
                          f"{DEFAULT_PIPELINE_ELEMS}); 0 (default): whole vectors")

@@ -298,6 +298,44 @@ def foreign_load(before, after) -> float:
     return max(0.0, (after[1] - before[1] - own) / (after[0] - before[0]))
 
 
+OVERLAP_MODES = ("idle", "sleep", "compute")
+
+
+def run_overlap(item: dict, emit) -> None:
+    """Does a transfer progress while the thread that posted it works? Horovod's float32
+    averaging allreduce of ``size_mb`` MB is posted; the posting thread then waits at once
+    (``idle``), sleeps ``busy_s`` (``sleep``) or computes for ``busy_s`` (``compute``: an
+    elementwise NumPy loop, as an encode kernel or a backward pass would), then waits. Wall
+    time ~ max(transfer, busy_s) means the transfer went on meanwhile (overlap);
+    ~ transfer + busy_s means it stalled. Pipelining encode/decode with the wire, and
+    overlapping communication with backward, can only pay in the first case."""
+    n = int(item["size_mb"] * MB) // 4
+    buf = torch.from_numpy(gradient(n).copy())
+    work = np.ones(8 << 20, np.float32)
+    busy = float(item["busy_s"])
+    walls: dict[str, list[float]] = {m: [] for m in OVERLAP_MODES}
+    rounds = item["warmup"] + item["repeats"]
+    for r in range(rounds):  # modes interleaved, so drifts of the link hit all alike
+        for mode in OVERLAP_MODES:
+            barrier()
+            t = time.perf_counter()
+            handle = hvd.allreduce_async_(buf, name=f"hqcl.o.{mode}.{r}", op=hvd.Average)
+            if mode == "sleep":
+                time.sleep(busy)
+            elif mode == "compute":
+                while time.perf_counter() - t < busy:
+                    work *= np.float32(1.0000001)
+            hvd.synchronize(handle)
+            if r >= item["warmup"]:
+                walls[mode].append(time.perf_counter() - t)
+        emit({"type": "progress", "id": item["id"], "round": r})
+    for mode in OVERLAP_MODES:
+        slowest = [max(w) for w in zip(*gather_rows(walls[mode]))]
+        emit({"type": "result", "id": f"{item['id']}-{mode}", "wall_s": statistics.median(slowest),
+              "wall_min_s": min(slowest), "walls_s": slowest,
+              "busy_s": busy if mode != "idle" else 0.0})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plan", required=True)
@@ -316,7 +354,9 @@ def main() -> None:
         t = time.perf_counter()
         barrier()
         before = cpu_snapshot()
-        if item["kind"] == "exchange":
+        if item["kind"] == "overlap":
+            run_overlap(item, emit)
+        elif item["kind"] == "exchange":
             rows = []
             run_exchange(item, lambda row: rows.append(row) if row["type"] == "result"
                          else emit(row))

@@ -67,10 +67,19 @@ def test_nested_dithered_matches_reference():
     for step in range(3):  # k adapts from the measured side-information error
         xs = [rank_gradients([(5000,)], 100 + step, 0)[0] + 0.01 * rank_gradients([(5000,)], step, r)[0]
               for r in range(n)]
-        got = Exchange(codec, HorovodTorchCollectives()).start(xs[hvd.rank()], step, f"nd.{step}").wait()
+        pending = Exchange(codec, HorovodTorchCollectives()).start(xs[hvd.rank()], step, f"nd.{step}")
+        got = pending.wait()
         want, _ = hq.mean_estimate(ref_codec, xs, seed=step)
         assert np.array_equal(got, want)
         assert codec.last_stats["k"] == ref_codec.last_stats["k"]
+        # good side information: every coarse bin right, so the mean is plain DQSG's, bit for
+        # bit, while P2 ranks send 4-bit codes instead of 6 once k has been measured
+        dqsg, _ = hq.mean_estimate(hq.get_codec("dithered", bits=6), xs, seed=step)
+        assert np.array_equal(got, dqsg)
+        sent = hvd.allgather_object(pending.stats.bytes_sent)
+        if step > 0:
+            assert codec.last_stats["bits_p2"] == 4 and codec.last_stats["outside_share"] == 0.0
+            assert all(b < sent[0] for b in sent[codec.n1:]), sent
         # each P2 rank counted its own wrong coarse bins; one allreduce made the share exact
         assert codec.last_stats["outside_share"] == ref_codec.last_stats["outside_share"]
 

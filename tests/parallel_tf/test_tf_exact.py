@@ -30,6 +30,16 @@ def _make(name, params, seed, policy=EVERYTHING, **kw):
     return comp, hq.get_codec(name, **params)
 
 
+def _tape_fn(comp, vs, **tape_kw):
+    """A tf.function step: the gradients of ``linear_loss`` through DistributedGradientTape."""
+    @tf.function
+    def step_fn(grads):
+        with tf.GradientTape() as tape:
+            loss = linear_loss(vs, grads)
+        return hvd.DistributedGradientTape(tape, compression=comp, **tape_kw).gradient(loss, vs)
+    return step_fn
+
+
 def _check(got, codec, shapes, step, seed, k0, factor=1.0, gather="auto", which=None):
     """got[j] must equal the reference of exchange k0 + j (which: indices of compressed)."""
     which = range(len(shapes)) if which is None else which
@@ -99,12 +109,7 @@ def test_policy_groups_and_counter():
     compressed = [0, 3]
     comp, codec = _make("natural", {}, seed=3, policy=hqtf.LayerPolicy())
     vs = [tf.Variable(tf.zeros(s)) for s in shapes]
-
-    @tf.function
-    def step_fn(grads):
-        with tf.GradientTape() as tape:
-            loss = linear_loss(vs, grads)
-        return hvd.DistributedGradientTape(tape, compression=comp, groups=1).gradient(loss, vs)
+    step_fn = _tape_fn(comp, vs, groups=1)
 
     for step in range(2):
         k0 = comp.calls
@@ -128,13 +133,7 @@ def test_sra_schedule(name):
     shapes = [(33, 70)]
     comp, codec = _make(name, {}, seed=21, gather="sra")
     vs = [tf.Variable(tf.zeros(s)) for s in shapes]
-
-    @tf.function
-    def step_fn(grads):
-        with tf.GradientTape() as tape:
-            loss = linear_loss(vs, grads)
-        return hvd.DistributedGradientTape(tape, compression=comp).gradient(loss, vs)
-
+    step_fn = _tape_fn(comp, vs)
     k0 = comp.calls
     got = [g.numpy() for g in step_fn(rank_gradients(shapes, 0, hvd.rank()))]
     if hvd.size() > 1:
@@ -225,13 +224,7 @@ def test_nested_outage_share_is_exact():
     shapes = [(60, 70)]
     comp, codec = _make("nested_dithered", {"bits": 6, "coarse_ratio": 5}, seed=2)
     vs = [tf.Variable(tf.zeros(s)) for s in shapes]
-
-    @tf.function
-    def step_fn(grads):
-        with tf.GradientTape() as tape:
-            loss = linear_loss(vs, grads)
-        return hvd.DistributedGradientTape(tape, compression=comp).gradient(loss, vs)
-
+    step_fn = _tape_fn(comp, vs)
     for step in range(2):
         k0 = comp.calls
         got = [g.numpy() for g in step_fn(rank_gradients(shapes, step, hvd.rank()))]
