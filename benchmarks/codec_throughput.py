@@ -111,7 +111,10 @@ def best_time(fn, repeat: int, sync) -> float:
     return best
 
 
-def bench_one(codec, x, repeat: int, backend) -> dict:
+def bench_one(codec, x, repeat: int, backend, world_size: int) -> dict:
+    """Encode, decode (into a buffer / allocating) and, for gather codecs, the combine of
+    ``world_size`` payloads into a buffer (what every rank runs after an allgather), as GB/s
+    of the float32 the payloads stand for."""
     gb = x.size * 4 / 1e9
     out = backend.empty(x.size)
     payload = codec.encode(x, seed=1)  # warm-up (compiles)
@@ -121,10 +124,17 @@ def bench_one(codec, x, repeat: int, backend) -> dict:
     t_enc = best_time(lambda: codec.encode(x, seed=next(seeds)), repeat, backend.sync)
     t_dec = best_time(lambda: codec.decode(payload, out), repeat, backend.sync)
     t_dec_alloc = best_time(lambda: codec.decode(payload), repeat, backend.sync)
+    combine = None
+    if codec.exchange == "gather":
+        payloads = [codec.encode(x, seed=r) for r in range(world_size)]
+        codec.combine_gathered(payloads, 0, out=out)
+        combine = world_size * gb / best_time(lambda: codec.combine_gathered(payloads, 0, out=out),
+                                              repeat, backend.sync)
     return {
         "encode_gbps": gb / t_enc,
         "decode_gbps": gb / t_dec,
         "decode_alloc_gbps": gb / t_dec_alloc,
+        "combine_gbps": combine,
         "bits_per_element": payload.nbytes * 8 / x.size,
     }
 
@@ -174,7 +184,8 @@ def main(argv=None) -> int:
         pass
     print("# " + ", ".join(f"{k}={v}" for k, v in env.items()))
     header = f"{'codec':<20} {'bits':>4} {'elements':>10} {'wire b/el':>9} {'encode':>8} " \
-             f"{'decode':>8} {'dec+alloc':>9}   (GB/s of float32 input)"
+             f"{'decode':>8} {'dec+alloc':>9} {'combine':>8}   (GB/s of float32 input; " \
+             f"combine: --world-size payloads into one mean)"
     print(header)
     print("-" * len(header))
     results = []
@@ -190,7 +201,7 @@ def main(argv=None) -> int:
                     print(f"{name:<20} {bits!s:>4} skipped: {exc}")
                     continue
                 try:
-                    r = bench_one(codec, x, args.repeat, backend)
+                    r = bench_one(codec, x, args.repeat, backend, args.world_size)
                 except Exception as exc:  # a codec without a GPU path: say so, go on
                     if args.device != "cuda":
                         raise
@@ -198,9 +209,11 @@ def main(argv=None) -> int:
                     continue
                 r.update({"codec": name, "bits": bits, "elements": n, "params": codec.params})
                 results.append(r)
+                combine = "-" if r["combine_gbps"] is None else f"{r['combine_gbps']:.2f}"
                 print(f"{name:<20} {bits if bits else '-':>4} {n:>10} "
                       f"{r['bits_per_element']:>9.3f} {r['encode_gbps']:>8.2f} "
-                      f"{r['decode_gbps']:>8.2f} {r['decode_alloc_gbps']:>9.2f}", flush=True)
+                      f"{r['decode_gbps']:>8.2f} {r['decode_alloc_gbps']:>9.2f} {combine:>8}",
+                      flush=True)
         del x
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -32,7 +32,7 @@ Departures from the papers (also in docs/codecs.md):
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
@@ -157,6 +157,17 @@ class LevelQuantizer(Codec):
         K.decode_levels(payload.data, n, self._bucket(n), self.bits, self.table, out, True)
         return out
 
+    def combine_gathered(self, payloads: Sequence[Payload], seed: int,
+                         out: np.ndarray | None = None) -> np.ndarray:
+        """The gather exchange's mean in one fused pass (:func:`.kernels_cpu.combine_levels`),
+        bit for bit the rank-order ``decode_add`` of :meth:`Codec.combine_gathered`."""
+        n = payloads[0].size
+        out = np.empty(n, np.float32) if out is None else out
+        datas = tuple(np.asarray(p.data).view(np.uint8).reshape(-1) for p in payloads)
+        K.combine_levels(datas, n, self._bucket(n), self.bits, self.table,
+                         np.float32(1.0 / len(payloads)), out)
+        return out
+
     def omega(self, d: int) -> float:
         """Bound on E||Q(x) - x||^2 / ||x||^2 for one bucket of d elements."""
         raise NotImplementedError
@@ -230,6 +241,12 @@ class QSGD(LevelQuantizer):
         n = payload.size
         return elias_decode(np.asarray(payload.data).view(np.uint8), n, self._bucket(n),
                             self.bits, self.table, out, True)
+
+    def combine_gathered(self, payloads: Sequence[Payload], seed: int,
+                         out: np.ndarray | None = None) -> np.ndarray:
+        if not self.elias:
+            return super().combine_gathered(payloads, seed, out)
+        return Codec.combine_gathered(self, payloads, seed, out)  # variable-length payloads
 
     def omega(self, d: int) -> float:
         return uniform_grid_omega(d, self.s, self.p)

@@ -576,3 +576,28 @@ def test_worker_seed_and_derive_key_are_distinct():
     seeds = {hq.worker_seed(s, r) for s in range(20) for r in range(20)}
     assert len(seeds) == 400
     assert derive_key(1, 2) != derive_key(2, 1)
+
+
+@pytest.mark.parametrize("name,params", [("qsgd", {"bits": 8}), ("qsgd", {"bits": 4}),
+                                         ("natural", {"bits": 8}),
+                                         ("nuqsgd", {"bits": 3, "bucket_size": 100}),
+                                         ("standard_dithering", {"bits": 5, "bucket_size": None}),
+                                         ("qsgd", {"bits": 3, "elias": True})])
+@pytest.mark.parametrize("size", [0, 1, 8191, 8193, 30001])
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_fused_combine_is_bitwise_the_rank_order_decode_add(name, params, size, n):
+    """The one-pass combine_levels kernel: the same bits (signs of zeros, NaN, inf included)
+    as zeroing, decode_add per payload in rank order and scaling by 1/n, also into ``out``."""
+    from horovod_quant.core.base import Codec
+
+    rng = np.random.default_rng([size, n])
+    codec = hq.get_codec(name, **params)
+    xs = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+    xs[0][: min(size, 3)] = [np.inf, np.nan, -0.0][: min(size, 3)]
+    payloads = [codec.encode(x, seed=r) for r, x in enumerate(xs)]
+    want = Codec.combine_gathered(codec, payloads, 0)
+    got = codec.combine_gathered(payloads, 0)
+    out = np.full(size, 7.0, np.float32)
+    assert codec.combine_gathered(payloads, 0, out) is out
+    for arr in (got, out):
+        assert np.array_equal(arr.view(np.uint32), want.view(np.uint32))
