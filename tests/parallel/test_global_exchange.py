@@ -100,3 +100,27 @@ def test_pipelined_exchange_matches_reference(spec):
     got = ex.start(xs[hvd.rank()], 8, f"piped.{spec}").wait()
     want, _ = hq.mean_estimate(hq.get_codec(name, **params), xs, seed=8, pipeline_elems=piece)
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("reduction", ["tree", "ring"])
+def test_exponent_allreduce_unbiased_within_theta_between_ranks(reduction):
+    """The real exponent allreduce over 120 exchange seeds: the average of the estimates
+    approaches the exact mean (error shrinking like 1/T), and the mean normalized squared error
+    stays within theta(d), the bound holding the (9/8)^R reduction factor (docs/codecs.md)."""
+    n = hvd.size()
+    codec = hq.get_codec("global_qsgd", world_size=n, bits=8, levels="exponential",
+                         reduction=reduction)
+    d, T = 2048, 120
+    xs = [rank_gradients([(d,)], 77, r)[0] for r in range(n)]
+    mean = np.mean(np.stack(xs).astype(np.float64), axis=0)
+    denom = np.mean([np.sum(x.astype(np.float64) ** 2) for x in xs])
+    ex = Exchange(codec, HorovodTorchCollectives())
+    ests = np.stack([ex.start(xs[hvd.rank()], t, f"gq.unb.{reduction}.{t}").wait()
+                     for t in range(T)]).astype(np.float64)
+    errs = np.sum((ests - mean) ** 2, axis=1) / denom
+    theta = codec.theta(d)
+    assert 0 < errs.mean() <= theta, (errs.mean(), theta)
+    # unbiased: the T-average's error is about errs.mean() / T; 4x slack for the noise
+    assert np.sum((ests.mean(axis=0) - mean) ** 2) / denom < 4 * errs.mean() / T
+    everyone = hvd.allgather_object(ests.tobytes())
+    assert all(e == everyone[0] for e in everyone)
