@@ -131,6 +131,7 @@ class Cluster:
         self.addr = [f"10.213.{octet}.1", f"10.213.{octet}.2"]
         self.tmp = tempfile.mkdtemp(prefix=f"{PREFIX}-{run_id}-")
         self.created_ns: list[str] = []
+        self.created_etc: list[str] = []
         self.shaping: dict = {}
 
     def create(self) -> None:
@@ -154,6 +155,17 @@ class Cluster:
                     "exec ip netns exec \"$ns\" sh -c \"$*\"\n")
         os.chmod(agent, 0o755)
         self.agent = agent
+        # for the gloo launcher: each namespace's hostname resolves to its own address
+        # (`ip netns exec` mounts /etc/netns/<ns>/hosts over /etc/hosts; see
+        # cluster_gloo_launch.py for why gloo needs it)
+        from cluster_gloo_launch import hostname_of
+
+        for ns, addr in zip(self.ns, self.addr):
+            etc = os.path.join("/etc/netns", ns)
+            os.makedirs(etc, exist_ok=False)
+            self.created_etc.append(etc)
+            with open(os.path.join(etc, "hosts"), "w") as f:
+                f.write(f"127.0.0.1 localhost\n{addr} {hostname_of(ns)}\n")
 
     def shape(self, rate_bps: float, delay_ms: float) -> dict:
         """tbf at ``rate_bps`` on both veth ends (egress), under netem ``delay_ms`` if possible."""
@@ -213,6 +225,14 @@ class Cluster:
         return cmd + [sys.executable, os.path.join(HERE, "cluster_workloads.py"),
                       "--plan", plan, "--out", rows]
 
+    def gloo_cmd(self, plan: str, rows: str) -> list[str]:
+        """The ranks under Horovod's gloo controller (cluster_gloo_launch.py, in host a)."""
+        return ["ip", "netns", "exec", self.ns[0], sys.executable,
+                os.path.join(HERE, "cluster_gloo_launch.py"),
+                "--hosts", ",".join(f"{ns}={a}" for ns, a in zip(self.ns, self.addr)),
+                "--iface", ",".join(self.dev), "--", sys.executable,
+                os.path.join(HERE, "cluster_workloads.py"), "--plan", plan, "--out", rows]
+
     def destroy(self) -> None:
         for ns in self.created_ns:
             kill_netns_processes(ns)
@@ -221,6 +241,9 @@ class Cluster:
         for dev in self.dev:  # in case the pair was made in the root namespace
             if sh("ip", "link", "show", dev, check=False).returncode == 0:
                 sh("ip", "link", "del", dev, check=False)
+        for etc in self.created_etc:
+            shutil.rmtree(etc, ignore_errors=True)
+        self.created_etc = []
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -280,6 +303,12 @@ def cleanup_leftovers() -> list[str]:
             if m and not pid_alive(int(m.group(1))):
                 sh("ip", "link", "del", dev, check=False)
                 removed.append(f"link {dev}")
+    if os.path.isdir("/etc/netns"):
+        for name in os.listdir("/etc/netns"):
+            m = pat.match(name)
+            if m and not pid_alive(int(m.group(1))):
+                shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
+                removed.append(f"dir /etc/netns/{name}")
     tpat = re.compile(rf"^{PREFIX}-(\d+)-")
     tmp = tempfile.gettempdir()
     for name in os.listdir(tmp):
@@ -341,7 +370,7 @@ def result_rows(items: list[dict], results: dict) -> list[dict]:
 
 def run_phase(cluster: Cluster, label: str, items: list[dict], bar, args,
               procs: list) -> tuple[dict, list[str]]:
-    """Run ``items`` under mpirun; returns ({id: result}, log notes)."""
+    """Run ``items`` under mpirun (or the gloo launcher); returns ({id: result}, log notes)."""
     results: dict[str, dict] = {}
     notes: list[str] = []
     remaining = list(items)
@@ -349,8 +378,9 @@ def run_phase(cluster: Cluster, label: str, items: list[dict], bar, args,
     env = dict(os.environ)
     env.update(PYTHONPATH=ROOT + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""),
                OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               OMPI_MCA_mpi_yield_when_idle="1", HOROVOD_CONTROLLER="mpi",
-               HOROVOD_CPU_OPERATIONS="mpi")
+               OMPI_MCA_mpi_yield_when_idle="1", HOROVOD_CONTROLLER=args.controller,
+               HOROVOD_CPU_OPERATIONS=args.controller)
+    launch = cluster.gloo_cmd if args.controller == "gloo" else cluster.mpirun_cmd
     while remaining and attempt <= args.max_relaunch:
         attempt += 1
         plan = os.path.join(cluster.tmp, f"plan-{label}-{attempt}.json")
@@ -360,7 +390,7 @@ def run_phase(cluster: Cluster, label: str, items: list[dict], bar, args,
             json.dump({"items": remaining}, f)
         open(rows, "w").close()
         with open(log, "w") as logf:
-            proc = subprocess.Popen(cluster.mpirun_cmd(plan, rows), stdout=logf,
+            proc = subprocess.Popen(launch(plan, rows), stdout=logf,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
         procs.append(proc)
         seen, last = 0, time.monotonic()
@@ -522,6 +552,7 @@ def render_markdown(data: dict, prefix: str) -> str:
              "cores kept busy by anything but the two ranks while that row ran (other jobs, "
              "kernel threads; from /proc/stat minus the ranks' own CPU time), out of "
              f"{data['machine']['cpus']}.\n")
+    L.append(f"Horovod controller and CPU collectives: **{data.get('controller', 'mpi')}**.\n")
     L.append("## Links\n")
     L.append("| link | tc | delay | TCP a->b measured | TCP RTT |")
     L.append("|---|---|---|---|---|")
@@ -811,12 +842,15 @@ def parse_args(argv=None):
     ap.add_argument("--no-training", action="store_true")
     ap.add_argument("--stall-timeout", type=float, default=300.0)
     ap.add_argument("--max-relaunch", type=int, default=4)
+    ap.add_argument("--controller", choices=("mpi", "gloo"), default="mpi",
+                    help="Horovod's controller and CPU collectives: mpi (mpirun, the mpi4py "
+                         "exponent allreduce) or gloo (Horovod's rendezvous, no busy polling)")
     ap.add_argument("--overlap-probe", action="store_true",
                     help="first measure whether a transfer progresses while its rank computes "
                          "(64 MB fp32 allreduce vs a 0.3 s busy loop or sleep)")
-    ap.add_argument("--pipeline-elems", type=int, default=0,
-                    help="piece length of the codecs' pipelined exchanges in elements (e.g. "
-                         f"{DEFAULT_PIPELINE_ELEMS}); 0 (default): whole vectors")
+    ap.add_argument("--pipeline-elems", type=int, default=DEFAULT_PIPELINE_ELEMS,
+                    help="piece length of the codecs' pipelined exchanges in elements "
+                         f"(default {DEFAULT_PIPELINE_ELEMS}, as Exchange); 0: whole vectors")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "cluster"),
                     help="output prefix (PREFIX.json, .md, _*.png)")
     args = ap.parse_args(argv)
@@ -901,7 +935,8 @@ def main(argv=None) -> int:
     data = {"command": "python3 benchmarks/cluster.py " + " ".join(
                 shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": machine_info(), "links": [], "notes": []}
+            "machine": machine_info(), "controller": args.controller, "links": [],
+            "notes": []}
     bar = tqdm(total=sum(ticks(it) for p in plans for it in p), unit="step",
                dynamic_ncols=True, mininterval=1.0)
     try:

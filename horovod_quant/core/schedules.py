@@ -36,10 +36,9 @@ REENCODE_TAG = 0x5EA
 PIPELINE_TAG = 0x919E
 SRA_MIN_WORLD = 5
 GATHER_SCHEDULES = ("auto", "allgather", "sra")
-#: suggested piece length of a pipelined exchange: 2^21 float32 = 8 MiB, a multiple of the
-#: packing block and of every power-of-two bucket size up to it (so no bucket is cut in two).
-#: Pipelining is off by default: it only pays where Horovod's communication thread has a core
-#: of its own (on the 2-core emulated cluster it gained nothing; docs/cluster.md)
+#: default piece length of a pipelined exchange (Exchange, the torch optimizer): 2^21 float32
+#: = 8 MiB, a multiple of the packing block and of every power-of-two bucket size up to it (so
+#: no bucket is cut in two). mean_estimate exchanges whole vectors unless given this value.
 DEFAULT_PIPELINE_ELEMS = 1 << 21
 
 

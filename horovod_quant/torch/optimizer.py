@@ -32,6 +32,7 @@ from ..comm.exchange import Exchange, global_norm
 from ..core import get_codec
 from ..core.base import Codec
 from ..core.rng import derive_key
+from ..core.schedules import DEFAULT_PIPELINE_ELEMS
 from ..policy import LayerPolicy, describe
 from ..stats import StepStats
 from .collectives import HorovodTorchCollectives
@@ -320,7 +321,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          fusion_bytes: int = DEFAULT_FUSION_BYTES,
                          policy: LayerPolicy | None = None, seed: int | None = None,
                          gather: str | None = None,
-                         pipeline_elems: int | None = None,
+                         pipeline_elems: int | None = DEFAULT_PIPELINE_ELEMS,
                          on_step: Callable[[StepStats], None] | None = None):
     """Wrap ``optimizer`` so gradients are averaged across ranks through a horovod_quant codec.
 
@@ -334,8 +335,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         gather: schedule for gather codecs (default: the compressor's, else "auto").
         pipeline_elems: buckets longer than this are exchanged in pieces of this many elements,
             each piece on the wire while the next is encoded and the previous decoded (see
-            :class:`horovod_quant.comm.Exchange`; e.g. ``1 << 21``); None (default) sends every
-            bucket whole.
+            :class:`horovod_quant.comm.Exchange`; default ``1 << 21``); None sends every bucket
+            whole.
         on_step: called with each step's :class:`StepStats` (also at ``.last_stats``).
 
     Returns:
