@@ -2,10 +2,11 @@
 from .backend import Collectives, Done, Handle, LocalCollectives
 from .exchange import CUSTOM_COLLECTIVES, Exchange, ExchangeStats, Pending, global_norm
 from .mpi_exp import mpi_exponent_factory
+from .staging import HostStaged
 
 CUSTOM_COLLECTIVES["global_qsgd"] = mpi_exponent_factory
 
 __all__ = [
     "CUSTOM_COLLECTIVES", "Collectives", "Done", "Exchange", "ExchangeStats", "Handle",
-    "LocalCollectives", "Pending", "global_norm",
+    "HostStaged", "LocalCollectives", "Pending", "global_norm",
 ]

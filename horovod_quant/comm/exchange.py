@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..core.base import Codec
+from ..core.base import Codec, array_module
 from ..core.schedules import (DEFAULT_PIPELINE_ELEMS, check_pipeline_elems, pipeline_bounds,
                               pipeline_seed)
 from . import steps
@@ -137,7 +137,7 @@ class Exchange:
         """
         stats = ExchangeStats(x.size * 4)
         if out is None:
-            out = np.empty(x.size, np.float32)
+            out = array_module(x).empty(x.size, np.float32)
         if self.needs_norm and norm is None:
             with _Timer(stats, "exchange_s"):
                 norm = global_norm(self.codec, [x], self.comm, name + ".norm")
@@ -183,7 +183,7 @@ class Exchange:
             handle = comm.allreduce_async(wire, name, "sum")
 
             def finish_sum() -> None:
-                total = np.asarray(self._wait(handle, stats))
+                total = self._wait(handle, stats)
                 with _Timer(stats, "decode_s"):
                     steps.decode_sum_wire(codec, total, x.size, n, meta, out)
 

@@ -17,15 +17,21 @@ reduction runs on a worker thread to overlap with backward, beside Horovod's bac
 thread); otherwise, e.g. under gloo, :class:`horovod_quant.comm.Exchange` falls back to
 allgathering the payloads and reducing locally with the same schedule (same result, O(n)
 receive volume). ``HQ_MPI_EXCHANGE=0`` forces the fallback.
+
+Device payloads (CuPy) are reduced on the device, each round's combine a kernel, and sent as
+device buffers when the MPI is CUDA-aware (:func:`horovod_quant.gpu.cuda_aware_mpi`); otherwise
+the packed codes are copied to host memory, reduced there, and copied back for decoding.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from ..core.base import array_module
 from ..core.exp_reduce import block_byte_range, exp_combine, round_key, schedule
 from ..core.packing import PACK_BLOCK
 from ..core.payload import Payload
@@ -68,7 +74,8 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
 
     Args:
         comm: an mpi4py communicator.
-        data: this rank's packed codes (uint8).
+        data: this rank's packed codes (uint8), host or device (then the MPI must be
+            CUDA-aware).
         size: elements per payload.
         bits: code width.
         seed: the exchange seed (round keys: :func:`~horovod_quant.core.exp_reduce.round_key`).
@@ -76,11 +83,19 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
     """
     from mpi4py import MPI
 
+    xp = array_module(data)
+    if xp is np:
+        combine, settle = exp_combine, (lambda: None)
+    else:  # MPI reads device buffers directly: the kernels before a send must have finished
+        from .. import gpu
+
+        combine, settle = gpu.exp_combine, xp.cuda.get_current_stream().synchronize
     rank, n = comm.Get_rank(), comm.Get_size()
-    work = np.array(data, dtype=np.uint8, copy=True)
+    work = xp.array(data, dtype=np.uint8, copy=True)
     rounds, owners = schedule(n, -(-size // PACK_BLOCK), reduction)
 
     for step in rounds:
+        settle()
         requests, received = [], []
         for c in step:
             i0, i1, lo, hi = block_byte_range(c.b0, c.b1, size, bits)
@@ -89,19 +104,20 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
             if c.partner == rank:
                 requests.append(comm.Isend(work[lo:hi], dest=c.rank, tag=c.round))
             if c.rank == rank:
-                buf = np.empty(hi - lo, np.uint8)
+                buf = xp.empty(hi - lo, np.uint8)
                 requests.append(comm.Irecv(buf, source=c.partner, tag=c.round))
                 received.append((c, buf, i0, i1, lo, hi))
         MPI.Request.Waitall(requests)
         for c, buf, i0, i1, lo, hi in received:
             k0, k1 = round_key(seed, c.round, c.rank)
             own = work[lo:hi]
-            exp_combine(own, buf, own, i1 - i0, i0, bits, k0, k1)
+            combine(own, buf, own, i1 - i0, i0, bits, k0, k1)
     counts, displs = [0] * n, [0] * n
     for g, b0, b1 in owners:
         _, _, lo, hi = block_byte_range(b0, b1, size, bits)
         counts[g], displs[g] = hi - lo, lo
-    out = np.empty_like(work)
+    settle()
+    out = xp.empty_like(work)
     mine = work[displs[rank]:displs[rank] + counts[rank]]
     comm.Allgatherv(mine, [out, counts, displs, MPI.BYTE])
     return out
@@ -111,7 +127,9 @@ class MpiExponentReduce:
     """The custom collective for dense exponential Global-QSGD (registered in
     :data:`horovod_quant.comm.exchange.CUSTOM_COLLECTIVES`).
 
-    Calls run in order on one worker thread per codec, identical on every rank.
+    Calls run in order on one worker thread per codec, identical on every rank. A device
+    payload's estimate is on its device and complete (its stream synchronized) when the handle
+    returns it.
     """
 
     def __init__(self, codec: Any, comm: Any) -> None:
@@ -121,11 +139,27 @@ class MpiExponentReduce:
 
     def __call__(self, payload: Payload, seed: int, name: str) -> Handle:
         codec, n = self.codec, self.comm.Get_size()
+        codes = payload.data.view(np.uint8)
+        on_device = array_module(codes) is not np
+        staged = False
+        if on_device:
+            from .. import gpu
 
-        def run() -> np.ndarray:
-            reduced = allreduce_exponent_codes(self.comm, payload.data.view(np.uint8),
-                                               payload.size, codec.bits, seed, codec.reduction)
-            return codec.decode_sum(Payload(reduced, payload.size, dict(payload.meta)), n)
+            staged = not gpu.cuda_aware_mpi()
+            codes.device.synchronize()  # the worker thread runs on another stream
+
+        def run() -> Any:
+            with codes.device if on_device else contextlib.nullcontext():
+                reduced = allreduce_exponent_codes(self.comm,
+                                                   gpu.to_host(codes) if staged else codes,
+                                                   payload.size, codec.bits, seed,
+                                                   codec.reduction)
+                if staged:
+                    reduced = gpu.to_device(reduced, codes)
+                mean = codec.decode_sum(Payload(reduced, payload.size, dict(payload.meta)), n)
+                if on_device:
+                    codes.device.synchronize()
+                return mean
 
         return _FutureHandle(self._pool.submit(run))
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.base import Codec, as_vector, worker_seed
+from ..core.base import Codec, array_module, as_vector, worker_seed
 from ..core.dithered import NestedDitheredQuantizer
 from ..core.payload import Payload
 from ..core.schedules import chunk_bounds, chunk_seed, reencode_seed, resolve_gather
@@ -44,24 +44,34 @@ _LEN = np.dtype("<u8")
 
 def frame(payload: Payload) -> np.ndarray:
     """``[uint64 little-endian byte length][payload bytes]`` as one uint8 array: gathered
-    payloads of any length (Elias, unequal chunks) split again without an extra round."""
+    payloads of any length (Elias, unequal chunks) split again without an extra round.
+    The frame lives where the payload does (host or device)."""
+    xp = array_module(payload.data)
     body = payload.data.reshape(-1).view(np.uint8)
-    out = np.empty(_LEN.itemsize + body.size, np.uint8)
-    out[: _LEN.itemsize].view(_LEN)[0] = body.size
+    out = xp.empty(_LEN.itemsize + body.size, np.uint8)
+    out[: _LEN.itemsize] = xp.asarray(np.array([body.size], _LEN).view(np.uint8))
     out[_LEN.itemsize :] = body
     return out
 
 
 def unframe(buf: np.ndarray) -> list[np.ndarray]:
-    """Split a concatenation of :func:`frame` outputs back into payload byte arrays (views)."""
-    buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    """Split a concatenation of :func:`frame` outputs back into payload byte arrays (views,
+    on the device of ``buf``; only the 8-byte lengths are read on the host)."""
+    xp = array_module(buf)
+    buf = xp.ascontiguousarray(buf).reshape(-1).view(np.uint8)
     parts, o = [], 0
     while o < buf.size:
-        length = int(buf[o : o + _LEN.itemsize].view(_LEN)[0])
+        length = int(_host(buf[o : o + _LEN.itemsize]).view(_LEN)[0])
         o += _LEN.itemsize
         parts.append(buf[o : o + length])
         o += length
     return parts
+
+
+def _host(a: Any) -> np.ndarray:
+    """A NumPy copy of a (small) device array; host arrays as they are."""
+    return a.get() if array_module(a) is not np else np.asarray(a)
+
 
 PLANS = ("sum", "allgather", "sra")
 
@@ -132,7 +142,8 @@ def decode_sum_wire(codec: Codec, total: np.ndarray, size: int, n: int, meta: di
                     out: np.ndarray | None = None) -> np.ndarray:
     """Sum plan: the float32 mean estimate from the elementwise sum of n ranks' words (into
     ``out`` when given; for float32 words that may be ``total`` itself)."""
-    data = np.ascontiguousarray(total).reshape(-1).view(np.dtype(codec.wire_dtype))
+    data = array_module(total).ascontiguousarray(total).reshape(-1).view(
+        np.dtype(codec.wire_dtype))
     return codec.decode_sum(Payload(data, int(size), dict(meta)), int(n), out)
 
 
@@ -181,7 +192,8 @@ def sra_encode_wire(codec: Codec, x: Any, seed: int, rank: int, n: int
     v = as_vector(x)
     frames = [frame(codec.encode(v[lo:hi], seed=chunk_seed(seed, rank, c)))
               for c, (lo, hi) in enumerate(chunk_bounds(v.size, n))]
-    return np.concatenate(frames), np.array([f.size for f in frames], np.int32)
+    return (array_module(v).concatenate(frames),
+            np.array([f.size for f in frames], np.int32))
 
 
 def sra_reduce_wire(codec: Codec, received: np.ndarray, size: int, seed: int, rank: int,
@@ -200,7 +212,7 @@ def sra_decode_wire(codec: Codec, gathered: np.ndarray, size: int, seed: int, n:
                     out: np.ndarray | None = None) -> np.ndarray:
     """Sra plan, step 3: the float32 mean estimate from the allgathered re-encoded chunks
     (into ``out`` when given)."""
-    out = np.empty(int(size), np.float32) if out is None else out
+    out = array_module(gathered).empty(int(size), np.float32) if out is None else out
     parts = unframe(gathered)
     for c, ((lo, hi), part) in enumerate(zip(chunk_bounds(int(size), n), parts)):
         codec.decode(codec.payload_from_wire(part, hi - lo, seed=reencode_seed(seed, c)),

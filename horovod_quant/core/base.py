@@ -18,11 +18,27 @@ def as_vector(x: Any) -> np.ndarray:
 
     float16, bfloat16 (``ml_dtypes``/torch-converted) and float64 inputs are accepted; codecs
     compute in float32 and decode to float32, as the adapters cast back to the tensor's dtype.
+
+    Device arrays (CuPy, CUDA torch tensors) stay on their device: a flat float32 CuPy array.
     """
+    if _on_device(x):
+        from .. import gpu
+
+        return gpu.ops().vector(gpu.as_cupy(x))
     arr = np.asarray(x)
     if arr.dtype.kind not in "fV" and arr.dtype.name != "bfloat16":
         raise TypeError(f"expected a floating-point array, got dtype {arr.dtype}")
     return np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+
+
+def array_module(x: Any) -> Any:
+    """``cupy`` for device arrays, else ``numpy``: allocate like ``x`` without importing CuPy
+    on machines that never see a device array."""
+    if _on_device(x):
+        import cupy
+
+        return cupy
+    return np
 
 
 # -- device dispatch hook (horovod_quant.gpu) -------------------------------------------------

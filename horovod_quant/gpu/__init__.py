@@ -16,7 +16,10 @@ Public API (all take CuPy arrays or CUDA torch tensors; torch tensors are viewed
   device buffers; :func:`reduce_packed` likewise
 * :func:`torch_reference_encode` / :func:`torch_reference_decode`: plain PyTorch versions of the
   level quantizers (``torch.rand_like`` + elementwise ops), the baseline of the speed benchmark
-* :func:`cuda_aware_mpi`: whether MPI can take device buffers (``HQ_CUDA_AWARE_MPI`` overrides)
+* :func:`cuda_aware_mpi`: whether MPI can take device buffers (``HQ_CUDA_AWARE_MPI`` overrides);
+  :func:`horovod_device_collectives`: whether Horovod's collectives can (else exchanges stage
+  their payloads through host memory, :class:`horovod_quant.comm.staging.HostStaged`)
+* :func:`to_host` / :func:`to_device`: the staging copies
 * :func:`available`, :func:`compile_kernels`
 
 CuPy is imported lazily: ``import horovod_quant.gpu`` works without it (``available()`` is
@@ -25,25 +28,28 @@ then False).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 from ..core.payload import Payload
 from ._ops import Ops, Unsupported
-from .mpi import cuda_aware_mpi
+from .mpi import cuda_aware_mpi, horovod_device_collectives
 from .torch_ref import torch_reference_decode, torch_reference_encode
 
 __all__ = [
     "available", "combine_gathered", "compile_kernels", "cuda_aware_mpi", "decode", "decode_add",
-    "device_scope", "dispatch", "encode", "exp_combine", "is_device_array", "ops",
-    "reduce_packed", "torch_reference_decode", "torch_reference_encode",
+    "device_scope", "dispatch", "encode", "exp_combine", "horovod_device_collectives",
+    "is_device_array", "ops", "reduce_packed", "to_device", "to_host", "torch_reference_decode",
+    "torch_reference_encode",
 ]
 
 _OPS: Ops | None = None
 
 
+@functools.lru_cache(maxsize=1)
 def available() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
+    """True when CuPy imports and sees at least one CUDA device (asked once per process)."""
     try:
         import cupy
 
@@ -101,6 +107,25 @@ def as_cupy(obj: Any) -> Any:
     if t.dtype not in (torch.float16, torch.float32, torch.float64) and t.is_floating_point():
         t = t.float()
     return cupy.from_dlpack(t)
+
+
+def to_host(a: Any) -> Any:
+    """A NumPy copy of a device array (after the work queued on the current stream); other
+    arrays as they are."""
+    if not is_device_array(a):
+        return a
+    import cupy
+
+    return cupy.asnumpy(as_cupy(a))
+
+
+def to_device(a: Any, like: Any) -> Any:
+    """A CuPy copy of the host array ``a`` on the device of ``like`` (queued on the current
+    stream)."""
+    import cupy
+
+    with as_cupy(like).device:
+        return cupy.asarray(a)
 
 
 @contextlib.contextmanager

@@ -8,6 +8,9 @@ Order of evidence (first that answers wins):
    reports run-time support.
 3. ``ompi_info --parsable --all`` (Open MPI): ``mpi_built_with_cuda_support:value:true``.
 4. Otherwise False: exchanges stage device buffers through host memory.
+
+:func:`horovod_device_collectives` answers the same question for Horovod's own collectives,
+which the codecs' sum and gather exchanges run on.
 """
 from __future__ import annotations
 
@@ -16,21 +19,22 @@ import functools
 import os
 import shutil
 import subprocess
+from typing import Any
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def _from_env() -> bool | None:
-    v = os.environ.get("HQ_CUDA_AWARE_MPI")
-    if v is None or not v.strip():
+def _env_flag(name: str) -> bool | None:
+    """The user's yes/no in environment variable ``name``; None when unset or empty."""
+    v = os.environ.get(name, "").strip().lower()
+    if not v:
         return None
-    v = v.strip().lower()
     if v in _TRUE:
         return True
     if v in _FALSE:
         return False
-    raise ValueError(f"HQ_CUDA_AWARE_MPI={v!r}: use 1 or 0")
+    raise ValueError(f"{name}={v!r}: use 1 or 0")
 
 
 def _from_mpix() -> bool | None:
@@ -95,6 +99,33 @@ def cuda_aware_mpi(explain: bool = False) -> bool | tuple[bool, str]:
         explain: also return where the answer came from ("HQ_CUDA_AWARE_MPI",
             "MPIX_Query_cuda_support", "ompi_info" or "default").
     """
-    env = _from_env()
+    env = _env_flag("HQ_CUDA_AWARE_MPI")
     ans, source = (env, "HQ_CUDA_AWARE_MPI") if env is not None else _detect()
     return (ans, source) if explain else ans
+
+
+def horovod_device_collectives(horovod_module: Any) -> tuple[bool, str]:
+    """Whether Horovod's collectives can take CUDA tensors, and why.
+
+    True when Horovod was built with NCCL (its GPU operations then move device buffers
+    themselves), or built with CUDA and running on a CUDA-aware MPI (:func:`cuda_aware_mpi`).
+    ``HQ_DEVICE_COLLECTIVES=1``/``=0`` overrides (e.g. ``0`` for a Horovod whose allgather or
+    alltoall was built without GPU support). When False, exchanges of device gradients copy
+    their compressed payloads to host memory and back
+    (:class:`horovod_quant.comm.staging.HostStaged`).
+
+    Args:
+        horovod_module: ``horovod.torch`` or ``horovod.tensorflow`` (initialized).
+
+    Returns:
+        ``(answer, reason)``.
+    """
+    env = _env_flag("HQ_DEVICE_COLLECTIVES")
+    if env is not None:
+        return env, "HQ_DEVICE_COLLECTIVES"
+    if horovod_module.nccl_built():
+        return True, "Horovod built with NCCL"
+    if horovod_module.cuda_built() and horovod_module.mpi_enabled():
+        aware, source = cuda_aware_mpi(explain=True)
+        return bool(aware), f"Horovod built with CUDA on MPI (CUDA-aware: {source})"
+    return False, "Horovod built without GPU operations"

@@ -1,4 +1,9 @@
-""":class:`Collectives` over ``horovod.torch``: NumPy arrays in and out, zero-copy on CPU."""
+""":class:`Collectives` over ``horovod.torch``: arrays in and out, zero-copy.
+
+NumPy arrays travel as CPU tensors. CuPy arrays (payloads of CUDA gradients) travel as CUDA
+tensors through DLPack when Horovod's collectives take device buffers, else through
+:class:`~horovod_quant.comm.staging.HostStaged` (:func:`collectives_for` decides).
+"""
 from __future__ import annotations
 
 import pickle
@@ -10,8 +15,26 @@ import torch
 
 from ..comm.backend import Collectives, Handle
 from ..comm.mpi_exp import world_communicator
+from ..comm.staging import HostStaged
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
+
+
+def as_tensor(arr: Any) -> torch.Tensor:
+    """A tensor sharing ``arr``'s memory: a CPU tensor of a NumPy array, a CUDA tensor of a
+    CuPy array."""
+    if isinstance(arr, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(arr))
+    return torch.from_dlpack(arr)
+
+
+def as_array(tensor: torch.Tensor) -> Any:
+    """The array sharing ``tensor``'s memory: NumPy for CPU, CuPy for CUDA tensors."""
+    if tensor.device.type == "cpu":
+        return tensor.numpy()
+    import cupy
+
+    return cupy.from_dlpack(tensor.detach())
 
 
 class _TorchHandle(Handle):
@@ -21,11 +44,12 @@ class _TorchHandle(Handle):
 
     def wait(self) -> Any:
         out = hvd.synchronize(self._handle)
-        return self._post(out) if self._post else out.numpy()
+        return self._post(out) if self._post else as_array(out)
 
 
 class HorovodTorchCollectives(Collectives):
-    """Horovod's torch collectives on CPU tensors (gloo or MPI controller, whichever runs).
+    """Horovod's torch collectives (gloo or MPI controller, whichever runs) on NumPy arrays,
+    and on CuPy arrays where Horovod has GPU operations.
 
     Args:
         process_set: the Horovod process set to run in (default: all ranks).
@@ -36,20 +60,18 @@ class HorovodTorchCollectives(Collectives):
         self.rank = self.process_set.rank()
         self.size = self.process_set.size()
 
-    def allreduce_async(self, arr: np.ndarray, name: str, op: str = "sum") -> Handle:
-        t = torch.from_numpy(np.ascontiguousarray(arr))
-        return _TorchHandle(hvd.allreduce_async(t, name=name, op=_OPS[op],
+    def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
+        return _TorchHandle(hvd.allreduce_async(as_tensor(arr), name=name, op=_OPS[op],
                                                 process_set=self.process_set))
 
-    def allgather_async(self, arr: np.ndarray, name: str) -> Handle:
-        t = torch.from_numpy(np.ascontiguousarray(arr))
-        return _TorchHandle(hvd.allgather_async(t, name=name, process_set=self.process_set))
+    def allgather_async(self, arr: Any, name: str) -> Handle:
+        return _TorchHandle(hvd.allgather_async(as_tensor(arr), name=name,
+                                                process_set=self.process_set))
 
-    def alltoall_async(self, arr: np.ndarray, splits: list[int], name: str) -> Handle:
-        t = torch.from_numpy(np.ascontiguousarray(arr))
-        handle = hvd.alltoall_async(t, splits=torch.tensor(splits, dtype=torch.int32), name=name,
-                                    process_set=self.process_set)
-        return _TorchHandle(handle, lambda out: (out[0].numpy(), out[1].tolist()))
+    def alltoall_async(self, arr: Any, splits: list[int], name: str) -> Handle:
+        handle = hvd.alltoall_async(as_tensor(arr), splits=torch.tensor(splits, dtype=torch.int32),
+                                    name=name, process_set=self.process_set)
+        return _TorchHandle(handle, lambda out: (as_array(out[0]), out[1].tolist()))
 
     def mpi_communicator(self) -> Any | None:
         if self.process_set is not hvd.global_process_set:
@@ -63,3 +85,16 @@ class HorovodTorchCollectives(Collectives):
         blob = self.allgather_async(data, name + ".data").wait()
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         return [pickle.loads(blob[bounds[r]:bounds[r + 1]].tobytes()) for r in range(self.size)]
+
+
+def collectives_for(process_set: Any = None) -> Collectives:
+    """The collectives an exchange of this process set runs on: Horovod's, wrapped in
+    :class:`~horovod_quant.comm.staging.HostStaged` when CuPy is there to encode CUDA gradients
+    on the GPU but Horovod cannot move device buffers
+    (:func:`horovod_quant.gpu.horovod_device_collectives`)."""
+    comm = HorovodTorchCollectives(process_set)
+    from .. import gpu
+
+    if torch.cuda.is_available() and gpu.available() and not gpu.horovod_device_collectives(hvd)[0]:
+        return HostStaged(comm)
+    return comm

@@ -15,14 +15,21 @@ Collective names and seeds come from the order of calls: a step is a run of ``co
 exchanged as ``hq.<id>.<j>`` with seed ``derive_key(seed, t, j)``. Horovod calls ``compress`` in
 backward-hook order, the same on every rank for the same model (Horovod's own grouping assumes
 it too); names repeat every step, so Horovod's response cache keeps working.
+
+CUDA gradients are encoded and decoded on their GPU by the CUDA kernels (``horovod_quant.gpu``,
+needs CuPy) on torch's current stream; only payloads move, through Horovod's GPU collectives or
+staged through host memory (:func:`~.collectives.collectives_for`). Without CuPy they are copied
+to host memory and encoded there.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
-from typing import Any
+import warnings
+from typing import Any, ContextManager
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 from horovod.torch.compression import Compressor
 
@@ -32,18 +39,50 @@ from ..core.rng import derive_key
 from ..adapters import CompressionNamespace, check_same_config
 from ..policy import LayerPolicy, describe
 from ..stats import StepStats
-from .collectives import HorovodTorchCollectives
+from .collectives import as_array, as_tensor, collectives_for
 
 _IDS = itertools.count()
 _HOROVOD_PATH = ("none", "fp16")
 
 
-def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A flat float32 NumPy view of a gradient (zero-copy for contiguous CPU float32)."""
+def on_gpu(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s codec work runs on its GPU (a CUDA tensor and CuPy installed)."""
+    if not tensor.is_cuda:
+        return False
+    from .. import gpu
+
+    if gpu.available():
+        return True
+    _warn_host_copies()
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_host_copies() -> None:
+    warnings.warn("horovod_quant: CUDA gradients are copied to host memory and encoded on the "
+                  "CPU because CuPy (or a CUDA device it can use) is missing; pip install "
+                  "cupy-cuda12x (or cupy-cuda13x) to encode them on the GPU", RuntimeWarning,
+                  stacklevel=4)
+
+
+def flat_array(tensor: torch.Tensor) -> Any:
+    """A gradient as a flat float32 array: a view where possible (NumPy for CPU tensors, CuPy
+    for CUDA tensors when :func:`on_gpu`), else a float32 copy on the host."""
     flat = tensor.detach().reshape(-1)
-    if flat.dtype != torch.float32 or flat.device.type != "cpu":
-        flat = flat.to(device="cpu", dtype=torch.float32)
-    return flat.numpy()
+    device = flat.device if on_gpu(flat) else torch.device("cpu")
+    if flat.dtype != torch.float32 or flat.device != device:
+        flat = flat.to(device=device, dtype=torch.float32)
+    return as_array(flat)
+
+
+def stream_of(tensor: torch.Tensor) -> ContextManager[None]:
+    """Where a tensor's codec kernels and copies are queued: torch's current CUDA stream for
+    a tensor :func:`on_gpu`, nothing for the others."""
+    if not on_gpu(tensor):
+        return contextlib.nullcontext()
+    from .. import gpu
+
+    return gpu.device_scope(tensor)
 
 
 class QuantizedCompressor(Compressor):
@@ -76,7 +115,7 @@ class QuantizedCompressor(Compressor):
         self._exchange: Exchange | None = None
 
     def _start(self) -> Exchange:
-        comm = HorovodTorchCollectives(self.process_set)
+        comm = collectives_for(self.process_set)
         check_same_config(comm, {**self.codec.config(), "seed": self.seed, "gather": self.gather,
                                  "policy": describe(self.policy)}, f"hq.config.{self._id}")
         return Exchange(self.codec, comm, gather=self.gather)
@@ -95,8 +134,10 @@ class QuantizedCompressor(Compressor):
             self._step, self._index, self._decompressing = self._step + 1, 0, False
         j = self._index
         self._index += 1
-        pending = self._exchange.start(to_numpy(tensor), derive_key(self.seed, self._step, j),
-                                       f"hq.{self._id}.{j}")
+        with stream_of(tensor):
+            pending = self._exchange.start(flat_array(tensor),
+                                           derive_key(self.seed, self._step, j),
+                                           f"hq.{self._id}.{j}")
         placeholder = torch.ones(1, dtype=torch.float32)
         return placeholder, (pending, tensor)
 
@@ -107,7 +148,8 @@ class QuantizedCompressor(Compressor):
         if isinstance(ctx, torch.dtype):
             return tensor.to(ctx)
         pending, grad = ctx
-        mean = torch.from_numpy(pending.wait()).reshape(grad.shape)
+        with stream_of(grad):
+            mean = as_tensor(pending.wait()).reshape(grad.shape)
         self.stats.add(pending.stats)
         self.stats.bytes_sent += tensor.numel() * tensor.element_size()
         factor = float(tensor.reshape(-1)[0])

@@ -15,6 +15,9 @@ Bucket ``i`` of step ``t`` is exchanged with seed ``derive_key(seed, t, i)``; it
 the concatenation of its gradients in bucket order, so ``mean_estimate(codec, [that vector on
 each rank], derive_key(seed, t, i), pipeline_elems=opt.pipeline_elems)`` reproduces the result
 exactly (for a global-norm codec, when the step has one bucket).
+
+CUDA parameters: buckets hold parameters of one device, their buffers live on that device, and
+the codec runs there (see :mod:`horovod_quant.torch.compression`).
 """
 from __future__ import annotations
 
@@ -35,8 +38,8 @@ from ..core.rng import derive_key
 from ..core.schedules import DEFAULT_PIPELINE_ELEMS
 from ..policy import LayerPolicy, describe
 from ..stats import StepStats
-from .collectives import HorovodTorchCollectives
-from .compression import QuantizedCompressor, to_numpy
+from .collectives import as_array, as_tensor, collectives_for
+from .compression import QuantizedCompressor, flat_array, on_gpu, stream_of
 
 DEFAULT_FUSION_BYTES = 32 << 20
 _IDS = itertools.count()
@@ -61,19 +64,30 @@ def _resolve_codec(compression: Any) -> tuple[Codec, dict]:
 
 
 class _Bucket:
-    """Parameters exchanged together, with the bucket's flat input and output buffers (kept
-    across steps: fresh multi-MB arrays would page-fault on every step)."""
+    """Parameters of one device exchanged together, with the bucket's flat input and output
+    buffers (kept across steps: fresh multi-MB arrays would page-fault on every step), on the
+    device the codec runs on."""
 
     __slots__ = ("index", "params", "numel", "ready", "pending", "flat", "mean")
 
     def __init__(self, index: int, params: list[torch.nn.Parameter]) -> None:
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"a fusion group mixes devices {sorted(map(str, devices))}: put "
+                             f"the parameters of each device in groups of their own")
         self.index = index
         self.params = params
         self.numel = sum(p.numel() for p in params)
         self.ready = 0
         self.pending = None
         self.flat: np.ndarray | None = None
-        self.mean = np.empty(self.numel, np.float32)
+        self.mean = self.buffer()
+
+    def buffer(self) -> Any:
+        """A float32 array of ``numel`` where the codec runs for these parameters."""
+        p = self.params[0]
+        device = p.device if on_gpu(p) else torch.device("cpu")
+        return as_array(torch.empty(self.numel, dtype=torch.float32, device=device))
 
 
 class _QuantDistributedOptimizer(torch.optim.Optimizer):
@@ -136,7 +150,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._hooked: set[int] = set()
         self._synchronized = False
         self._should_synchronize = True
-        self._comm = HorovodTorchCollectives(process_set)
+        self._comm = collectives_for(process_set)
         self._exchange = Exchange(codec, self._comm, gather=gather, pipeline_elems=pipeline_elems)
         self._defer = self._exchange.needs_norm
         check_same_config(self._comm, {**codec.config(), "seed": self.seed, "gather": gather,
@@ -163,6 +177,9 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                 total = sum(p.numel() * 4 for p in params)
                 limit = max(1, -(-total // groups))
             for p in reversed(params):
+                if cur and p.device != cur[-1].device:
+                    lists.append(cur)
+                    cur, size = [], 0
                 cur.append(p)
                 size += p.numel() * 4
                 if size >= limit:
@@ -214,15 +231,15 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self.stats.add_raw(p.grad.numel() * p.grad.element_size())
         self._raw_handles[id(p)] = (p, handle)
 
-    def _flat(self, bucket: _Bucket) -> np.ndarray:
+    def _flat(self, bucket: _Bucket) -> Any:
         """The bucket's gradients as one float32 vector: the gradient itself (a view) for a
         one-parameter float32 bucket, else copied into the bucket's buffer. Gradients do not
         change between the start of their exchange and ``synchronize()``."""
-        parts = [to_numpy(p.grad) if p.grad is not None else None for p in bucket.params]
+        parts = [flat_array(p.grad) if p.grad is not None else None for p in bucket.params]
         if len(parts) == 1 and parts[0] is not None:
             return parts[0]
         if bucket.flat is None:
-            bucket.flat = np.empty(bucket.numel, np.float32)
+            bucket.flat = bucket.buffer()
         offset = 0
         for p, part in zip(bucket.params, parts):
             dst = bucket.flat[offset:offset + p.numel()]
@@ -236,8 +253,9 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
     def _start_bucket(self, bucket: _Bucket, norm: float | None) -> None:
         seed = derive_key(self.seed, self._step, bucket.index)
         name = f"hq.o{self._id}.b{bucket.index}"  # the same every step: Horovod caches it
-        bucket.pending = self._exchange.start(self._flat(bucket), seed, name, norm=norm,
-                                              out=bucket.mean)
+        with stream_of(bucket.params[0]):
+            bucket.pending = self._exchange.start(self._flat(bucket), seed, name, norm=norm,
+                                                  out=bucket.mean)
 
     # -- synchronize / step -------------------------------------------------------------
     def synchronize(self) -> None:
@@ -253,15 +271,19 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             norm = None
             if self._defer:
                 t = time.perf_counter()
-                norm = global_norm(self.codec, [self._flat(b) for b in pending], self._comm,
-                                   f"hq.o{self._id}.norm")
+                flats = []
+                for b in pending:
+                    with stream_of(b.params[0]):
+                        flats.append(self._flat(b))
+                norm = global_norm(self.codec, flats, self._comm, f"hq.o{self._id}.norm")
                 self.stats.exchange_s += time.perf_counter() - t
                 self.stats.bytes_sent += 8
             for b in pending:
                 self._start_bucket(b, norm)
         factor = float(self._comm.size) if self.op == hvd.Sum else 1.0
         for b in self._buckets:
-            mean = torch.from_numpy(b.pending.wait())
+            with stream_of(b.params[0]):
+                mean = as_tensor(b.pending.wait())
             self.stats.add(b.pending.stats)
             if factor != 1.0:
                 mean.mul_(factor)

@@ -1,0 +1,66 @@
+"""Device payloads over host-only collectives: copy to host memory and back.
+
+When gradients live on a GPU, the codecs encode and decode them there (``horovod_quant.gpu``),
+and only the compressed payloads have to cross the network. If Horovod's collectives cannot take
+device buffers (no NCCL, no CUDA-aware MPI: :func:`horovod_quant.gpu.horovod_device_collectives`),
+:class:`HostStaged` copies each payload to host memory before its collective and the result back
+to the device when it is waited for. That moves 4-8x fewer bytes over PCIe than staging the
+float32 gradients would.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from .backend import Collectives, Handle
+
+
+class _BackToDevice(Handle):
+    def __init__(self, handle: Handle, restore: Callable[[Any], Any]) -> None:
+        self._handle = handle
+        self._restore = restore
+
+    def wait(self) -> Any:
+        return self._restore(self._handle.wait())
+
+
+class HostStaged(Collectives):
+    """``inner``'s collectives for device arrays too: a device array is copied to host memory
+    for the collective, and the result copied back to that array's device on ``wait()``
+    (alltoall: the received data; its split sizes stay a list). Host arrays pass through.
+
+    Args:
+        inner: collectives over host (NumPy) arrays.
+    """
+
+    def __init__(self, inner: Collectives) -> None:
+        self.inner = inner
+        self.rank = inner.rank
+        self.size = inner.size
+
+    def _staged(self, arr: Any, start: Callable[[np.ndarray], Handle],
+                pick: Callable[[Any], Any] = lambda r: r,
+                put: Callable[[Any, Any], Any] = lambda r, d: d) -> Handle:
+        from .. import gpu
+
+        if not gpu.is_device_array(arr):
+            return start(arr)
+        return _BackToDevice(start(gpu.to_host(arr)),
+                             lambda result: put(result, gpu.to_device(pick(result), arr)))
+
+    def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
+        return self._staged(arr, lambda h: self.inner.allreduce_async(h, name, op))
+
+    def allgather_async(self, arr: Any, name: str) -> Handle:
+        return self._staged(arr, lambda h: self.inner.allgather_async(h, name))
+
+    def alltoall_async(self, arr: Any, splits: list[int], name: str) -> Handle:
+        return self._staged(arr, lambda h: self.inner.alltoall_async(h, splits, name),
+                            pick=lambda r: r[0], put=lambda r, data: (data, r[1]))
+
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        return self.inner.allgather_object(obj, name)
+
+    def mpi_communicator(self) -> Any | None:
+        return self.inner.mpi_communicator()

@@ -1,0 +1,99 @@
+"""The PyTorch doors with CUDA parameters: the codecs run on the GPU (CuPy kernels on torch's
+stream), payloads travel through Horovod (its GPU collectives, or staged through host memory
+when it has none), and the gradients equal mean_estimate's CPU numbers bit for bit, on every
+rank. Skipped without CUDA and CuPy (on every rank alike); ``HQ_TEST_GPU=1`` makes that a
+failure."""
+import os
+
+import numpy as np
+import pytest
+import torch
+import horovod.torch as hvd
+
+import horovod_quant as hq
+import horovod_quant.torch as hqt
+from horovod_quant.core.rng import derive_key
+
+from conftest import codec_params, rank_gradients
+
+CODECS = [c for c in hq.available_codecs() if c not in ("none", "fp16")]
+EVERYTHING = hqt.LayerPolicy.everything()
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    import horovod_quant.gpu as G
+
+    reason = None
+    if not torch.cuda.is_available():
+        reason = "torch sees no CUDA device"
+    elif not G.available():
+        reason = "CuPy missing or sees no CUDA device"
+    if reason is not None:
+        if os.environ.get("HQ_TEST_GPU") == "1":
+            pytest.fail(f"HQ_TEST_GPU=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class CudaLinear(torch.nn.Module):
+    """loss = sum_i <p_i, g_i> with parameters on ``device``: the gradients are the g_i."""
+
+    def __init__(self, shapes, device):
+        super().__init__()
+        self.ps = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.zeros(s, device=device)) for s in shapes])
+
+    def loss(self, grads):
+        return sum((p * torch.from_numpy(g).to(p.device)).sum() for p, g in zip(self.ps, grads))
+
+
+def _want(name, shapes, step, seed, reverse):
+    codec = hq.get_codec(name, **codec_params(name))
+    per_rank = [rank_gradients(shapes, step, r) for r in range(hvd.size())]
+    order = (lambda gs: list(reversed(gs))) if reverse else list
+    flats = [np.concatenate([g.reshape(-1) for g in order(gs)]) for gs in per_rank]
+    want, _ = hq.mean_estimate(codec, flats, seed=derive_key(seed, step, 0), gather="auto")
+    return want
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_quant_optimizer_on_cuda_matches_cpu_reference(cuda, name):
+    shapes = [(33, 40), (7, 9)]
+    model = CudaLinear(shapes, cuda)
+    opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hqt.Compression.__getattr__(name)(
+                                       seed=3, policy=EVERYTHING, **codec_params(name)),
+                                   pipeline_elems=500)
+    for step in range(2):
+        opt.zero_grad()
+        model.loss(rank_gradients(shapes, step, hvd.rank())).backward()
+        opt.step()
+        if hvd.size() == 1:
+            continue
+        grads = [p.grad for p in reversed(list(model.ps))]
+        assert all(g.is_cuda for g in grads)
+        got = torch.cat([g.reshape(-1) for g in grads]).cpu().numpy()
+        assert np.array_equal(got, _want(name, shapes, step, 3, reverse=True),
+                              equal_nan=True), (name, step)
+
+
+@pytest.mark.parametrize("name", ["qsgd", "global_qsgd", "nested_dithered", "natural"])
+def test_horovod_optimizer_door_on_cuda(cuda, name):
+    shapes = [(37, 81)]
+    model = CudaLinear(shapes, cuda)
+    comp = hqt.Compression.__getattr__(name)(seed=5, policy=EVERYTHING, **codec_params(name))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters(), compression=comp)
+    for step in range(2):
+        opt.zero_grad()
+        model.loss(rank_gradients(shapes, step, hvd.rank())).backward()
+        opt.step()
+        if hvd.size() == 1:
+            continue
+        grad = model.ps[0].grad
+        assert grad.is_cuda
+        assert np.array_equal(grad.reshape(-1).cpu().numpy(),
+                              _want(name, shapes, step, 5, reverse=False), equal_nan=True)
