@@ -58,6 +58,17 @@ def _want(name, shapes, step, seed, reverse):
     return want
 
 
+def _trained_steps(model, opt, shapes, steps=2):
+    """Run ``steps`` optimizer steps on this rank's gradients; yield each step's index after it
+    ran (none in a one-rank world, where Horovod exchanges nothing)."""
+    for step in range(steps):
+        opt.zero_grad()
+        model.loss(rank_gradients(shapes, step, hvd.rank())).backward()
+        opt.step()
+        if hvd.size() > 1:
+            yield step
+
+
 @pytest.mark.parametrize("name", CODECS)
 def test_quant_optimizer_on_cuda_matches_cpu_reference(cuda, name):
     shapes = [(33, 40), (7, 9)]
@@ -67,12 +78,7 @@ def test_quant_optimizer_on_cuda_matches_cpu_reference(cuda, name):
                                    compression=hqt.Compression.__getattr__(name)(
                                        seed=3, policy=EVERYTHING, **codec_params(name)),
                                    pipeline_elems=500)
-    for step in range(2):
-        opt.zero_grad()
-        model.loss(rank_gradients(shapes, step, hvd.rank())).backward()
-        opt.step()
-        if hvd.size() == 1:
-            continue
+    for step in _trained_steps(model, opt, shapes):
         grads = [p.grad for p in reversed(list(model.ps))]
         assert all(g.is_cuda for g in grads)
         got = torch.cat([g.reshape(-1) for g in grads]).cpu().numpy()
@@ -87,12 +93,7 @@ def test_horovod_optimizer_door_on_cuda(cuda, name):
     comp = hqt.Compression.__getattr__(name)(seed=5, policy=EVERYTHING, **codec_params(name))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                    named_parameters=model.named_parameters(), compression=comp)
-    for step in range(2):
-        opt.zero_grad()
-        model.loss(rank_gradients(shapes, step, hvd.rank())).backward()
-        opt.step()
-        if hvd.size() == 1:
-            continue
+    for step in _trained_steps(model, opt, shapes):
         grad = model.ps[0].grad
         assert grad.is_cuda
         assert np.array_equal(grad.reshape(-1).cpu().numpy(),
