@@ -32,7 +32,8 @@ class Done(Handle):
 
 
 class Collectives(abc.ABC):
-    """Asynchronous collectives over 1-D NumPy arrays.
+    """Asynchronous collectives over 1-D NumPy arrays (and CuPy arrays, for backends that
+    move device buffers; :class:`~horovod_quant.comm.staging.HostStaged` adapts the others).
 
     Attributes:
         rank: this process's rank in the group.

@@ -21,6 +21,10 @@ so encode and decode hide behind the transfer instead of adding to it.
 
 Codecs with a global norm (Global-QSGD) get it from one allgather of per-rank statistics
 before encoding unless the caller passes it (the optimizer groups all buckets of a step).
+
+Device vectors (CuPy) are encoded and decoded on their device; their payloads go to
+collectives that take device arrays, or through
+:class:`~horovod_quant.comm.staging.HostStaged` to ones that do not.
 """
 from __future__ import annotations
 
