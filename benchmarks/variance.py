@@ -511,103 +511,93 @@ def fmt(v, digits=3):
     return f"{v:.{digits}g}"
 
 
+def md_table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A titled markdown table as lines (with a blank line after it)."""
+    lines = [f"### {title}\n"] if title else []
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines + [""]
+
+
 def tables(results: dict) -> str:
     out = []
-    if "fig16" in results or "fig17" in results:
-        for fig in ("fig16", "fig17"):
-            if fig not in results:
-                continue
-            res = results[fig]
-            out.append(f"### {fig}: median normalized variance, Gaussian, d = {res['d']} "
-                       f"(nat / sta, bound nat / sta)\n")
-            out.append("| s | u | p=1 nat | p=1 sta | p=2 nat | p=2 sta | p=inf nat | p=inf sta |")
-            out.append("|---|---|---|---|---|---|---|---|")
-            g = res["dists"]["gaussian"]
-            for i, s in enumerate(res["s"]):
-                cells = []
-                for pl in res["p"]:
-                    row = g[pl][i]
-                    cells += [f"{row['nat']['median']:.3g}", f"{row['sta']['median']:.3g}"]
-                out.append(f"| {s} | {g['2'][i]['u']} | " + " | ".join(cells) + " |")
-            out.append("")
-            out.append(f"Ratio sta/nat of the medians, every distribution ({fig}):\n")
-            out.append("| distribution | p | " + " | ".join(f"s={s}" for s in res["s"]) + " |")
-            out.append("|---|---|" + "---|" * len(res["s"]))
-            for dist, dres in res["dists"].items():
-                for pl in res["p"]:
-                    ratios = [r["sta"]["median"] / r["nat"]["median"] for r in dres[pl]]
-                    out.append(f"| {dist} | {pl} | " + " | ".join(f"{v:.3g}" for v in ratios)
-                               + " |")
-            out.append("")
+    for fig in ("fig16", "fig17"):
+        if fig not in results:
+            continue
+        res = results[fig]
+        g = res["dists"]["gaussian"]
+        out += md_table(
+            f"{fig}: median normalized variance, Gaussian, d = {res['d']} "
+            f"(nat / sta, bound nat / sta)",
+            ["s", "u"] + [f"p={pl} {kind}" for pl in ("1", "2", "inf") for kind in ("nat", "sta")],
+            [[str(s), str(g["2"][i]["u"])]
+             + [f"{g[pl][i][kind]['median']:.3g}" for pl in res["p"] for kind in ("nat", "sta")]
+             for i, s in enumerate(res["s"])])
+        out.append(f"Ratio sta/nat of the medians, every distribution ({fig}):\n")
+        out += md_table("", ["distribution", "p"] + [f"s={s}" for s in res["s"]],
+                        [[dist, pl] + [f"{r['sta']['median'] / r['nat']['median']:.3g}"
+                                       for r in dres[pl]]
+                         for dist, dres in res["dists"].items() for pl in res["p"]])
     if "bits" in results:
         res = results["bits"]
         for dist, dres in res["dists"].items():
-            out.append(f"### Variance vs bits, bucket 512, {dist} (d = {dres['d']}): "
-                       f"measured mean ± std (bound)\n")
             codecs = list(dres["codecs"])
-            out.append("| bits | " + " | ".join(codecs) + " |")
-            out.append("|---|" + "---|" * len(codecs))
+            rows = []
             for bits in range(2, 9):
                 cells = []
                 for c in codecs:
                     row = next((r for r in dres["codecs"][c] if r["bits"] == bits), None)
                     cells.append("-" if row is None else
                                  f"{fmt(row['omega'])} ({row['bound']:.3g})")
-                out.append(f"| {bits} | " + " | ".join(cells) + " |")
-            out.append("")
+                rows.append([str(bits)] + cells)
+            out += md_table(f"Variance vs bits, bucket 512, {dist} (d = {dres['d']}): "
+                            f"measured mean ± std (bound)", ["bits"] + codecs, rows)
     if "bucket" in results:
         res = results["bucket"]
         for dist, dres in res["dists"].items():
-            out.append(f"### Variance vs bucket size, {dist} (d = {dres['d']}): measured mean "
-                       f"(bound)\n")
             codecs = list(dres["codecs"])
-            out.append("| bucket | " + " | ".join(codecs) + " |")
-            out.append("|---|" + "---|" * len(codecs))
-            for i, b in enumerate(res["buckets"]):
-                cells = [f"{dres['codecs'][c][i]['omega']['mean']:.3g} "
-                         f"({dres['codecs'][c][i]['bound']:.3g})" for c in codecs]
-                out.append(f"| {b} | " + " | ".join(cells) + " |")
-            out.append("")
+            out += md_table(
+                f"Variance vs bucket size, {dist} (d = {dres['d']}): measured mean (bound)",
+                ["bucket"] + codecs,
+                [[str(b)] + [f"{dres['codecs'][c][i]['omega']['mean']:.3g} "
+                             f"({dres['codecs'][c][i]['bound']:.3g})" for c in codecs]
+                 for i, b in enumerate(res["buckets"])])
     if "global" in results:
         res = results["global"]
         for n, wres in res["worlds"].items():
-            out.append(f"### Global-QSGD theta, n = {n}, d = {wres['d']}: measured on gradients "
-                       f"/ Gaussian (bound)\n")
-            out.append("| bits | linear s | linear grad | linear gauss | linear bound | "
-                       "exp s | exp grad | exp gauss | exp bound |")
-            out.append("|---|---|---|---|---|---|---|---|---|")
             lin = {r["bits"]: r for r in wres["levels"]["linear"]}
             exp = {r["bits"]: r for r in wres["levels"]["exponential"]}
+            rows = []
             for bits in range(2, 9):
-                cells = []
+                cells = [str(bits)]
                 for tab in (lin, exp):
                     r = tab.get(bits)
                     cells += (["-"] * 4 if r is None else
                               [str(r["s"]), fmt(r["theta_gradient"]), fmt(r["theta_gaussian"]),
                                f"{r['bound']:.3g}"])
-                out.append(f"| {bits} | " + " | ".join(cells) + " |")
-            out.append("")
+                rows.append(cells)
+            out += md_table(f"Global-QSGD theta, n = {n}, d = {wres['d']}: measured on "
+                            f"gradients / Gaussian (bound)",
+                            ["bits"] + [f"{lv} {col}" for lv in ("linear", "exp")
+                                        for col in ("s", "grad", "gauss", "bound")], rows)
     if "summary" in results:
         res = results["summary"]
-        out.append(f"### Every codec on digits-MLP gradients (d = {res['d']}, {res['groups']} "
-                   f"exchanges per cell): measured (bound)\n")
-        out.append("| codec | wire bits/elem (n=2) | omega, 1 worker | theta, n=2 | theta, n=4 |")
-        out.append("|---|---|---|---|---|")
+        rows = []
         for r in res["rows"]:
             om = "-" if "omega_1" not in r else (
                 f"{fmt(r['omega_1'])} ({fmt(r.get('omega_bound'))})")
-            th = []
-            for n in (2, 4):
-                if r.get(f"theta_{n}") is None:
-                    th.append("n/a")
-                else:
-                    th.append(f"{fmt(r[f'theta_{n}'])} ({fmt(r.get(f'theta_{n}_bound'))})")
+            th = ["n/a" if r.get(f"theta_{n}") is None else
+                  f"{fmt(r[f'theta_{n}'])} ({fmt(r.get(f'theta_{n}_bound'))})" for n in (2, 4)]
             wb = fmt(r.get("wire_bits_2"))
             if r.get("wire_bits_mean_2") is not None:
                 wb += (f" (P1 rank; mean over ranks {r['wire_bits_mean_2']:.3g}, "
                        f"P2 k={r.get('nested_k_2')}, outage {fmt(r.get('nested_outside_2'))})")
-            out.append(f"| {r['label']} | {wb} | {om} | {th[0]} | {th[1]} |")
-        out.append("")
+            rows.append([r["label"], wb, om, th[0], th[1]])
+        out += md_table(f"Every codec on digits-MLP gradients (d = {res['d']}, {res['groups']} "
+                        f"exchanges per cell): measured (bound)",
+                        ["codec", "wire bits/elem (n=2)", "omega, 1 worker", "theta, n=2",
+                         "theta, n=4"], rows)
     return "\n".join(out)
 
 
