@@ -7,6 +7,7 @@ Every call names its collective, because Horovod matches operations across ranks
 from __future__ import annotations
 
 import abc
+import pickle
 from typing import Any
 
 import numpy as np
@@ -84,3 +85,28 @@ class LocalCollectives(Collectives):
 
     def allgather_object(self, obj, name):
         return [obj]
+
+
+class ProcessSetCollectives(Collectives):
+    """Base of the framework adapters' collectives: the ranks of a Horovod process set.
+
+    Args:
+        process_set: the Horovod process set to run in (default: all ranks).
+    """
+
+    def __init__(self, process_set: Any = None) -> None:
+        if process_set is None:
+            from horovod.common.process_sets import global_process_set
+
+            process_set = global_process_set
+        self.process_set = process_set
+        self.rank = process_set.rank()
+        self.size = process_set.size()
+
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        # Horovod's allgather_object takes no process set: the same two allgathers with one
+        data = np.frombuffer(bytearray(pickle.dumps(obj)), np.uint8)  # writable: torch views it
+        sizes = self.allgather_async(np.array([data.size], np.int64), name + ".size").wait()
+        blob = self.allgather_async(data, name + ".data").wait()
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        return [pickle.loads(blob[bounds[r]:bounds[r + 1]].tobytes()) for r in range(self.size)]

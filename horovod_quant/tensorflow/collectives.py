@@ -6,29 +6,21 @@ the one-time cross-rank configuration check, which runs under ``tf.init_scope()`
 """
 from __future__ import annotations
 
-import pickle
-from typing import Any
-
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from ..comm.backend import Collectives, Done, Handle
+from ..comm.backend import Done, Handle, ProcessSetCollectives
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
 
 
-class HorovodTFCollectives(Collectives):
+class HorovodTFCollectives(ProcessSetCollectives):
     """Horovod's TensorFlow collectives, executed eagerly on CPU (results are ready on return).
 
     Args:
         process_set: the Horovod process set to run in (default: all ranks).
     """
-
-    def __init__(self, process_set: Any = None) -> None:
-        self.process_set = process_set if process_set is not None else hvd.global_process_set
-        self.rank = self.process_set.rank()
-        self.size = self.process_set.size()
 
     def allreduce_async(self, arr: np.ndarray, name: str, op: str = "sum") -> Handle:
         with tf.init_scope(), tf.device("/cpu:0"):
@@ -48,10 +40,3 @@ class HorovodTFCollectives(Collectives):
                                          splits=tf.constant(splits, tf.int32), name=name,
                                          process_set=self.process_set)
             return Done((out.numpy(), received.numpy().tolist()))
-
-    def allgather_object(self, obj: Any, name: str) -> list[Any]:
-        data = np.frombuffer(pickle.dumps(obj), np.uint8)
-        sizes = self.allgather_async(np.array([data.size], np.int64), name + ".size").wait()
-        blob = self.allgather_async(data, name + ".data").wait()
-        bounds = np.concatenate([[0], np.cumsum(sizes)])
-        return [pickle.loads(blob[bounds[r]:bounds[r + 1]].tobytes()) for r in range(self.size)]

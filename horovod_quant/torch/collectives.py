@@ -6,14 +6,13 @@ tensors through DLPack when Horovod's collectives take device buffers, else thro
 """
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import horovod.torch as hvd
 import numpy as np
 import torch
 
-from ..comm.backend import Collectives, Handle
+from ..comm.backend import Collectives, Handle, ProcessSetCollectives
 from ..comm.mpi_exp import world_communicator
 from ..comm.staging import HostStaged
 
@@ -47,18 +46,13 @@ class _TorchHandle(Handle):
         return self._post(out) if self._post else as_array(out)
 
 
-class HorovodTorchCollectives(Collectives):
+class HorovodTorchCollectives(ProcessSetCollectives):
     """Horovod's torch collectives (gloo or MPI controller, whichever runs) on NumPy arrays,
     and on CuPy arrays where Horovod has GPU operations.
 
     Args:
         process_set: the Horovod process set to run in (default: all ranks).
     """
-
-    def __init__(self, process_set: Any = None) -> None:
-        self.process_set = process_set if process_set is not None else hvd.global_process_set
-        self.rank = self.process_set.rank()
-        self.size = self.process_set.size()
 
     def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
         return _TorchHandle(hvd.allreduce_async(as_tensor(arr), name=name, op=_OPS[op],
@@ -77,14 +71,6 @@ class HorovodTorchCollectives(Collectives):
         if self.process_set is not hvd.global_process_set:
             return None
         return world_communicator(hvd)
-
-    def allgather_object(self, obj: Any, name: str) -> list[Any]:
-        # hvd.allgather_object has no process_set argument; the same two allgathers with one
-        data = np.frombuffer(bytearray(pickle.dumps(obj)), np.uint8)
-        sizes = self.allgather_async(np.array([data.size], np.int64), name + ".size").wait()
-        blob = self.allgather_async(data, name + ".data").wait()
-        bounds = np.concatenate([[0], np.cumsum(sizes)])
-        return [pickle.loads(blob[bounds[r]:bounds[r + 1]].tobytes()) for r in range(self.size)]
 
 
 def collectives_for(process_set: Any = None) -> Collectives:
