@@ -1,9 +1,14 @@
-"""What the torch and TensorFlow adapters share: the ``Compression.<codec>(...)`` namespace."""
+"""What the torch and TensorFlow adapters share: the compressors' settings, the cross-rank
+configuration check and the ``Compression.<codec>(...)`` namespace."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from .core import available_codecs, get_codec
+from .core.base import Codec
+from .core.schedules import resolve_gather
+from .policy import LayerPolicy, describe
+from .stats import StepStats
 
 #: codecs whose construction needs the number of workers
 WORLD_SIZED = ("global_qsgd", "nested_dithered")
@@ -22,6 +27,37 @@ def check_same_config(comm: Any, config: dict, name: str) -> None:
         lines = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(configs))
         raise ValueError("horovod_quant configuration differs between ranks; every rank must "
                          f"build the same codec, parameters and seed:\n{lines}")
+
+
+class CompressorSettings:
+    """The settings both adapters' ``QuantizedCompressor`` hold (validated here).
+
+    Args:
+        codec: the codec (see :func:`horovod_quant.get_codec`).
+        seed: base seed of every random draw.
+        gather: schedule for gather codecs: "auto", "allgather" or "sra".
+        policy: which tensors are compressed (default :class:`LayerPolicy`: small and 1-D
+            tensors travel uncompressed through Horovod's own allreduce).
+        process_set: Horovod process set of the optimizer or tape, if not the global one.
+
+    Attributes:
+        stats: :class:`~horovod_quant.stats.StepStats` since the last ``stats.reset()``.
+    """
+
+    def __init__(self, codec: Codec, seed: int = 0, gather: str = "auto",
+                 policy: LayerPolicy | None = None, process_set: Any = None) -> None:
+        resolve_gather(gather, 1)  # validates the name
+        self.codec = codec
+        self.seed = int(seed)
+        self.gather = gather
+        self.policy = policy if policy is not None else LayerPolicy()
+        self.process_set = process_set
+        self.stats = StepStats()
+
+    def shared_config(self) -> dict:
+        """What must agree across ranks (see :func:`check_same_config`)."""
+        return {**self.codec.config(), "seed": self.seed, "gather": self.gather,
+                "policy": describe(self.policy)}
 
 
 class CompressionNamespace:

@@ -44,10 +44,8 @@ from horovod.tensorflow.compression import Compressor
 from ..comm import steps
 from ..core.base import Codec
 from ..core.rng import derive_key
-from ..core.schedules import resolve_gather
-from ..adapters import CompressionNamespace, check_same_config
-from ..policy import LayerPolicy, describe
-from ..stats import StepStats
+from ..adapters import CompressionNamespace, CompressorSettings, check_same_config
+from ..policy import LayerPolicy
 from ._fenv import ieee_denormals
 from .collectives import HorovodTFCollectives
 
@@ -66,17 +64,12 @@ class _Ctx(NamedTuple):
     dtype: tf.DType
 
 
-class QuantizedCompressor(Compressor):
+class QuantizedCompressor(CompressorSettings, Compressor):
     """A ``horovod.tensorflow.compression.Compressor`` running a horovod_quant codec.
 
-    Args:
-        codec: the codec (see :func:`horovod_quant.get_codec`).
-        seed: base seed; the k-th tensor compressed (from 0) uses ``derive_key(seed, k)``.
-        gather: schedule for gather codecs: "auto", "allgather" or "sra".
-        policy: which tensors are compressed (default :class:`LayerPolicy`: tensors under
-            1024 elements and 1-D tensors travel uncompressed through Horovod's allreduce;
-            tensors whose static shape is not fully known travel uncompressed too).
-        process_set: Horovod process set of the tape/optimizer, if not the global one.
+    Args: see :class:`~horovod_quant.adapters.CompressorSettings`. Here the k-th tensor
+    compressed (from 0) uses seed ``derive_key(seed, k)``, and tensors whose static shape is not
+    fully known travel uncompressed too.
 
     Attributes:
         stats: :class:`~horovod_quant.stats.StepStats` of the compressed exchanges since the
@@ -88,13 +81,7 @@ class QuantizedCompressor(Compressor):
 
     def __init__(self, codec: Codec, seed: int = 0, gather: str = "auto",
                  policy: LayerPolicy | None = None, process_set: Any = None) -> None:
-        resolve_gather(gather, 1)  # validates the name
-        self.codec = codec
-        self.seed = int(seed)
-        self.gather = gather
-        self.policy = policy if policy is not None else LayerPolicy()
-        self.process_set = process_set
-        self.stats = StepStats()
+        super().__init__(codec, seed, gather, policy, process_set)
         self._id = next(_IDS)
         self._counter: tf.Variable | None = None
         self._checked = False
@@ -122,9 +109,7 @@ class QuantizedCompressor(Compressor):
             if not self._checked:
                 ps = self._ps()
                 if ps.size() > 1:
-                    check_same_config(HorovodTFCollectives(ps),
-                                      {**self.codec.config(), "seed": self.seed,
-                                       "gather": self.gather, "policy": describe(self.policy)},
+                    check_same_config(HorovodTFCollectives(ps), self.shared_config(),
                                       f"hq.tf.config.{self._id}")
                 self._checked = True
 

@@ -36,9 +36,8 @@ from horovod.torch.compression import Compressor
 from ..comm.exchange import Exchange
 from ..core.base import Codec
 from ..core.rng import derive_key
-from ..adapters import CompressionNamespace, check_same_config
-from ..policy import LayerPolicy, describe
-from ..stats import StepStats
+from ..adapters import CompressionNamespace, CompressorSettings, check_same_config
+from ..policy import LayerPolicy
 from .collectives import as_array, as_tensor, collectives_for
 
 _IDS = itertools.count()
@@ -85,29 +84,16 @@ def stream_of(tensor: torch.Tensor) -> ContextManager[None]:
     return gpu.device_scope(tensor)
 
 
-class QuantizedCompressor(Compressor):
+class QuantizedCompressor(CompressorSettings, Compressor):
     """A ``horovod.torch.compression.Compressor`` running a horovod_quant codec.
 
-    Args:
-        codec: the codec (see :func:`horovod_quant.get_codec`).
-        seed: base seed of every random draw.
-        gather: schedule for gather codecs: "auto", "allgather" or "sra".
-        policy: which tensors are compressed (default :class:`LayerPolicy`: small and 1-D
-            tensors travel uncompressed through Horovod's own allreduce).
-        process_set: Horovod process set of the optimizer, if not the global one.
-
-    Attributes:
-        stats: :class:`~horovod_quant.stats.StepStats` since the last ``stats.reset()``.
+    Args: see :class:`~horovod_quant.adapters.CompressorSettings` (codec, seed, gather,
+    policy, process_set; ``stats`` holds the :class:`~horovod_quant.stats.StepStats`).
     """
 
     def __init__(self, codec: Codec, seed: int = 0, gather: str = "auto",
                  policy: LayerPolicy | None = None, process_set: Any = None) -> None:
-        self.codec = codec
-        self.seed = int(seed)
-        self.gather = gather
-        self.policy = policy if policy is not None else LayerPolicy()
-        self.process_set = process_set
-        self.stats = StepStats()
+        super().__init__(codec, seed, gather, policy, process_set)
         self._id = next(_IDS)
         self._step = 0
         self._index = 0
@@ -116,8 +102,7 @@ class QuantizedCompressor(Compressor):
 
     def _start(self) -> Exchange:
         comm = collectives_for(self.process_set)
-        check_same_config(comm, {**self.codec.config(), "seed": self.seed, "gather": self.gather,
-                                 "policy": describe(self.policy)}, f"hq.config.{self._id}")
+        check_same_config(comm, self.shared_config(), f"hq.config.{self._id}")
         return Exchange(self.codec, comm, gather=self.gather)
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
