@@ -46,6 +46,11 @@ def test_world_too_large_for_width_fails_at_construction():
         hqt.Compression.global_qsgd(bits=2, levels="linear", world_size=64)
 
 
+def test_bad_gather_schedule_fails_at_construction():
+    with pytest.raises(ValueError, match="allgather"):
+        hqt.Compression.qsgd(gather="ring")
+
+
 def test_unknown_codec_lists_valid_ones():
     with pytest.raises(AttributeError, match="qsgd"):
         hqt.Compression.qsdg
