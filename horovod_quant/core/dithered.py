@@ -137,7 +137,7 @@ def _nested_index(c, rho, yv, kap, am, kf, invk, cmf, h):
     return np.int32(m - np.int32(kf) * np.int32(f)), a - kf * f
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def encode_dithered(x, bucket, M, am, k, bits, k0, k1, out, o):
     """Encode float32 ``x`` into ``out[o:]`` = [float32 kappa per bucket][packed codes].
 
@@ -189,7 +189,7 @@ def encode_dithered(x, bucket, M, am, k, bits, k0, k1, out, o):
     return o
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def decode_dithered(data, o, n, bucket, M, bits, k0, k1, out, accumulate):
     """Decode DQSG codes at ``data[o:]`` into ``out`` (``+=`` if accumulate):
     ``x_hat = (kappa / M) ((code - M) - 1/2 + rho)``; zero buckets decode to zeros, non-finite
@@ -219,7 +219,7 @@ def decode_dithered(data, o, n, bucket, M, bits, k0, k1, out, accumulate):
     return out
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def decode_nested(data, o, n, bucket, M, k, bits, am, alpha, y, k0, k1, out):
     """``out += x_hat`` of a P2 payload (codes at ``data[o:]``) with side information y.
 
@@ -282,7 +282,7 @@ def decode_nested(data, o, n, bucket, M, k, bits, am, alpha, y, k0, k1, out):
     return total, count
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def nested_outside(data, o, n, bucket, M, k, bits, am, y, k0, k1, fine):
     """Number of P2 elements (finite nonzero buckets) whose recovered fine index differs from
     the sender's ``fine`` (from :func:`fine_indices`): the exact outage count, for simulations
@@ -309,7 +309,7 @@ def nested_outside(data, o, n, bucket, M, k, bits, am, y, k0, k1, fine):
     return wrong
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def fine_indices(x, bucket, am, k0, k1):
     """The sender's fine indices ``ceil((x / kappa) am - rho)`` (0 in zero/non-finite buckets):
     what a P2 receiver should recover. For statistics only (the encoder fuses this)."""

@@ -105,7 +105,7 @@ def _get_elias(data, p, buf, nbuf):
         k = (np.int64(1) << k) | rest
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def elias_encode_ints(values):
     """Elias codes of ``values`` (int64, each in [1, 2^53)) concatenated, zero-padded to a
     byte. Returns a uint8 array."""
@@ -127,7 +127,7 @@ def elias_encode_ints(values):
     return out[:o]
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def elias_decode_ints(data, count):
     """The first ``count`` Elias-coded integers of ``data``."""
     out = np.empty(count, np.int64)
@@ -137,7 +137,7 @@ def elias_decode_ints(data, count):
     return out
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def elias_encode_levels(data, n, bucket, bits):
     """The Elias payload of a fixed-width level payload ``data`` (layout of
     :func:`.kernels_cpu.encode_levels`: [float32 scale per bucket][packed codes]) holding n
@@ -184,7 +184,7 @@ def elias_encode_levels(data, n, bucket, bits):
     return out[:w].copy()
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def elias_decode(data, n, bucket, bits, table, out, accumulate):
     """Decode an Elias payload (:func:`elias_encode_levels`) into ``out`` (``+=`` if
     accumulate): ``table[code] * scale`` at each nonzero, 0 elsewhere; a bucket with a

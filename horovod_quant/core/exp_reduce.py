@@ -118,7 +118,7 @@ def _combine_lanes(typingctx, a, b, h, smask):
     return sig, codegen
 
 
-@numba.njit
+@numba.njit(nogil=True)
 def _up_exact(a, b, index, bits, k0, k1):
     """``[p < 2^-diff]`` for an element whose first 32 digits of p are zero: true up to
     diff 32, decided on digit words t = 1, 2, 3 (module doc) beyond; false for a zero operand."""
@@ -184,7 +184,7 @@ def _narrow(acc, out, n):
         o[j] = np.uint8(t[j])
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def exp_combine(a_codes_packed, b_codes_packed, out_packed, n_elements, first_element_index,
                 bits, k0, k1):
     """Combine two packed exponent-code ranges element by element (Algorithm 2).

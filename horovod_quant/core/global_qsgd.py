@@ -64,7 +64,7 @@ _TINY_BOOST = np.float32(2.0 ** 64)
 
 
 # -- norm ------------------------------------------------------------------------------------
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _sum_squares(x):
     """sum x^2 in float64, in 8 interleaved lanes combined in lane order (fixed order)."""
     n = x.size
@@ -83,7 +83,7 @@ def _sum_squares(x):
     return acc
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _max_abs(x):
     """max |x|, NaN if x holds a NaN or an infinity.
 
@@ -160,7 +160,7 @@ def _linear_fields(x, lo, hi, words, sh, boost, mult, fs, s, k0, k1):
         idx = np.uint32(idx + np.uint32(1))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def encode_linear(x, norm, s, bits, k0, k1, out):
     """Encode float32 x into the uint64 words ``out`` (layout: module doc).
 
@@ -195,7 +195,7 @@ def encode_linear(x, norm, s, bits, k0, k1, out):
                                k0, k1)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def decode_linear(words, n, bits, offset, scale, out, accumulate):
     """``out[i] (+)= (field_i - offset) * scale`` for the n elements held in ``words``."""
     per = 64 // bits
@@ -256,7 +256,7 @@ def _codes_block(x, b0, b1, grid_exp, norm, s, c, bits, k0, k1, codes):
             idx = np.uint32(idx + np.uint32(1))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def encode_exp(x, norm, s, c, bits, k0, k1, out):
     """Packed exponent codes of float32 x into ``out`` (``packed_nbytes(x.size, bits)`` bytes)."""
     n = x.size
@@ -273,7 +273,7 @@ def encode_exp(x, norm, s, c, bits, k0, k1, out):
     return o
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def decode_packed(data, n, bits, table, scale, out, accumulate):
     """``out[i] (+)= table[code_i] * scale`` for the n packed codes of ``data``."""
     codes = np.empty(PACK_BLOCK + 8, np.uint8)
@@ -292,7 +292,7 @@ def decode_packed(data, n, bits, table, scale, out, accumulate):
     return out
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def encode_sparse(x, grid_exp, norm, s, c, bits, k0, k1):
     """Sparse payload: ``[uint32 count][count uint32 positions][packed codes of the nonzeros]``.
 
@@ -323,7 +323,7 @@ def encode_sparse(x, grid_exp, norm, s, c, bits, k0, k1):
     return out
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def decode_sparse(data, bits, table, scale, out):
     """``out[pos] += table[code] * scale`` for every entry of a sparse payload."""
     cnt = np.int64(data[:4].view(np.uint32)[0])

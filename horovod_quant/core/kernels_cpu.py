@@ -189,7 +189,7 @@ def _round_geometric(xs, cs, base, sc, s, sign_bit, kb, k1):
         cs[j] = np.uint8(mag | (sign_bit if (v < 0) & (mag != 0) else np.int32(0)))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def encode_levels(x, bucket, norm_kind, p, grid, s, bits, k0, k1, out):
     """Encode float32 ``x`` into ``out`` = [float32 scale per bucket][packed codes].
 
@@ -242,7 +242,7 @@ def encode_levels(x, bucket, norm_kind, p, grid, s, bits, k0, k1, out):
     return o
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def decode_levels(data, n, bucket, bits, table, out, accumulate):
     """Decode ``data`` (layout of :func:`encode_levels`) into ``out`` (``+=`` if accumulate).
 
@@ -272,7 +272,7 @@ def decode_levels(data, n, bucket, bits, table, out, accumulate):
     return out
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def combine_levels(datas, n, bucket, bits, table, inv_count, out):
     """The mean of several :func:`encode_levels` payloads (a tuple, rank order) in one pass.
 
@@ -309,7 +309,7 @@ def combine_levels(datas, n, bucket, bits, table, inv_count, out):
     return out
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def levels_nbytes(n, bucket, bits):
     """Payload bytes of :func:`encode_levels` for n elements."""
     return 4 * ((n + bucket - 1) // bucket) + packed_nbytes(n, bits)

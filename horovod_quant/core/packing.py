@@ -48,7 +48,7 @@ def block_nbytes(m, bits):
     return total
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def packed_nbytes(n, bits):
     """Bytes taken by ``n`` codes of ``bits`` bits (all blocks)."""
     full = n // PACK_BLOCK
@@ -121,7 +121,7 @@ def unpack_block(data, o, m, bits, codes):
     return o
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def pack(codes, bits):
     """Pack a whole uint8 code array (values < 2**bits) into a new uint8 array."""
     n = codes.size
@@ -135,7 +135,7 @@ def pack(codes, bits):
     return out
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def unpack(data, n, bits):
     """Unpack ``n`` codes of ``bits`` bits from ``data``."""
     out = np.empty(n, np.uint8)

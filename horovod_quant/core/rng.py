@@ -132,7 +132,7 @@ def hash32_lo(lo, kb, k1):
     return _hash32_ir(np.uint32(lo), kb, k1)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def uniform24(n, k0, k1, start=0):
     """``n`` uniforms in [0, 1) with 24-bit resolution (exact float32), for tests and NumPy
     codecs. Kernels call :func:`hash32` inline instead of materializing this array."""
