@@ -27,6 +27,7 @@ import os
 import platform
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -111,10 +112,11 @@ def best_time(fn, repeat: int, sync) -> float:
     return best
 
 
-def bench_one(codec, x, repeat: int, backend, world_size: int) -> dict:
+def bench_one(codec, x, repeat: int, backend, world_size: int, threads: int = 1) -> dict:
     """Encode, decode (into a buffer / allocating) and, for gather codecs, the combine of
     ``world_size`` payloads into a buffer (what every rank runs after an allgather), as GB/s
-    of the float32 the payloads stand for."""
+    of the float32 the payloads stand for; with ``threads`` > 1 also the encode throughput of
+    that many threads encoding at once (all of them together)."""
     gb = x.size * 4 / 1e9
     out = backend.empty(x.size)
     payload = codec.encode(x, seed=1)  # warm-up (compiles)
@@ -130,8 +132,16 @@ def bench_one(codec, x, repeat: int, backend, world_size: int) -> dict:
         codec.combine_gathered(payloads, 0, out=out)
         combine = world_size * gb / best_time(lambda: codec.combine_gathered(payloads, 0, out=out),
                                               repeat, backend.sync)
+    threaded = None
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            def together():
+                list(pool.map(lambda s: codec.encode(x, seed=s), range(threads)))
+            together()
+            threaded = threads * gb / best_time(together, repeat, backend.sync)
     return {
         "encode_gbps": gb / t_enc,
+        "encode_threads_gbps": threaded,
         "decode_gbps": gb / t_dec,
         "decode_alloc_gbps": gb / t_dec_alloc,
         "combine_gbps": combine,
@@ -150,7 +160,13 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall clock, or process CPU time (for shared machines; cpu device only)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="also encode on this many threads at once (cpu device, wall clock): "
+                         "the kernels release the GIL")
     args = ap.parse_args(argv)
+    if args.threads > 1 and (args.device == "cuda" or args.clock == "cpu"):
+        ap.error("--threads measures host threads by the wall clock: use --device cpu "
+                 "--clock wall")
     global CLOCK
     if args.clock == "cpu":
         if args.device == "cuda":
@@ -184,8 +200,9 @@ def main(argv=None) -> int:
         pass
     print("# " + ", ".join(f"{k}={v}" for k, v in env.items()))
     header = f"{'codec':<20} {'bits':>4} {'elements':>10} {'wire b/el':>9} {'encode':>8} " \
-             f"{'decode':>8} {'dec+alloc':>9} {'combine':>8}   (GB/s of float32 input; " \
-             f"combine: --world-size payloads into one mean)"
+             f"{'decode':>8} {'dec+alloc':>9} {'combine':>8}" \
+             + (f" {'enc x' + str(args.threads):>8}" if args.threads > 1 else "") \
+             + "   (GB/s of float32 input; combine: --world-size payloads into one mean)"
     print(header)
     print("-" * len(header))
     results = []
@@ -201,7 +218,8 @@ def main(argv=None) -> int:
                     print(f"{name:<20} {bits!s:>4} skipped: {exc}")
                     continue
                 try:
-                    r = bench_one(codec, x, args.repeat, backend, args.world_size)
+                    r = bench_one(codec, x, args.repeat, backend, args.world_size,
+                                  args.threads)
                 except Exception as exc:  # a codec without a GPU path: say so, go on
                     if args.device != "cuda":
                         raise
@@ -212,7 +230,8 @@ def main(argv=None) -> int:
                 combine = "-" if r["combine_gbps"] is None else f"{r['combine_gbps']:.2f}"
                 print(f"{name:<20} {bits if bits else '-':>4} {n:>10} "
                       f"{r['bits_per_element']:>9.3f} {r['encode_gbps']:>8.2f} "
-                      f"{r['decode_gbps']:>8.2f} {r['decode_alloc_gbps']:>9.2f} {combine:>8}",
+                      f"{r['decode_gbps']:>8.2f} {r['decode_alloc_gbps']:>9.2f} {combine:>8}"
+                      + (f" {r['encode_threads_gbps']:>8.2f}" if args.threads > 1 else ""),
                       flush=True)
         del x
     if args.json:
