@@ -10,8 +10,9 @@ cluster.py tails for its progress bar and its results. Two kinds of item:
   Horovod itself for the baselines (``none`` = ``hvd.allreduce(op=hvd.Average)`` of the
   float32 tensor, ``fp16`` = the same with ``compression=hvd.Compression.fp16``) and through
   :class:`horovod_quant.comm.Exchange` over Horovod's torch collectives for the codecs
-  (encode, their collective, decode, pipelined in pieces of ``pipeline_elems``). The configurations of one size run interleaved (round r runs each
-  once). Each repetition starts after a barrier; its wall time is the slowest
+  (encode, their collective, decode, pipelined in pieces of ``pipeline_elems``). The
+  configurations of one size run interleaved (round r runs each once). Each repetition
+  starts after a barrier; its wall time is the slowest
   rank's, its encode / exchange / decode split comes from the exchange's statistics (the same
   numbers ``StepStats`` sums per step).
 * ``train``: SGD steps of a model on synthetic data. ``fp32`` and ``fp16`` use Horovod's own

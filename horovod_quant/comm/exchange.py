@@ -38,7 +38,6 @@ from ..core.schedules import (DEFAULT_PIPELINE_ELEMS, check_pipeline_elems, pipe
                               pipeline_seed)
 from . import steps
 from .backend import Collectives, Handle
-from .steps import frame, unframe  # noqa: F401  (re-exported: the wire framing)
 
 #: custom collectives by codec name: ``factory(codec, comm) -> runner`` (or None to fall back)
 #: where ``runner(payload, seed, name) -> Handle`` whose wait() gives the mean estimate.

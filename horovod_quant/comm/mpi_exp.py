@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import gpu
 from ..core.base import array_module
 from ..core.exp_reduce import block_byte_range, exp_combine, round_key, schedule
 from ..core.packing import PACK_BLOCK
@@ -87,8 +88,6 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
     if xp is np:
         combine, settle = exp_combine, (lambda: None)
     else:  # MPI reads device buffers directly: the kernels before a send must have finished
-        from .. import gpu
-
         combine, settle = gpu.exp_combine, xp.cuda.get_current_stream().synchronize
     rank, n = comm.Get_rank(), comm.Get_size()
     work = xp.array(data, dtype=np.uint8, copy=True)
@@ -141,12 +140,9 @@ class MpiExponentReduce:
         codec, n = self.codec, self.comm.Get_size()
         codes = payload.data.view(np.uint8)
         on_device = array_module(codes) is not np
-        staged = False
         if on_device:
-            from .. import gpu
-
-            staged = not gpu.cuda_aware_mpi()
             codes.device.synchronize()  # the worker thread runs on another stream
+        staged = on_device and not gpu.cuda_aware_mpi()
 
         def run() -> Any:
             with codes.device if on_device else contextlib.nullcontext():

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import gpu
 from .backend import Collectives, Handle
 
 
@@ -42,8 +43,6 @@ class HostStaged(Collectives):
     def _staged(self, arr: Any, start: Callable[[np.ndarray], Handle],
                 pick: Callable[[Any], Any] = lambda r: r,
                 put: Callable[[Any, Any], Any] = lambda r, d: d) -> Handle:
-        from .. import gpu
-
         if not gpu.is_device_array(arr):
             return start(arr)
         return _BackToDevice(start(gpu.to_host(arr)),

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import gpu
 from ..core.base import Codec, array_module, as_vector, worker_seed
 from ..core.dithered import NestedDitheredQuantizer
 from ..core.payload import Payload
@@ -61,16 +62,11 @@ def unframe(buf: np.ndarray) -> list[np.ndarray]:
     buf = xp.ascontiguousarray(buf).reshape(-1).view(np.uint8)
     parts, o = [], 0
     while o < buf.size:
-        length = int(_host(buf[o : o + _LEN.itemsize]).view(_LEN)[0])
+        length = int(gpu.to_host(buf[o : o + _LEN.itemsize]).view(_LEN)[0])
         o += _LEN.itemsize
         parts.append(buf[o : o + length])
         o += length
     return parts
-
-
-def _host(a: Any) -> np.ndarray:
-    """A NumPy copy of a (small) device array; host arrays as they are."""
-    return a.get() if array_module(a) is not np else np.asarray(a)
 
 
 PLANS = ("sum", "allgather", "sra")

@@ -179,11 +179,8 @@ class Codec(abc.ABC):
         the reference) performs the same operations; custom exchanges override this with
         their reduction (a fallback when no custom collective is available).
         """
-        if out is None:
-            est = np.zeros(payloads[0].size, np.float32)
-        else:
-            est = out
-            est.fill(0)
+        est = np.empty(payloads[0].size, np.float32) if out is None else out
+        est.fill(0)
         for p in payloads:
             self.decode_add(p, est)
         est *= np.float32(1.0 / len(payloads))

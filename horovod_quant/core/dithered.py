@@ -642,7 +642,7 @@ class NestedDitheredQuantizer(Codec):
         if any(p.size != size for p in payloads_by_rank):
             raise ValueError(f"payloads encode different lengths "
                              f"{[p.size for p in payloads_by_rank]}")
-        est = np.zeros(size, np.float32) if out is None else out
+        est = np.empty(size, np.float32) if out is None else out
         est.fill(0)
         for r in range(self.n1):
             self._decode_p1(payloads_by_rank[r], int(seeds_by_rank[r]), est, True)
@@ -692,7 +692,7 @@ class NestedDitheredQuantizer(Codec):
             self.sigma2 = sigma2
         k = max(ks) if ks else None
         self.last_stats = {
-            "outside_share": (wrong / count if count else 0.0) if exact else None,
+            "outside_share": None,
             "outside_count": wrong,
             "p2_values": count,
             "outside_bound": (outage_bound(k, self.alpha, sigma2, self.M)
@@ -702,6 +702,8 @@ class NestedDitheredQuantizer(Codec):
             "sigma2": sigma2,
             "next_k": self.current_k,
         }
+        if exact:
+            self.set_outside_total(wrong)
 
     def combine_gathered(self, payloads: Sequence[Payload], seed: int,
                          out: np.ndarray | None = None) -> np.ndarray:

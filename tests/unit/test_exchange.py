@@ -4,7 +4,7 @@ import pytest
 
 import horovod_quant as hq
 from horovod_quant.comm import Exchange, LocalCollectives
-from horovod_quant.comm.exchange import frame, unframe
+from horovod_quant.comm.steps import frame, unframe
 from horovod_quant.core.payload import Payload
 
 from threaded_comm import run_ranks
