@@ -2,31 +2,103 @@
 configuration check and the ``Compression.<codec>(...)`` namespace."""
 from __future__ import annotations
 
+import itertools
+import logging
+import time
 from typing import Any, Callable
 
+from .comm.backend import Collectives, Handle
 from .core import available_codecs, get_codec
-from .core.base import Codec
+from .core.base import Codec, check_int
 from .core.schedules import resolve_gather
+from .env import env_seconds
 from .policy import LayerPolicy, describe
 from .stats import StepStats
+
+log = logging.getLogger("horovod_quant")
 
 #: codecs whose construction needs the number of workers
 WORLD_SIZED = ("global_qsgd", "nested_dithered")
 
+#: default of ``HQ_CONFIG_TIMEOUT``: how long a rank waits for the others' configuration
+CONFIG_TIMEOUT_S = 600.0
 
-def check_same_config(comm: Any, config: dict, name: str) -> None:
-    """Raise the same ValueError on every rank when ``config`` differs between ranks.
+# The n-th check of a process pairs with the n-th check of every other rank: checks are
+# numbered when they start (not when a compressor is built), so a compressor built on one rank
+# only, and never used, shifts nothing. The number also names the checked object's collectives.
+_CHECKS = itertools.count()
+
+
+def check_seed(seed: Any) -> int:
+    """A seed as an int; ValueError for anything else (``7.9`` is not silently ``7``)."""
+    return check_int("seed", seed, -(1 << 63), (1 << 64) - 1)
+
+
+def wait_for_peers(handle: Handle, what: str, timeout: float | None = None) -> Any:
+    """``handle.wait()``, giving up after ``timeout`` seconds (default ``HQ_CONFIG_TIMEOUT``).
+
+    A collective that only some ranks call never completes; Horovod then waits forever. This
+    logs a warning once a tenth of the time has passed and raises RuntimeError at the end, so
+    the job fails with a message saying what it was waiting for.
+    """
+    timeout = env_seconds("HQ_CONFIG_TIMEOUT", CONFIG_TIMEOUT_S) if timeout is None else timeout
+    start, pause, warned = time.monotonic(), 1e-4, False
+    while not handle.done():
+        waited = time.monotonic() - start
+        if waited > timeout:
+            raise RuntimeError(
+                f"horovod_quant: waited {waited:.0f} s for {what}; some rank is not running the "
+                "same horovod_quant compressor or optimizer at this point (a different "
+                "compression= such as hvd.Compression.none, or a different number of "
+                "horovod_quant compressors/optimizers). HQ_CONFIG_TIMEOUT sets how long to wait.")
+        if not warned and waited > timeout / 10:
+            log.warning("horovod_quant: still waiting for %s after %.0f s", what, waited)
+            warned = True
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    return handle.wait()
+
+
+class ConfigCheck:
+    """One cross-rank agreement check: every rank's ``config`` from one allgather of JSON.
+
+    Started without blocking; :meth:`wait` raises the same ValueError on every rank when the
+    configurations differ (every rank sees all of them), or RuntimeError when a rank never
+    joins (:func:`wait_for_peers`).
 
     Args:
-        comm: the adapter's :class:`~horovod_quant.comm.Collectives` (allgather_object).
-        config: everything that must agree (codec, parameters, seed, policy, ...).
-        name: collective name, the same on every rank.
+        comm: the collectives of the group.
+        config: JSON-serializable description of everything that must agree.
+
+    Attributes:
+        index: this check's number, the same on every rank; names the checked object's
+            collectives (``hq.<index>...``).
     """
-    configs = comm.allgather_object(config, name)
-    if any(c != configs[0] for c in configs):
-        lines = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(configs))
-        raise ValueError("horovod_quant configuration differs between ranks; every rank must "
-                         f"build the same codec, parameters and seed:\n{lines}")
+
+    def __init__(self, comm: Collectives, config: dict) -> None:
+        self.index = next(_CHECKS)
+        self._size = comm.size
+        self._handle = (comm.allgather_object_async(config, f"hq.config.{self.index}")
+                        if comm.size > 1 else None)
+        self._done = comm.size == 1
+
+    def wait(self) -> int:
+        """Block until every rank's configuration is here; returns :attr:`index`."""
+        if not self._done:
+            configs = wait_for_peers(self._handle, f"every rank's configuration "
+                                                   f"(collective hq.config.{self.index})")
+            self._done = True
+            if any(c != configs[0] for c in configs):
+                lines = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(configs))
+                raise ValueError("horovod_quant configuration differs between ranks; every rank "
+                                 "must build the same codec, parameters, seed, policy and "
+                                 f"layout:\n{lines}")
+        return self.index
+
+
+def check_same_config(comm: Collectives, config: dict) -> int:
+    """:class:`ConfigCheck`, blocking; returns the check's index."""
+    return ConfigCheck(comm, config).wait()
 
 
 class CompressorSettings:
@@ -34,10 +106,11 @@ class CompressorSettings:
 
     Args:
         codec: the codec (see :func:`horovod_quant.get_codec`).
-        seed: base seed of every random draw.
+        seed: base seed of every random draw (an integer).
         gather: schedule for gather codecs: "auto", "allgather" or "sra".
-        policy: which tensors are compressed (default :class:`LayerPolicy`: small and 1-D
-            tensors travel uncompressed through Horovod's own allreduce).
+        policy: which tensors are compressed, and with which codec (default
+            :class:`LayerPolicy`: small and 1-D tensors travel uncompressed through Horovod's
+            own allreduce).
         process_set: Horovod process set of the optimizer or tape, if not the global one.
 
     Attributes:
@@ -48,16 +121,16 @@ class CompressorSettings:
                  policy: LayerPolicy | None = None, process_set: Any = None) -> None:
         resolve_gather(gather, 1)  # validates the name
         self.codec = codec
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.gather = gather
         self.policy = policy if policy is not None else LayerPolicy()
         self.process_set = process_set
         self.stats = StepStats()
 
     def shared_config(self) -> dict:
-        """What must agree across ranks (see :func:`check_same_config`)."""
-        return {**self.codec.config(), "seed": self.seed, "gather": self.gather,
-                "policy": describe(self.policy)}
+        """What must agree across ranks (see :class:`ConfigCheck`)."""
+        return {"door": "compressor", **self.codec.config(), "seed": self.seed,
+                "gather": self.gather, "policy": describe(self.policy)}
 
 
 class CompressionNamespace:

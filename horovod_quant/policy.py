@@ -31,6 +31,7 @@ class LayerPolicy:
     def __post_init__(self) -> None:
         if self.min_elements < 0:
             raise ValueError(f"min_elements={self.min_elements} must be >= 0")
+        self.rules = tuple((pattern, _rule_codec(pattern, c)) for pattern, c in self.rules)
         self._compiled = [(re.compile(p), c) for p, c in self.rules]
 
     def codec_for(self, default: Codec, shape: Sequence[int], name: str | None = None,
@@ -41,7 +42,7 @@ class LayerPolicy:
         if name is not None:
             for pattern, codec in self._compiled:
                 if pattern.search(name):
-                    return codec
+                    return None if codec is None or codec.name == "none" else codec
         numel = 1
         for d in shape:
             numel *= int(d)
@@ -49,10 +50,31 @@ class LayerPolicy:
             return None
         return default
 
+    def codecs(self, default: Codec) -> list[Codec]:
+        """Every codec this policy can choose, ``default`` first, then the rules' in order,
+        each once (by configuration): the same list on every rank that agrees on the policy."""
+        out: list[Codec] = []
+        for codec in [default, *(c for _, c in self.rules)]:
+            if codec is not None and codec.name != "none" and all(
+                    codec.config() != o.config() for o in out):
+                out.append(codec)
+        return out
+
     @classmethod
     def everything(cls) -> "LayerPolicy":
         """Compress every dense tensor, whatever its size (used by exactness tests)."""
         return cls(min_elements=0, compress_1d=True)
+
+
+def _rule_codec(pattern: str, codec: Any) -> Codec | None:
+    """A rule's codec: a Codec, or the codec of a ``Compression.<name>(...)`` object."""
+    if codec is None or isinstance(codec, Codec):
+        return codec
+    inner = getattr(codec, "codec", None)
+    if isinstance(inner, Codec):
+        return inner
+    raise TypeError(f"LayerPolicy rule {pattern!r}: expected a codec (get_codec(...)), a "
+                    f"Compression.<name>(...) object or None, got {codec!r}")
 
 
 def describe(policy: Any) -> dict[str, Any]:

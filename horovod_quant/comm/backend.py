@@ -7,10 +7,12 @@ Every call names its collective, because Horovod matches operations across ranks
 from __future__ import annotations
 
 import abc
-import pickle
-from typing import Any
+import json
+from typing import Any, Callable
 
 import numpy as np
+
+_OBJECT_LEN = np.dtype("<u8")
 
 
 class Handle(abc.ABC):
@@ -20,6 +22,60 @@ class Handle(abc.ABC):
     def wait(self) -> Any:
         """Block until done; return the result (a NumPy array, or for alltoall a pair of the
         received array and the received split sizes)."""
+
+    def done(self) -> bool:
+        """Whether :meth:`wait` would return without blocking (backends that cannot tell say
+        True, and their ``wait`` blocks as before)."""
+        return True
+
+
+class Then(Handle):
+    """``fn`` applied to another handle's result."""
+
+    def __init__(self, inner: Handle, fn: Callable[[Any], Any]) -> None:
+        self._inner = inner
+        self._fn = fn
+
+    def wait(self) -> Any:
+        return self._fn(self._inner.wait())
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+
+def encode_object(obj: Any) -> np.ndarray:
+    """``obj`` as JSON (sorted keys) behind its uint64 byte length, a writable uint8 array."""
+    body = json.dumps(obj, sort_keys=True, allow_nan=True).encode()
+    return np.frombuffer(bytearray(np.array([len(body)], _OBJECT_LEN).tobytes() + body), np.uint8)
+
+
+def decode_objects(gathered: np.ndarray, count: int) -> list[Any]:
+    """The ``count`` objects of a concatenation of :func:`encode_object` outputs.
+
+    Only JSON is read from peers (never pickle: a peer's bytes must not run code here), and
+    every length is checked against the bytes received.
+
+    Raises:
+        ValueError: the bytes are not ``count`` well-formed objects.
+    """
+    buf = np.ascontiguousarray(gathered).reshape(-1).view(np.uint8).tobytes()
+    objects, o = [], 0
+    while o < len(buf):
+        if o + _OBJECT_LEN.itemsize > len(buf):
+            raise ValueError(f"gathered objects: {len(buf) - o} stray bytes at offset {o}")
+        length = int(np.frombuffer(buf, _OBJECT_LEN, 1, o)[0])
+        o += _OBJECT_LEN.itemsize
+        if length > len(buf) - o:
+            raise ValueError(f"gathered objects: object {len(objects)} declares {length} bytes, "
+                             f"{len(buf) - o} remain")
+        try:
+            objects.append(json.loads(buf[o:o + length].decode()))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"gathered objects: object {len(objects)} is not JSON: {exc}") from None
+        o += length
+    if len(objects) != count:
+        raise ValueError(f"gathered objects: expected {count}, got {len(objects)}")
+    return objects
 
 
 class Done(Handle):
@@ -58,9 +114,15 @@ class Collectives(abc.ABC):
         """Send ``arr[sum(splits[:r]):sum(splits[:r+1])]`` to rank r; receive the pieces sent
         to this rank, concatenated in sender order; ``wait()`` gives (data, received splits)."""
 
-    @abc.abstractmethod
+    def allgather_object_async(self, obj: Any, name: str) -> Handle:
+        """Every rank's JSON-serializable object, in rank order, from one allgather (tuples
+        arrive as lists, as after a JSON round trip on every rank)."""
+        return Then(self.allgather_async(encode_object(obj), name),
+                    lambda gathered: decode_objects(gathered, self.size))
+
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
-        """Every rank's picklable object, in rank order (blocking)."""
+        """:meth:`allgather_object_async`, blocking."""
+        return self.allgather_object_async(obj, name).wait()
 
     def mpi_communicator(self) -> Any | None:
         """An mpi4py communicator over the same ranks for custom collectives, or None.
@@ -83,9 +145,6 @@ class LocalCollectives(Collectives):
     def alltoall_async(self, arr, splits, name):
         return Done((np.array(arr, copy=True), list(splits)))
 
-    def allgather_object(self, obj, name):
-        return [obj]
-
 
 class ProcessSetCollectives(Collectives):
     """Base of the framework adapters' collectives: the ranks of a Horovod process set.
@@ -102,11 +161,3 @@ class ProcessSetCollectives(Collectives):
         self.process_set = process_set
         self.rank = process_set.rank()
         self.size = process_set.size()
-
-    def allgather_object(self, obj: Any, name: str) -> list[Any]:
-        # Horovod's allgather_object takes no process set: the same two allgathers with one
-        data = np.frombuffer(bytearray(pickle.dumps(obj)), np.uint8)  # writable: torch views it
-        sizes = self.allgather_async(np.array([data.size], np.int64), name + ".size").wait()
-        blob = self.allgather_async(data, name + ".data").wait()
-        bounds = np.concatenate([[0], np.cumsum(sizes)])
-        return [pickle.loads(blob[bounds[r]:bounds[r + 1]].tobytes()) for r in range(self.size)]

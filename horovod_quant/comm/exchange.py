@@ -44,10 +44,12 @@ from .backend import Collectives, Handle
 CUSTOM_COLLECTIVES: dict[str, Callable] = {}
 
 
-def global_norm(codec: Codec, xs_local: list[np.ndarray], comm: Collectives, name: str) -> float:
-    """Global norm over every rank and every given vector (one allgather of a float64)."""
-    wire = steps.norm_wire(codec, xs_local)
-    return steps.norm_from_gathered(codec, comm.allgather_async(wire, name).wait())
+def global_norm(codec: Codec, xs_local: list[np.ndarray], comm: Collectives, name: str,
+                tag: steps.Tag = steps.NO_TAG) -> float:
+    """Global norm over every rank and every given vector (one allgather of the float64
+    statistic and ``tag``, which every rank checks: :func:`~.steps.check_tags`)."""
+    wire = steps.norm_wire(codec, xs_local, tag)
+    return steps.norm_from_gathered(codec, comm.allgather_async(wire, name).wait(), name)
 
 
 class ExchangeStats:
@@ -121,10 +123,18 @@ class Exchange:
     def needs_norm(self) -> bool:
         return steps.needs_norm(self.codec)
 
+    @property
+    def blocks_on_peers(self) -> bool:
+        """Whether :meth:`start` waits for the other ranks (the global norm) or pairs its data
+        with theirs by call order rather than by name (a custom collective): such exchanges
+        must be started in the same order on every rank; the others only need the same names."""
+        return self.needs_norm or self._custom is not None
+
     def start(self, x: np.ndarray, seed: int, name: str, norm: float | None = None,
-              out: np.ndarray | None = None) -> Pending:
+              out: np.ndarray | None = None, tag: steps.Tag | None = None) -> Pending:
         """Encode ``x`` (float32, 1-D) and start its exchange under collective name ``name``
-        (pieces add ``.p<k>``); every rank must start its exchanges in the same order.
+        (pieces add ``.p<k>``). Exchanges that :attr:`blocks_on_peers` must be started in the
+        same order on every rank.
 
         Args:
             x: this rank's vector; read again when the exchange finishes (NDQSG), so it must
@@ -134,21 +144,26 @@ class Exchange:
             norm: the global norm, for global-norm codecs whose caller computed it.
             out: float32 buffer of ``x.size`` the mean is written to (reusing one buffer
                 across steps avoids the page faults of a fresh allocation); None: a new array.
+            tag: what the ranks must agree this exchange carries (:func:`~.steps.exchange_tag`;
+                default: ``name`` and ``x.size``), checked at its first collective on every
+                rank, which raises ValueError if any rank's differs.
 
         Returns:
             The exchange in flight.
         """
         stats = ExchangeStats(x.size * 4)
+        if tag is None:
+            tag = steps.exchange_tag(name, (x.size,))
         if out is None:
             out = array_module(x).empty(x.size, np.float32)
         if self.needs_norm and norm is None:
             with _Timer(stats, "exchange_s"):
-                norm = global_norm(self.codec, [x], self.comm, name + ".norm")
-            stats.bytes_sent += 8
+                norm = global_norm(self.codec, [x], self.comm, name + ".norm", tag)
+            stats.bytes_sent += steps.NORM_WIRE_WORDS * 8
         bounds = pipeline_bounds(x.size, self.pipeline_elems)
         finishes = [self._start_piece(x[lo:hi], pipeline_seed(seed, k, len(bounds)),
                                       name if len(bounds) == 1 else f"{name}.p{k}", norm, stats,
-                                      out[lo:hi])
+                                      out[lo:hi], tag)
                     for k, (lo, hi) in enumerate(bounds)]
 
         def finish() -> np.ndarray:
@@ -163,12 +178,13 @@ class Exchange:
             return handle.wait()
 
     def _start_piece(self, x: np.ndarray, seed: int, name: str, norm: float | None,
-                     stats: ExchangeStats, out: np.ndarray) -> Callable[[], None]:
+                     stats: ExchangeStats, out: np.ndarray, tag: steps.Tag
+                     ) -> Callable[[], None]:
         """Encode one piece and start its collectives; returns the function that finishes it
         (writing the piece's mean into ``out``)."""
         codec, comm, n = self.codec, self.comm, self.comm.size
         if self.kind == "sra":
-            return self._start_sra(x, seed, name, stats, out)
+            return self._start_sra(x, seed, name, stats, out, tag)
         if self._custom is not None:
             with _Timer(stats, "encode_s"):
                 payload = steps.encode_payload(codec, x, seed, comm.rank, norm)
@@ -180,7 +196,7 @@ class Exchange:
 
             return finish_custom
         with _Timer(stats, "encode_s"):
-            wire, meta = steps.encode_wire(codec, x, seed, comm.rank, self.kind, norm)
+            wire, meta = steps.encode_wire(codec, x, seed, comm.rank, self.kind, norm, tag)
         stats.bytes_sent += wire.nbytes
         if self.kind == "sum":
             handle = comm.allreduce_async(wire, name, "sum")
@@ -197,7 +213,7 @@ class Exchange:
             gathered = self._wait(handle, stats)
             with _Timer(stats, "decode_s"):
                 own = (comm.rank, x) if steps.counts_outage(codec) else None
-                steps.combine_wire(codec, gathered, x.size, seed, n, meta, own, out)
+                steps.combine_wire(codec, gathered, x.size, seed, n, meta, own, out, name)
             if own is not None:
                 total = self._wait(comm.allreduce_async(steps.outage_wire(codec),
                                                         name + ".outage", "sum"), stats)
@@ -207,17 +223,17 @@ class Exchange:
         return finish_gather
 
     def _start_sra(self, x: np.ndarray, seed: int, name: str, stats: ExchangeStats,
-                   out: np.ndarray) -> Callable[[], None]:
+                   out: np.ndarray, tag: steps.Tag) -> Callable[[], None]:
         codec, comm, n = self.codec, self.comm, self.comm.size
         with _Timer(stats, "encode_s"):
-            send, splits = steps.sra_encode_wire(codec, x, seed, comm.rank, n)
+            send, splits = steps.sra_encode_wire(codec, x, seed, comm.rank, n, tag)
         stats.bytes_sent += send.nbytes
         handle = comm.alltoall_async(send, splits.tolist(), name + ".scatter")
 
         def finish() -> None:
             received, _ = self._wait(handle, stats)
             with _Timer(stats, "decode_s"):
-                again = steps.sra_reduce_wire(codec, received, x.size, seed, comm.rank, n)
+                again = steps.sra_reduce_wire(codec, received, x.size, seed, comm.rank, n, name)
             stats.bytes_sent += again.nbytes
             gathered = self._wait(comm.allgather_async(again, name + ".gather"), stats)
             with _Timer(stats, "decode_s"):

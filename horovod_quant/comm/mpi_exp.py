@@ -16,7 +16,7 @@ traffic). It is used only when Horovod itself runs on MPI with ``MPI_THREAD_MULT
 reduction runs on a worker thread to overlap with backward, beside Horovod's background
 thread); otherwise, e.g. under gloo, :class:`horovod_quant.comm.Exchange` falls back to
 allgathering the payloads and reducing locally with the same schedule (same result, O(n)
-receive volume). ``HQ_MPI_EXCHANGE=0`` forces the fallback.
+receive volume). ``HQ_MPI_EXCHANGE=0`` (or false/no/off) forces the fallback.
 
 Device payloads (CuPy) are reduced on the device, each round's combine a kernel, and sent as
 device buffers when the MPI is CUDA-aware (:func:`horovod_quant.gpu.cuda_aware_mpi`); otherwise
@@ -25,13 +25,13 @@ the packed codes are copied to host memory, reduced there, and copied back for d
 from __future__ import annotations
 
 import contextlib
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from .. import gpu
+from ..env import env_flag
 from ..core.base import array_module
 from ..core.exp_reduce import block_byte_range, exp_combine, round_key, schedule
 from ..core.packing import PACK_BLOCK
@@ -45,7 +45,7 @@ def world_communicator(horovod_module: Any) -> Any | None:
     Args:
         horovod_module: ``horovod.torch`` or ``horovod.tensorflow`` (already initialized).
     """
-    if os.environ.get("HQ_MPI_EXCHANGE", "1") == "0":
+    if not env_flag("HQ_MPI_EXCHANGE", default=True):
         return None
     if not (horovod_module.mpi_enabled() and horovod_module.mpi_threads_supported()):
         return None

@@ -14,16 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import gpu
-from .backend import Collectives, Handle
-
-
-class _BackToDevice(Handle):
-    def __init__(self, handle: Handle, restore: Callable[[Any], Any]) -> None:
-        self._handle = handle
-        self._restore = restore
-
-    def wait(self) -> Any:
-        return self._restore(self._handle.wait())
+from .backend import Collectives, Handle, Then
 
 
 class HostStaged(Collectives):
@@ -45,8 +36,8 @@ class HostStaged(Collectives):
                 put: Callable[[Any, Any], Any] = lambda r, d: d) -> Handle:
         if not gpu.is_device_array(arr):
             return start(arr)
-        return _BackToDevice(start(gpu.to_host(arr)),
-                             lambda result: put(result, gpu.to_device(pick(result), arr)))
+        return Then(start(gpu.to_host(arr)),
+                    lambda result: put(result, gpu.to_device(pick(result), arr)))
 
     def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
         return self._staged(arr, lambda h: self.inner.allreduce_async(h, name, op))
@@ -57,9 +48,6 @@ class HostStaged(Collectives):
     def alltoall_async(self, arr: Any, splits: list[int], name: str) -> Handle:
         return self._staged(arr, lambda h: self.inner.alltoall_async(h, splits, name),
                             pick=lambda r: r[0], put=lambda r, data: (data, r[1]))
-
-    def allgather_object(self, obj: Any, name: str) -> list[Any]:
-        return self.inner.allgather_object(obj, name)
 
     def mpi_communicator(self) -> Any | None:
         return self.inner.mpi_communicator()

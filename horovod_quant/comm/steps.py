@@ -30,7 +30,7 @@ them, such as the global norm); pass it back to the decoding step of the same ex
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence, Tuple
 
 import numpy as np
 
@@ -38,35 +38,82 @@ from .. import gpu
 from ..core.base import Codec, array_module, as_vector, worker_seed
 from ..core.dithered import NestedDitheredQuantizer
 from ..core.payload import Payload
+from ..core.rng import name_key
 from ..core.schedules import chunk_bounds, chunk_seed, reencode_seed, resolve_gather
 
-_LEN = np.dtype("<u8")
+#: what the ranks exchange under one collective name: (elements of the whole tensor, 64-bit key
+#: of its name and shape); every rank's must be equal, or different tensors would be combined
+Tag = Tuple[int, int]
+NO_TAG: Tag = (0, 0)
+
+_HEADER = np.dtype("<u8")
+HEADER_WORDS = 3  # byte length, tag numel, tag key
+FRAME_HEADER_BYTES = HEADER_WORDS * _HEADER.itemsize
 
 
-def frame(payload: Payload) -> np.ndarray:
-    """``[uint64 little-endian byte length][payload bytes]`` as one uint8 array: gathered
-    payloads of any length (Elias, unequal chunks) split again without an extra round.
+def exchange_tag(key: str, shape: Sequence[int]) -> Tag:
+    """The :data:`Tag` of a tensor called ``key`` (any name the ranks share) of ``shape``."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel, name_key(f"{key}|{tuple(int(d) for d in shape)}")
+
+
+def frame(payload: Payload, tag: Tag = NO_TAG) -> np.ndarray:
+    """``[uint64 byte length][uint64 numel][uint64 key][payload bytes]`` (little-endian) as one
+    uint8 array: gathered payloads of any length (Elias, unequal chunks) split again without an
+    extra round, and each says which tensor it belongs to (:func:`check_tags`).
     The frame lives where the payload does (host or device)."""
     xp = array_module(payload.data)
     body = payload.data.reshape(-1).view(np.uint8)
-    out = xp.empty(_LEN.itemsize + body.size, np.uint8)
-    out[: _LEN.itemsize] = xp.asarray(np.array([body.size], _LEN).view(np.uint8))
-    out[_LEN.itemsize :] = body
+    out = xp.empty(FRAME_HEADER_BYTES + body.size, np.uint8)
+    header = np.array([body.size, tag[0], tag[1]], _HEADER).view(np.uint8)
+    out[:FRAME_HEADER_BYTES] = xp.asarray(header)
+    out[FRAME_HEADER_BYTES:] = body
     return out
 
 
-def unframe(buf: np.ndarray) -> list[np.ndarray]:
+def unframe(buf: np.ndarray) -> tuple[list[np.ndarray], list[Tag]]:
     """Split a concatenation of :func:`frame` outputs back into payload byte arrays (views,
-    on the device of ``buf``; only the 8-byte lengths are read on the host)."""
+    on the device of ``buf``; only the headers are read on the host) and their tags.
+
+    Raises:
+        ValueError: a header or a payload runs past the end of ``buf``.
+    """
     xp = array_module(buf)
     buf = xp.ascontiguousarray(buf).reshape(-1).view(np.uint8)
-    parts, o = [], 0
+    parts, tags, o = [], [], 0
     while o < buf.size:
-        length = int(gpu.to_host(buf[o : o + _LEN.itemsize]).view(_LEN)[0])
-        o += _LEN.itemsize
-        parts.append(buf[o : o + length])
+        if buf.size - o < FRAME_HEADER_BYTES:
+            raise ValueError(f"damaged exchange: {buf.size - o} bytes at offset {o} are too "
+                             f"few for a {FRAME_HEADER_BYTES}-byte frame header")
+        length, numel, key = (int(v) for v in
+                              gpu.to_host(buf[o:o + FRAME_HEADER_BYTES]).view(_HEADER))
+        o += FRAME_HEADER_BYTES
+        if length > buf.size - o:
+            raise ValueError(f"damaged exchange: frame {len(parts)} declares {length} bytes, "
+                             f"{buf.size - o} remain")
+        parts.append(buf[o:o + length])
+        tags.append((numel, key))
         o += length
-    return parts
+    return parts, tags
+
+
+def check_tags(tags: Sequence[Tag], name: str = "") -> None:
+    """Raise ValueError when the ranks' tags differ. Every rank holds every tag, so every
+    rank raises (or none does).
+
+    Args:
+        tags: one per rank, in rank order (the senders' tags).
+        name: the exchange's collective name, for the message.
+    """
+    if any(tuple(t) != tuple(tags[0]) for t in tags):
+        lines = "\n".join(f"  rank {r}: {int(t[0])} elements (key {int(t[1]):016x})"
+                          for r, t in enumerate(tags))
+        raise ValueError(
+            f"horovod_quant: the ranks sent different tensors to exchange {name!r} (a layer of "
+            "another shape or name on some rank, or ranks that call the compressor in a "
+            f"different order); nothing was combined:\n{lines}")
 
 
 PLANS = ("sum", "allgather", "sra")
@@ -96,19 +143,30 @@ def wire_dtype(codec: Codec, kind: str) -> np.dtype:
 
 
 # -- global norm -------------------------------------------------------------------------------
-def norm_wire(codec: Codec, xs: list[Any]) -> np.ndarray:
+NORM_WIRE_WORDS = 1 + len(NO_TAG)
+
+
+def norm_wire(codec: Codec, xs: list[Any], tag: Tag = NO_TAG) -> np.ndarray:
     """This rank's part of the global norm over the vectors ``xs``: one float64 statistic
-    (max or sum over the vectors, as ``codec.norm_op``), to be allgathered."""
+    (max or sum over the vectors, as ``codec.norm_op``) and the exchange's tag (its bits in
+    two float64 words), :data:`NORM_WIRE_WORDS` float64 to be allgathered. The norm is the
+    first collective of a global-norm exchange, so the tag check happens before anything
+    else (the exponent allreduce included) pairs the ranks' data."""
     stats = [codec.norm_statistic(as_vector(x)) for x in xs]
     local = (max(stats) if codec.norm_op == "max" else sum(stats)) if stats else 0.0
     if any(np.isnan(t) for t in stats):  # max() may drop a NaN operand
         local = float("nan")
-    return np.array([local], np.float64)
+    wire = np.array([local, 0.0, 0.0], np.float64)
+    wire[1:].view(_HEADER)[:] = tag
+    return wire
 
 
-def norm_from_gathered(codec: Codec, gathered: np.ndarray) -> np.float32:
-    """The float32 global norm from the allgathered ``norm_wire`` statistics (rank order)."""
-    return codec.norm_from_statistics([float(t) for t in np.asarray(gathered).reshape(-1)])
+def norm_from_gathered(codec: Codec, gathered: np.ndarray, name: str = "") -> np.float32:
+    """The float32 global norm from the allgathered ``norm_wire`` words (rank order), after
+    :func:`check_tags` on the ranks' tags."""
+    words = np.ascontiguousarray(gathered, np.float64).reshape(-1, NORM_WIRE_WORDS)
+    check_tags([tuple(int(v) for v in row[1:].view(_HEADER)) for row in words], name)
+    return codec.norm_from_statistics([float(t) for t in words[:, 0]])
 
 
 # -- sum and allgather plans -------------------------------------------------------------------
@@ -120,18 +178,19 @@ def encode_payload(codec: Codec, x: Any, seed: int, rank: int,
 
 
 def encode_wire(codec: Codec, x: Any, seed: int, rank: int, kind: str,
-                norm: float | None = None) -> tuple[np.ndarray, dict]:
+                norm: float | None = None, tag: Tag = NO_TAG) -> tuple[np.ndarray, dict]:
     """What rank ``rank`` sends in an exchange with seed ``seed``: ``(wire array, meta)``.
 
     For ``kind == "sum"`` the payload's words (dtype :func:`wire_dtype`), to be summed
-    elementwise; for ``"allgather"`` the framed payload bytes (:func:`frame`).
+    elementwise (an allreduce checks the ranks' lengths itself); for ``"allgather"`` the
+    framed payload bytes (:func:`frame`, carrying ``tag``).
     """
     payload = encode_payload(codec, x, seed, rank, norm)
     if kind == "sum":
         data = payload.data.reshape(-1)
         wire = data.view(np.int64) if data.dtype == np.uint64 else data
         return wire, dict(payload.meta)
-    return frame(payload), {k: v for k, v in payload.meta.items() if k != "seed"}
+    return frame(payload, tag), {k: v for k, v in payload.meta.items() if k != "seed"}
 
 
 def decode_sum_wire(codec: Codec, total: np.ndarray, size: int, n: int, meta: dict,
@@ -150,16 +209,18 @@ def counts_outage(codec: Codec) -> bool:
 
 def combine_wire(codec: Codec, gathered: np.ndarray, size: int, seed: int, n: int,
                  meta: dict, own: tuple[int, Any] | None = None,
-                 out: np.ndarray | None = None) -> np.ndarray:
+                 out: np.ndarray | None = None, name: str = "") -> np.ndarray:
     """Allgather plan: the float32 mean estimate from the concatenated frames of n ranks (into
-    ``out`` when given).
+    ``out`` when given), after :func:`check_tags` (``name`` is the exchange's, for the message).
 
     ``own = (rank, x)``: this rank's input, with which an NDQSG P2 sender counts its own wrong
     coarse bins (``codec.last_stats["outside_count"]``, see :func:`outage_wire`).
     """
-    parts = unframe(gathered)
+    parts, tags = unframe(gathered)
     if len(parts) != n:
-        raise ValueError(f"expected {n} framed payloads, got {len(parts)}")
+        raise ValueError(f"damaged exchange {name!r}: expected {n} framed payloads, "
+                         f"got {len(parts)}")
+    check_tags(tags, name)
     seeds = [worker_seed(seed, r) for r in range(n)]
     payloads = [codec.payload_from_wire(b, int(size), **{**meta, "seed": s})
                 for b, s in zip(parts, seeds)]
@@ -182,22 +243,27 @@ def outage_from_wire(codec: Codec, total: np.ndarray) -> None:
 
 
 # -- scatter-reduce-allgather plan -------------------------------------------------------------
-def sra_encode_wire(codec: Codec, x: Any, seed: int, rank: int, n: int
+def sra_encode_wire(codec: Codec, x: Any, seed: int, rank: int, n: int, tag: Tag = NO_TAG
                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Sra plan, step 1: ``(send bytes, int32 splits)`` for an alltoall; chunk c goes to rank c."""
+    """Sra plan, step 1: ``(send bytes, int32 splits)`` for an alltoall; chunk c goes to rank c.
+    Every frame carries ``tag``, checked by the receiving rank (each rank receives one frame of
+    every rank, so all of them see a mismatch)."""
     v = as_vector(x)
-    frames = [frame(codec.encode(v[lo:hi], seed=chunk_seed(seed, rank, c)))
+    frames = [frame(codec.encode(v[lo:hi], seed=chunk_seed(seed, rank, c)), tag)
               for c, (lo, hi) in enumerate(chunk_bounds(v.size, n))]
     return (array_module(v).concatenate(frames),
             np.array([f.size for f in frames], np.int32))
 
 
 def sra_reduce_wire(codec: Codec, received: np.ndarray, size: int, seed: int, rank: int,
-                    n: int) -> np.ndarray:
-    """Sra plan, step 2: the mean of this rank's chunk from the n received frames, re-encoded
-    and framed for the allgather."""
+                    n: int, name: str = "") -> np.ndarray:
+    """Sra plan, step 2: the mean of this rank's chunk from the n received frames (after
+    :func:`check_tags`), re-encoded and framed for the allgather."""
     lo, hi = chunk_bounds(int(size), n)[rank]
-    parts = unframe(received)
+    parts, tags = unframe(received)
+    if len(parts) != n:
+        raise ValueError(f"damaged exchange {name!r}: expected {n} chunks, got {len(parts)}")
+    check_tags(tags, name)
     mine = [codec.payload_from_wire(b, hi - lo, seed=chunk_seed(seed, r, rank))
             for r, b in enumerate(parts)]
     mean = Codec.combine_gathered(codec, mine, seed)
@@ -209,7 +275,9 @@ def sra_decode_wire(codec: Codec, gathered: np.ndarray, size: int, seed: int, n:
     """Sra plan, step 3: the float32 mean estimate from the allgathered re-encoded chunks
     (into ``out`` when given)."""
     out = array_module(gathered).empty(int(size), np.float32) if out is None else out
-    parts = unframe(gathered)
+    parts, _ = unframe(gathered)  # the tags were checked at the scatter
+    if len(parts) != n:
+        raise ValueError(f"damaged exchange: expected {n} re-encoded chunks, got {len(parts)}")
     for c, ((lo, hi), part) in enumerate(zip(chunk_bounds(int(size), n), parts)):
         codec.decode(codec.payload_from_wire(part, hi - lo, seed=reencode_seed(seed, c)),
                      out[lo:hi])

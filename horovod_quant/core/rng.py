@@ -12,6 +12,9 @@ multiplies only, so it vectorizes with AVX2 ``vpmulld`` and maps to one IMAD on 
 """
 from __future__ import annotations
 
+import hashlib
+import operator
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -34,16 +37,34 @@ def derive_key(seed: int, *fields: int) -> int:
     64-bit key. Different field tuples give statistically independent streams.
 
     Args:
-        seed: user seed (any int; reduced modulo 2**64).
+        seed: user seed (any integer, Python or NumPy; reduced modulo 2**64).
         *fields: further integers identifying the draw (negative values are allowed).
 
     Returns:
         A 64-bit key as a Python int.
+
+    Raises:
+        TypeError: ``seed`` or a field is not an integer (``7.9`` is not silently ``7``).
     """
-    key = splitmix64(int(seed) & _MASK64)
+    key = splitmix64(_integer("seed", seed) & _MASK64)
     for f in fields:
-        key = splitmix64(key ^ (int(f) & _MASK64))
+        key = splitmix64(key ^ (_integer("field", f) & _MASK64))
     return key
+
+
+def _integer(what: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {value!r}") from None
+
+
+def name_key(name: str) -> int:
+    """A stable 64-bit integer for a string (a tensor's name), the same in every process and
+    Python version (unlike ``hash``): a field of :func:`derive_key` and of exchange tags."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
 def split_key(key: int) -> tuple[np.uint32, np.uint32]:

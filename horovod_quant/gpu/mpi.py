@@ -16,26 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import shutil
 import subprocess
 from typing import Any
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _env_flag(name: str) -> bool | None:
-    """The user's yes/no in environment variable ``name``; None when unset or empty."""
-    v = os.environ.get(name, "").strip().lower()
-    if not v:
-        return None
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise ValueError(f"{name}={v!r}: use 1 or 0")
-
+from ..env import env_flag
 
 def _from_mpix() -> bool | None:
     try:
@@ -99,7 +84,7 @@ def cuda_aware_mpi(explain: bool = False) -> bool | tuple[bool, str]:
         explain: also return where the answer came from ("HQ_CUDA_AWARE_MPI",
             "MPIX_Query_cuda_support", "ompi_info" or "default").
     """
-    env = _env_flag("HQ_CUDA_AWARE_MPI")
+    env = env_flag("HQ_CUDA_AWARE_MPI")
     ans, source = (env, "HQ_CUDA_AWARE_MPI") if env is not None else _detect()
     return (ans, source) if explain else ans
 
@@ -120,7 +105,7 @@ def horovod_device_collectives(horovod_module: Any) -> tuple[bool, str]:
     Returns:
         ``(answer, reason)``.
     """
-    env = _env_flag("HQ_DEVICE_COLLECTIVES")
+    env = env_flag("HQ_DEVICE_COLLECTIVES")
     if env is not None:
         return env, "HQ_DEVICE_COLLECTIVES"
     if horovod_module.nccl_built():

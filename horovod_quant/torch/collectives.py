@@ -45,6 +45,9 @@ class _TorchHandle(Handle):
         out = hvd.synchronize(self._handle)
         return self._post(out) if self._post else as_array(out)
 
+    def done(self) -> bool:
+        return hvd.poll(self._handle)
+
 
 class HorovodTorchCollectives(ProcessSetCollectives):
     """Horovod's torch collectives (gloo or MPI controller, whichever runs) on NumPy arrays,

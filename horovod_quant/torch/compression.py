@@ -10,11 +10,22 @@ placeholder with the user's op, pre/postscale factors and process set, which tel
 ``decompress`` the exact factor to apply to the mean estimate: 1 for Average, n for Sum.
 ``none`` and ``fp16`` keep Horovod's own path (a cast, reduced by Horovod).
 
-Collective names and seeds come from the order of calls: a step is a run of ``compress`` calls
-(ended by the first ``decompress``), and the j-th tensor compressed in step t (both from 0) is
-exchanged as ``hq.<id>.<j>`` with seed ``derive_key(seed, t, j)``. Horovod calls ``compress`` in
-backward-hook order, the same on every rank for the same model (Horovod's own grouping assumes
-it too); names repeat every step, so Horovod's response cache keeps working.
+Which tensor is which. Ranks may compress their tensors in different orders (a layer used on
+some ranks only: Horovod zero-fills its gradient on the others in ``synchronize()``, after the
+rest), so exchanges are matched by name, as Horovod matches its own: the compressor reads the
+tensor's Horovod name where Horovod has one (the parameter name in ``DistributedOptimizer``,
+the ``name=`` of ``hvd.allreduce``/``grouped_allreduce``) from Horovod's own call (0.28.1 is
+its final release, so these call sites are fixed). Tensor ``key``'s u-th exchange (u from 0)
+uses seed ``derive_key(seed, u, name_key(key))`` and collective ``hq.<check>.<key>``. Unnamed
+tensors get the key ``#j``: the j-th compressed tensor of the step (a step is a run of
+``compress`` calls ended by the first ``decompress``). Every exchange also carries a tag of its
+key and shape; ranks whose tags differ (another shape under one name, unnamed tensors in
+another order) raise the same ValueError, so different tensors are never combined.
+
+Nothing that waits for a peer runs before the ranks' configurations are known to agree: the
+first step's exchanges start at its first ``decompress``, after the configuration check, and
+exchanges that wait for peers or pair data by call order (Global-QSGD's global norm, the MPI
+exponent allreduce) always start there, in key order, which is the same on every rank.
 
 CUDA gradients are encoded and decoded on their GPU by the CUDA kernels (``horovod_quant.gpu``,
 needs CuPy) on torch's current stream; only payloads move, through Horovod's GPU collectives or
@@ -25,7 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
+import json
+import sys
 import warnings
 from typing import Any, ContextManager
 
@@ -33,15 +45,13 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
+from ..adapters import CompressionNamespace, CompressorSettings, ConfigCheck
 from ..comm.exchange import Exchange
+from ..comm.steps import exchange_tag
 from ..core.base import Codec
-from ..core.rng import derive_key
-from ..adapters import CompressionNamespace, CompressorSettings, check_same_config
+from ..core.rng import derive_key, name_key
 from ..policy import LayerPolicy
 from .collectives import as_array, as_tensor, collectives_for
-
-_IDS = itertools.count()
-_HOROVOD_PATH = ("none", "fp16")
 
 
 def on_gpu(tensor: torch.Tensor) -> bool:
@@ -84,47 +94,118 @@ def stream_of(tensor: torch.Tensor) -> ContextManager[None]:
     return gpu.device_scope(tensor)
 
 
+def horovod_name(tensor: torch.Tensor) -> str | None:
+    """The name Horovod gives ``tensor`` in the call that is compressing it, or None.
+
+    Read from the calling frames of ``horovod.torch`` (0.28.1, the final release): the
+    parameter name in ``DistributedOptimizer`` (grouped or not), the ``name=`` of ``allreduce``,
+    and ``name[i]`` for the i-th tensor of ``grouped_allreduce``.
+    """
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None or not frame.f_globals.get("__name__", "").startswith("horovod.torch"):
+            return None
+        code, local = frame.f_code.co_name, frame.f_locals
+        if code == "_allreduce_grad_async":
+            return local.get("name")
+        parent = frame.f_back
+        if code == "<listcomp>" and parent is not None:
+            outer = parent.f_locals
+            if parent.f_code.co_name == "_grouped_allreduce_grad_async":
+                return outer["self"]._parameter_names.get(local.get("p"))
+            if parent.f_code.co_name == "grouped_allreduce" and outer.get("name") is not None:
+                index = next(i for i, t in enumerate(outer["tensors"]) if t is tensor)
+                return f"{outer['name']}[{index}]"
+        if code == "allreduce":
+            return local.get("name")
+        frame = parent
+    return None
+
+
+class _Job:
+    """One tensor's exchange: started now or deferred (see the module doc), then finished."""
+
+    __slots__ = ("key", "exchange", "flat", "seed", "name", "tag", "grad", "pending")
+
+    def __init__(self, key: str, exchange: Any, flat: Any, seed: int, name: str, tag: Any,
+                 grad: torch.Tensor) -> None:
+        self.key, self.exchange, self.flat, self.seed = key, exchange, flat, seed
+        self.name, self.tag, self.grad = name, tag, grad
+        self.pending = None
+
+    def start(self) -> None:
+        with stream_of(self.grad):
+            self.pending = self.exchange.start(self.flat, self.seed, self.name, tag=self.tag)
+
+
 class QuantizedCompressor(CompressorSettings, Compressor):
     """A ``horovod.torch.compression.Compressor`` running a horovod_quant codec.
 
     Args: see :class:`~horovod_quant.adapters.CompressorSettings` (codec, seed, gather,
-    policy, process_set; ``stats`` holds the :class:`~horovod_quant.stats.StepStats`).
+    policy, process_set; ``stats`` holds the :class:`~horovod_quant.stats.StepStats`). The
+    policy's name rules apply to tensors Horovod names (module doc). Integer, boolean and
+    sparse tensors pass to Horovod unchanged (exact), never quantized.
     """
 
     def __init__(self, codec: Codec, seed: int = 0, gather: str = "auto",
                  policy: LayerPolicy | None = None, process_set: Any = None) -> None:
         super().__init__(codec, seed, gather, policy, process_set)
-        self._id = next(_IDS)
-        self._step = 0
-        self._index = 0
+        self._check: ConfigCheck | None = None
+        self._comm: Any = None
+        self._exchanges: dict[str, Exchange] = {}
+        self._uses: dict[str, int] = {}
+        self._unnamed = 0
         self._decompressing = False
-        self._exchange: Exchange | None = None
+        self._deferred: list[_Job] = []
 
-    def _start(self) -> Exchange:
-        comm = collectives_for(self.process_set)
-        check_same_config(comm, self.shared_config(), f"hq.config.{self._id}")
-        return Exchange(self.codec, comm, gather=self.gather)
+    def _exchange_for(self, codec: Codec) -> Exchange | None:
+        """The exchange of ``codec`` once the configuration check passed, else None."""
+        if self._check is None:
+            self._comm = collectives_for(self.process_set)
+            self._check = ConfigCheck(self._comm, self.shared_config())
+        return self._exchanges.get(json.dumps(codec.config(), sort_keys=True))
+
+    def _confirm(self) -> None:
+        """Wait for the configuration check, then build every exchange the policy can use in
+        the policy's order (collective set-up, e.g. the MPI communicator, happens in the same
+        order on every rank), and start the deferred jobs in key order."""
+        if not self._exchanges:
+            self._check.wait()
+            for codec in self.policy.codecs(self.codec):
+                self._exchanges[json.dumps(codec.config(), sort_keys=True)] = Exchange(
+                    codec, self._comm, gather=self.gather)
+            for job in self._deferred:
+                job.exchange = self._exchange_for(job.exchange)
+        jobs, self._deferred = sorted(self._deferred, key=lambda j: j.key), []
+        for job in jobs:
+            job.start()
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        if self._exchange is None:
-            self._exchange = self._start()
-        codec = self.policy.codec_for(self.codec, tensor.shape, sparse=tensor.is_sparse)
-        if codec is None or self.codec.name == "none":
+        name = horovod_name(tensor)
+        codec = None
+        if tensor.dtype.is_floating_point and not tensor.is_sparse:
+            codec = self.policy.codec_for(self.codec, tensor.shape, name)
+        if codec is None or codec.name == "none":
             self.stats.add_raw(tensor.numel() * tensor.element_size())
             return tensor, None
-        if self.codec.name == "fp16":
+        if codec.name == "fp16":
             self.stats.add_raw(tensor.numel() * 2)
             return tensor.half(), tensor.dtype
         if self._decompressing:  # first compress after a decompress: a new step
-            self._step, self._index, self._decompressing = self._step + 1, 0, False
-        j = self._index
-        self._index += 1
-        with stream_of(tensor):
-            pending = self._exchange.start(flat_array(tensor),
-                                           derive_key(self.seed, self._step, j),
-                                           f"hq.{self._id}.{j}")
-        placeholder = torch.ones(1, dtype=torch.float32)
-        return placeholder, (pending, tensor)
+            self._unnamed, self._decompressing = 0, False
+        if name is None:
+            name, self._unnamed = f"#{self._unnamed}", self._unnamed + 1
+        use = self._uses.get(name, 0)
+        self._uses[name] = use + 1
+        exchange = self._exchange_for(codec)
+        job = _Job(name, exchange if exchange is not None else codec, flat_array(tensor),
+                   derive_key(self.seed, use, name_key(name)),
+                   f"hq.{self._check.index}.{name}", exchange_tag(name, tensor.shape), tensor)
+        if exchange is None or exchange.blocks_on_peers:
+            self._deferred.append(job)
+        else:
+            job.start()
+        return torch.ones(1, dtype=torch.float32), job
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         if ctx is None:
@@ -132,10 +213,12 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._decompressing = True
         if isinstance(ctx, torch.dtype):
             return tensor.to(ctx)
-        pending, grad = ctx
+        if self._deferred:
+            self._confirm()
+        job, grad = ctx, ctx.grad
         with stream_of(grad):
-            mean = as_tensor(pending.wait()).reshape(grad.shape)
-        self.stats.add(pending.stats)
+            mean = as_tensor(job.pending.wait()).reshape(grad.shape)
+        self.stats.add(job.pending.stats)
         self.stats.bytes_sent += tensor.numel() * tensor.element_size()
         factor = float(tensor.reshape(-1)[0])
         if factor != 1.0:

@@ -9,19 +9,27 @@ What it adds over ``hvd.DistributedOptimizer(compression=...)``:
 * Global norm: codecs that normalize by the norm of the whole step (Global-QSGD) get it from one
   allreduce over all buckets at ``synchronize()`` (their buckets start there).
 * Per-layer policy: small, 1-D and sparse gradients travel uncompressed through Horovod's own
-  allreduce (fused by Horovod); name patterns can override (:class:`LayerPolicy`).
+  allreduce (fused by Horovod); name rules choose another codec (or none) per parameter
+  (:class:`LayerPolicy`), and buckets hold the parameters of one codec.
 
 Bucket ``i`` of step ``t`` is exchanged with seed ``derive_key(seed, t, i)``; its flat vector is
 the concatenation of its gradients in bucket order, so ``mean_estimate(codec, [that vector on
 each rank], derive_key(seed, t, i), pipeline_elems=opt.pipeline_elems)`` reproduces the result
-exactly (for a global-norm codec, when the step has one bucket).
+exactly (for a global-norm codec, when the step has one bucket of that codec).
+
+As in Horovod, every parameter gets the averaged gradient on every rank, also where a rank did
+not use it (its gradient counts as zeros), so the ranks' weights stay identical. The ranks check
+at construction that they agree on the codecs, the policy and the bucket layout (parameter
+names and shapes), before anything else waits for a peer. A sparse gradient travels on
+Horovod's sparse path (``sparse_as_dense=True``: its dense form is compressed); its parameter
+leaves its bucket from the next step on.
 
 CUDA parameters: buckets hold parameters of one device, their buffers live on that device, and
 the codec runs there (see :mod:`horovod_quant.torch.compression`).
 """
 from __future__ import annotations
 
-import itertools
+import json
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable
@@ -30,8 +38,9 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from ..adapters import check_same_config
+from ..adapters import check_same_config, check_seed
 from ..comm.exchange import Exchange, global_norm
+from ..comm.steps import NORM_WIRE_WORDS, exchange_tag
 from ..core import get_codec
 from ..core.base import Codec
 from ..core.rng import derive_key
@@ -42,7 +51,6 @@ from .collectives import as_array, as_tensor, collectives_for
 from .compression import QuantizedCompressor, flat_array, on_gpu, stream_of
 
 DEFAULT_FUSION_BYTES = 32 << 20
-_IDS = itertools.count()
 
 
 def _resolve_codec(compression: Any) -> tuple[Codec, dict]:
@@ -64,19 +72,20 @@ def _resolve_codec(compression: Any) -> tuple[Codec, dict]:
 
 
 class _Bucket:
-    """Parameters of one device exchanged together, with the bucket's flat input and output
-    buffers (kept across steps: fresh multi-MB arrays would page-fault on every step), on the
-    device the codec runs on."""
+    """Parameters of one device and one codec exchanged together, with the bucket's flat input
+    and output buffers (kept across steps: fresh multi-MB arrays would page-fault on every
+    step), on the device the codec runs on."""
 
-    __slots__ = ("index", "params", "numel", "ready", "pending", "flat", "mean")
+    __slots__ = ("index", "params", "codec", "numel", "ready", "pending", "flat", "mean")
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, index: int, params: list[torch.nn.Parameter], codec: Codec) -> None:
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(f"a fusion group mixes devices {sorted(map(str, devices))}: put "
                              f"the parameters of each device in groups of their own")
         self.index = index
         self.params = params
+        self.codec = codec
         self.numel = sum(p.numel() for p in params)
         self.ready = 0
         self.pending = None
@@ -111,13 +120,12 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self.policy = policy
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.gather = gather
         self.pipeline_elems = pipeline_elems
         self.on_step = on_step
         self.stats = StepStats()
         self.last_stats: StepStats | None = None
-        self._id = next(_IDS)
         self._step = 0
 
         all_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -137,26 +145,22 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         else:
             names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
         self._names = names
-
-        self._raw = []
-        compressed = []
-        for p in all_params:
-            c = policy.codec_for(codec, p.shape, names[id(p)])
-            (compressed if c is not None and codec.name != "none" else self._raw).append(p)
-        self._buckets = self._make_buckets(compressed, groups, fusion_bytes)
-        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._all_params = all_params
+        self._groups, self._fusion_bytes = groups, fusion_bytes
+        self._sparse: set[int] = set()  # parameters whose gradients came sparse
+        self._densified: set[int] = set()  # sparse this step, exchanged dense (sparse_as_dense)
         self._delay = {id(p): backward_passes_per_step for p in all_params}
         self._raw_handles: dict[int, Any] = {}
         self._hooked: set[int] = set()
         self._synchronized = False
         self._should_synchronize = True
         self._comm = collectives_for(process_set)
-        self._exchange = Exchange(codec, self._comm, gather=gather, pipeline_elems=pipeline_elems)
-        self._defer = self._exchange.needs_norm
-        check_same_config(self._comm, {**codec.config(), "seed": self.seed, "gather": gather,
-                                       "policy": describe(policy), "fusion_bytes": fusion_bytes,
-                                       "buckets": [b.numel for b in self._buckets]},
-                          f"hq.opt.config.{self._id}")
+        self._layout()
+        # the check comes before anything that can wait for a peer (the exchanges' set-up)
+        self._id = self._check_layout()
+        self._exchanges = {self._codec_key(c): Exchange(c, self._comm, gather=gather,
+                                                        pipeline_elems=pipeline_elems)
+                           for c in policy.codecs(codec)}
         self._grad_accs = []
         if self._comm.size > 1:
             for p in all_params:
@@ -165,7 +169,39 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                 self._grad_accs.append(acc)
 
     @staticmethod
-    def _make_buckets(params: list, groups, fusion_bytes: int) -> list[_Bucket]:
+    def _codec_key(codec: Codec) -> str:
+        return json.dumps(codec.config(), sort_keys=True)
+
+    def _layout(self) -> None:
+        """Which parameters travel raw and the buckets of the others, one codec per bucket."""
+        self._raw, by_codec = [], {}
+        for p in self._all_params:
+            c = (None if id(p) in self._sparse else
+                 self.policy.codec_for(self.codec, p.shape, self._names[id(p)]))
+            if c is None or self.codec.name == "none":
+                self._raw.append(p)
+            else:
+                by_codec.setdefault(self._codec_key(c), (c, []))[1].append(p)
+        self._buckets = []
+        for c in self.policy.codecs(self.codec):
+            _, params = by_codec.get(self._codec_key(c), (c, []))
+            self._buckets += self._make_buckets(params, c, self._groups, self._fusion_bytes,
+                                                len(self._buckets))
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+
+    def _check_layout(self) -> int:
+        """Every rank must agree on the codecs, policy and buckets; returns the check index,
+        which names this optimizer's collectives."""
+        return check_same_config(self._comm, {
+            "door": "optimizer", **self.codec.config(), "seed": self.seed,
+            "gather": self.gather, "policy": describe(self.policy),
+            "fusion_bytes": self._fusion_bytes, "sparse": sorted(self._names[k] for k in self._sparse),
+            "buckets": [[b.codec.config(), [[self._names[id(p)], list(p.shape)] for p in b.params]]
+                        for b in self._buckets]})
+
+    @staticmethod
+    def _make_buckets(params: list, codec: Codec, groups, fusion_bytes: int,
+                      first: int) -> list[_Bucket]:
         if groups is not None and not isinstance(groups, int):
             chosen = {id(p) for g in groups for p in g}
             lists = [[p for p in g if any(p is q for q in params)] for g in groups]
@@ -187,7 +223,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                     cur, size = [], 0
             if cur:
                 lists.append(cur)
-        return [_Bucket(i, ps) for i, ps in enumerate(l for l in lists if l)]
+        return [_Bucket(first + i, ps, codec) for i, ps in enumerate(l for l in lists if l)]
 
     # -- hooks --------------------------------------------------------------------------
     def _make_hook(self, p: torch.nn.Parameter):
@@ -204,20 +240,27 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         return hook
 
     def _ready(self, p: torch.nn.Parameter) -> None:
+        if p.grad is not None and p.grad.is_sparse and self.sparse_as_dense:
+            p.grad = p.grad.to_dense()
+            self._densified.add(id(p))
         bucket = self._bucket_of.get(id(p))
-        if bucket is None:
+        if bucket is None or (p.grad is not None and p.grad.is_sparse):
+            if bucket is not None:  # found sparse now: its bucket slot is zeros this step
+                self._sparse.add(id(p))
             self._start_raw(p)
-            return
+            if bucket is None:
+                return
         bucket.ready += 1
-        if bucket.ready == len(bucket.params) and not self._defer:
+        if bucket.ready == len(bucket.params) and not self._exchange_of(bucket).blocks_on_peers:
             self._start_bucket(bucket, None)
+
+    def _exchange_of(self, bucket: _Bucket) -> Exchange:
+        return self._exchanges[self._codec_key(bucket.codec)]
 
     def _start_raw(self, p: torch.nn.Parameter) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        if p.grad.is_sparse and self.sparse_as_dense:
-            p.grad = p.grad.to_dense()
-        name = f"hq.o{self._id}.raw.{self._names[id(p)]}"
+        name = f"hq.{self._id}.raw.{self._names[id(p)]}"
         if p.grad.is_sparse:
             handle = hvd.sparse_allreduce_async(p.grad, name=name, op=self.op,
                                                 process_set=self.process_set)
@@ -231,11 +274,16 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self.stats.add_raw(p.grad.numel() * p.grad.element_size())
         self._raw_handles[id(p)] = (p, handle)
 
+    def _travels_in_bucket(self, p: torch.nn.Parameter) -> bool:
+        return id(p) not in self._raw_handles
+
     def _flat(self, bucket: _Bucket) -> Any:
         """The bucket's gradients as one float32 vector: the gradient itself (a view) for a
-        one-parameter float32 bucket, else copied into the bucket's buffer. Gradients do not
+        one-parameter float32 bucket, else copied into the bucket's buffer (zeros for a
+        parameter without a gradient this step, or one on the sparse path). Gradients do not
         change between the start of their exchange and ``synchronize()``."""
-        parts = [flat_array(p.grad) if p.grad is not None else None for p in bucket.params]
+        parts = [flat_array(p.grad) if p.grad is not None and self._travels_in_bucket(p)
+                 else None for p in bucket.params]
         if len(parts) == 1 and parts[0] is not None:
             return parts[0]
         if bucket.flat is None:
@@ -252,10 +300,34 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
 
     def _start_bucket(self, bucket: _Bucket, norm: float | None) -> None:
         seed = derive_key(self.seed, self._step, bucket.index)
-        name = f"hq.o{self._id}.b{bucket.index}"  # the same every step: Horovod caches it
+        name = f"hq.{self._id}.b{bucket.index}"  # the same every step: Horovod caches it
         with stream_of(bucket.params[0]):
-            bucket.pending = self._exchange.start(self._flat(bucket), seed, name, norm=norm,
-                                                  out=bucket.mean)
+            bucket.pending = self._exchange_of(bucket).start(
+                self._flat(bucket), seed, name, norm=norm, out=bucket.mean,
+                tag=exchange_tag(name, (bucket.numel,)))
+
+    def _start_waiting_buckets(self) -> None:
+        """Start, in bucket order, the buckets whose exchanges wait for peers (one global norm
+        per codec over its buckets) and any bucket not started yet."""
+        waiting = [b for b in self._buckets if b.pending is None]
+        norms: dict[str, float | None] = {}
+        for b in waiting:
+            key = self._codec_key(b.codec)
+            if key in norms or not self._exchange_of(b).needs_norm:
+                continue
+            t = time.perf_counter()
+            flats = []
+            for o in waiting:
+                if self._codec_key(o.codec) == key:
+                    with stream_of(o.params[0]):
+                        flats.append(self._flat(o))
+            name = f"hq.{self._id}.norm{b.index}"
+            norms[key] = global_norm(b.codec, flats, self._comm, name,
+                                     exchange_tag(name, (sum(f.size for f in flats),)))
+            self.stats.exchange_s += time.perf_counter() - t
+            self.stats.bytes_sent += NORM_WIRE_WORDS * 8
+        for b in waiting:
+            self._start_bucket(b, norms.get(self._codec_key(b.codec)))
 
     # -- synchronize / step -------------------------------------------------------------
     def synchronize(self) -> None:
@@ -266,20 +338,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             if id(p) not in self._hooked:  # no gradient this step (unused parameter)
                 self._hooked.add(id(p))
                 self._ready(p)
-        pending = [b for b in self._buckets if b.pending is None]
-        if pending:
-            norm = None
-            if self._defer:
-                t = time.perf_counter()
-                flats = []
-                for b in pending:
-                    with stream_of(b.params[0]):
-                        flats.append(self._flat(b))
-                norm = global_norm(self.codec, flats, self._comm, f"hq.o{self._id}.norm")
-                self.stats.exchange_s += time.perf_counter() - t
-                self.stats.bytes_sent += 8
-            for b in pending:
-                self._start_bucket(b, norm)
+        self._start_waiting_buckets()
         factor = float(self._comm.size) if self.op == hvd.Sum else 1.0
         for b in self._buckets:
             with stream_of(b.params[0]):
@@ -290,16 +349,25 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             offset = 0
             for p in b.params:
                 n = p.numel()
-                if p.grad is not None:
+                if self._travels_in_bucket(p):
+                    if p.grad is None:  # unused here, used elsewhere: Horovod's zeros
+                        p.grad = torch.zeros_like(p)
                     p.grad.copy_(mean[offset:offset + n].view_as(p.grad))
                 offset += n
             b.pending = None
             b.ready = 0
         for p, handle in self._raw_handles.values():
-            out = hvd.synchronize(handle)
+            out = handle() if callable(handle) else hvd.synchronize(handle)  # sparse: callable
             if p.grad.is_sparse:
                 p.grad = out
         self._raw_handles.clear()
+        for p in self._all_params:  # as Horovod: the optimizer gets the sparse form back
+            if id(p) in self._densified:
+                p.grad = p.grad.to_sparse()
+        self._densified.clear()
+        if any(id(p) in self._bucket_of for p in self._all_params if id(p) in self._sparse):
+            self._layout()  # sparse parameters leave their buckets; the ranks check again
+            self._check_layout()
         self._finish_step()
 
     def _finish_step(self) -> None:

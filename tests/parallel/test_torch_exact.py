@@ -6,7 +6,8 @@ import horovod.torch as hvd
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt
-from horovod_quant.core.rng import derive_key
+from horovod_quant.core.rng import derive_key, name_key
+from horovod_quant.comm.steps import FRAME_HEADER_BYTES
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 
 from conftest import Linear, codec_params, rank_gradients
@@ -15,12 +16,15 @@ CODECS = [c for c in hq.available_codecs() if c not in ("none", "fp16")]
 EVERYTHING = hqt.LayerPolicy.everything()
 
 
-def _expected(name, shapes, step, seed, factor=1.0):
+def _expected(name, shapes, step, seed, factor=1.0, key="ps.0"):
+    """The mean the compressor door gives the parameter Horovod names ``key``: its u-th
+    exchange (here u = step) has seed derive_key(seed, u, name_key(key))."""
     n = hvd.size()
     codec = hq.get_codec(name, **codec_params(name))
     per_rank = [rank_gradients(shapes, step, r) for r in range(n)]
     flats = [np.concatenate([g.reshape(-1) for g in gs]) for gs in per_rank]
-    est, _ = hq.mean_estimate(codec, flats, seed=derive_key(seed, step, 0), gather="auto")
+    est, _ = hq.mean_estimate(codec, flats, seed=derive_key(seed, step, name_key(key)),
+                              gather="auto")
     return est * np.float32(factor)
 
 
@@ -66,12 +70,12 @@ def test_backward_passes_and_groups(name):
     model.loss(grads).backward()
     opt.step()
     if hvd.size() > 1:
-        # a group compresses its tensors in group order: tensor j is index j of step 0
+        # grouped tensors are matched by their parameter names too
         codec = hq.get_codec(name, **codec_params(name))
         for j in range(len(shapes)):
             flats = [rank_gradients(shapes, 0, r)[j].reshape(-1) * np.float32(2)
                      for r in range(hvd.size())]
-            want, _ = hq.mean_estimate(codec, flats, seed=derive_key(9, 0, j))
+            want, _ = hq.mean_estimate(codec, flats, seed=derive_key(9, 0, name_key(f"ps.{j}")))
             assert np.array_equal(model.ps[j].grad.reshape(-1).numpy(), want)
 
 
@@ -127,6 +131,6 @@ def test_wire_bytes_measured_at_the_collective(monkeypatch):
     opt.step()
     if hvd.size() > 1:
         budget = d * 4 // 8 + 4 * (d // 512)  # 4 bits per element + one float32 per bucket
-        assert sent == [budget + 8]  # plus the 8-byte length frame
+        assert sent == [budget + FRAME_HEADER_BYTES]  # plus the frame header
         assert opt.last_stats.bytes_raw == d * 4
         assert opt.last_stats.compression_ratio > 7.5

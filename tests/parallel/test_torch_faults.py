@@ -81,8 +81,11 @@ def test_nonfinite_zero_empty_and_unused(name, door):
     assert model.ps[0].grad.numel() == 0
     if hvd.size() > 1:
         assert not torch.isfinite(model.ps[2].grad).all(), "overflow must stay visible"
-    if door == "quant":
-        assert model.ps[4].grad is None
+    # unused everywhere: like Horovod, every rank gets the (same) averaged gradient; here it
+    # shares a quantization bucket with the overflow, so it may be non-finite too
+    assert model.ps[4].grad is not None
+    everyone = hvd.allgather(model.ps[4].grad.reshape(1, -1))
+    assert all(torch.equal(everyone[0].isfinite(), e.isfinite()) for e in everyone)
     run([np.zeros(s, np.float32) for s in shapes])
     for p in list(model.ps)[:4]:
         assert torch.equal(p.grad, torch.zeros_like(p)), "zero gradients decode to zeros"

@@ -47,9 +47,6 @@ class ThreadCollectives(Collectives):
         mine = [everyone[s][self.rank] for s in range(self.size)]
         return Done((np.concatenate(mine), [m.size for m in mine]))
 
-    def allgather_object(self, obj, name):
-        return self.world.exchange(name, self.rank, obj)
-
 
 def run_ranks(n: int, fn):
     """Run ``fn(comm)`` on n threads, one per rank; return the results in rank order."""
