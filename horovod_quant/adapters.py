@@ -2,7 +2,6 @@
 configuration check and the ``Compression.<codec>(...)`` namespace."""
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from typing import Any, Callable
@@ -23,10 +22,28 @@ WORLD_SIZED = ("global_qsgd", "nested_dithered")
 #: default of ``HQ_CONFIG_TIMEOUT``: how long a rank waits for the others' configuration
 CONFIG_TIMEOUT_S = 600.0
 
-# The n-th check of a process pairs with the n-th check of every other rank: checks are
-# numbered when they start (not when a compressor is built), so a compressor built on one rank
-# only, and never used, shifts nothing. The number also names the checked object's collectives.
-_CHECKS = itertools.count()
+
+
+class _CheckNumbers:
+    """The n-th check of a process in a group of ranks pairs with the n-th check of every other
+    rank of the group: checks are numbered when they start (not when a compressor is built),
+    so a compressor built on one rank only, and never used, shifts nothing. The number also
+    names the checked object's collectives."""
+
+    def __init__(self) -> None:
+        self._started: dict[tuple[str, int], int] = {}
+
+    def started(self, comm: Collectives) -> int:
+        """How many checks this rank started in ``comm``'s group."""
+        return self._started.get((comm.group_id, comm.rank), 0)
+
+    def take(self, comm: Collectives) -> int:
+        n = self.started(comm)
+        self._started[comm.group_id, comm.rank] = n + 1
+        return n
+
+
+CHECKS = _CheckNumbers()
 
 
 def check_seed(seed: Any) -> int:
@@ -71,33 +88,32 @@ class ConfigCheck:
         config: JSON-serializable description of everything that must agree.
 
     Attributes:
-        index: this check's number, the same on every rank; names the checked object's
-            collectives (``hq.<index>...``).
+        prefix: ``hq.<group>.<n>`` for the n-th check in the group, the same on every rank;
+            the prefix of the checked object's collective names.
     """
 
     def __init__(self, comm: Collectives, config: dict) -> None:
-        self.index = next(_CHECKS)
-        self._size = comm.size
-        self._handle = (comm.allgather_object_async(config, f"hq.config.{self.index}")
+        self.prefix = f"hq.{comm.group_id}.{CHECKS.take(comm)}"
+        self._handle = (comm.allgather_object_async(config, f"{self.prefix}.config")
                         if comm.size > 1 else None)
         self._done = comm.size == 1
 
-    def wait(self) -> int:
-        """Block until every rank's configuration is here; returns :attr:`index`."""
+    def wait(self) -> str:
+        """Block until every rank's configuration is here; returns :attr:`prefix`."""
         if not self._done:
             configs = wait_for_peers(self._handle, f"every rank's configuration "
-                                                   f"(collective hq.config.{self.index})")
+                                                   f"(collective {self.prefix}.config)")
             self._done = True
             if any(c != configs[0] for c in configs):
                 lines = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(configs))
                 raise ValueError("horovod_quant configuration differs between ranks; every rank "
                                  "must build the same codec, parameters, seed, policy and "
                                  f"layout:\n{lines}")
-        return self.index
+        return self.prefix
 
 
-def check_same_config(comm: Collectives, config: dict) -> int:
-    """:class:`ConfigCheck`, blocking; returns the check's index."""
+def check_same_config(comm: Collectives, config: dict) -> str:
+    """:class:`ConfigCheck`, blocking; returns the check's prefix."""
     return ConfigCheck(comm, config).wait()
 
 

@@ -95,10 +95,12 @@ class Collectives(abc.ABC):
     Attributes:
         rank: this process's rank in the group.
         size: number of ranks.
+        group_id: names the group of ranks, the same on each of them (the process set's id).
     """
 
     rank: int
     size: int
+    group_id: str = "0"
 
     @abc.abstractmethod
     def allreduce_async(self, arr: np.ndarray, name: str, op: str = "sum") -> Handle:
@@ -161,3 +163,4 @@ class ProcessSetCollectives(Collectives):
         self.process_set = process_set
         self.rank = process_set.rank()
         self.size = process_set.size()
+        self.group_id = str(process_set.process_set_id)

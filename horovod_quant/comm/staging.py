@@ -30,6 +30,7 @@ class HostStaged(Collectives):
         self.inner = inner
         self.rank = inner.rank
         self.size = inner.size
+        self.group_id = inner.group_id
 
     def _staged(self, arr: Any, start: Callable[[np.ndarray], Handle],
                 pick: Callable[[Any], Any] = lambda r: r,

@@ -16,7 +16,7 @@ rest), so exchanges are matched by name, as Horovod matches its own: the compres
 tensor's Horovod name where Horovod has one (the parameter name in ``DistributedOptimizer``,
 the ``name=`` of ``hvd.allreduce``/``grouped_allreduce``) from Horovod's own call (0.28.1 is
 its final release, so these call sites are fixed). Tensor ``key``'s u-th exchange (u from 0)
-uses seed ``derive_key(seed, u, name_key(key))`` and collective ``hq.<check>.<key>``. Unnamed
+uses seed ``derive_key(seed, u, name_key(key))`` and collective ``<check prefix>.<key>``. Unnamed
 tensors get the key ``#j``: the j-th compressed tensor of the step (a step is a run of
 ``compress`` calls ended by the first ``decompress``). Every exchange also carries a tag of its
 key and shape; ranks whose tags differ (another shape under one name, unnamed tensors in
@@ -25,7 +25,10 @@ another order) raise the same ValueError, so different tensors are never combine
 Nothing that waits for a peer runs before the ranks' configurations are known to agree: the
 first step's exchanges start at its first ``decompress``, after the configuration check, and
 exchanges that wait for peers or pair data by call order (Global-QSGD's global norm, the MPI
-exponent allreduce) always start there, in key order, which is the same on every rank.
+exponent allreduce) always start there, in key order, which is the same on every rank. The
+first ``decompress`` of a step also finishes every exchange of the step in key order: some
+finish with a collective of their own (NDQSG's outage count, the second round of
+scatter-reduce-allgather), and Horovod calls ``decompress`` in each rank's own order.
 
 CUDA gradients are encoded and decoded on their GPU by the CUDA kernels (``horovod_quant.gpu``,
 needs CuPy) on torch's current stream; only payloads move, through Horovod's GPU collectives or
@@ -156,7 +159,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._uses: dict[str, int] = {}
         self._unnamed = 0
         self._decompressing = False
-        self._deferred: list[_Job] = []
+        self._deferred: list[_Job] = []  # not started yet
+        self._open: list[_Job] = []  # not finished yet
 
     def _exchange_for(self, codec: Codec) -> Exchange | None:
         """The exchange of ``codec`` once the configuration check passed, else None."""
@@ -165,20 +169,26 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             self._check = ConfigCheck(self._comm, self.shared_config())
         return self._exchanges.get(json.dumps(codec.config(), sort_keys=True))
 
-    def _confirm(self) -> None:
-        """Wait for the configuration check, then build every exchange the policy can use in
-        the policy's order (collective set-up, e.g. the MPI communicator, happens in the same
-        order on every rank), and start the deferred jobs in key order."""
-        if not self._exchanges:
+    def _finish_step(self) -> None:
+        """Wait for the configuration check (the first time), build every exchange the policy
+        can use in the policy's order (their collective set-up, e.g. the MPI communicator, then
+        runs in the same order on every rank), start the deferred jobs and finish every open
+        job, each in key order."""
+        if not self._exchanges and self._deferred:
             self._check.wait()
             for codec in self.policy.codecs(self.codec):
                 self._exchanges[json.dumps(codec.config(), sort_keys=True)] = Exchange(
                     codec, self._comm, gather=self.gather)
             for job in self._deferred:
                 job.exchange = self._exchange_for(job.exchange)
-        jobs, self._deferred = sorted(self._deferred, key=lambda j: j.key), []
+        by_key = lambda j: j.key  # noqa: E731
+        jobs, self._deferred = sorted(self._deferred, key=by_key), []
         for job in jobs:
             job.start()
+        jobs, self._open = sorted(self._open, key=by_key), []
+        for job in jobs:
+            with stream_of(job.grad):
+                job.pending.wait()
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         name = horovod_name(tensor)
@@ -200,11 +210,12 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         exchange = self._exchange_for(codec)
         job = _Job(name, exchange if exchange is not None else codec, flat_array(tensor),
                    derive_key(self.seed, use, name_key(name)),
-                   f"hq.{self._check.index}.{name}", exchange_tag(name, tensor.shape), tensor)
+                   f"{self._check.prefix}.{name}", exchange_tag(name, tensor.shape), tensor)
         if exchange is None or exchange.blocks_on_peers:
             self._deferred.append(job)
         else:
             job.start()
+        self._open.append(job)
         return torch.ones(1, dtype=torch.float32), job
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -213,8 +224,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._decompressing = True
         if isinstance(ctx, torch.dtype):
             return tensor.to(ctx)
-        if self._deferred:
-            self._confirm()
+        if self._open:
+            self._finish_step()
         job, grad = ctx, ctx.grad
         with stream_of(grad):
             mean = as_tensor(job.pending.wait()).reshape(grad.shape)

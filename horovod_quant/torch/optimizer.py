@@ -157,7 +157,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._comm = collectives_for(process_set)
         self._layout()
         # the check comes before anything that can wait for a peer (the exchanges' set-up)
-        self._id = self._check_layout()
+        self._prefix = self._check_layout()
         self._exchanges = {self._codec_key(c): Exchange(c, self._comm, gather=gather,
                                                         pipeline_elems=pipeline_elems)
                            for c in policy.codecs(codec)}
@@ -189,8 +189,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                                                 len(self._buckets))
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
 
-    def _check_layout(self) -> int:
-        """Every rank must agree on the codecs, policy and buckets; returns the check index,
+    def _check_layout(self) -> str:
+        """Every rank must agree on the codecs, policy and buckets; returns the check's prefix,
         which names this optimizer's collectives."""
         return check_same_config(self._comm, {
             "door": "optimizer", **self.codec.config(), "seed": self.seed,
@@ -260,7 +260,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
     def _start_raw(self, p: torch.nn.Parameter) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        name = f"hq.{self._id}.raw.{self._names[id(p)]}"
+        name = f"{self._prefix}.raw.{self._names[id(p)]}"
         if p.grad.is_sparse:
             handle = hvd.sparse_allreduce_async(p.grad, name=name, op=self.op,
                                                 process_set=self.process_set)
@@ -300,7 +300,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
 
     def _start_bucket(self, bucket: _Bucket, norm: float | None) -> None:
         seed = derive_key(self.seed, self._step, bucket.index)
-        name = f"hq.{self._id}.b{bucket.index}"  # the same every step: Horovod caches it
+        name = f"{self._prefix}.b{bucket.index}"  # the same every step: Horovod caches it
         with stream_of(bucket.params[0]):
             bucket.pending = self._exchange_of(bucket).start(
                 self._flat(bucket), seed, name, norm=norm, out=bucket.mean,
@@ -321,7 +321,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                 if self._codec_key(o.codec) == key:
                     with stream_of(o.params[0]):
                         flats.append(self._flat(o))
-            name = f"hq.{self._id}.norm{b.index}"
+            name = f"{self._prefix}.norm{b.index}"
             norms[key] = global_norm(b.codec, flats, self._comm, name,
                                      exchange_tag(name, (sum(f.size for f in flats),)))
             self.stats.exchange_s += time.perf_counter() - t

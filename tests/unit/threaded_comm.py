@@ -29,6 +29,7 @@ class _World:
 class ThreadCollectives(Collectives):
     def __init__(self, world: _World, rank: int) -> None:
         self.world, self.rank, self.size = world, rank, world.n
+        self.group_id = f"threads{id(world)}"
 
     def allreduce_async(self, arr, name, op="sum"):
         vals = self.world.exchange(name, self.rank, np.array(arr, copy=True))

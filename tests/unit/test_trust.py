@@ -1,0 +1,179 @@
+"""What ranks accept from each other and from the environment (the trust issue, no Horovod):
+configuration checks, exchange tags, JSON between ranks, environment flags, seeds, rules."""
+import pickle
+import time
+
+import numpy as np
+import pytest
+
+import horovod_quant as hq
+import horovod_quant.comm
+from horovod_quant.adapters import CHECKS, ConfigCheck, check_same_config, wait_for_peers
+from horovod_quant.comm import Exchange
+from horovod_quant.comm.backend import Handle, decode_objects, encode_object
+from horovod_quant.comm.mpi_exp import world_communicator
+from horovod_quant.comm.steps import check_tags, exchange_tag, norm_from_gathered, norm_wire
+from horovod_quant.env import env_flag, env_seconds
+from horovod_quant.policy import LayerPolicy
+
+from threaded_comm import run_ranks
+
+
+def test_config_check_passes_when_ranks_agree():
+    prefixes = run_ranks(3, lambda comm: check_same_config(comm, {"codec": "qsgd", "bits": 4}))
+    assert prefixes[0].endswith(".0") and len({p.rsplit(".", 1)[1] for p in prefixes}) == 1
+
+
+def test_config_check_raises_the_same_error_on_every_rank():
+    def rank_fn(comm):
+        try:
+            check_same_config(comm, {"bits": 4 if comm.rank == 1 else 8})
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    messages = run_ranks(3, rank_fn)
+    assert messages[0] is not None and "differs between ranks" in messages[0]
+    assert "rank 1: {'bits': 4}" in messages[0]
+    assert len(set(messages)) == 1
+
+
+def test_checks_are_numbered_when_they_start_not_when_built():
+    comm = hq.comm.LocalCollectives()
+    before = CHECKS.started(comm)
+    check = ConfigCheck(comm, {"a": 1})
+    assert CHECKS.started(comm) == before + 1
+    assert check.wait() == f"hq.0.{before}"
+
+
+class _Never(Handle):
+    def wait(self):
+        raise AssertionError("must not be waited for")
+
+    def done(self):
+        return False
+
+
+def test_waiting_for_peers_has_a_deadline(monkeypatch):
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="waited .* for the test.*HQ_CONFIG_TIMEOUT"):
+        wait_for_peers(_Never(), "the test", timeout=0.2)
+    assert time.monotonic() - t < 5
+    monkeypatch.setenv("HQ_CONFIG_TIMEOUT", "0.1")
+    with pytest.raises(RuntimeError):
+        wait_for_peers(_Never(), "the test")
+
+
+def test_objects_from_peers_are_json_never_pickle():
+    blobs = np.concatenate([encode_object({"r": r, "t": (1, 2.5, None)}) for r in range(2)])
+    assert decode_objects(blobs, 2) == [{"r": 0, "t": [1, 2.5, None]}, {"r": 1, "t": [1, 2.5, None]}]
+    evil = pickle.dumps({"r": 0})
+    framed = np.frombuffer(np.array([len(evil)], "<u8").tobytes() + evil, np.uint8)
+    with pytest.raises(ValueError, match="not JSON"):
+        decode_objects(framed, 1)
+    with pytest.raises(ValueError, match="declares"):
+        decode_objects(blobs[:-3], 2)
+    with pytest.raises(ValueError, match="expected 3"):
+        decode_objects(blobs, 3)
+
+
+def test_exchange_tags_catch_other_tensors_on_every_rank():
+    """Rank 1 sends a tensor of another length under the same name: every rank raises before
+    anything is combined (gather and sra schedules, and the norm of Global-QSGD)."""
+    for name, params in [("qsgd", {}), ("natural", {}), ("global_qsgd", {"world_size": 3}),
+                         ("global_qsgd", {"world_size": 3, "levels": "linear"})]:
+        for gather in ("allgather", "sra"):
+            codec = hq.get_codec(name, **params)
+
+            def rank_fn(comm):
+                x = np.ones(1000 if comm.rank != 1 else 800, np.float32)
+                try:
+                    Exchange(codec, comm, gather=gather).start(x, 1, "w").wait()
+                except ValueError as exc:
+                    return str(exc)
+
+            messages = run_ranks(3, rank_fn)
+            assert all(m is not None and "different tensors" in m for m in messages), (name, gather)
+            assert "rank 1: 800 elements" in messages[0]
+
+
+def test_same_length_other_shape_is_caught_by_the_tag():
+    assert exchange_tag("w", (4, 300)) != exchange_tag("w", (300, 4))
+    assert exchange_tag("w", (4, 300))[0] == exchange_tag("w", (300, 4))[0] == 1200
+    with pytest.raises(ValueError, match="different tensors"):
+        check_tags([exchange_tag("w", (4, 300)), exchange_tag("w", (300, 4))], "w")
+
+
+def test_norm_wire_carries_the_tag():
+    codec = hq.get_codec("global_qsgd", world_size=2)
+    a = norm_wire(codec, [np.ones(10, np.float32)], exchange_tag("w", (10,)))
+    b = norm_wire(codec, [np.ones(10, np.float32)], exchange_tag("v", (10,)))
+    assert norm_from_gathered(codec, np.concatenate([a, a])) == np.float32(1.0)
+    with pytest.raises(ValueError, match="different tensors"):
+        norm_from_gathered(codec, np.concatenate([a, b]), "w.norm")
+
+
+@pytest.mark.parametrize("text,want", [("1", True), ("true", True), (" Yes ", True), ("ON", True),
+                                       ("0", False), ("false", False), ("no", False),
+                                       ("Off", False), ("", None)])
+def test_boolean_environment_variables(monkeypatch, text, want):
+    monkeypatch.setenv("HQ_TEST_FLAG", text)
+    assert env_flag("HQ_TEST_FLAG") is want
+
+
+@pytest.mark.parametrize("text", ["2", "maybe", "y e s"])
+def test_bad_boolean_environment_variables_raise(monkeypatch, text):
+    monkeypatch.setenv("HQ_MPI_EXCHANGE", text)
+    with pytest.raises(ValueError, match="HQ_MPI_EXCHANGE"):
+        world_communicator(object())
+
+
+@pytest.mark.parametrize("text", ["false", "no", "off", "0"])
+def test_mpi_exchange_can_be_switched_off_in_any_spelling(monkeypatch, text):
+    monkeypatch.setenv("HQ_MPI_EXCHANGE", text)
+    assert world_communicator(object()) is None  # decided before Horovod is asked
+
+
+def test_seconds_environment_variables(monkeypatch):
+    monkeypatch.setenv("HQ_CONFIG_TIMEOUT", "2.5")
+    assert env_seconds("HQ_CONFIG_TIMEOUT", 600) == 2.5
+    for bad in ("-1", "0", "soon", "inf"):
+        monkeypatch.setenv("HQ_CONFIG_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="HQ_CONFIG_TIMEOUT"):
+            env_seconds("HQ_CONFIG_TIMEOUT", 600)
+
+
+@pytest.mark.parametrize("seed", [7.9, 7.0, "7", True, None])
+def test_non_integral_seeds_are_refused(seed):
+    with pytest.raises(TypeError, match="integer"):
+        hq.derive_key(seed, 1)
+    with pytest.raises(TypeError, match="integer"):
+        hq.derive_key(1, seed)
+    codec = hq.get_codec("qsgd")
+    with pytest.raises((TypeError, ValueError)):
+        codec.encode(np.ones(10, np.float32), seed=seed)
+
+
+def test_numpy_integer_seeds_are_accepted():
+    assert hq.derive_key(np.int64(7), np.uint32(3)) == hq.derive_key(7, 3)
+
+
+def test_rules_take_codecs_none_and_compressor_like_objects():
+    eight = hq.get_codec("qsgd", bits=8)
+
+    class Wrapped:  # what Compression.<name>(...) objects look like to the policy
+        codec = hq.get_codec("natural")
+
+    policy = LayerPolicy(rules=[(r"^a$", eight), (r"^b$", Wrapped()), (r"^c$", None),
+                                (r"^d$", hq.get_codec("none"))], min_elements=0)
+    default = hq.get_codec("qsgd", bits=4)
+    assert policy.codec_for(default, (8, 8), "a") is eight
+    assert policy.codec_for(default, (8, 8), "b").name == "natural"
+    assert policy.codec_for(default, (8, 8), "c") is None
+    assert policy.codec_for(default, (8, 8), "d") is None
+    assert policy.codec_for(default, (8, 8), "e") is default
+    assert policy.codec_for(default, (8, 8), None) is default
+    assert [c.config() for c in policy.codecs(default)] == [
+        default.config(), eight.config(), Wrapped.codec.config()]
+    with pytest.raises(TypeError, match="rule 'x'"):
+        LayerPolicy(rules=[("x", "qsgd")])
