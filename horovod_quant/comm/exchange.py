@@ -9,7 +9,7 @@ bit, on every rank:
 * ``sum`` codecs: the payload words go through one allreduce(sum) (uint64 words as int64,
   whose wrapping sum is exact modulo 2^64) and ``decode_sum`` turns the sum into the mean;
 * ``gather`` codecs: ``allgather`` or ``sra`` (:mod:`horovod_quant.core.schedules`), payloads
-  framed with their length;
+  framed with their length and tag (:func:`~.steps.frame`);
 * ``custom`` codecs: the codec's own collective when one is registered (the mpi4py exponent
   allreduce of Global-QSGD), else allgather and the codec's reduction on every rank.
 
