@@ -10,5 +10,7 @@ from ..policy import LayerPolicy
 from ..stats import StepStats
 from .compression import Compression, QuantizedCompressor
 from .optimizer import DistributedOptimizer
+from .reporting import StatsLogger
 
-__all__ = ["Compression", "DistributedOptimizer", "LayerPolicy", "QuantizedCompressor", "StepStats"]
+__all__ = ["Compression", "DistributedOptimizer", "LayerPolicy", "QuantizedCompressor",
+           "StatsLogger", "StepStats"]
