@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import abc
 import functools
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 
@@ -103,6 +103,65 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
     return value
 
 
+# -- payload validation -----------------------------------------------------------------------
+#: Largest element count a payload may declare: 2^40 (4 TiB of float32, beyond any tensor). A
+#: larger (or negative) size is a damaged header; checked before anything is allocated.
+MAX_PAYLOAD_SIZE = 1 << 40
+
+
+class WireLayout(NamedTuple):
+    """What a valid payload of ``size`` elements looks like on the wire (:meth:`Codec.wire_layout`).
+
+    Attributes:
+        size: the element count the layout is for.
+        nbytes: the payload's byte count; a lower bound when ``exact`` is False (variable-length
+            formats: Elias streams, whose decoding kernel checks every read).
+        exact: whether ``nbytes`` is the exact count.
+        detail: the parameters ``nbytes`` follows from, for error messages.
+        head: the value of the leading header field the length depends on (the nonzero count
+            of a sparse Global-QSGD payload, the coarse ratio k of an NDQSG payload), else 0.
+    """
+
+    size: int
+    nbytes: int
+    exact: bool = True
+    detail: str = ""
+    head: int = 0
+
+
+def check_payload_size(name: str, size: Any) -> int:
+    """The element count a payload declares, as an int in [0, MAX_PAYLOAD_SIZE]; raises
+    ValueError naming the codec otherwise."""
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+        raise ValueError(f"{name}: payload size must be an integer, got {size!r}")
+    size = int(size)
+    if not 0 <= size <= MAX_PAYLOAD_SIZE:
+        raise ValueError(f"{name}: payload size={size} is out of range [0, 2^40]: a damaged "
+                         f"or wrong size")
+    return size
+
+
+def _nbytes(data: Any) -> int:
+    nb = getattr(data, "nbytes", None)
+    return int(nb) if nb is not None else int(np.asarray(data).nbytes)
+
+
+def _numel(a: Any) -> int:
+    """Elements of a NumPy/CuPy array or a torch tensor (whose ``size`` is a method)."""
+    return int(a.numel()) if callable(getattr(a, "numel", None)) else int(np.size(a))
+
+
+def _head_bytes(data: Any, count: int) -> np.ndarray:
+    """The first ``count`` bytes of a payload's data as a host uint8 array (a device payload
+    copies just these bytes)."""
+    if _on_device(data):
+        from .. import gpu
+
+        dev = gpu.as_cupy(data).reshape(-1).view("uint8")[:count]
+        return np.asarray(gpu.to_host(dev)).view(np.uint8)
+    return np.ascontiguousarray(np.asarray(data).reshape(-1).view(np.uint8)[:count])
+
+
 class Codec(abc.ABC):
     """An unbiased (or baseline) gradient compressor on flat float32 NumPy arrays.
 
@@ -140,6 +199,7 @@ class Codec(abc.ABC):
 
     def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
         """``out += decode(payload)``; codecs override with a fused kernel."""
+        self.check_payload(payload, out)
         out += self.decode(payload)
         return out
 
@@ -153,10 +213,71 @@ class Codec(abc.ABC):
         ``meta`` carries what every rank knows without it being sent: the sender's seed
         (``seed=worker_seed(s, r)``, for codecs that regenerate a dither), the global norm, ...
         """
-        return Payload(np.asarray(data).view(self.wire_dtype).reshape(-1), int(size), dict(meta))
+        raw = Payload(np.asarray(data).reshape(-1).view(np.uint8),
+                      check_payload_size(self.name, size), dict(meta))
+        self.check_payload(raw)  # before the view: a damaged length may not be whole words
+        return Payload(raw.data.view(self.wire_dtype), raw.size, raw.meta)
 
     #: dtype of ``Payload.data`` (what a collective moves)
     wire_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
+
+    # -- payload validation (every decode entry point, CPU and GPU, before any kernel) --------
+    #: leading payload bytes :meth:`wire_layout` reads (a sparse count, an NDQSG header)
+    head_nbytes: ClassVar[int] = 0
+
+    def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout | None:
+        """The byte count of a valid payload of ``size`` elements (see :class:`WireLayout`).
+
+        ``head`` holds the payload's first :attr:`head_nbytes` bytes (host uint8) for formats
+        whose length depends on a header field; raises ValueError on an invalid header. Every
+        codec of this package defines it; None (the default, for codecs defined elsewhere)
+        leaves the byte count unchecked.
+        """
+        return None
+
+    def check_payload(self, payload: Payload, out: Any | None = None) -> WireLayout:
+        """Validate a payload before any kernel reads it (and ``out`` before one writes it).
+
+        Checks the declared size (an integer in [0, 2^40]), the header fields the length
+        depends on, the byte count against :meth:`wire_layout` (exact for fixed-width formats,
+        a lower bound for variable-length ones, whose kernels check every read), and that
+        ``out`` has ``size`` elements. Host and device payloads alike (a device payload's
+        header bytes are copied to the host). Raises ValueError naming the codec and the
+        mismatch; returns the layout.
+        """
+        name = self.name
+        size = check_payload_size(name, payload.size)
+        nbytes = _nbytes(payload.data)
+        head = None
+        if self.head_nbytes:
+            if nbytes < self.head_nbytes:
+                raise ValueError(f"{name}: payload has {nbytes} bytes, fewer than its "
+                                 f"{self.head_nbytes}-byte header (size={size})")
+            head = _head_bytes(payload.data, self.head_nbytes)
+        lay = self.wire_layout(size, head)
+        if lay is None:
+            lay = WireLayout(size, nbytes, True, "unchecked")
+        if (nbytes != lay.nbytes) if lay.exact else (nbytes < lay.nbytes):
+            what = "" if lay.exact else "at least "
+            raise ValueError(f"{name}: payload has {nbytes} bytes, {what}{lay.nbytes} expected "
+                             f"for size={size} ({lay.detail})")
+        if out is not None and _numel(out) != size:
+            raise ValueError(f"{name}: out has {_numel(out)} elements, the payload decodes to "
+                             f"size={size}")
+        return lay
+
+    def check_payloads(self, payloads: Sequence[Payload], out: Any | None = None
+                       ) -> list[WireLayout]:
+        """:meth:`check_payload` of every payload of an exchange; they must encode the same
+        number of elements (``out``'s, when given). Returns their layouts."""
+        if len(payloads) == 0:
+            raise ValueError(f"{self.name}: no payloads to combine")
+        lays = [self.check_payload(payloads[0], out)]
+        lays += [self.check_payload(p) for p in payloads[1:]]
+        if any(lay.size != lays[0].size for lay in lays):
+            raise ValueError(f"{self.name}: payloads encode different lengths "
+                             f"{[lay.size for lay in lays]}")
+        return lays
 
     def config(self) -> dict[str, Any]:
         """Everything that must agree across ranks (checked once at the first step)."""
@@ -179,7 +300,8 @@ class Codec(abc.ABC):
         the reference) performs the same operations; custom exchanges override this with
         their reduction (a fallback when no custom collective is available).
         """
-        est = np.empty(payloads[0].size, np.float32) if out is None else out
+        size = self.check_payloads(payloads, out)[0].size
+        est = np.empty(size, np.float32) if out is None else out
         est.fill(0)
         for p in payloads:
             self.decode_add(p, est)
@@ -191,9 +313,14 @@ class Codec(abc.ABC):
         them: the elementwise sum of the words then :meth:`decode_sum` for ``"sum"`` codecs,
         :meth:`combine_gathered` otherwise."""
         if self.exchange == "sum":
-            total = payloads[0].data.copy()
+            self.check_payloads(payloads)
+
+            def words(p: Payload) -> np.ndarray:
+                return np.asarray(p.data).reshape(-1).view(self.wire_dtype)
+
+            total = words(payloads[0]).copy()
             for p in payloads[1:]:
-                total += p.data
+                total += words(p)
             return self.decode_sum(Payload(total, payloads[0].size, dict(payloads[0].meta)),
                                    len(payloads))
         return self.combine_gathered(payloads, seed)
