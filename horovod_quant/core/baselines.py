@@ -5,7 +5,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .base import Codec, as_vector
+from .base import Codec, WireLayout, array_module, as_vector, check_int
 from .payload import Payload
 
 
@@ -21,6 +21,16 @@ def bf16_bits_to_float32(h: np.ndarray) -> np.ndarray:
     return (h.astype(np.uint32) << 16).view(np.float32)
 
 
+def _wire_values(codec: Codec, payload: Payload, out: np.ndarray | None) -> np.ndarray:
+    """The payload's data as a flat array of ``codec.wire_dtype`` after
+    :meth:`Codec.check_payload` (exactly ``size`` values)."""
+    codec.check_payload(payload, out)
+    data = payload.data
+    if type(data).__module__.startswith("torch") and getattr(data, "is_cuda", False):
+        return data  # decode_sum's device passthrough (horovod_quant.gpu): used as it is
+    return array_module(data).asarray(data).reshape(-1).view(codec.wire_dtype)
+
+
 class _FloatBaseline(Codec):
     """A float cast; payloads add up under allreduce (exchange "sum")."""
 
@@ -29,9 +39,15 @@ class _FloatBaseline(Codec):
     def __init__(self) -> None:
         super().__init__()
 
+    def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout:
+        item = self.wire_dtype.itemsize
+        return WireLayout(size, item * size, True, f"{item} bytes per element")
+
     def decode_sum(self, payload: Payload, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        n = check_int("n", n, 1, hint=f"{self.name}: the number of summed payloads.")
+        data = _wire_values(self, payload, out)
         # one pass: widen and scale together (out may be the summed buffer itself)
-        return np.multiply(payload.data, np.float32(1.0 / n), out=out, dtype=np.float32,
+        return np.multiply(data, np.float32(1.0 / n), out=out, dtype=np.float32,
                            casting="unsafe")
 
 
@@ -46,9 +62,10 @@ class NoCompression(_FloatBaseline):
         return Payload(v.copy(), v.size)
 
     def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        data = _wire_values(self, payload, out)
         if out is None:
-            return payload.data.astype(np.float32, copy=True)
-        out[:] = payload.data
+            return data.astype(np.float32, copy=True)
+        out[:] = data
         return out
 
 
@@ -63,9 +80,10 @@ class FP16(_FloatBaseline):
         return Payload(v.astype(np.float16), v.size)
 
     def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        data = _wire_values(self, payload, out)
         if out is None:
-            return payload.data.astype(np.float32)
-        out[:] = payload.data
+            return data.astype(np.float32)
+        out[:] = data
         return out
 
 
@@ -87,8 +105,12 @@ class BF16(Codec):
         v = as_vector(x)
         return Payload(float32_to_bf16_bits(v).view(np.uint8), v.size)
 
+    def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout:
+        return WireLayout(size, 2 * size, True, "2 bytes per element")
+
     def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
-        vals = bf16_bits_to_float32(payload.data.view(np.uint16))
+        self.check_payload(payload, out)
+        vals = bf16_bits_to_float32(np.asarray(payload.data).reshape(-1).view(np.uint16))
         if out is None:
             return vals
         out[:] = vals
