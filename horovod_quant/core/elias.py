@@ -128,13 +128,45 @@ def elias_encode_ints(values):
 
 
 @numba.njit(cache=True, nogil=True)
-def elias_decode_ints(data, count):
-    """The first ``count`` Elias-coded integers of ``data``."""
-    out = np.empty(count, np.int64)
+def _decode_ints(data, out):
+    """Fill ``out`` with the first ``out.size`` Elias-coded integers of ``data``; returns the
+    number of bits read (more than ``8 * data.size`` when the stream ran out: the reader
+    returns zeros past the end, and stops at the first integer that needs them)."""
     p, buf, nbuf = 0, np.uint64(0), 0
-    for i in range(count):
+    limit = 8 * data.size
+    for i in range(out.size):
         out[i], p, buf, nbuf = _get_elias(data, p, buf, nbuf)
+        if 8 * p - nbuf > limit:
+            break
+    return 8 * p - nbuf
+
+
+def elias_decode_ints(data: np.ndarray, count: int) -> np.ndarray:
+    """The first ``count`` Elias-coded integers of ``data`` (uint8). Raises ValueError when the
+    stream ends before ``count`` integers."""
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+        raise ValueError(f"Elias: count={count!r} must be an integer >= 0")
+    data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    out = np.empty(int(count), np.int64)
+    used = _decode_ints(data, out)
+    if used > 8 * data.size:
+        raise ValueError(f"Elias: the stream of {data.size} bytes ends before {count} integers")
     return out
+
+
+#: status codes of :func:`elias_decode`
+ELIAS_OK, ELIAS_PAST_END, ELIAS_BAD_LEVEL, ELIAS_NO_TERMINATOR, ELIAS_TRAILING = 0, 1, 2, 3, 4
+_ELIAS_ERRORS = {
+    ELIAS_PAST_END: "a position past the end of the vector",
+    ELIAS_BAD_LEVEL: "a level past the code width",
+    ELIAS_NO_TERMINATOR: "the stream ends without its terminator",
+    ELIAS_TRAILING: "bytes after the terminator",
+}
+
+
+def elias_error(code: int) -> str:
+    """What a nonzero :func:`elias_decode` status means."""
+    return _ELIAS_ERRORS.get(int(code), f"status {code}")
 
 
 @numba.njit(cache=True, nogil=True)
@@ -189,8 +221,17 @@ def elias_decode(data, n, bucket, bits, table, out, accumulate):
     """Decode an Elias payload (:func:`elias_encode_levels`) into ``out`` (``+=`` if
     accumulate): ``table[code] * scale`` at each nonzero, 0 elsewhere; a bucket with a
     non-finite scale decodes to ``scale * 0`` (NaN), as the fixed-width decoder gives.
-    Raises ValueError on a stream that points past n."""
+
+    ``out`` must hold n elements and ``data`` at least ``4 * ceil(n / bucket)`` bytes (the
+    caller checks, :meth:`.quantizers.QSGD.wire_layout`). Every read of the stream is checked
+    before anything is written: a position must be < n, a level < 2^(bits-1), no code may read
+    past the stream's end, and the stream must end (up to its padding) at the terminator.
+    Returns ``ELIAS_OK`` (0), or the status of the first violation (``out`` then holds a
+    partial result).
+    """
     nb = (n + bucket - 1) // bucket
+    if data.size < 4 * nb or out.size < n:
+        return ELIAS_NO_TERMINATOR
     scales = data[: 4 * nb].view(np.float32)
     if not accumulate:
         out[:] = 0
@@ -201,16 +242,26 @@ def elias_decode(data, n, bucket, bits, table, out, accumulate):
             for i in range(lo, min(lo + bucket, n)):
                 out[i] += sc * np.float32(0.0)
     stream = data[4 * nb :]
+    limit = 8 * stream.size
+    top = 1 << (bits - 1)
     p, buf, nbuf = 0, np.uint64(0), 0
     pos = np.int64(-1)
     while True:
         gap, p, buf, nbuf = _get_elias(stream, p, buf, nbuf)
         pos += gap
-        if pos == n:
-            return out
+        if pos >= n:
+            used = 8 * p - nbuf
+            if pos > n:
+                return ELIAS_PAST_END
+            if used > limit:
+                return ELIAS_NO_TERMINATOR
+            if (used + 7) // 8 != stream.size:
+                return ELIAS_TRAILING
+            return ELIAS_OK
         sign, p, buf, nbuf = _get(stream, p, buf, nbuf, 1)
         mag, p, buf, nbuf = _get_elias(stream, p, buf, nbuf)
-        if pos > n or 8 * p - nbuf > 8 * stream.size or mag >= (1 << (bits - 1)):
-            raise ValueError("corrupt Elias stream: a position past the end of the vector, "
-                             "a level past the code width, or no terminator")
+        if 8 * p - nbuf > limit:
+            return ELIAS_NO_TERMINATOR
+        if mag >= top:
+            return ELIAS_BAD_LEVEL
         out[pos] += table[(sign << (bits - 1)) | mag] * scales[pos // bucket]

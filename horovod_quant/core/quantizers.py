@@ -37,8 +37,8 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 
 from . import kernels_cpu as K
-from .base import Codec, as_vector, check_choice, check_int
-from .elias import elias_decode, elias_encode_levels
+from .base import Codec, WireLayout, as_vector, check_choice, check_int
+from .elias import elias_decode, elias_encode_levels, elias_error
 from .payload import Payload
 from .rng import derive_key, split_key
 
@@ -137,6 +137,12 @@ class LevelQuantizer(Codec):
         """Exact payload size for n elements: one float32 per bucket plus packed codes."""
         return int(K.levels_nbytes(n, self._bucket(n), self.bits))
 
+    def _layout_detail(self) -> str:
+        return f"bits={self.bits}, bucket_size={self.bucket_size}"
+
+    def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout:
+        return WireLayout(size, self.payload_nbytes(size), True, self._layout_detail())
+
     def encode(self, x: Any, seed: int = 0) -> Payload:
         v = as_vector(x)
         bucket = self._bucket(v.size)
@@ -146,22 +152,22 @@ class LevelQuantizer(Codec):
         return Payload(out, v.size)
 
     def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
-        n = payload.size
+        n = self.check_payload(payload, out).size
         if out is None:
             out = np.empty(n, np.float32)
-        K.decode_levels(payload.data, n, self._bucket(n), self.bits, self.table, out, False)
+        K.decode_levels(_bytes(payload), n, self._bucket(n), self.bits, self.table, out, False)
         return out
 
     def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
-        n = payload.size
-        K.decode_levels(payload.data, n, self._bucket(n), self.bits, self.table, out, True)
+        n = self.check_payload(payload, out).size
+        K.decode_levels(_bytes(payload), n, self._bucket(n), self.bits, self.table, out, True)
         return out
 
     def combine_gathered(self, payloads: Sequence[Payload], seed: int,
                          out: np.ndarray | None = None) -> np.ndarray:
         """The gather exchange's mean in one fused pass (:func:`.kernels_cpu.combine_levels`),
         bit for bit the rank-order ``decode_add`` of :meth:`Codec.combine_gathered`."""
-        n = payloads[0].size
+        n = self.check_payloads(payloads, out)[0].size
         out = np.empty(n, np.float32) if out is None else out
         datas = tuple(np.asarray(p.data).view(np.uint8).reshape(-1) for p in payloads)
         K.combine_levels(datas, n, self._bucket(n), self.bits, self.table,
@@ -171,6 +177,11 @@ class LevelQuantizer(Codec):
     def omega(self, d: int) -> float:
         """Bound on E||Q(x) - x||^2 / ||x||^2 for one bucket of d elements."""
         raise NotImplementedError
+
+
+def _bytes(payload: Payload) -> np.ndarray:
+    """A payload's data as a flat uint8 array (a view)."""
+    return np.asarray(payload.data).reshape(-1).view(np.uint8)
 
 
 def _default_levels(name: str, levels: Any, bits: int, most: int, least: int = 1) -> int:
@@ -214,6 +225,16 @@ class QSGD(LevelQuantizer):
                              "elias=False (the fixed-width size)")
         return super().payload_nbytes(n)
 
+    def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout:
+        if not self.elias:
+            return super().wire_layout(size, head)
+        # the bucket scales, then a stream of at least one byte (the terminator), whose reads
+        # the decoding kernel checks
+        nb = -(-size // self._bucket(size))
+        return WireLayout(size, 4 * nb + 1, False,
+                          f"{self._layout_detail()}, elias=True: {nb} float32 scales and a "
+                          f"stream of at least one byte")
+
     def encode(self, x: Any, seed: int = 0) -> Payload:
         if not self.elias:
             return super().encode(x, seed)
@@ -229,18 +250,27 @@ class QSGD(LevelQuantizer):
     def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
         if not self.elias:
             return super().decode(payload, out)
-        n = payload.size
+        n = self.check_payload(payload, out).size
         if out is None:
             out = np.empty(n, np.float32)
-        return elias_decode(np.asarray(payload.data).view(np.uint8), n, self._bucket(n),
-                            self.bits, self.table, out, False)
+        return self._elias_decode(payload, n, out, False)
 
     def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
         if not self.elias:
             return super().decode_add(payload, out)
-        n = payload.size
-        return elias_decode(np.asarray(payload.data).view(np.uint8), n, self._bucket(n),
-                            self.bits, self.table, out, True)
+        n = self.check_payload(payload, out).size
+        return self._elias_decode(payload, n, out, True)
+
+    def _elias_decode(self, payload: Payload, n: int, out: np.ndarray, accumulate: bool
+                      ) -> np.ndarray:
+        """:func:`.elias.elias_decode` of a checked payload; a damaged stream raises ValueError
+        (``out`` then holds a partial result)."""
+        err = elias_decode(_bytes(payload), n, self._bucket(n), self.bits, self.table, out,
+                           accumulate)
+        if err:
+            raise ValueError(f"{self.name}: corrupt Elias stream ({elias_error(err)}; "
+                             f"size={n}, {self._layout_detail()})")
+        return out
 
     def combine_gathered(self, payloads: Sequence[Payload], seed: int,
                          out: np.ndarray | None = None) -> np.ndarray:
