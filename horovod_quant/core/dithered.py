@@ -54,7 +54,7 @@ from typing import Any, ClassVar, Sequence
 import numba
 import numpy as np
 
-from .base import Codec, as_vector, check_int, worker_seed
+from .base import Codec, WireLayout, _numel, as_vector, check_int, worker_seed
 from .kernels_cpu import NORM_MAX, _bucket_scale
 from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
 from .payload import Payload
@@ -327,6 +327,11 @@ def fine_indices(x, bucket, am, k0, k1):
 
 
 # -- codecs ----------------------------------------------------------------------------------
+def _bytes(payload: Payload) -> np.ndarray:
+    """A payload's data as a flat uint8 array (a view)."""
+    return np.asarray(payload.data).reshape(-1).view(np.uint8)
+
+
 def _seed_of(payload: Payload) -> int:
     try:
         return int(payload.meta["seed"])
@@ -376,6 +381,10 @@ class DitheredQuantizer(Codec):
         """Payload bytes for n elements: one float32 per bucket plus packed codes."""
         return 4 * -(-n // self._bucket(n)) + int(packed_nbytes(n, self.bits))
 
+    def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout:
+        return WireLayout(size, self.payload_nbytes(size), True,
+                          f"bits={self.bits}, bucket_size={self.bucket_size}")
+
     def encode(self, x: Any, seed: int = 0) -> Payload:
         """Encode a 1-D float array; ``meta["seed"]`` keeps the seed the decoder needs (not
         sent: a receiver knows every sender's seed)."""
@@ -386,16 +395,16 @@ class DitheredQuantizer(Codec):
                         k0, k1, out, 0)
         return Payload(out, v.size, {"seed": int(seed)})
 
-    def _decode(self, payload: Payload, out: np.ndarray, accumulate: bool) -> np.ndarray:
-        n = payload.size
+    def _decode(self, payload: Payload, out: np.ndarray | None, accumulate: bool) -> np.ndarray:
+        n = self.check_payload(payload, out).size
         k0, k1 = split_key(derive_key(_seed_of(payload)))
-        decode_dithered(np.asarray(payload.data).view(np.uint8), 0, n, self._bucket(n), self.M,
-                        self.bits, k0, k1, out, accumulate)
+        out = np.empty(n, np.float32) if out is None else out
+        decode_dithered(_bytes(payload), 0, n, self._bucket(n), self.M, self.bits, k0, k1, out,
+                        accumulate)
         return out
 
     def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
-        return self._decode(payload, np.empty(payload.size, np.float32) if out is None else out,
-                            False)
+        return self._decode(payload, out, False)
 
     def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
         return self._decode(payload, out, True)
@@ -528,8 +537,26 @@ class NestedDitheredQuantizer(Codec):
 
     def payload_nbytes(self, n: int, rank: int = 0) -> int:
         """Payload bytes for n elements from ``rank`` (P2 at the current k)."""
-        bits = self.bits if self.in_p1(rank) else coarse_bits(self.current_k)
+        return self._nbytes_k(n, 0 if self.in_p1(rank) else self.current_k)
+
+    def _nbytes_k(self, n: int, k: int) -> int:
+        bits = self.bits if k == 0 else coarse_bits(k)
         return HEADER + 4 * -(-n // self._bucket(n)) + int(packed_nbytes(n, bits))
+
+    #: the int32 k leads every payload and decides its code width
+    head_nbytes: ClassVar[int] = HEADER
+
+    def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout:
+        """From the header's k: 0 (P1, ``bits``-bit codes) or an odd coarse ratio in
+        [3, 2M + 1] (P2, ``ceil(log2 k)``-bit codes); any other k is a damaged header."""
+        k = int(np.asarray(head)[:HEADER].view(np.int32)[0])
+        top = 2 * self.M + 1
+        if k != 0 and not (3 <= k <= top and k % 2 == 1):
+            raise ValueError(f"{self.name}: payload header says k={k}: expected 0 (a P1 "
+                             f"payload) or an odd coarse ratio in [3, {top}] (bits={self.bits})")
+        bits = self.bits if k == 0 else coarse_bits(k)
+        return WireLayout(size, self._nbytes_k(size, k), True,
+                          f"k={k}: {bits}-bit codes, bucket_size={self.bucket_size}", k)
 
     # -- contract ----------------------------------------------------------------------------
     def encode(self, x: Any, seed: int = 0, rank: int = 0) -> Payload:
@@ -569,23 +596,24 @@ class NestedDitheredQuantizer(Codec):
     def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
         """Decode a P1 payload (DQSG). P2 payloads need side information:
         :meth:`decode_side_info`."""
-        if out is None:
-            out = np.empty(payload.size, np.float32)
-        return self._decode_p1(payload, _seed_of(payload), out, False)
+        return self._decode_p1(payload, None, out, False)
 
     def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
-        return self._decode_p1(payload, _seed_of(payload), out, True)
+        return self._decode_p1(payload, None, out, True)
 
-    def _decode_p1(self, payload: Payload, seed: int, out: np.ndarray, accumulate: bool
-                   ) -> np.ndarray:
-        k = self.payload_k(payload)
-        if k != 0:
-            raise ValueError(f"this is a P2 payload (coarse ratio {k}): it decodes only with "
-                             f"the P1 mean as side information; use decode_side_info")
-        n = payload.size
-        k0, k1 = split_key(derive_key(seed))
-        decode_dithered(np.asarray(payload.data).view(np.uint8), HEADER, n, self._bucket(n),
-                        self.M, self.bits, k0, k1, out, accumulate)
+    def _decode_p1(self, payload: Payload, seed: int | None, out: np.ndarray | None,
+                   accumulate: bool) -> np.ndarray:
+        """Decode a checked P1 payload (``seed`` None: the payload's ``meta["seed"]``)."""
+        lay = self.check_payload(payload, out)
+        if lay.head != 0:
+            raise ValueError(f"{self.name}: this is a P2 payload (coarse ratio {lay.head}): it "
+                             f"decodes only with the P1 mean as side information; use "
+                             f"decode_side_info")
+        n = lay.size
+        k0, k1 = split_key(derive_key(_seed_of(payload) if seed is None else seed))
+        out = np.empty(n, np.float32) if out is None else out
+        decode_dithered(_bytes(payload), HEADER, n, self._bucket(n), self.M, self.bits, k0, k1,
+                        out, accumulate)
         return out
 
     def decode_p2(self, payload: Payload, y: np.ndarray, out: np.ndarray | None = None
@@ -600,16 +628,19 @@ class NestedDitheredQuantizer(Codec):
         Returns:
             The sender's estimate ``x_hat``.
         """
-        k = self.payload_k(payload)
-        if k < 3:
-            raise ValueError("this is a P1 payload: decode it with decode()")
-        n = payload.size
+        lay = self.check_payload(payload, out)
+        k, n = lay.head, lay.size
+        if k == 0:
+            raise ValueError(f"{self.name}: this is a P1 payload: decode it with decode()")
+        y = np.ascontiguousarray(y, np.float32).reshape(-1)
+        if y.size != n:
+            raise ValueError(f"{self.name}: side information has {y.size} elements, the "
+                             f"payload size={n}")
+        k0, k1 = split_key(derive_key(_seed_of(payload)))
         out = np.zeros(n, np.float32) if out is None else out
         out[:] = 0
-        k0, k1 = split_key(derive_key(_seed_of(payload)))
-        decode_nested(np.asarray(payload.data).view(np.uint8), HEADER, n, self._bucket(n), self.M,
-                      k, coarse_bits(k), np.float32(self.alpha * self.M), np.float32(self.alpha),
-                      np.ascontiguousarray(y, np.float32), k0, k1, out)
+        decode_nested(_bytes(payload), HEADER, n, self._bucket(n), self.M, k, coarse_bits(k),
+                      np.float32(self.alpha * self.M), np.float32(self.alpha), y, k0, k1, out)
         return out
 
     def decode_side_info(self, payloads_by_rank: Sequence[Payload], seeds_by_rank: Sequence[int],
@@ -635,13 +666,13 @@ class NestedDitheredQuantizer(Codec):
         """
         n = len(payloads_by_rank)
         if n != self.world_size or len(seeds_by_rank) != n:
-            raise ValueError(f"got {n} payloads and {len(seeds_by_rank)} seeds for a codec "
-                             f"built with world_size={self.world_size}: pass one of each per "
-                             f"rank, in rank order")
+            raise ValueError(f"{self.name}: got {n} payloads and {len(seeds_by_rank)} seeds for "
+                             f"a codec built with world_size={self.world_size}: pass one of "
+                             f"each per rank, in rank order")
+        ks_all = self.check_group_headers(payloads_by_rank, out)
         size = payloads_by_rank[0].size
-        if any(p.size != size for p in payloads_by_rank):
-            raise ValueError(f"payloads encode different lengths "
-                             f"{[p.size for p in payloads_by_rank]}")
+        if inputs is not None:
+            self.check_inputs(inputs, size)
         est = np.empty(size, np.float32) if out is None else out
         est.fill(0)
         for r in range(self.n1):
@@ -652,13 +683,9 @@ class NestedDitheredQuantizer(Codec):
         sum_r2, count, wrong, ks = 0.0, 0, 0, []
         for r in range(self.n1, n):
             p = payloads_by_rank[r]
-            k = self.payload_k(p)
-            if k < 3 or k % 2 == 0:
-                raise ValueError(f"rank {r} is in P2 (ranks >= {self.n1}) but its payload "
-                                 f"header says k={k}: all ranks must build the codec with the "
-                                 f"same world_size and p1_fraction")
+            k = ks_all[r]
             ks.append(k)
-            data = np.asarray(p.data).view(np.uint8)
+            data = _bytes(p)
             k0, k1 = split_key(derive_key(int(seeds_by_rank[r])))
             s2, c = decode_nested(data, HEADER, size, bucket, self.M, k, coarse_bits(k), am,
                                   np.float32(self.alpha), y, k0, k1, est)
@@ -671,6 +698,38 @@ class NestedDitheredQuantizer(Codec):
         est *= np.float32(1.0 / n)
         self._update_state(sum_r2, count, wrong, ks, self._all_p2_known(inputs))
         return est
+
+    def check_group_headers(self, payloads_by_rank: Sequence[Payload], out: Any | None = None
+                            ) -> list[int]:
+        """:meth:`check_payloads` of an exchange's payloads (rank order), whose header k must
+        be 0 for ranks < n1 (P1) and an odd coarse ratio >= 3 for the others; raises
+        ValueError otherwise. Returns each rank's k."""
+        ks = [lay.head for lay in self.check_payloads(payloads_by_rank, out)]
+        for r, k in enumerate(ks):
+            if r < self.n1 and k != 0:
+                raise ValueError(f"{self.name}: rank {r} is in P1 (ranks < {self.n1}) but its "
+                                 f"payload header says k={k} (a P2 payload: it decodes only "
+                                 f"with the P1 mean as side information): all ranks must "
+                                 f"build the codec with the same world_size and p1_fraction")
+            if r >= self.n1 and k == 0:
+                raise ValueError(f"{self.name}: rank {r} is in P2 (ranks >= {self.n1}) but its "
+                                 f"payload header says k={k}: all ranks must build the codec "
+                                 f"with the same world_size and p1_fraction")
+        return ks
+
+    def check_inputs(self, inputs: Sequence[Any], size: int) -> None:
+        """The senders' vectors given to :meth:`decode_side_info`: one entry per rank, None or
+        ``size`` elements (the outage count reads them element by element)."""
+        if len(inputs) != self.world_size:
+            raise ValueError(f"{self.name}: got {len(inputs)} inputs for world_size="
+                             f"{self.world_size}: pass one per rank (None where unknown)")
+        for r, x in enumerate(inputs):
+            if x is None:
+                continue
+            count = _numel(x)
+            if count != size:
+                raise ValueError(f"{self.name}: input of rank {r} has {count} elements, the "
+                                 f"payloads size={size}")
 
     def _all_p2_known(self, inputs: Sequence[Any] | None) -> bool:
         return inputs is not None and all(x is not None for x in inputs[self.n1:])
