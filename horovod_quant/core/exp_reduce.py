@@ -54,6 +54,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
+from .base import check_payload_size
 from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
 from .rng import block_key, derive_key, hash32_lo, split_key
 from .schedules import chunk_bounds
@@ -204,8 +205,10 @@ def exp_combine(a_codes_packed, b_codes_packed, out_packed, n_elements, first_el
     Returns:
         The number of bytes written to ``out_packed``.
     """
-    if first_element_index % PACK_BLOCK != 0:
+    if first_element_index % PACK_BLOCK != 0 or first_element_index < 0:
         raise ValueError("first_element_index must be a multiple of PACK_BLOCK")
+    if n_elements < 0 or bits < 2 or bits > 8:
+        raise ValueError("exp_combine: n_elements must be >= 0 and bits in 2..8")
     nbytes = packed_nbytes(n_elements, bits)
     if a_codes_packed.size < nbytes or b_codes_packed.size < nbytes or out_packed.size < nbytes:
         raise ValueError("packed buffers are shorter than packed_nbytes(n_elements, bits)")
@@ -350,6 +353,24 @@ def block_byte_range(b0: int, b1: int, size: int, bits: int) -> tuple[int, int, 
     return (i0, i1, *packed_range(i0, i1, size, bits))
 
 
+def check_reduce_buffers(buffers: Sequence[Any], size: int, bits: int, reduction: str) -> None:
+    """The arguments of :func:`reduce_packed`, checked before any buffer is read: at least one
+    buffer, each exactly ``packed_nbytes(size, bits)`` bytes, ``size`` in [0, 2^40], ``bits``
+    in 2..8, a known reduction. Raises ValueError saying which does not hold."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduce_packed: reduction={reduction!r} is not one of {REDUCTIONS}")
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 2 <= bits <= 8:
+        raise ValueError(f"reduce_packed: bits={bits!r} must be an integer in 2..8")
+    size = check_payload_size("reduce_packed", size)
+    if len(buffers) == 0:
+        raise ValueError("reduce_packed: no buffers to reduce")
+    want = int(packed_nbytes(int(size), int(bits)))
+    got = [int(b.nbytes) for b in buffers]
+    if any(g != want for g in got):
+        raise ValueError(f"reduce_packed: buffers of {got} bytes, {want} expected for "
+                         f"size={size} (bits={bits}, packed exponent codes)")
+
+
 def reduce_packed(buffers: Sequence[Any], size: int, bits: int, seed: int, reduction: str,
                   xp: Any = np, combine: Callable = exp_combine) -> Any:
     """Run the reduction of n ranks' packed codes in one process, combination by combination.
@@ -368,6 +389,7 @@ def reduce_packed(buffers: Sequence[Any], size: int, bits: int, seed: int, reduc
         The reduced packed codes every rank holds after the allgather.
     """
     n = len(buffers)
+    check_reduce_buffers(buffers, size, bits, reduction)
     work = [xp.array(b, dtype=xp.uint8, copy=True) for b in buffers]
     rounds, owners = schedule(n, -(-size // PACK_BLOCK), reduction)
     for step in rounds:
