@@ -215,8 +215,14 @@ def _handler(codec: Any, method: str) -> Callable[..., Any] | None:
 
 
 def _payload_from_wire(codec: Any, data: Any, size: int, **meta: Any) -> Payload:
-    """``Codec.payload_from_wire`` for device buffers (a view, no copy)."""
-    return Payload(ops().xp.asarray(data).view(codec.wire_dtype).reshape(-1), int(size), dict(meta))
+    """``Codec.payload_from_wire`` for device buffers (a view, no copy), checked as on the CPU
+    (:meth:`~horovod_quant.core.base.Codec.check_payload`)."""
+    from ..core.base import check_payload_size
+
+    raw = Payload(ops().xp.asarray(data).reshape(-1).view("uint8"),
+                  check_payload_size(codec.name, size), dict(meta))
+    codec.check_payload(raw)  # before the view: a damaged length may not be whole words
+    return Payload(raw.data.view(codec.wire_dtype), raw.size, raw.meta)
 
 
 def _nd_combine_gathered(codec: Any, payloads: Sequence[Payload], seed: int) -> Any:
@@ -229,7 +235,7 @@ def _nd_combine_gathered(codec: Any, payloads: Sequence[Payload], seed: int) -> 
 def _generic_combine_gathered(codec: Any, payloads: Sequence[Payload], seed: int) -> Any:
     """``Codec.combine_gathered`` on device arrays: decode_add in rank order, then the mean."""
     o = ops()
-    est = o.xp.zeros(payloads[0].size, o.xp.float32)
+    est = o.xp.zeros(codec.check_payloads(payloads)[0].size, o.xp.float32)
     for p in payloads:
         codec.decode_add(p, est)
     return o.scale_into(est, 1.0 / len(payloads), est)

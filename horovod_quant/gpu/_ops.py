@@ -152,9 +152,7 @@ class Ops:
         """``out (+)= sum of decode(p)`` in payload order, then ``out *= post``: one pass."""
         if getattr(codec, "elias", False):
             raise Unsupported("Elias-coded QSGD runs on the CPU")
-        n = payloads[0].size
-        if any(p.size != n for p in payloads):
-            raise ValueError(f"payloads encode different lengths {[p.size for p in payloads]}")
+        n = codec.check_payloads(payloads, out)[0].size
         bucket = codec._bucket(n)
         nb = -(-n // bucket)
         if n:
@@ -164,16 +162,18 @@ class Ops:
         return out
 
     def levels_decode(self, codec: Any, payload: Payload, out: Any | None = None) -> Any:
+        codec.check_payload(payload, out)  # before anything is allocated or launched
         out = self._out(payload.size, out)
         return self.levels_decode_many(codec, [payload], out, False)
 
     def levels_decode_add(self, codec: Any, payload: Payload, out: Any) -> Any:
+        codec.check_payload(payload, out)
         return self.levels_decode_many(codec, [payload], self._out(payload.size, out), True)
 
     def gather_combine(self, codec: Any, payloads: Sequence[Payload], seed: int) -> Any:
         """``Codec.combine_gathered`` of the level quantizers: zeros, decode_add in rank order,
         times float32(1 / n), all in one kernel pass."""
-        est = self.xp.zeros(payloads[0].size, self.xp.float32)
+        est = self.xp.zeros(codec.check_payloads(payloads)[0].size, self.xp.float32)
         post = np.float32(1.0 / len(payloads))
         return self.levels_decode_many(codec, payloads, est, True, post)
 
@@ -194,11 +194,12 @@ class Ops:
 
     def baseline_decode(self, codec: Any, payload: Payload, out: Any | None = None) -> Any:
         xp = self.xp
-        data = xp.asarray(payload.data)
+        codec.check_payload(payload, out)
+        data = xp.asarray(payload.data).reshape(-1)
         if codec.name == "bf16":
             vals = (data.view(xp.uint16).astype(xp.uint32) << xp.uint32(16)).view(xp.float32)
         elif codec.name in ("none", "fp16"):
-            vals = data.astype(xp.float32, copy=True)
+            vals = data.view(codec.wire_dtype).astype(xp.float32, copy=True)
         else:
             raise Unsupported(codec.name)
         if out is None:
@@ -257,16 +258,23 @@ class Ops:
         return Payload(data, n, {"norm": g})
 
     def gq_decode_n(self, codec: Any, payload: Payload, n: int, out: Any | None, acc: bool) -> Any:
+        from ..core.global_qsgd import sparse_positions_error
+
         xp = self.xp
-        size = payload.size
-        out = self._out(size, out, zero=acc)
+        lay = codec.check_payload(payload, out)
+        size = lay.size
         norm = codec._norm_of(payload)
+        out = self._out(size, out, zero=acc)
         if codec.mode == "sparse":
+            data = self._bytes(payload)
+            cnt = lay.head
+            if math.isfinite(norm) and sparse_positions_error(
+                    data[4: 4 + 4 * cnt].view(xp.uint32), size):
+                raise ValueError(f"{codec.name}: damaged sparse payload: positions not "
+                                 f"strictly increasing below size={size}")
             if not acc:
                 out[:] = 0
-            data = self._bytes(payload)
             if math.isfinite(norm):
-                cnt = int(self.be.to_host(data[:4]).view(np.uint32)[0])
                 if cnt:
                     self.be.decode_sparse(xp.ascontiguousarray(data), cnt, codec.bits,
                                           self.table(codec), np.float32(norm / np.float32(n)),
@@ -294,7 +302,7 @@ class Ops:
     def gq_decode_sum(self, codec: Any, payload: Payload, n: int, out: Any | None = None) -> Any:
         if codec.mode == "sparse":
             raise ValueError("sparse payloads are gathered, not summed: decode_add each one")
-        n = _base.check_int("n", n, 1, codec.world_size,
+        n = _base.check_int(f"{codec.name}: n", n, 1, codec.world_size,
                             hint=f"the codec was built for world_size={codec.world_size}.")
         return self.gq_decode_n(codec, payload, n, out, False)
 
@@ -324,8 +332,9 @@ class Ops:
         if codec.mode == "sparse":
             raise ValueError("sparse payloads are gathered, not reduced: decode_add each one")
         n = len(payloads)
-        _base.check_int("number of payloads", n, 1, codec.world_size,
+        _base.check_int(f"{codec.name}: number of payloads", n, 1, codec.world_size,
                         hint=f"the codec was built for world_size={codec.world_size}.")
+        codec.check_payloads(payloads)
         first = payloads[0]
         if codec.levels == "linear":
             total = self._data(first).view(xp.uint64).copy()
@@ -338,7 +347,7 @@ class Ops:
 
     def gq_combine_gathered(self, codec: Any, payloads: Sequence[Payload], seed: int) -> Any:
         if codec.mode == "sparse":
-            est = self.xp.zeros(payloads[0].size, self.xp.float32)
+            est = self.xp.zeros(codec.check_payloads(payloads)[0].size, self.xp.float32)
             for p in payloads:
                 self.gq_decode_add(codec, p, est)
             return self.scale_into(est, 1.0 / len(payloads), est)
@@ -355,7 +364,7 @@ class Ops:
 
     def _dither_many(self, codec: Any, payloads: Sequence[Payload], seeds: Sequence[int],
                      header: int, out: Any, accumulate: bool, post: float | None = None) -> Any:
-        n = payloads[0].size
+        n = codec.check_payloads(payloads, out)[0].size
         if n:
             bucket = codec._bucket(n)
             nb = -(-n // bucket)
@@ -367,6 +376,7 @@ class Ops:
     def dq_decode(self, codec: Any, payload: Payload, out: Any | None = None) -> Any:
         from ..core.dithered import _seed_of
 
+        codec.check_payload(payload, out)  # before anything is allocated or launched
         if codec.name == "nested_dithered":
             return self.nd_decode_p1(codec, payload, self._out(payload.size, out), False)
         return self._dither_many(codec, [payload], [_seed_of(payload)], 0,
@@ -375,6 +385,7 @@ class Ops:
     def dq_decode_add(self, codec: Any, payload: Payload, out: Any) -> Any:
         from ..core.dithered import _seed_of
 
+        codec.check_payload(payload, out)
         if codec.name == "nested_dithered":
             return self.nd_decode_p1(codec, payload, self._out(payload.size, out), True)
         return self._dither_many(codec, [payload], [_seed_of(payload)], 0,
@@ -383,9 +394,7 @@ class Ops:
     def dq_combine_gathered(self, codec: Any, payloads: Sequence[Payload], seed: int) -> Any:
         from ..core.dithered import _seed_of
 
-        est = self.xp.zeros(payloads[0].size, self.xp.float32)
-        if any(p.size != payloads[0].size for p in payloads):
-            raise ValueError(f"payloads encode different lengths {[p.size for p in payloads]}")
+        est = self.xp.zeros(codec.check_payloads(payloads)[0].size, self.xp.float32)
         return self._dither_many(codec, payloads, [_seed_of(p) for p in payloads], 0, est, True,
                                  np.float32(1.0 / len(payloads)))
 
@@ -417,10 +426,11 @@ class Ops:
                      seed: int | None = None) -> Any:
         from ..core.dithered import HEADER, _seed_of
 
-        k = self.payload_k(payload)
+        k = codec.check_payload(payload, out).head
         if k != 0:
-            raise ValueError(f"this is a P2 payload (coarse ratio {k}): it decodes only with "
-                             f"the P1 mean as side information; use decode_side_info")
+            raise ValueError(f"{codec.name}: this is a P2 payload (coarse ratio {k}): it "
+                             f"decodes only with the P1 mean as side information; use "
+                             f"decode_side_info")
         seed = _seed_of(payload) if seed is None else seed
         return self._dither_many(codec, [payload], [seed], HEADER, out, accumulate)
 
@@ -433,18 +443,14 @@ class Ops:
         xp = self.xp
         n = len(payloads_by_rank)
         if n != codec.world_size or len(seeds_by_rank) != n:
-            raise ValueError(f"got {n} payloads and {len(seeds_by_rank)} seeds for a codec "
-                             f"built with world_size={codec.world_size}: pass one of each per "
-                             f"rank, in rank order")
+            raise ValueError(f"{codec.name}: got {n} payloads and {len(seeds_by_rank)} seeds "
+                             f"for a codec built with world_size={codec.world_size}: pass one "
+                             f"of each per rank, in rank order")
+        ks_all = codec.check_group_headers(payloads_by_rank)
         size = payloads_by_rank[0].size
-        if any(p.size != size for p in payloads_by_rank):
-            raise ValueError(f"payloads encode different lengths {[p.size for p in payloads_by_rank]}")
+        if inputs is not None:
+            codec.check_inputs(inputs, size)
         est = xp.zeros(size, xp.float32)
-        for r in range(codec.n1):
-            if self.payload_k(payloads_by_rank[r]) != 0:
-                raise ValueError(f"this is a P2 payload (coarse ratio "
-                                 f"{self.payload_k(payloads_by_rank[r])}): it decodes only with "
-                                 f"the P1 mean as side information; use decode_side_info")
         self._dither_many(codec, list(payloads_by_rank[: codec.n1]),
                           [int(s) for s in seeds_by_rank[: codec.n1]], HEADER, est, True)
         y = self.scale_into(est, 1.0 / codec.n1, xp.empty_like(est))
@@ -454,11 +460,7 @@ class Ops:
         sum_r2, count, wrong, ks = 0.0, 0, 0, []
         for r in range(codec.n1, n):
             p = payloads_by_rank[r]
-            k = self.payload_k(p)
-            if k < 3 or k % 2 == 0:
-                raise ValueError(f"rank {r} is in P2 (ranks >= {codec.n1}) but its payload "
-                                 f"header says k={k}: all ranks must build the codec with the "
-                                 f"same world_size and p1_fraction")
+            k = ks_all[r]
             ks.append(k)
             data = self._bytes(p)
             k0, k1 = _keys(int(seeds_by_rank[r]))
