@@ -33,7 +33,7 @@ def read_long_description():
     return ""
 
 
-TEST = ["pytest", "scikit-learn"]
+TEST = ["pytest", "scikit-learn", "hypothesis"]
 
 setup(
     name="horovod_quant",

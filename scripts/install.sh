@@ -34,7 +34,7 @@ APT_PACKAGES=(openmpi-bin libopenmpi-dev cmake g++ make)
 PY_PACKAGES=(
   "setuptools>=64" wheel packaging cloudpickle psutil pyyaml   # build + Horovod runtime deps
   numpy "numba==${NUMBA_VERSION}" mpi4py
-  pytest scikit-learn matplotlib tqdm
+  pytest hypothesis scikit-learn matplotlib tqdm
 )
 # Bump when the Horovod patches below change, so cached wheels built without them are not reused.
 PATCH_REV=p1
