@@ -22,8 +22,10 @@ codec seed are the same across codecs, so differences against fp32 are paired.
 Recorded per run: full training-set loss, test loss and test accuracy every ``--eval-every``
 steps (rank 0; all ranks hold the same model), bytes sent per step and rank (payloads, norms,
 uncompressed tensors), wall time per step. Outputs: ``convergence_n<N>.json``,
-``convergence_n<N>.png`` (training-loss curves, mean over seeds, shaded +- std),
-``convergence_gap.png`` (final loss gap to fp32 per codec) and ``convergence_tables.md``.
+``convergence_n<N>.png`` (one small panel per codec with fp32 in every panel: training-set
+loss and test error = 1 - accuracy against steps, log axes, mean over seeds, shaded +- std),
+``convergence_gap.png`` (final loss and accuracy gap to fp32 per codec) and
+``convergence_tables.md``.
 """
 from __future__ import annotations
 
@@ -341,42 +343,70 @@ def orderings(summary: dict) -> list[dict]:
 
 
 def plot(res: dict, summary: dict, out: str, pre: str) -> list[str]:
+    """Per world: small multiples, one panel per codec with fp32 drawn in every panel (training
+    loss on top, test error below; both on log axes, nothing cut off). Then the paired gaps."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
     import numpy as np
 
+    def band(rs, key):
+        steps = np.array([c["step"] for c in rs[0]["curve"]])
+        m = np.array([[c[key] for c in r["curve"]] for r in rs], float)
+        if key == "test_acc":
+            m = 1.0 - m  # test error: on a log axis the start (0.9) and the end (0.05) both read
+        return steps, m.mean(0), m.std(0)
+
+    CODEC_COLOR = "tab:orange"
     paths = []
-    cmap = plt.get_cmap("tab20")
     for n, blob in res.items():
-        labels = blob["meta"]["codecs"]
-        fig, axes = plt.subplots(1, 3, figsize=(18, 5.2))
-        for i, label in enumerate(labels):
-            rs = [r for r in blob["runs"] if r["label"] == label and "curve" in r]
-            if not rs:
-                continue
-            steps = np.array([c["step"] for c in rs[0]["curve"]])
-            color = "black" if label == "fp32" else cmap(i % 20)
-            lw = 2.2 if label == "fp32" else 1.2
-            for ax, key in zip(axes, ("train_loss", "test_loss", "test_acc")):
-                m = np.array([[c[key] for c in r["curve"]] for r in rs])
-                mu, sd = m.mean(0), m.std(0)
-                ax.plot(steps, mu, color=color, lw=lw, label=f"{label} ({len(rs)} seeds)")
-                if len(rs) > 1:
-                    ax.fill_between(steps, mu - sd, mu + sd, color=color, alpha=0.12)
-        for ax, key in zip(axes, ("training-set loss", "test loss", "test accuracy")):
-            ax.set_xlabel("step")
-            ax.set_ylabel(key)
-            ax.grid(alpha=0.3, which="both")
-        axes[0].set_yscale("log")
-        axes[1].set_yscale("log")
-        axes[2].set_ylim(0.85, 1.0)
-        axes[0].legend(fontsize=7, ncol=1)
+        runs = [r for r in blob["runs"] if "curve" in r]
+        by_label = {l: [r for r in runs if r["label"] == l] for l in blob["meta"]["codecs"]}
+        base = by_label.get("fp32", [])
+        labels = [l for l, rs in by_label.items() if rs and l != "fp32"]
+        if not labels:
+            continue
+        ncols = 5 if len(labels) > 9 else 3
+        nrows = -(-len(labels) // ncols)
+        fig = plt.figure(figsize=(3.6 * ncols, 2.35 * 2 * nrows + 0.55), layout="constrained")
+        head, *subs = fig.subfigures(3, 1, height_ratios=(0.55, 2.35 * nrows, 2.35 * nrows),
+                                     hspace=0.02)
+        for sub, key, title in ((subs[0], "train_loss", "training-set loss"),
+                                (subs[1], "test_acc", "test error = 1 - test accuracy")):
+            axes = sub.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False)
+            for ax, label in zip(axes.flat, labels):
+                rs = by_label[label]
+                for group, color, lw in ((base, "black", 1.6), (rs, CODEC_COLOR, 1.4)):
+                    if not group:
+                        continue
+                    steps, mu, sd = band(group, key)
+                    ax.plot(steps, mu, color=color, lw=lw)
+                    if len(group) > 1:
+                        ax.fill_between(steps, np.maximum(mu - sd, 1e-4), mu + sd,
+                                        color=color, alpha=0.2, lw=0)
+                ax.set_title(f"{label} ({len(rs)} seeds)", fontsize=9)
+                ax.set_yscale("log")
+                ax.grid(alpha=0.3, which="both")
+            for ax in axes.flat[len(labels):]:
+                ax.set_visible(False)
+            for ax in axes[-1]:
+                ax.set_xlabel("step")
+                ax.xaxis.set_tick_params(labelbottom=True)
+            for ax in axes[:, 0]:
+                ax.set_ylabel(title.split(" =")[0])
+            sub.suptitle(f"{title} (log scale)", fontsize=11)
         m = blob["meta"]
-        fig.suptitle(f"digits MLP, {n} ranks ({'gloo' if m.get('gloo_enabled') else 'MPI'}), "
-                     f"{m['steps']} steps, batch {m['batch_per_rank']}/rank, "
-                     f"lr {m['lr']:g}, momentum 0.9; mean over seeds, shaded ± std")
-        fig.tight_layout()
+        head.suptitle(f"digits MLP, {n} ranks ({'gloo' if m.get('gloo_enabled') else 'MPI'}), "
+                      f"{m['steps']} steps, batch {m['batch_per_rank']}/rank, lr {m['lr']:g}, "
+                      "momentum 0.9: each codec against fp32 on the same seeds", fontsize=12)
+        handles = [Line2D([], [], color="black", lw=1.6), Patch(color="black", alpha=0.2),
+                   Line2D([], [], color=CODEC_COLOR, lw=1.4), Patch(color=CODEC_COLOR, alpha=0.2)]
+        head.legend(handles, [f"fp32, mean over {len(base)} seeds (in every panel)",
+                              "fp32 ± std over seeds", "the codec named above the panel, mean",
+                              "the codec ± std over seeds"],
+                    loc="lower center", ncol=4, fontsize=9, frameon=False)
         p = os.path.join(out, f"{pre}_n{n}.png")
         fig.savefig(p, dpi=110)
         plt.close(fig)
@@ -384,7 +414,7 @@ def plot(res: dict, summary: dict, out: str, pre: str) -> list[str]:
     # gap plot
     worlds = list(summary)
     labels = [l for l in next(iter(res.values()))["meta"]["codecs"] if l != "fp32"]
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.8), layout="constrained")
     width = 0.8 / max(1, len(worlds))
     x = np.arange(len(labels))
     for j, n in enumerate(worlds):
@@ -393,15 +423,17 @@ def plot(res: dict, summary: dict, out: str, pre: str) -> list[str]:
             vals = [summary[n].get(l, {}).get(key, (np.nan, 0)) for l in labels]
             scale = 100 if key == "gap_test_acc" else 1
             ax.bar(x + (j - (len(worlds) - 1) / 2) * width, [v[0] * scale for v in vals],
-                   width, yerr=[v[1] * scale for v in vals], capsize=2, label=f"{n} ranks")
+                   width, yerr=[v[1] * scale for v in vals], capsize=2, label=f"{n} ranks",
+                   color=f"C{j}")
             ax.set_title(title + (" (pp)" if scale == 100 else "") + ", paired by seed")
     for ax in axes:
         ax.set_xticks(x)
         ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
         ax.axhline(0, color="black", lw=0.8)
         ax.grid(alpha=0.3, axis="y")
-        ax.legend()
-    fig.tight_layout()
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, [f"{nm}: mean ± std over seeds" for nm in names],
+               loc="outside upper center", ncol=len(worlds), frameon=False)
     p = os.path.join(out, f"{pre}_gap.png")
     fig.savefig(p, dpi=110)
     plt.close(fig)
@@ -489,7 +521,8 @@ def main() -> None:
     ap.add_argument("--launcher", choices=("horovodrun", "mpirun"), default="horovodrun")
     ap.add_argument("--timeout", type=int, default=720, help="seconds per launch")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results"))
-    ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--plot-only", action="store_true",
+                    help="train nothing: redraw the PNGs and tables from the JSON under --out")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
