@@ -4,11 +4,13 @@ codecs' own theoretical bounds drawn next to the measurements.
     python3 benchmarks/variance.py                      # everything, ~3-4 min on 2 cores
     python3 benchmarks/variance.py --quick              # fewer vectors, for a smoke test
     python3 benchmarks/variance.py --parts fig16,bits   # a subset
+    python3 benchmarks/variance.py --plot-only          # redraw PNGs + tables from the JSON
 
 Every number plotted as a measurement comes from ``codec.encode`` + ``codec.decode`` (or
 ``horovod_quant.mean_estimate`` for the multi-worker exchanges) on concrete vectors; formulas are
 used only for the curves labelled "bound" (``codec.omega(d)``, ``GlobalQSGD.theta(d)``,
-``d Delta^2 / 12`` for dithered quantization).
+``d Delta^2 / 12`` for dithered quantization). Bounds that coincide (QSGD's L2 and max scale,
+NUQSGD and natural dithering) are drawn once and named together in the legend.
 
 Parts (``--parts``):
 
@@ -193,7 +195,8 @@ def plot_dithering(res: dict, fig: str, path: str) -> None:
     import matplotlib.pyplot as plt
 
     dists = list(res["dists"])
-    fig_, axes = plt.subplots(len(dists), 3, figsize=(15, 3.3 * len(dists)), squeeze=False)
+    fig_, axes = plt.subplots(len(dists), 3, figsize=(15, 3.3 * len(dists) + 0.5),
+                              squeeze=False, layout="constrained")
     for r, dist in enumerate(dists):
         dres = res["dists"][dist]
         for c, pl in enumerate(res["p"]):
@@ -213,9 +216,12 @@ def plot_dithering(res: dict, fig: str, path: str) -> None:
                     patch.set_alpha(0.55)
                 for med in bp["medians"]:
                     med.set_color("black")
-                ax.plot(s, [row[f"{key}_bound"] for row in rows], color=color, ls="--", lw=1,
-                        label=f"{lab} bound (codec.omega)")
                 ax.plot([], [], color=color, lw=6, alpha=0.55, label=f"{lab} measured")
+            bound_lines(ax, [(lab, list(s), [row[f"{key}_bound"] for row in rows])
+                             for key, lab in (("nat", "D_nat^{p,s}"),
+                                              ("sta", "D_sta^{p,s}" if fig == "fig16"
+                                               else "D_sta^{p,2^(s-1)}"))],
+                        "bound (codec.omega)")
             ax.set_yscale("log")
             ax.set_xticks(s)
             ax.set_xlabel("s (levels of D_nat)")
@@ -223,13 +229,11 @@ def plot_dithering(res: dict, fig: str, path: str) -> None:
             ax.set_title(f"{dist} (d={dres['d']}, {dres['vectors']} vectors), p={pl}",
                          fontsize=9)
             ax.grid(alpha=0.3, which="both")
-            if r == 0 and c == 0:
-                ax.legend(fontsize=7)
+    legend_below(fig_, axes.flat, ncol=4)
     title = ("Fig. 16 reproduction: natural vs standard dithering, same number of levels s"
              if fig == "fig16" else
              "Fig. 17 reproduction: natural dithering with s levels vs standard with 2^(s-1)")
-    fig_.suptitle(title + " (measured boxes: quartiles, whiskers min/max; dashed: bounds)")
-    fig_.tight_layout()
+    fig_.suptitle(title + " (boxes: quartiles, whiskers: min/max; black: bounds)")
     fig_.savefig(path, dpi=110)
     plt.close(fig_)
 
@@ -238,9 +242,48 @@ def band(ax, x, boxes, color, label, marker, ls) -> None:
     """Measured means (markers and line) with the interquartile range shaded: on a log axis
     mean - std goes negative for heavy-tailed cells, quartiles do not."""
     ax.plot(x, [b["mean"] for b in boxes], marker=marker, ls=ls, color=color, ms=4,
-            label=label + " (mean; band: quartiles)")
+            label=label + " (mean)")
     ax.fill_between(x, [b["q1"] for b in boxes], [b["q3"] for b in boxes], color=color,
                     alpha=0.15, lw=0)
+
+
+BOUND_STYLES = ((0, (6, 3)), (0, (6, 2, 1.5, 2)), (0, (12, 3)), (0, (1.5, 2)))
+
+
+def bound_lines(ax, curves, what="bound", rel_tol=0.05) -> None:
+    """Draw each distinct bound curve once. ``curves``: (name, xs, ys). Codecs whose bound
+    points all lie on a curve already drawn, to within ``rel_tol`` (closer than a log axis
+    shows; e.g. QSGD's L2 and max scale share Lemma 3.1's omega), join its legend entry
+    instead of hiding under it: "a = b" when equal, "a ~ b" when only close.
+    Black, one dash pattern per curve, so a bound never reads as a measured line."""
+    drawn = []  # [points dict, names, xs, ys, largest relative difference]
+    for name, xs, ys in sorted(curves, key=lambda c: -len(c[1])):
+        pts = dict(zip(xs, ys))
+        for d in drawn:
+            if all(x in d[0] and math.isclose(y, d[0][x], rel_tol=rel_tol)
+                   for x, y in pts.items()):
+                d[1].append(name)
+                d[4] = max([d[4]] + [abs(y - d[0][x]) / max(abs(y), abs(d[0][x]))
+                                     for x, y in pts.items() if y != d[0][x]])
+                break
+        else:
+            drawn.append([pts, [name], xs, ys, 0.0])
+    for i, (_, names, xs, ys, diff) in enumerate(drawn):
+        joined = (" = ".join(names) if diff < 1e-9 else
+                  " ~ ".join(names) + f" (less than {100 * rel_tol:g}% apart)")
+        ax.plot(xs, ys, color="black", lw=1.1, ls=BOUND_STYLES[i % len(BOUND_STYLES)],
+                label=f"{what}: {joined}")
+
+
+def legend_below(fig, axes, ncol=2) -> None:
+    """One legend for the whole figure, under the panels (never over the data): every entry
+    of any of ``axes`` (one axes or several), each label once."""
+    entries = {}
+    for ax in ([axes] if hasattr(axes, "get_legend_handles_labels") else axes):
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, h)
+    fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncol=ncol,
+               fontsize=8, frameon=False)
 
 
 # -- part: bits / bucket -------------------------------------------------------------------------
@@ -312,22 +355,23 @@ def plot_bits(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     colors = ["tab:red", "tab:orange", "tab:green", "tab:purple"]
-    fig, axes = plt.subplots(1, len(res["dists"]), figsize=(13, 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(res["dists"]), figsize=(13, 5.6), squeeze=False,
+                             layout="constrained")
     for ax, (dist, dres) in zip(axes[0], res["dists"].items()):
         for color, (label, rows) in zip(colors, dres["codecs"].items()):
             b = [r["bits"] for r in rows]
             band(ax, b, [r["omega"] for r in rows], color, f"{label} measured", "o", "-")
-            ax.plot(b, [r["bound"] for r in rows], ls="--", color=color, lw=1,
-                    label=f"{label} bound")
+        bound_lines(ax, [(label, [r["bits"] for r in rows], [r["bound"] for r in rows])
+                         for label, rows in dres["codecs"].items()], "bound (codec.omega)")
         ax.set_yscale("log")
         ax.set_xlabel("bits per element on the wire (sign included; + 32/512 for the scale)")
         ax.set_ylabel("||Q(x)-x||^2 / ||x||^2")
         ax.set_title(f"{dist} (d={dres['d']}, {dres['vectors']} vectors), bucket 512",
                      fontsize=10)
         ax.grid(alpha=0.3, which="both")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("QSGD / NUQSGD / natural dithering: normalized variance vs bits")
-    fig.tight_layout()
+    legend_below(fig, axes[0], ncol=3)
+    fig.suptitle("QSGD / NUQSGD / natural dithering: normalized variance vs bits "
+                 "(shaded: quartiles over the vectors)")
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -337,17 +381,19 @@ def plot_bucket(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(res["dists"]), figsize=(13, 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(res["dists"]), figsize=(13, 5.8), squeeze=False,
+                             layout="constrained")
     style = {"qsgd (L2)": "tab:red", "qsgd (max, QSGDinf)": "tab:orange", "nuqsgd": "tab:green"}
     for ax, (dist, dres) in zip(axes[0], res["dists"].items()):
+        bounds = []
         for label, rows in dres["codecs"].items():
             base, bits = label.rsplit(" ", 1)
             ls = "-" if bits == "4b" else ":"
             b = [r["bucket"] for r in rows]
             band(ax, b, [r["omega"] for r in rows], style[base], f"{label} measured", "o", ls)
             if bits == "4b":
-                ax.plot(b, [r["bound"] for r in rows], ls="--", lw=1, color=style[base],
-                        alpha=0.7, label=f"{label} bound")
+                bounds.append((label, b, [r["bound"] for r in rows]))
+        bound_lines(ax, bounds, "bound (codec.omega)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("bucket size (last point: whole vector)")
@@ -355,9 +401,9 @@ def plot_bucket(res: dict, path: str) -> None:
         ax.set_title(f"{dist} (d={dres['d']}, {dres['vectors']} vectors); solid 4 bits, "
                      f"dotted 8 bits", fontsize=10)
         ax.grid(alpha=0.3, which="both")
-    axes[0][0].legend(fontsize=6.5, ncol=2)
-    fig.suptitle("QSGD / NUQSGD: normalized variance vs bucket size (bounds drawn for 4 bits)")
-    fig.tight_layout()
+    legend_below(fig, axes[0], ncol=3)
+    fig.suptitle("QSGD / NUQSGD: normalized variance vs bucket size (bounds drawn for 4 bits; "
+                 "shaded: quartiles over the vectors)")
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -393,7 +439,7 @@ def plot_global(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.6), layout="constrained")
     for ax, (n, wres) in zip(axes, res["worlds"].items()):
         for levels, color in (("linear", "tab:red"), ("exponential", "tab:blue")):
             rows = wres["levels"][levels]
@@ -404,15 +450,16 @@ def plot_global(res: dict, path: str) -> None:
             ax.plot(b, [r["bound"] for r in rows], ls="--", lw=1, color=color,
                     label=f"{levels}: bound (codec.theta)")
         ax.set_yscale("log")
+        ax.set_xticks(b)
         ax.set_xlabel("bits (code width; linear fields pack 64 // bits per word: "
                       "5 bits cost 5.33)")
         ax.set_ylabel("||mean est - mean||^2 / ((1/n) sum ||x_i||^2)")
         ax.set_title(f"Global-QSGD, n = {n} workers, d = {wres['d']} "
                      f"({wres['groups']} exchanges)", fontsize=10)
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
-    fig.suptitle("Global-QSGD: linear levels (standard dithering) vs exponential levels")
-    fig.tight_layout()
+    legend_below(fig, axes[0], ncol=2)
+    fig.suptitle("Global-QSGD: linear levels (standard dithering) vs exponential levels "
+                 "(shaded: quartiles over the exchanges)")
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -666,16 +713,17 @@ def main() -> None:
             raise SystemExit(f"unknown part {part!r}")
         results[part]["seconds"] = time.perf_counter() - t
         results[part]["command"] = " ".join(sys.argv)
-    meta = {"python": platform.python_version(), "numpy": np.__version__,
-            "machine": platform.machine(), "cpus": os.cpu_count(),
-            "codecs": hq.available_codecs()}
-    with open(json_path, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+    if not args.plot_only:  # --plot-only measured nothing: the JSON stays as it was
+        meta = {"python": platform.python_version(), "numpy": np.__version__,
+                "machine": platform.machine(), "cpus": os.cpu_count(),
+                "codecs": hq.available_codecs()}
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
     md = tables(results)
     with open(os.path.join(args.out, "variance_tables.md"), "w") as f:
         f.write("<!-- generated by benchmarks/variance.py; do not edit -->\n\n" + md)
     print(md)
-    log(f"wrote {json_path}")
+    log("redrew the PNGs and tables" if args.plot_only else f"wrote {json_path}")
 
 
 if __name__ == "__main__":
