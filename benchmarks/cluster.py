@@ -4,6 +4,7 @@
     sudo python3 benchmarks/cluster.py --quick         # subset, 1.3 min on 2 idle cores
     sudo python3 benchmarks/cluster.py --cleanup       # remove leftovers of killed runs
     python3 benchmarks/cluster.py --render docs/results/cluster.json   # tables + plots again
+    python3 benchmarks/cluster.py --render docs/results/cluster.json --plots-only   # plots only
 
 What it builds (root needed; see docs/cluster.md):
 
@@ -690,6 +691,9 @@ def render_markdown(data: dict, prefix: str) -> str:
 
 
 def render_plots(data: dict, prefix: str) -> list[str]:
+    """PREFIX_speedup.png, PREFIX_bytes.png, PREFIX_split.png. Legends sit right of the
+    panels, targets are legend entries (no text on the data), every axis holds its tallest
+    bar, and bytes are drawn on a linear axis with each bar's MB and ratio written on it."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -699,67 +703,79 @@ def render_plots(data: dict, prefix: str) -> list[str]:
     files = []
     colors = {"encode": "#e4a11b", "exchange": "#3b75af", "decode": "#7bb661",
               "compute": "#999999", "other": "#dddddd"}
+    outside = {"loc": "upper left", "bbox_to_anchor": (1.005, 1.0), "borderaxespad": 0.0,
+               "fontsize": 8}
+
+    def xlabels(ax, names, pos=None):
+        ax.set_xticks(range(len(names)) if pos is None else pos)
+        ax.set_xticklabels(names, rotation=45, ha="right", rotation_mode="anchor", fontsize=8)
+        ax.set_xlim(-0.6, len(names) - 0.4)
 
     # 1. speedups
     panels = [(l, "exchange") for l in links if s["exchange"].get(l["label"])]
     panels += [(l, "train") for l in links if s["training"].get(l["label"])]
     if panels:
-        fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.6 * len(panels)), squeeze=False)
+        fig, axes = plt.subplots(len(panels), 1, figsize=(13, 3.4 * len(panels)), squeeze=False,
+                                 layout="constrained")
         for ax, (link, kind) in zip(axes[:, 0], panels):
             lab = link["label"]
             groups = (s["exchange"][lab] if kind == "exchange" else s["training"][lab])
             keys = sorted(groups, key=lambda k: float(k)) if kind == "exchange" else list(groups)
             cids = list(dict.fromkeys(c for k in keys for c in groups[k]))
             w = 0.8 / max(1, len(keys))
+            top = 1.0
             for j, k in enumerate(keys):
                 vals = [groups[k].get(c, {}).get("speedup_vs_fp32") or 0 for c in cids]
-                ax.bar([i + j * w for i in range(len(cids))], vals, w,
-                       label=f"{k} MB" if kind == "exchange" else k)
+                top = max([top] + vals)
+                ax.bar([i + (j - (len(keys) - 1) / 2) * w for i in range(len(cids))], vals, w,
+                       label=f"{float(k):g} MB" if kind == "exchange" else k)
             ax.axhline(1, color="k", lw=0.8)
-            if kind == "exchange" and abs(link["rate_bps"] - 1e9) < 1:
-                for y, txt in ((3.5, "8-bit target 3.5x"), (6, "4-bit target 6x")):
-                    ax.axhline(y, color="r", ls="--", lw=0.8)
-                    ax.text(len(cids) - 0.5, y, txt, color="r", fontsize=7, ha="right",
-                            va="bottom")
-            if kind == "train" and abs(link["rate_bps"] - 1e9) < 1:
-                ax.axhline(2.5, color="r", ls="--", lw=0.8)
-                ax.text(len(cids) - 0.5, 2.5, "mlp 8-bit target 2.5x", color="r", fontsize=7,
-                        ha="right", va="bottom")
-            ax.set_xticks([i + w * (len(keys) - 1) / 2 for i in range(len(cids))])
-            ax.set_xticklabels(cids, rotation=45, ha="right", fontsize=8)
+            targets = []
+            if abs(link["rate_bps"] - 1e9) < 1:
+                targets = ([(3.5, "--", "8-bit target 3.5x"), (6, "-.", "4-bit target 6x")]
+                           if kind == "exchange" else [(2.5, "--", "mlp 8-bit target 2.5x")])
+            for y, ls, txt in targets:
+                ax.axhline(y, color="r", ls=ls, lw=1.0, label=txt)
+                top = max(top, y)
+            ax.set_ylim(0, top * 1.08)
+            xlabels(ax, cids)
             ax.set_ylabel("speedup vs fp32")
+            ax.grid(alpha=0.3, axis="y")
             what = "exchange time" if kind == "exchange" else "training samples/s"
             ax.set_title(f"{what}, {lab} (2 ranks on 2 shared cores)", fontsize=10)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
+            ax.legend(**outside)
         path = f"{prefix}_speedup.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         files.append(path)
 
-    # 2. bytes
+    # 2. bytes (first link; the bytes do not depend on the link)
     link = links[0]
     ex = [r for r in link["results"] if r.get("kind") == "exchange" and not r.get("error")]
     tr = [r for r in link["results"] if r.get("kind") == "train" and not r.get("error")]
-    if ex or tr:
-        fig, axes = plt.subplots(1, 2, figsize=(13, 4))
-        if ex:
-            z = max(r["size_mb"] for r in ex)
-            rows = [r for r in ex if r["size_mb"] == z]
-            axes[0].bar([r["config_id"] for r in rows], [r["bytes_sent"] / MB for r in rows])
-            axes[0].set_title(f"MB one rank sends per exchange of {z:g} MB")
-            axes[0].set_yscale("log")
-            axes[0].tick_params(axis="x", rotation=60, labelsize=8)
-        if tr:
-            for m in dict.fromkeys(r["model"] for r in tr):
-                rows = [r for r in tr if r["model"] == m]
-                axes[1].plot([r["config_id"] for r in rows], [r["bytes_sent"] / MB for r in rows],
-                             "o-", label=m)
-            axes[1].set_title("MB one rank sends per training step")
-            axes[1].set_yscale("log")
-            axes[1].legend()
-            axes[1].tick_params(axis="x", rotation=60, labelsize=8)
-        fig.tight_layout()
+    panels = []
+    if ex:
+        z = max(r["size_mb"] for r in ex)
+        panels.append((f"MB one rank sends per exchange of {z:g} MB",
+                       [r for r in ex if r["size_mb"] == z]))
+    for m in dict.fromkeys(r["model"] for r in tr):
+        panels.append((f"MB one rank sends per training step, {m}",
+                       [r for r in tr if r["model"] == m]))
+    if panels:
+        fig, axes = plt.subplots(len(panels), 1, figsize=(13, 3.3 * len(panels)), squeeze=False,
+                                 layout="constrained")
+        for ax, (title, rows) in zip(axes[:, 0], panels):
+            mbs = [r["bytes_sent"] / MB for r in rows]
+            bars = ax.bar(range(len(rows)), mbs, 0.7, color="#3b75af")
+            ax.bar_label(bars, [(f"{v:.1f}" if v >= 10 else f"{v:.2f}")
+                                + f"\n{r['bytes_raw'] / r['bytes_sent']:.2f}x"
+                                for v, r in zip(mbs, rows)], fontsize=7, padding=2)
+            ax.set_ylim(0, max(mbs) * 1.3)
+            xlabels(ax, [r["config_id"] for r in rows])
+            ax.set_ylabel("MB")
+            ax.grid(alpha=0.3, axis="y")
+            ax.set_title(title + " (on each bar: MB, and fp32's bytes / these bytes)",
+                         fontsize=10)
         path = f"{prefix}_bytes.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -777,7 +793,8 @@ def render_plots(data: dict, prefix: str) -> list[str]:
                        [r for r in tr if r["model"] == m],
                        ("compute", "encode", "exchange", "decode")))
     if panels:
-        fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.4 * len(panels)), squeeze=False)
+        fig, axes = plt.subplots(len(panels), 1, figsize=(13, 3.3 * len(panels)), squeeze=False,
+                                 layout="constrained")
         for ax, (title, rows, parts) in zip(axes[:, 0], panels):
             bottom = [0.0] * len(rows)
             for part in parts:
@@ -788,14 +805,17 @@ def render_plots(data: dict, prefix: str) -> list[str]:
                     key = "compute_s" if part == "compute" else f"{part}_s"
                     vals = [max(0.0, r[key]) for r in rows]
                 vals = [v * 1e3 for v in vals]
-                ax.bar([r["config_id"] for r in rows], vals, bottom=bottom, label=part,
+                ax.bar(range(len(rows)), vals, 0.7, bottom=bottom, label=part,
                        color=colors[part])
                 bottom = [b + v for b, v in zip(bottom, vals)]
+            # the stacked bars' sticky edges would stop the axis exactly at the tallest top
+            ax.set_ylim(0, max(bottom) * 1.08)
+            xlabels(ax, [r["config_id"] for r in rows])
             ax.set_ylabel("ms")
+            ax.grid(alpha=0.3, axis="y")
             ax.set_title(title + " (2 ranks on 2 shared cores)", fontsize=10)
-            ax.tick_params(axis="x", rotation=45, labelsize=8)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
+            handles, names = ax.get_legend_handles_labels()
+            ax.legend(handles[::-1], names[::-1], **outside)  # same order as the stack
         path = f"{prefix}_split.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -823,6 +843,8 @@ def parse_args(argv=None):
     ap.add_argument("--render", metavar="JSON", nargs="+",
                     help="re-render tables and plots from JSON(s) (links concatenated; written "
                          "to --out if given, else next to the first JSON)")
+    ap.add_argument("--plots-only", action="store_true",
+                    help="with --render: redraw only the PNGs (the JSON and tables stay)")
     ap.add_argument("--rates", default=None, help="comma-separated link rates (1gbit,10gbit)")
     ap.add_argument("--delay-ms", type=float, default=0.1)
     ap.add_argument("--sizes-mb", default=None, help="exchange sizes in MB (4,64,256)")
@@ -906,9 +928,17 @@ def main(argv=None) -> int:
                                                  ("command", "date", "machine", "wall_s")})
         prefix = args.out if args.out_given else (
             args.render[0][:-5] if args.render[0].endswith(".json") else args.render[0])
-        for p in write_outputs(data, prefix):
+        if args.plots_only:
+            data["summary"] = analyse(data)
+            paths = render_plots(data, prefix)
+        else:
+            paths = write_outputs(data, prefix)
+        for p in paths:
             print(p)
         return 0
+    if args.plots_only:
+        print("--plots-only goes with --render JSON", file=sys.stderr)
+        return 2
     if os.geteuid() != 0:
         print("cluster.py needs root (network namespaces, tc)", file=sys.stderr)
         return 2
