@@ -348,9 +348,9 @@ def plot(res: dict, summary: dict, out: str, pre: str) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
-    import numpy as np
 
     def band(rs, key):
         steps = np.array([c["step"] for c in rs[0]["curve"]])
