@@ -1,23 +1,27 @@
 """Encode / decode throughput of every codec in one process.
 
-    NUMBA_NUM_THREADS=1 python3 benchmarks/codec_throughput.py              # 1M and 64M elements
-    python3 benchmarks/codec_throughput.py --sizes 1M --codecs qsgd,natural --bits 4,8 \\
-        --repeat 7 --json bench_out/cpu.json
-    python3 benchmarks/codec_throughput.py --device cuda                      # horovod_quant.gpu
+examples:
+  NUMBA_NUM_THREADS=1 python3 benchmarks/codec_throughput.py              # 1M and 64M elements
+  python3 benchmarks/codec_throughput.py --sizes 1M --codecs qsgd,natural --bits 4,8 --repeat 7 --json bench_out/cpu.json
+  python3 benchmarks/codec_throughput.py --sizes 1M --json bench_out/cpu.json --plot bench_out/cpu.png
+  python3 benchmarks/codec_throughput.py --from-json bench_out/cpu.json --plot bench_out/cpu.png
+  python3 benchmarks/codec_throughput.py --device cuda                      # horovod_quant.gpu
 
-Throughput is GB/s of float32 input (4 bytes per element), best of ``--repeat`` runs after one
+Throughput is GB/s of float32 input (4 bytes per element), best of --repeat runs after one
 warm-up call (which also compiles the numba kernels). Columns:
 
-* ``encode``: ``codec.encode(x, seed)`` (it allocates its payload, as in training);
-* ``decode``: ``codec.decode(payload, out)`` into a preallocated float32 buffer;
-* ``decode+alloc``: ``codec.decode(payload)``, allocating the output each time.
+  encode        codec.encode(x, seed) (it allocates its payload, as in training)
+  decode        codec.decode(payload, out) into a preallocated float32 buffer
+  dec+alloc     codec.decode(payload), allocating the output each time
+  combine       gather codecs: --world-size payloads into one mean (what every rank runs
+                after an allgather), GB/s of the float32 the payloads stand for
 
-``--clock cpu`` times with the process's CPU time instead of the wall clock: on a machine
-shared with other jobs it leaves out the time the process waits for a core (it still pays
-for their use of caches and memory bandwidth). Codecs that need ``world_size`` are built with
-``--world-size`` (default 2). Codecs without a
-``bits`` parameter (the baselines) run once per size. Speed is measured here, never asserted
-in tests.
+--clock cpu times with the process's CPU time instead of the wall clock: on a machine shared
+with other jobs it leaves out the time the process waits for a core (it still pays for their
+use of caches and memory bandwidth). Codecs that need world_size are built with --world-size.
+Codecs without a bits parameter (the baselines) run once per size. --plot FILE.png draws the
+table (a panel per measure, a row of panels per size); --from-json JSON draws an earlier --json
+without measuring. Speed is measured here, never asserted in tests.
 """
 from __future__ import annotations
 
@@ -149,21 +153,85 @@ def bench_one(codec, x, repeat: int, backend, world_size: int, threads: int = 1)
     }
 
 
+MEASURES = (("encode_gbps", "encode"), ("decode_gbps", "decode into a buffer"),
+            ("decode_alloc_gbps", "decode + alloc"), ("combine_gbps", "combine of n payloads"),
+            ("encode_threads_gbps", "encode, threads at once"))
+
+
+def plot(blob: dict, path: str) -> None:
+    """A row of panels per size, one panel per measure: a horizontal bar per codec and bit
+    width with its GB/s written at the end (a linear axis; the labels keep the small bars
+    readable next to ``none``'s memory copy)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = blob["results"]
+    env = blob.get("env", {})
+    sizes = list(dict.fromkeys(r["elements"] for r in results))
+    measures = [(k, t) for k, t in MEASURES if any(r.get(k) is not None for r in results)]
+    nrow = max(sum(r["elements"] == n for r in results) for n in sizes)
+    fig, axes = plt.subplots(len(sizes), len(measures), squeeze=False, layout="constrained",
+                             figsize=(3.3 * len(measures) + 1.5, (0.24 * nrow + 1.1) * len(sizes)))
+    for row, n in zip(axes, sizes):
+        sel = [r for r in results if r["elements"] == n]
+        names = [r["codec"] + (f":{r['bits']}" if r.get("bits") else "") for r in sel]
+        y = np.arange(len(sel))
+        for ax, (key, title) in zip(row, measures):
+            vals = [r.get(key) for r in sel]
+            shown = [v if v is not None else 0.0 for v in vals]
+            bars = ax.barh(y, shown, 0.7, color="#3b75af")
+            ax.bar_label(bars, ["-" if v is None else f"{v:.2f}" for v in vals], fontsize=7,
+                         padding=2)
+            ax.set_xlim(0, max(shown + [1e-9]) * 1.22)
+            ax.set_yticks(y)
+            ax.set_yticklabels(names, fontsize=8)
+            ax.invert_yaxis()
+            ax.grid(alpha=0.3, axis="x")
+            ax.set_xlabel("GB/s of float32")
+            ax.set_title(f"{title}, {n:,} elements", fontsize=9)
+        for ax in row[1:]:
+            ax.tick_params(labelleft=False)
+    clock = env.get("clock", "wall")
+    fig.suptitle(f"codec throughput, one process ({env.get('device', 'cpu')}, {clock} clock, "
+                 f"best of {blob.get('repeat', '?')}; load average {env.get('load_average', '?')})",
+                 fontsize=10)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help; the epilog's commands one per line."""
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="codec encode/decode throughput (GB/s of float32)")
+    summary, _, rest = __doc__.partition("\n\n")
+    ap = argparse.ArgumentParser(description=summary, epilog=rest, formatter_class=HelpFormatter)
     ap.add_argument("--sizes", default="1M,64M", help="comma-separated, e.g. 1M,64M,100000")
-    ap.add_argument("--codecs", default="", help="comma-separated (default: all registered)")
+    ap.add_argument("--codecs", default=None, help="comma-separated (None: all registered)")
     ap.add_argument("--bits", default="4,8", help="bit widths for codecs that take bits")
     ap.add_argument("--repeat", type=int, default=5, help="runs per measurement (best kept)")
     ap.add_argument("--world-size", type=int, default=2, help="for codecs that need one")
-    ap.add_argument("--json", default="", help="also write the results to this file")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the results here")
+    ap.add_argument("--from-json", default=None, metavar="JSON",
+                    help="measure nothing: draw --plot from an earlier --json")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: NumPy arrays; cuda: CuPy arrays through horovod_quant.gpu")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall clock, or process CPU time (for shared machines; cpu device only)")
     ap.add_argument("--threads", type=int, default=1,
                     help="also encode on this many threads at once (cpu device, wall clock): "
                          "the kernels release the GIL")
     args = ap.parse_args(argv)
+    if args.from_json:
+        if not args.plot:
+            ap.error("--from-json draws a plot: give --plot FILE.png")
+        with open(args.from_json) as f:
+            plot(json.load(f), args.plot)
+        print(f"# wrote {args.plot}")
+        return 0
     if args.threads > 1 and (args.device == "cuda" or args.clock == "cpu"):
         ap.error("--threads measures host threads by the wall clock: use --device cpu "
                  "--clock wall")
@@ -175,7 +243,7 @@ def main(argv=None) -> int:
 
     backend = CudaBackend() if args.device == "cuda" else CpuBackend()
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
-    names = [s for s in args.codecs.split(",") if s] or hq.available_codecs()
+    names = [s for s in (args.codecs or "").split(",") if s] or hq.available_codecs()
     unknown = [n for n in names if n not in hq.available_codecs()]
     if unknown:
         ap.error(f"unknown codec(s) {unknown}; available: {', '.join(hq.available_codecs())}")
@@ -240,6 +308,9 @@ def main(argv=None) -> int:
             json.dump({"env": env, "repeat": args.repeat, "results": results}, f, indent=1,
                       default=str)
         print(f"# wrote {args.json}")
+    if args.plot:
+        plot({"env": env, "repeat": args.repeat, "results": results}, args.plot)
+        print(f"# wrote {args.plot}")
     return 0
 
 
