@@ -42,7 +42,7 @@ class LayerPolicy:
         if name is not None:
             for pattern, codec in self._compiled:
                 if pattern.search(name):
-                    return None if codec is None or codec.name == "none" else codec
+                    return None if codec is None or codec.horovod_allreduce == "keep" else codec
         numel = 1
         for d in shape:
             numel *= int(d)
@@ -51,11 +51,12 @@ class LayerPolicy:
         return default
 
     def codecs(self, default: Codec) -> list[Codec]:
-        """Every codec this policy can choose, ``default`` first, then the rules' in order,
-        each once (by configuration): the same list on every rank that agrees on the policy."""
+        """Every codec with an exchange of its own this policy can choose (not those Horovod's
+        allreduce carries), ``default`` first, then the rules' in order, each once (by
+        configuration): the same list on every rank that agrees on the policy."""
         out: list[Codec] = []
         for codec in [default, *(c for _, c in self.rules)]:
-            if codec is not None and codec.name != "none" and all(
+            if codec is not None and codec.horovod_allreduce is None and all(
                     codec.config() != o.config() for o in out):
                 out.append(codec)
         return out

@@ -60,10 +60,11 @@ class StepStats:
             setattr(self, k, getattr(self, k) + getattr(other, k))
         return self
 
-    def add_raw(self, nbytes: int) -> None:
-        """Count a tensor that travelled uncompressed."""
+    def add_raw(self, nbytes: int, raw: int | None = None) -> None:
+        """Count a tensor that Horovod's own allreduce carried: ``nbytes`` sent, ``raw`` its
+        float32 size (default ``nbytes``: uncompressed)."""
         self.bytes_sent += nbytes
-        self.bytes_raw += nbytes
+        self.bytes_raw += nbytes if raw is None else raw
         self.tensors += 1
 
     def reset(self) -> "StepStats":

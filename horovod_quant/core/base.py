@@ -177,6 +177,11 @@ class Codec(abc.ABC):
 
     name: ClassVar[str]
     exchange: ClassVar[str]
+    #: Horovod's own allreduce carries this codec's tensors in the framework doors (no payload
+    #: exchange of ours, and Horovod fuses them): None (the codec's exchange), ``"keep"`` (the
+    #: tensor as it is) or the dtype name it is cast to and back (``"float16"``, as Horovod's
+    #: ``Compression.fp16``).
+    horovod_allreduce: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

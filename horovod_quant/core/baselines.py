@@ -56,6 +56,7 @@ class NoCompression(_FloatBaseline):
 
     name = "none"
     wire_dtype = np.dtype(np.float32)
+    horovod_allreduce = "keep"
 
     def encode(self, x: Any, seed: int = 0) -> Payload:
         v = as_vector(x)
@@ -74,6 +75,7 @@ class FP16(_FloatBaseline):
 
     name = "fp16"
     wire_dtype = np.dtype(np.float16)
+    horovod_allreduce = "float16"
 
     def encode(self, x: Any, seed: int = 0) -> Payload:
         v = as_vector(x)

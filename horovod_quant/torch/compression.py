@@ -125,6 +125,16 @@ def horovod_name(tensor: torch.Tensor) -> str | None:
     return None
 
 
+def horovod_dtype(codec: Codec | None, tensor: torch.Tensor) -> torch.dtype | None:
+    """The dtype in which Horovod's own allreduce carries ``tensor`` (no codec, or a codec that
+    declares ``horovod_allreduce``), or None when the codec's exchange carries it."""
+    if codec is None or codec.horovod_allreduce == "keep":
+        return tensor.dtype
+    if codec.horovod_allreduce is not None:
+        return getattr(torch, codec.horovod_allreduce)
+    return None
+
+
 class _Job:
     """One tensor's exchange: started now or deferred (see the module doc), then finished."""
 
@@ -195,12 +205,10 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         codec = None
         if tensor.dtype.is_floating_point and not tensor.is_sparse:
             codec = self.policy.codec_for(self.codec, tensor.shape, name)
-        if codec is None or codec.name == "none":
-            self.stats.add_raw(tensor.numel() * tensor.element_size())
-            return tensor, None
-        if codec.name == "fp16":
-            self.stats.add_raw(tensor.numel() * 2)
-            return tensor.half(), tensor.dtype
+        wire = horovod_dtype(codec, tensor)
+        if wire is not None:
+            self.stats.add_raw(tensor.numel() * wire.itemsize, tensor.numel() * tensor.element_size())
+            return (tensor, None) if wire == tensor.dtype else (tensor.to(wire), tensor.dtype)
         if self._decompressing:  # first compress after a decompress: a new step
             self._unnamed, self._decompressing = 0, False
         if name is None:

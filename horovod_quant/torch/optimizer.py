@@ -48,7 +48,7 @@ from ..core.schedules import DEFAULT_PIPELINE_ELEMS
 from ..policy import LayerPolicy, describe
 from ..stats import StepStats
 from .collectives import as_array, as_tensor, collectives_for
-from .compression import QuantizedCompressor, flat_array, on_gpu, stream_of
+from .compression import QuantizedCompressor, flat_array, horovod_dtype, on_gpu, stream_of
 
 DEFAULT_FUSION_BYTES = 32 << 20
 
@@ -173,13 +173,16 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         return json.dumps(codec.config(), sort_keys=True)
 
     def _layout(self) -> None:
-        """Which parameters travel raw and the buckets of the others, one codec per bucket."""
-        self._raw, by_codec = [], {}
+        """Which parameters Horovod's allreduce carries (and in which dtype: ``_cast``) and the
+        buckets of the others, one codec per bucket."""
+        self._raw, self._cast, by_codec = [], {}, {}
         for p in self._all_params:
             c = (None if id(p) in self._sparse else
                  self.policy.codec_for(self.codec, p.shape, self._names[id(p)]))
-            if c is None or self.codec.name == "none":
+            wire = horovod_dtype(c, p)
+            if wire is not None:
                 self._raw.append(p)
+                self._cast[id(p)] = wire
             else:
                 by_codec.setdefault(self._codec_key(c), (c, []))[1].append(p)
         self._buckets = []
@@ -258,20 +261,25 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         return self._exchanges[self._codec_key(bucket.codec)]
 
     def _start_raw(self, p: torch.nn.Parameter) -> None:
+        """Horovod's own allreduce of ``p``'s gradient (sparse: Horovod's sparse path; a cast
+        dtype: a cast copy, as Horovod's ``Compression.fp16``)."""
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         name = f"{self._prefix}.raw.{self._names[id(p)]}"
-        if p.grad.is_sparse:
-            handle = hvd.sparse_allreduce_async(p.grad, name=name, op=self.op,
+        wire = p.grad
+        if wire.is_sparse:
+            handle = hvd.sparse_allreduce_async(wire, name=name, op=self.op,
                                                 process_set=self.process_set)
         else:
-            handle = hvd.allreduce_async_(p.grad, name=name, op=self.op,
+            wire = wire.to(self._cast.get(id(p), wire.dtype))
+            handle = hvd.allreduce_async_(wire, name=name, op=self.op,
                                           prescale_factor=1.0 / self.gradient_predivide_factor
                                           if self.op == hvd.Average else 1.0,
                                           postscale_factor=self.gradient_predivide_factor
                                           if self.op == hvd.Average else 1.0,
                                           process_set=self.process_set)
-        self.stats.add_raw(p.grad.numel() * p.grad.element_size())
+        self.stats.add_raw(wire.numel() * wire.element_size(),
+                           p.grad.numel() * p.grad.element_size())
         self._raw_handles[id(p)] = (p, handle)
 
     def _travels_in_bucket(self, p: torch.nn.Parameter) -> bool:
@@ -360,6 +368,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             out = handle() if callable(handle) else hvd.synchronize(handle)  # sparse: callable
             if p.grad.is_sparse:
                 p.grad = out
+            elif out.data_ptr() != p.grad.data_ptr():  # a cast copy travelled
+                p.grad.copy_(out)
         self._raw_handles.clear()
         for p in self._all_params:  # as Horovod: the optimizer gets the sparse form back
             if id(p) in self._densified:

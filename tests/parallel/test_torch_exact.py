@@ -99,8 +99,9 @@ def test_quant_optimizer_matches_reference(name):
         flats = [np.concatenate([g.reshape(-1) for g in reversed(gs)]) for gs in per_rank]
         want, _ = hq.mean_estimate(codec, flats, seed=derive_key(3, step, 0), gather="auto")
         got = np.concatenate([p.grad.reshape(-1).numpy() for p in reversed(list(model.ps))])
-        if name == "none" and hvd.size() > 2:
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # float sum order
+        if name in ("none", "fp16") and hvd.size() > 2:  # Horovod's own float sum, its order
+            tol = 1e-5 if name == "none" else 2e-3
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
         else:
             assert np.array_equal(got, want, equal_nan=True), (name, step)
         assert opt.last_stats.bytes_sent > 0
