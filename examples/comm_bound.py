@@ -18,8 +18,13 @@ shared memory at several GB/s, so compression often does not cut wall time here:
 costs CPU time that a fast link does not give back. The column ``payload @ --link-gbps`` is
 only an estimate (bytes / link bandwidth) of the payload's transfer time on a slower
 network, to show where the bytes start to dominate; it is not measured.
+
+Progress: rank 0 shows a progress bar on stderr when that is a terminal. Under ``horovodrun`` or
+``mpirun`` the ranks' output goes through a pipe, so pass ``--progress`` to see it there;
+``--no-progress`` turns it off everywhere.
 """
 import argparse
+import sys
 import time
 
 import horovod.torch as hvd
@@ -42,7 +47,19 @@ def build_compression(spec):
     return getattr(hq.Compression, name)(**params)  # horovod_quant: pick a codec
 
 
-def run(spec, args, x, y):
+def progress_bar(total, wanted):
+    """A tqdm bar on rank 0 only. ``wanted`` None: only when stderr is a terminal (tqdm's
+    ``disable=None``); True / False: always / never. Off a terminal it redraws every 10 s at
+    most, so a log gets a few lines, not one per step."""
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    disable = True if hvd.rank() != 0 else (None if wanted is None else not wanted)
+    return tqdm(total=total, unit="step", disable=disable, dynamic_ncols=tty,
+                mininterval=0.5 if tty else 10.0)
+
+
+def run(spec, args, x, y, bar):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(args.inputs, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
@@ -62,6 +79,7 @@ def run(spec, args, x, y):
         loss.backward()
         opt.step()
         wall = time.perf_counter() - t
+        bar.update()
         if step >= args.warmup:  # the first steps compile kernels and set up collectives
             st = opt.last_stats  # horovod_quant: per-step statistics
             tot["sent"] += st.bytes_sent
@@ -78,24 +96,36 @@ def run(spec, args, x, y):
             "xch": 1e3 * tot["xch"] / n, "dec": 1e3 * tot["dec"] / n, "loss": full}
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The docstring's commands one per line, every option's default in its help."""
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--codecs", default="none fp16 qsgd:8 qsgd:4 nuqsgd:4 global_qsgd:8")
-    ap.add_argument("--inputs", type=int, default=1024)
-    ap.add_argument("--hidden", type=int, default=2048)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--codecs", default="none fp16 qsgd:8 qsgd:4 nuqsgd:4 global_qsgd:8",
+                    help="space-separated codec specs (name or name:bits), one run each")
+    ap.add_argument("--inputs", type=int, default=1024, help="input features")
+    ap.add_argument("--hidden", type=int, default=2048, help="width of both hidden layers")
     ap.add_argument("--batch", type=int, default=16, help="per rank")
-    ap.add_argument("--samples", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--samples", type=int, default=4096, help="synthetic training samples")
+    ap.add_argument("--steps", type=int, default=15, help="timed steps per codec")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    ap.add_argument("--lr", type=float, default=0.01, help="per rank (scaled by the world size)")
     ap.add_argument("--link-gbps", type=float, default=10.0,
                     help="bandwidth for the estimated payload transfer time column")
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="progress bar on rank 0's stderr; unset: only if stderr is a terminal")
     args = ap.parse_args()
     hvd.init()
     torch.set_num_threads(1)
     x, y = synthetic(args.samples, args.inputs)
-    rows = [run(spec, args, x, y) for spec in args.codecs.split()]
+    specs = args.codecs.split()
+    bar = progress_bar(len(specs) * (args.warmup + args.steps), args.progress)
+    rows = []
+    for spec in specs:
+        bar.set_postfix_str(spec, refresh=False)
+        rows.append(run(spec, args, x, y, bar))
+    bar.close()
     if hvd.rank() == 0:
         params = args.inputs * args.hidden + args.hidden * args.hidden + args.hidden * 10
         print(f"\n{hvd.size()} ranks, MLP {args.inputs}-{args.hidden}-{args.hidden}-10 "

@@ -1,13 +1,23 @@
 """Data-parallel training of a small MLP on scikit-learn's digits with horovod_quant.
 
     horovodrun -np 2 python examples/pytorch_digits.py --codec qsgd --bits 8
+    horovodrun -np 2 python examples/pytorch_digits.py --codec nuqsgd:4 --steps 300
+    horovodrun -np 2 python examples/pytorch_digits.py --codecs "none fp16 qsgd:8 natural:8"
+    horovodrun -np 2 -H localhost:2 --gloo python examples/pytorch_digits.py \\
+        --json bench_out/demo_training.json          # every codec, as `make demo` runs it
 
-The lines that integrate horovod_quant are marked ``# horovod_quant:``. With ``--codecs`` the
-script trains once per listed configuration (``name`` or ``name:bits``) in one launch and rank 0
-prints a table (``make demo`` runs it that way) and writes ``--json``.
+The lines that integrate horovod_quant are marked ``# horovod_quant:``. A codec is ``name`` or
+``name:bits`` (``--bits`` sets the bits of ``--codec`` too). With ``--codecs`` the script trains
+once per listed configuration in one launch and rank 0 prints a table (``make demo`` runs every
+codec that way) and writes ``--json``.
+
+Progress: rank 0 shows a progress bar on stderr when that is a terminal. Under ``horovodrun`` or
+``mpirun`` the ranks' output goes through a pipe, so pass ``--progress`` to see it there;
+``--no-progress`` turns it off everywhere.
 """
 import argparse
 import json
+import sys
 import time
 
 import horovod.torch as hvd
@@ -28,7 +38,19 @@ def build_compression(spec: str):
     return getattr(hq.Compression, name)(**params)  # horovod_quant: pick a codec
 
 
-def train(spec: str, steps: int, batch: int, lr: float):
+def progress_bar(total: int, wanted):
+    """A tqdm bar on rank 0 only. ``wanted`` None: only when stderr is a terminal (tqdm's
+    ``disable=None``); True / False: always / never. Off a terminal it redraws every 10 s at
+    most, so a log gets a few lines, not one per step."""
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    disable = True if hvd.rank() != 0 else (None if wanted is None else not wanted)
+    return tqdm(total=total, unit="step", disable=disable, dynamic_ncols=tty,
+                mininterval=0.5 if tty else 10.0)
+
+
+def train(spec: str, steps: int, batch: int, lr: float, bar=None):
     torch.manual_seed(0)
     x, y = load_digits(return_X_y=True)
     x = torch.tensor(x / 16.0, dtype=torch.float32)
@@ -53,6 +75,8 @@ def train(spec: str, steps: int, batch: int, lr: float):
         opt.step()
         sent += opt.last_stats.bytes_sent  # horovod_quant: per-step statistics
         raw += opt.last_stats.bytes_raw
+        if bar is not None:
+            bar.update()
     step_ms = (time.perf_counter() - t0) / steps * 1e3
     with torch.no_grad():
         logits = model(x_test)
@@ -64,18 +88,39 @@ def train(spec: str, steps: int, batch: int, lr: float):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--codec", default=None, help="one codec spec, e.g. qsgd:4")
-    ap.add_argument("--codecs", default=DEFAULT_CODECS, help="space-separated specs")
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--json", default=None)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--codec", default=None,
+                    help="train one codec, name or name:bits, e.g. qsgd or qsgd:4 "
+                         "(default: every codec of --codecs)")
+    ap.add_argument("--bits", type=int, default=None,
+                    help="bits for --codec (the same as writing --codec name:bits)")
+    ap.add_argument("--codecs", default=DEFAULT_CODECS,
+                    help="space-separated specs, trained one after the other (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=150, help="steps per codec (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=32, help="batch per rank (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=0.05,
+                    help="learning rate per rank, scaled by the world size (default: %(default)s)")
+    ap.add_argument("--json", default=None, help="rank 0 writes the table's rows to this file")
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="progress bar on rank 0's stderr (default: only when it is a terminal)")
     args = ap.parse_args()
+    if args.bits is not None:
+        if args.codec is None:
+            ap.error("--bits goes with --codec (in --codecs write name:bits)")
+        name, _, bits = args.codec.partition(":")
+        if bits and int(bits) != args.bits:
+            ap.error(f"--codec {args.codec} and --bits {args.bits} disagree")
+        args.codec = f"{name}:{args.bits}"
     hvd.init()
     torch.set_num_threads(1)
     specs = [args.codec] if args.codec else args.codecs.split()
-    rows = [train(s, args.steps, args.batch, args.lr) for s in specs]
+    bar = progress_bar(len(specs) * args.steps, args.progress)
+    rows = []
+    for s in specs:
+        bar.set_postfix_str(s, refresh=False)
+        rows.append(train(s, args.steps, args.batch, args.lr, bar))
+    bar.close()
     if hvd.rank() == 0:
         print(f"\n{hvd.size()} ranks, {args.steps} steps of batch {args.batch} per rank, "
               f"MLP 64-256-256-10 on digits (test set of 297)")
