@@ -12,6 +12,7 @@ install:
 
 test: install
 	$(PYTHON) -m pytest -q tests/unit || [ $$? -eq 5 ]
+	$(PYTHON) scripts/check_docs.py
 	bash tests/parallel/run.sh
 	bash tests/parallel_tf/run.sh
 	bash tests/kernels/compile.sh

@@ -1,0 +1,411 @@
+#!/usr/bin/env python3
+"""Check the shell commands shown in the documentation (`make test` runs it).
+
+Reads every fenced code block of README.md, DEVELOPERS.md, docs/*.md and docker/README.md,
+plus inline code spans that run one of this repository's scripts, and:
+
+1. **Flags.** For every command that runs a script of this repository (`python3 benchmarks/...`,
+   `examples/...`, `scripts/...`, `tests/...`, `python3 -m horovod_quant...`, also behind
+   `horovodrun`, `mpirun`, `sudo`, `taskset`, `docker run`), checks that the script exists and
+   that every flag the command passes is one that the script's `--help` lists (argparse). Flags
+   are compared exactly: an abbreviation that argparse would accept still fails, so the docs
+   keep the full names. The flags given to `horovodrun` are checked against
+   `horovodrun --help` the same way, and `make <target>` against the Makefile's targets.
+   `bash <file>` needs the file to exist.
+2. **Quick commands.** A fenced block whose previous non-blank line is the HTML comment
+   `<!-- check-docs: run -->` (invisible on GitHub) is run as it stands, from the repository
+   root: `bash` blocks by `bash -euo pipefail`, `python` blocks by `python3 -`. It must exit 0
+   within 120 s (or `<!-- check-docs: run timeout=S -->`). Mark only commands that finish in
+   well under 20 s on a 2-core machine and change no tracked file.
+
+Usage:
+    python3 scripts/check_docs.py            # everything; exit status 1 on any problem
+    python3 scripts/check_docs.py --no-run   # flags only (no marked block is run)
+    python3 scripts/check_docs.py -v         # also list every command whose flags were checked
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ["README.md", "DEVELOPERS.md", "docs/*.md", "docker/README.md"]
+SCRIPT_DIRS = ("benchmarks/", "examples/", "scripts/", "tests/")
+RUN_MARK = re.compile(r"^\s*<!--\s*check-docs:\s*run(?:\s+timeout=(\d+))?\s*-->\s*$")
+FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
+SHELL_LANGS = {"bash", "sh", "shell", "console", "zsh"}
+PYTHON = re.compile(r"^(python[0-9.]*|\$\(PYTHON\)|\$PYTHON|\$\{PYTHON\})$")
+SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", ";;", "|&"}
+# python3's own options that take a value (the script comes after them)
+PY_OPTS_WITH_VALUE = {"-W", "-X", "-Q"}
+
+
+@dataclass
+class Block:
+    path: str
+    line: int  # 1-based line of the opening fence (or of the inline span)
+    lang: str
+    text: str
+    run: bool = False
+    timeout: int = 120
+    inline: bool = False
+
+
+@dataclass
+class Invocation:
+    where: str
+    command: str
+    kind: str  # "script", "module", "horovodrun", "make", "file"
+    target: str  # script path, module, Makefile target or file
+    flags: list = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------ extraction ---
+def doc_files() -> list[str]:
+    out = []
+    for pattern in DOCS:
+        out += sorted(glob.glob(os.path.join(ROOT, pattern)))
+    return [os.path.relpath(p, ROOT) for p in out]
+
+
+def read_blocks(path: str) -> list[Block]:
+    """Fenced blocks of a Markdown file, with their run marker, and inline code spans that
+    mention a repository script (for the flag check only)."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
+        lines = fh.read().split("\n")
+    blocks, prose = [], []
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            prose.append((i + 1, lines[i]))
+            i += 1
+            continue
+        indent, fence, lang = len(m.group(1)), m.group(2), m.group(3).lower()
+        start = i
+        body = []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i][indent:] if lines[i][:indent].strip() == "" else lines[i])
+            i += 1
+        i += 1  # closing fence
+        prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        mark = RUN_MARK.match(prev)
+        blocks.append(Block(path, start + 1, lang, "\n".join(body), run=bool(mark),
+                            timeout=int(mark.group(1)) if mark and mark.group(1) else 120))
+        prose.append((start + 1, ""))
+    # inline spans (may wrap over lines): only those that run something of ours
+    text = "\n".join(line for _, line in prose)
+    line_of = [n for n, line in prose for _ in range(len(line) + 1)]
+    for m in re.finditer(r"`([^`]+)`", text):
+        span = m.group(1).replace("\n", " ")
+        if re.search(r"(^|\s)(python[0-9.]*|horovodrun|make)\s", span) and \
+                re.search(r"\.py\b|horovod_quant|horovodrun|^make\s", span):
+            blocks.append(Block(path, line_of[min(m.start(), len(line_of) - 1)], "bash", span,
+                                inline=True))
+    return blocks
+
+
+def shell_commands(text: str) -> list[str]:
+    """The commands of a shell block: heredoc bodies dropped, continuations joined, comments
+    and prompts stripped."""
+    out, buf, heredoc = [], "", None
+    for raw in text.split("\n"):
+        if heredoc is not None:
+            if raw.strip() == heredoc:
+                heredoc = None
+            continue
+        line = raw.rstrip()
+        if line.lstrip().startswith("$ "):
+            line = line.lstrip()[2:]
+        m = re.search(r"<<-?\s*['\"]?(\w+)['\"]?", line)
+        if m:
+            heredoc = m.group(1)
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        buf += line
+        if buf.strip() and not buf.lstrip().startswith("#"):
+            out.append(buf.strip())
+        buf = ""
+    if buf.strip():
+        out.append(buf.strip())
+    return out
+
+
+def tokens(command: str) -> list[str]:
+    lex = shlex.shlex(command, posix=True, punctuation_chars=";&|()")
+    lex.whitespace_split = True
+    lex.commenters = "#"
+    try:
+        return list(lex)
+    except ValueError:  # unbalanced quotes in a doc fragment: split on blanks
+        return command.split()
+
+
+def simple_commands(toks: list[str]) -> list[list[str]]:
+    out, cur = [], []
+    for t in toks:
+        if t in SEPARATORS:
+            if cur:
+                out.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def is_flag(tok: str) -> bool:
+    return tok.startswith("-") and tok != "-" and not re.match(r"^-[0-9.]", tok)
+
+
+def flag_name(tok: str) -> str:
+    return tok.split("=", 1)[0]
+
+
+def invocations(block: Block) -> list[Invocation]:
+    where = f"{block.path}:{block.line}"
+    out = []
+    for command in shell_commands(block.text):
+        for cmd in simple_commands(tokens(command)):
+            env = {}
+            for t in cmd:
+                if re.match(r"^[A-Z_][A-Z0-9_]*=", t):
+                    k, v = t.split("=", 1)
+                    env[k] = v
+            out += _invocations_of(where, command, cmd, env)
+    return out
+
+
+def _invocations_of(where: str, command: str, cmd: list[str], env: dict) -> list[Invocation]:
+    out = []
+    names = [os.path.basename(t) for t in cmd]
+    if "horovodrun" in names:
+        i = names.index("horovodrun")
+        flags = []
+        for t in cmd[i + 1:]:
+            if PYTHON.match(os.path.basename(t)) or t.endswith(".py") or t in ("bash", "sh"):
+                break
+            if is_flag(t):
+                flags.append(flag_name(t))
+        out.append(Invocation(where, command, "horovodrun", "horovodrun", flags, env))
+    if names and names[0] == "make":
+        for t in cmd[1:]:
+            if not is_flag(t) and "=" not in t:
+                out.append(Invocation(where, command, "make", t))
+    if "bash" in names:
+        i = names.index("bash")
+        rest = [t for t in cmd[i + 1:] if not is_flag(t)]
+        if rest and rest[0].startswith(SCRIPT_DIRS):
+            out.append(Invocation(where, command, "file", rest[0]))
+    for i, t in enumerate(cmd):
+        if not PYTHON.match(os.path.basename(t)):
+            continue
+        j = i + 1
+        while j < len(cmd) and is_flag(cmd[j]) and cmd[j] not in ("-m", "-c"):
+            j += 2 if cmd[j] in PY_OPTS_WITH_VALUE else 1
+        if j >= len(cmd) or cmd[j] == "-c":
+            break
+        if cmd[j] == "-m":
+            if j + 1 < len(cmd) and cmd[j + 1].startswith("horovod_quant"):
+                args = cmd[j + 2:]
+                out.append(Invocation(where, command, "module", cmd[j + 1],
+                                      [flag_name(a) for a in _flags_until_end(args)], env))
+            break
+        script = cmd[j].removeprefix("./")
+        if script.startswith(SCRIPT_DIRS) and script.endswith(".py"):
+            out.append(Invocation(where, command, "script", script,
+                                  [flag_name(a) for a in _flags_until_end(cmd[j + 1:])], env))
+        break
+    return out
+
+
+def _flags_until_end(args: list[str]) -> list[str]:
+    out = []
+    for a in args:
+        if a == "--":
+            break
+        if a.startswith((">", "<")):
+            break
+        if is_flag(a):
+            out.append(a)
+    return out
+
+
+# ---------------------------------------------------------------------------------- checks ---
+def _uses_argparse(path: str) -> bool:
+    with open(path, encoding="utf-8") as fh:
+        return "argparse" in fh.read()
+
+
+def help_flags(inv: Invocation) -> tuple[set | None, str]:
+    """The flags the script's --help lists; None when the script does not use argparse."""
+    if inv.kind == "horovodrun":
+        argv = ["horovodrun", "--help"]
+    elif inv.kind == "module":
+        path = os.path.join(ROOT, *inv.target.split(".")) + ".py"
+        if not os.path.exists(path):
+            path = os.path.join(ROOT, *inv.target.split("."), "__main__.py")
+        if not os.path.exists(path):
+            return None, f"no module {inv.target} in this repository"
+        if not _uses_argparse(path):
+            return None, ""
+        argv = [sys.executable, "-m", inv.target, "--help"]
+    else:
+        path = os.path.join(ROOT, inv.target)
+        if not os.path.exists(path):
+            return None, f"{inv.target} does not exist"
+        if not _uses_argparse(path):
+            return None, ""
+        argv = [sys.executable, inv.target, "--help"]
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3")
+    try:
+        res = subprocess.run(argv, check=False, cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=180)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return set(), f"`{' '.join(argv)}` failed: {exc}"
+    if res.returncode != 0:
+        return set(), f"`{' '.join(argv)}` exited {res.returncode}: {res.stderr.strip()[-300:]}"
+    return parse_help(res.stdout), ""
+
+
+def parse_help(text: str) -> set:
+    """Option strings of an argparse help text: the usage block and the option lines."""
+    flags = set()
+    lines = text.split("\n")
+    in_usage = False
+    for line in lines:
+        if line.startswith("usage:"):
+            in_usage = True
+        elif in_usage and not line.strip():
+            in_usage = False
+        if in_usage:
+            flags |= set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", line))
+        elif re.match(r"^\s+-", line):
+            opts = re.split(r"\s{2,}", line.strip())[0]
+            flags |= set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", opts))
+    return flags
+
+
+def make_targets() -> set:
+    with open(os.path.join(ROOT, "Makefile"), encoding="utf-8") as fh:
+        return set(re.findall(r"^([A-Za-z][\w.-]*)\s*:(?!=)", fh.read(), re.MULTILINE))
+
+
+def run_block(block: Block) -> tuple[bool, float, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if block.lang in SHELL_LANGS or block.lang == "":
+        argv, stdin = ["bash", "-euo", "pipefail", "-c", block.text], None
+    elif block.lang in ("python", "py"):
+        argv, stdin = [sys.executable, "-"], block.text
+    else:
+        return False, 0.0, f"cannot run a `{block.lang}` block"
+    t = time.perf_counter()
+    try:
+        res = subprocess.run(argv, check=False, cwd=ROOT, env=env, input=stdin,
+                             capture_output=True, text=True, timeout=block.timeout)
+    except subprocess.TimeoutExpired:
+        return False, time.perf_counter() - t, f"timed out after {block.timeout} s"
+    dt = time.perf_counter() - t
+    tail = (res.stdout + res.stderr).strip().split("\n")
+    tail = "\n".join(line for line in tail if line.strip())[-800:]
+    return res.returncode == 0, dt, tail if res.returncode else ""
+
+
+def check_flags(invs: list, helps: dict, targets: set, verbose: bool = False):
+    """Problems found in ``invs`` given each program's ``help_flags`` result (``helps``, keyed
+    by (kind, target)) and the Makefile's targets; also the number of flags checked."""
+    problems, checked = [], 0
+    for inv in invs:
+        short = inv.command if len(inv.command) <= 100 else inv.command[:97] + "..."
+        if inv.kind == "make":
+            if inv.target not in targets:
+                problems.append(f"{inv.where}: `make {inv.target}`: no such Makefile target")
+            continue
+        if inv.kind == "file":
+            if not os.path.exists(os.path.join(ROOT, inv.target)):
+                problems.append(f"{inv.where}: `{short}`: {inv.target} does not exist")
+            continue
+        known, err = helps[(inv.kind, inv.target)]
+        if err:
+            problems.append(f"{inv.where}: `{short}`: {err}")
+            continue
+        if known is None:
+            if inv.flags:
+                problems.append(f"{inv.where}: `{short}`: {inv.target} takes no flags "
+                                f"(no argparse) but gets {' '.join(inv.flags)}")
+            continue
+        bad = [f for f in inv.flags if f not in known]
+        checked += len(inv.flags)
+        if bad:
+            problems.append(f"{inv.where}: `{short}`: {inv.target} has no "
+                            f"{' '.join(bad)} (its --help lists {' '.join(sorted(known))})")
+        elif verbose:
+            print(f"  ok  {inv.where}: {inv.target} {' '.join(inv.flags)}")
+    return problems, checked
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--no-run", action="store_true", help="check flags only, run nothing")
+    ap.add_argument("-v", "--verbose", action="store_true",
+                    help="list every command whose flags were checked")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    files = doc_files()
+    blocks = [b for f in files for b in read_blocks(f)]
+    invs = [inv for b in blocks if b.inline or b.lang in SHELL_LANGS or b.lang == ""
+            for inv in invocations(b)]
+
+    marked = [b for b in blocks if b.run and not args.no_run]
+    # --help runs and marked blocks are independent: run them side by side
+    keys = sorted({(i.kind, i.target) for i in invs if i.kind in ("script", "module",
+                                                                   "horovodrun")})
+    with cf.ThreadPoolExecutor(max_workers=4) as pool:
+        ran = [pool.submit(run_block, b) for b in marked]
+        futs = {k: pool.submit(help_flags, next(i for i in invs if (i.kind, i.target) == k))
+                for k in keys}
+        helps = {k: f.result() for k, f in futs.items()}
+
+        # 1. flags ---------------------------------------------------------------------------
+        problems, checked_flags = check_flags(invs, helps, make_targets(), args.verbose)
+        n_scripts = len([k for k in keys if helps[k][0] is not None])
+        print(f"check_docs: {len(files)} files, {len(blocks)} code blocks/spans, "
+              f"{len(invs)} commands of this repository or horovodrun/make; "
+              f"{checked_flags} flags checked against the --help of {n_scripts} programs "
+              f"({', '.join(t for _, t in keys)}) in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+
+        # 2. quick commands ------------------------------------------------------------------
+        if args.no_run:
+            print(f"check_docs: {len([b for b in blocks if b.run])} marked blocks not run "
+                  "(--no-run)")
+        for b, fut in zip(marked, ran):
+            ok, dt, tail = fut.result()
+            first = b.text.strip().split("\n")[0]
+            first = first if len(first) <= 90 else first[:87] + "..."
+            print(f"  {'ran' if ok else 'FAILED'} {b.path}:{b.line} ({b.lang}, {dt:.1f} s): "
+                  f"{first}")
+            if not ok:
+                problems.append(f"{b.path}:{b.line}: marked block failed:\n{tail}")
+
+    for p in problems:
+        print(f"check_docs: ERROR {p}")
+    print(f"check_docs: {'FAILED, ' + str(len(problems)) + ' problems' if problems else 'ok'} "
+          f"in {time.perf_counter() - t0:.1f} s")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""scripts/check_docs.py: command extraction, flag parsing and the checks themselves."""
+import importlib.util
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("check_docs",
+                                               os.path.join(ROOT, "scripts", "check_docs.py"))
+cd = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("check_docs", cd)  # dataclasses look their module up there
+_spec.loader.exec_module(cd)
+
+
+def _invs(text, lang="bash"):
+    return cd.invocations(cd.Block("x.md", 1, lang, text))
+
+
+def test_shell_commands_join_continuations_and_drop_comments_and_heredocs():
+    text = ("# a comment\n"
+            "$ python3 benchmarks/variance.py --plot-only   # trailing\n"
+            "horovodrun -np 2 \\\n    python3 examples/comm_bound.py --steps 3\n"
+            "cat > /tmp/x.py <<'EOF'\nimport sys; python3 examples/nothing.py --bad\nEOF\n"
+            "echo done")
+    cmds = [" ".join(c.split()) for c in cd.shell_commands(text)]
+    assert cmds == ["python3 benchmarks/variance.py --plot-only # trailing",
+                    "horovodrun -np 2 python3 examples/comm_bound.py --steps 3",
+                    "cat > /tmp/x.py <<'EOF'", "echo done"]
+
+
+def test_invocations_find_scripts_behind_launchers():
+    got = [(i.kind, i.target, i.flags) for i in _invs(
+        "sudo python3 benchmarks/cluster.py --rates 1gbit --quick\n"
+        "NUMBA_NUM_THREADS=1 taskset -c 1 python3 benchmarks/codec_throughput.py --sizes=1M\n"
+        "horovodrun -np 2 -H localhost:2 --gloo python3 examples/pytorch_digits.py --codec qsgd:8\n"
+        "mpirun -np 2 --allow-run-as-root python3 -m horovod_quant.demo --quick; make demo\n"
+        "python3 -c \"import horovod_quant\" && bash tests/parallel/run.sh\n"
+        "python3 -m pytest -q tests/unit\n")]
+    assert got == [
+        ("script", "benchmarks/cluster.py", ["--rates", "--quick"]),
+        ("script", "benchmarks/codec_throughput.py", ["--sizes"]),
+        ("horovodrun", "horovodrun", ["-np", "-H", "--gloo"]),
+        ("script", "examples/pytorch_digits.py", ["--codec"]),
+        ("module", "horovod_quant.demo", ["--quick"]),
+        ("make", "demo", []),
+        ("file", "tests/parallel/run.sh", []),
+    ]
+
+
+def test_parse_help_reads_usage_and_option_lines():
+    text = ("usage: x.py [-h] [--worlds WORLDS] [--first-seed FIRST_SEED]\n"
+            "            [--launcher {horovodrun,mpirun}]\n\n"
+            "Runs --not-a-flag-of-x in its description.\n\n"
+            "options:\n  -h, --help            show this help\n"
+            "  -v, --verbose         more output, see --also-not\n")
+    assert cd.parse_help(text) == {"-h", "--worlds", "--first-seed", "--launcher", "--help",
+                                   "-v", "--verbose"}
+
+
+def test_check_flags_reports_unknown_flags_targets_and_files():
+    invs = _invs("python3 benchmarks/variance.py --plot-only --plot-onyl\n"
+                 "make no-such-target\nbash scripts/no_such.sh\n")
+    helps = {("script", "benchmarks/variance.py"): ({"-h", "--plot-only"}, "")}
+    problems, checked = cd.check_flags(invs, helps, {"test"})
+    assert checked == 2 and len(problems) == 3
+    assert "has no --plot-onyl" in problems[0]
+    assert "no such Makefile target" in problems[1]
+    assert "scripts/no_such.sh does not exist" in problems[2]
+
+
+def test_read_blocks_marker_and_inline_spans(tmp_path):
+    doc = tmp_path / "d.md"
+    doc.write_text("Text `python3 benchmarks/variance.py\n--plot-only` here.\n\n"
+                   "<!-- check-docs: run timeout=30 -->\n```python\nprint(1)\n```\n\n"
+                   "1. item\n\n   ```bash\n   make demo\n   ```\n")
+    blocks = cd.read_blocks(str(doc))
+    run = [b for b in blocks if b.run]
+    assert len(run) == 1 and run[0].lang == "python" and run[0].timeout == 30
+    assert [b.text for b in blocks if b.lang == "bash" and not b.inline] == ["make demo"]
+    inline = [b for b in blocks if b.inline]
+    assert [(i.target, i.flags) for b in inline for i in cd.invocations(b)] == [
+        ("benchmarks/variance.py", ["--plot-only"])]
+    ok, _, _ = cd.run_block(run[0])
+    assert ok
+
+
+def test_help_flags_of_a_real_script():
+    inv = _invs("python3 benchmarks/convergence.py --worlds 2")[0]
+    known, err = cd.help_flags(inv)
+    assert not err and {"--worlds", "--seeds", "--plot-only"} <= known
+    assert "--worker" not in known  # argparse.SUPPRESS: not a documented flag
