@@ -11,7 +11,8 @@ plus inline code spans that run one of this repository's scripts, and:
    are compared exactly: an abbreviation that argparse would accept still fails, so the docs
    keep the full names. The flags given to `horovodrun` are checked against
    `horovodrun --help` the same way, and `make <target>` against the Makefile's targets.
-   `bash <file>` needs the file to exist.
+   `bash <file>` needs the file to exist. A script whose `--help` fails on a missing module
+   (e.g. TensorFlow, with `HQ_WITH_TENSORFLOW=0`) is named and skipped, not failed.
 2. **Quick commands.** A fenced block whose previous non-blank line is the HTML comment
    `<!-- check-docs: run -->` (invisible on GitHub) is run as it stands, from the repository
    root: `bash` blocks by `bash -euo pipefail`, `python` blocks by `python3 -`. It must exit 0
@@ -46,6 +47,7 @@ PYTHON = re.compile(r"^(python[0-9.]*|\$\(PYTHON\)|\$PYTHON|\$\{PYTHON\})$")
 SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", ";;", "|&"}
 # python3's own options that take a value (the script comes after them)
 PY_OPTS_WITH_VALUE = {"-W", "-X", "-Q"}
+SKIPPED = frozenset({"<skipped>"})  # help_flags: the program could not run here (optional deps)
 
 
 @dataclass
@@ -275,6 +277,9 @@ def help_flags(inv: Invocation) -> tuple[set | None, str]:
                              text=True, timeout=180)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return set(), f"`{' '.join(argv)}` failed: {exc}"
+    missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", res.stderr)
+    if res.returncode != 0 and missing:  # an optional framework (e.g. TensorFlow) not installed
+        return SKIPPED, f"not checked: --help needs the missing module {missing.group(1)}"
     if res.returncode != 0:
         return set(), f"`{' '.join(argv)}` exited {res.returncode}: {res.stderr.strip()[-300:]}"
     return parse_help(res.stdout), ""
@@ -338,6 +343,10 @@ def check_flags(invs: list, helps: dict, targets: set, verbose: bool = False):
                 problems.append(f"{inv.where}: `{short}`: {inv.target} does not exist")
             continue
         known, err = helps[(inv.kind, inv.target)]
+        if known is SKIPPED:
+            if verbose:
+                print(f"  --  {inv.where}: {inv.target}: {err}")
+            continue
         if err:
             problems.append(f"{inv.where}: `{short}`: {err}")
             continue
@@ -380,12 +389,14 @@ def main(argv=None) -> int:
 
         # 1. flags ---------------------------------------------------------------------------
         problems, checked_flags = check_flags(invs, helps, make_targets(), args.verbose)
-        n_scripts = len([k for k in keys if helps[k][0] is not None])
+        checked = [k[1] for k in keys if helps[k][0] not in (None, SKIPPED)]
+        for k in keys:
+            if helps[k][0] is SKIPPED:
+                print(f"check_docs: {k[1]}: {helps[k][1]}")
         print(f"check_docs: {len(files)} files, {len(blocks)} code blocks/spans, "
               f"{len(invs)} commands of this repository or horovodrun/make; "
-              f"{checked_flags} flags checked against the --help of {n_scripts} programs "
-              f"({', '.join(t for _, t in keys)}) in {time.perf_counter() - t0:.1f} s",
-              flush=True)
+              f"{checked_flags} flags checked against the --help of {len(checked)} programs "
+              f"({', '.join(checked)}) in {time.perf_counter() - t0:.1f} s", flush=True)
 
         # 2. quick commands ------------------------------------------------------------------
         if args.no_run:

@@ -88,3 +88,13 @@ def test_help_flags_of_a_real_script():
     known, err = cd.help_flags(inv)
     assert not err and {"--worlds", "--seeds", "--plot-only"} <= known
     assert "--worker" not in known  # argparse.SUPPRESS: not a documented flag
+
+
+def test_help_flags_skips_a_script_whose_optional_dependency_is_missing(tmp_path):
+    script = tmp_path / "needs_tf.py"
+    script.write_text("import argparse\nimport no_such_module_for_check_docs\n")
+    inv = cd.Invocation("x.md:1", "python3 x.py --a", "script", str(script), ["--a"])
+    known, note = cd.help_flags(inv)
+    assert known is cd.SKIPPED and "no_such_module_for_check_docs" in note
+    problems, checked = cd.check_flags([inv], {("script", str(script)): (known, note)}, set())
+    assert problems == [] and checked == 0
