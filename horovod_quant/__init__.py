@@ -4,7 +4,15 @@ and dithering, Global-QSGD, nested dithered quantization).
 Framework adapters live in ``horovod_quant.torch`` and ``horovod_quant.tensorflow``; the math
 is in ``horovod_quant.core``.
 """
-from .core import Codec, Payload, available_codecs, derive_key, get_codec, mean_estimate, worker_seed
+import os
+
+# numba's error-message highlighting calls colorama.init(), whose exit hook writes ESC[0m when
+# stdout is a terminal, which Open MPI gives every rank: off unless the user chose otherwise
+# (effective when numba is imported after this package, the usual order).
+os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
+
+from .core import (  # noqa: E402
+    Codec, Payload, available_codecs, derive_key, get_codec, mean_estimate, worker_seed)
 
 __version__ = "0.1.0"
 

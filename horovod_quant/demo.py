@@ -94,15 +94,15 @@ def numpy_gradients(n_workers: int):
 # codecs
 # ---------------------------------------------------------------------------------------------
 def demo_codecs(names=None):
-    """(label, codec) for every registered codec at its defaults, plus 8-bit rows for the
-    level quantizers whose default is 4 bits. Codecs that need world_size get 2."""
+    """(label, codec) for every registered codec at its defaults, plus a row at the other of 4
+    and 8 bits for the level quantizers. Codecs that need world_size get 2."""
     rows = []
     for name in hq.available_codecs():
         if names and name not in names:
             continue
         variants = [{}]
         if name in ("qsgd", "nuqsgd", "natural_dithering", "standard_dithering"):
-            variants.append({"bits": 8})
+            variants.append({"bits": 4 if hq.get_codec(name).params["bits"] == 8 else 8})
         for params in variants:
             try:
                 codec = hq.get_codec(name, **params)

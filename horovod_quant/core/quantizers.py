@@ -195,10 +195,14 @@ class QSGD(LevelQuantizer):
     """QSGD (Alistarh et al., 2017, Section 3.1): uniform levels j/s scaled by the bucket's L2
     norm, or by its max norm for the "QSGDinf" variant used in the paper's experiments.
 
+    The defaults are the safe choice of docs/choosing.md, 8 bits and the max norm (the paper's
+    analysis uses the L2 norm, Lemma 3.1; its experiments use the max norm, which measured 13-16x
+    less variance on real gradients at the same bytes: docs/results/variance_tables.md).
+
     Args:
         bits: wire bits per element including the sign, 2..8; s = 2^(bits-1) - 1 by default.
         bucket_size: elements per bucket (one float32 scale each); None = whole tensor.
-        norm: "l2" (Lemma 3.1) or "max".
+        norm: "max" (QSGDinf, default) or "l2" (Lemma 3.1).
         levels: s, to use fewer levels than ``bits`` can hold.
         elias: send the codes Elias-coded (Section 3.2, :mod:`.elias`): payload
             ``[float32 scale per bucket][Elias bit stream]`` of data-dependent length, smaller
@@ -208,7 +212,7 @@ class QSGD(LevelQuantizer):
     name = "qsgd"
     grid = K.GRID_UNIFORM
 
-    def __init__(self, bits: int = 4, bucket_size: int | None = DEFAULT_BUCKET, norm: str = "l2",
+    def __init__(self, bits: int = 8, bucket_size: int | None = DEFAULT_BUCKET, norm: str = "max",
                  levels: int | None = None, elias: bool = False) -> None:
         bits = check_int("bits", bits, 2, 8)
         check_choice("norm", norm, ("l2", "max"))
