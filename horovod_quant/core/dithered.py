@@ -444,7 +444,9 @@ class NestedDitheredQuantizer(Codec):
       :meth:`reference_mean` knows every input and fills it directly.
     * ``"outside_count"``: wrong coarse bins among the P2 senders whose input was given;
       ``"p2_values"``: P2 values decoded (finite, non-zero buckets), the share's denominator.
-    * ``"outside_bound"``: Theorem 6's bound at this exchange's k and measured sigma_z^2.
+    * ``"outside_bound"``: Theorem 6's bound evaluated at this exchange's k and the sigma_z^2
+      measured from the decoded values: an estimate, not a bound, after outages (a wrong
+      coarse bin shrinks the measured residual, so it can fall below ``"outside_share"``).
     * ``"k"``, ``"bits_p2"``: coarse ratio and P2 code width of this exchange (the largest if
       P2 payloads disagree).
     * ``"sigma2"``: the measured sigma_z^2 (None without P2 values); ``"next_k"``: the ratio
