@@ -97,18 +97,22 @@ class ConfigCheck:
         self._handle = (comm.allgather_object_async(config, f"{self.prefix}.config")
                         if comm.size > 1 else None)
         self._done = comm.size == 1
+        self._error: ValueError | None = None
 
     def wait(self) -> str:
-        """Block until every rank's configuration is here; returns :attr:`prefix`."""
+        """Block until every rank's configuration is here; returns :attr:`prefix`. A mismatch
+        raises again at every later call."""
         if not self._done:
             configs = wait_for_peers(self._handle, f"every rank's configuration "
                                                    f"(collective {self.prefix}.config)")
             self._done = True
             if any(c != configs[0] for c in configs):
                 lines = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(configs))
-                raise ValueError("horovod_quant configuration differs between ranks; every rank "
-                                 "must build the same codec, parameters, seed, policy and "
-                                 f"layout:\n{lines}")
+                self._error = ValueError(
+                    "horovod_quant configuration differs between ranks; every rank must build "
+                    f"the same codec, parameters, seed, policy and layout:\n{lines}")
+        if self._error is not None:
+            raise self._error
         return self.prefix
 
 

@@ -111,12 +111,13 @@ class StatsLogger:
         self.window = StepStats()
         self._window_steps = 0
 
-    def __call__(self, stats: StepStats) -> None:
-        """Add one step's statistics; log when ``every`` steps have gathered."""
-        self.steps += 1
-        self._window_steps += 1
+    def __call__(self, stats: StepStats, steps: int = 1) -> None:
+        """Add the statistics of ``steps`` steps; log when ``every`` steps have gathered."""
+        before = self.steps
+        self.steps += steps
+        self._window_steps += steps
         self.window += stats
-        if self.every and self.steps % self.every == 0:
+        if self.every and self.steps // self.every > before // self.every:
             self._log(f"step {self.steps}")
 
     def step(self, source: Any) -> None:

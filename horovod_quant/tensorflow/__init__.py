@@ -10,5 +10,6 @@ Use tf-keras (``TF_USE_LEGACY_KERAS=1``) for the Keras door; see docs/tensorflow
 from ..policy import LayerPolicy
 from ..stats import StepStats
 from .compression import Compression, QuantizedCompressor
+from .reporting import StatsCallback
 
-__all__ = ["Compression", "LayerPolicy", "QuantizedCompressor", "StepStats"]
+__all__ = ["Compression", "LayerPolicy", "QuantizedCompressor", "StatsCallback", "StepStats"]

@@ -200,7 +200,6 @@ class QuantizedCompressor(CompressorSettings, Compressor):
                                         name=f"hq_calls_{self._id}")
         self._check: ConfigCheck | None = None
         self._prefix: str | None = None  # the check's prefix, once it passed
-        self._mismatch: ValueError | None = None
         self._inflight: dict[int, dict] = {}
         self._lock = threading.Lock()
 
@@ -223,18 +222,12 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             RuntimeError: a rank did not join the check within ``HQ_CONFIG_TIMEOUT`` seconds
                 (a later call waits for the same check again).
         """
-        if self._prefix is not None:
-            return self._prefix
-        if self._mismatch is not None:
-            raise ValueError(str(self._mismatch))
-        with tf.init_scope():
-            if self._check is None:
-                self._check = ConfigCheck(HorovodTFCollectives(self._ps()), self.shared_config())
-            try:
+        if self._prefix is None:
+            with tf.init_scope():
+                if self._check is None:
+                    self._check = ConfigCheck(HorovodTFCollectives(self._ps()),
+                                              self.shared_config())
                 self._prefix = self._check.wait()
-            except ValueError as exc:
-                self._mismatch = exc
-                raise
         return self._prefix
 
     # -- numpy callbacks (run when the graph runs; ``spec`` chose the codec) --------------------
@@ -338,10 +331,11 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         codec = None
         if shape.is_fully_defined() and tensor.dtype.is_floating:
             codec = self.policy.codec_for(self.codec, shape.as_list(), key)
-        if codec is None or codec.name == "none":
+        wire = None if codec is None else codec.horovod_allreduce
+        if codec is None or wire == "keep":
             return tensor, None
-        if codec.name == "fp16":
-            return tf.cast(tensor, tf.float16), tensor.dtype
+        if wire is not None:  # Horovod's own allreduce carries it, cast (as Compression.fp16)
+            return tf.cast(tensor, tf.as_dtype(wire)), tensor.dtype
         ps = self._ps()
         n = ps.size()
         spec = _Spec(codec, steps.plan(codec, n, self.gather), key, tuple(shape.as_list()),

@@ -59,3 +59,13 @@ def test_step_takes_compressors_and_optimizers():
 def test_bad_every(every):
     with pytest.raises(ValueError, match="every"):
         StatsLogger(every=every)
+
+
+def test_several_steps_at_once_cross_the_every_boundary(caplog):
+    log = StatsLogger(every=10)
+    with caplog.at_level(logging.INFO, logger="horovod_quant"):
+        log(_step(), steps=7)
+        log(_step(), steps=7)  # 14: crossed 10
+        log(_step(), steps=5)  # 19: no line
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("horovod_quant step 14 (14 steps)")
