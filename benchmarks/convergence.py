@@ -46,8 +46,8 @@ ROOT = os.path.dirname(HERE)
 CODECS = {
     "fp32": ("none", {}),
     "fp16": ("fp16", {}),
-    "qsgd 8b b512": ("qsgd", {"bits": 8, "bucket_size": 512}),
-    "qsgd 4b b512": ("qsgd", {"bits": 4, "bucket_size": 512}),
+    "qsgd 8b b512": ("qsgd", {"bits": 8, "bucket_size": 512, "norm": "l2"}),
+    "qsgd 4b b512": ("qsgd", {"bits": 4, "bucket_size": 512, "norm": "l2"}),
     "nuqsgd 4b b512": ("nuqsgd", {"bits": 4, "bucket_size": 512}),
     "natural 8b": ("natural", {"bits": 8}),
     "natural_dithering 4b p=inf": ("natural_dithering", {"bits": 4, "p": math.inf}),
@@ -59,7 +59,7 @@ CODECS = {
     "dithered 4b": ("dithered", {"bits": 4}),
     "nested_dithered 4b": ("nested_dithered", {"bits": 4}),
     # high-variance settings, for --codecs stress
-    "qsgd 2b b128": ("qsgd", {"bits": 2, "bucket_size": 128}),
+    "qsgd 2b b128": ("qsgd", {"bits": 2, "bucket_size": 128, "norm": "l2"}),
     "global_qsgd linear 4b": ("global_qsgd", {"bits": 4, "levels": "linear"}),
     "global_qsgd exp 4b": ("global_qsgd", {"bits": 4, "levels": "exponential"}),
     # control: no compression, learning rate changed in its 7th digit. It measures how far a

@@ -470,10 +470,10 @@ def plot_global(res: dict, path: str) -> None:
 SUMMARY = (
     ("fp16", "fp16", {}),
     ("bf16", "bf16", {}),
-    ("qsgd 8b b512", "qsgd", {"bits": 8, "bucket_size": 512}),
-    ("qsgd 4b b512", "qsgd", {"bits": 4, "bucket_size": 512}),
+    ("qsgd 8b b512", "qsgd", {"bits": 8, "bucket_size": 512, "norm": "l2"}),
+    ("qsgd 4b b512", "qsgd", {"bits": 4, "bucket_size": 512, "norm": "l2"}),
     ("qsgd 4b b512 max-norm", "qsgd", {"bits": 4, "bucket_size": 512, "norm": "max"}),
-    ("qsgd 2b b128", "qsgd", {"bits": 2, "bucket_size": 128}),
+    ("qsgd 2b b128", "qsgd", {"bits": 2, "bucket_size": 128, "norm": "l2"}),
     ("nuqsgd 8b b512", "nuqsgd", {"bits": 8, "bucket_size": 512}),
     ("nuqsgd 4b b512", "nuqsgd", {"bits": 4, "bucket_size": 512}),
     ("natural 8b b512", "natural", {"bits": 8}),
