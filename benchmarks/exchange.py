@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -190,23 +189,13 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def progress_bar(total: int, wanted, rank: int):
-    """tqdm on rank 0 only: ``wanted`` None shows it only when stderr is a terminal (tqdm's
-    ``disable=None``); off a terminal it redraws at most every 10 s, so logs stay short."""
-    from tqdm import tqdm
-
-    tty = sys.stderr.isatty()
-    disable = True if rank != 0 else (None if wanted is None else not wanted)
-    return tqdm(total=total, unit="exchange", disable=disable, dynamic_ncols=tty,
-                mininterval=0.5 if tty else 10.0)
-
-
 def measure(args, labels: list[str]) -> list[dict]:
     import horovod.torch as hvd
     import torch
 
     import horovod_quant as hq
     from horovod_quant.comm import Exchange
+    from horovod_quant.stats import progress_bar
     from horovod_quant.torch.collectives import HorovodTorchCollectives
 
     hvd.init()
@@ -214,7 +203,8 @@ def measure(args, labels: list[str]) -> list[dict]:
     controller = "mpi" if hvd.mpi_enabled() else "gloo"
     comm = HorovodTorchCollectives()
     sizes = [float(s) for s in args.sizes.split(",") if s]
-    bar = progress_bar(len(sizes) * len(labels) * (args.repeat + 1), args.progress, rank)
+    bar = progress_bar(len(sizes) * len(labels) * (args.repeat + 1), rank, args.progress,
+                       unit="exchange")
     rows = []
     for mb in sizes:
         d = int(mb * (1 << 20)) // 4

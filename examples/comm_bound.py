@@ -24,13 +24,13 @@ Progress: rank 0 shows a progress bar on stderr when that is a terminal. Under `
 ``--no-progress`` turns it off everywhere.
 """
 import argparse
-import sys
 import time
 
 import horovod.torch as hvd
 import torch
 
 import horovod_quant.torch as hq  # horovod_quant: the PyTorch adapter
+from horovod_quant.stats import progress_bar
 
 
 def synthetic(n, inputs, seed=0):
@@ -45,18 +45,6 @@ def build_compression(spec):
     name, _, bits = spec.partition(":")
     params = {"bits": int(bits)} if bits else {}
     return getattr(hq.Compression, name)(**params)  # horovod_quant: pick a codec
-
-
-def progress_bar(total, wanted):
-    """A tqdm bar on rank 0 only. ``wanted`` None: only when stderr is a terminal (tqdm's
-    ``disable=None``); True / False: always / never. Off a terminal it redraws every 10 s at
-    most, so a log gets a few lines, not one per step."""
-    from tqdm import tqdm
-
-    tty = sys.stderr.isatty()
-    disable = True if hvd.rank() != 0 else (None if wanted is None else not wanted)
-    return tqdm(total=total, unit="step", disable=disable, dynamic_ncols=tty,
-                mininterval=0.5 if tty else 10.0)
 
 
 def run(spec, args, x, y, bar):
@@ -120,7 +108,7 @@ def main():
     torch.set_num_threads(1)
     x, y = synthetic(args.samples, args.inputs)
     specs = args.codecs.split()
-    bar = progress_bar(len(specs) * (args.warmup + args.steps), args.progress)
+    bar = progress_bar(len(specs) * (args.warmup + args.steps), hvd.rank(), args.progress)
     rows = []
     for spec in specs:
         bar.set_postfix_str(spec, refresh=False)

@@ -17,7 +17,6 @@ Progress: rank 0 shows a progress bar on stderr when that is a terminal. Under `
 """
 import argparse
 import json
-import sys
 import time
 
 import horovod.torch as hvd
@@ -25,6 +24,7 @@ import torch
 from sklearn.datasets import load_digits
 
 import horovod_quant.torch as hq  # horovod_quant: the PyTorch adapter
+from horovod_quant.stats import progress_bar
 
 DEFAULT_CODECS = ("none fp16 qsgd:8 qsgd:4 nuqsgd:8 nuqsgd:4 natural:8 natural:4 "
                   "natural_dithering:8 standard_dithering:8 global_qsgd:8 global_qsgd:4 "
@@ -36,18 +36,6 @@ def build_compression(spec: str):
     name, _, bits = spec.partition(":")
     params = {"bits": int(bits)} if bits else {}
     return getattr(hq.Compression, name)(**params)  # horovod_quant: pick a codec
-
-
-def progress_bar(total: int, wanted):
-    """A tqdm bar on rank 0 only. ``wanted`` None: only when stderr is a terminal (tqdm's
-    ``disable=None``); True / False: always / never. Off a terminal it redraws every 10 s at
-    most, so a log gets a few lines, not one per step."""
-    from tqdm import tqdm
-
-    tty = sys.stderr.isatty()
-    disable = True if hvd.rank() != 0 else (None if wanted is None else not wanted)
-    return tqdm(total=total, unit="step", disable=disable, dynamic_ncols=tty,
-                mininterval=0.5 if tty else 10.0)
 
 
 def train(spec: str, steps: int, batch: int, lr: float, bar=None):
@@ -115,7 +103,7 @@ def main():
     hvd.init()
     torch.set_num_threads(1)
     specs = [args.codec] if args.codec else args.codecs.split()
-    bar = progress_bar(len(specs) * args.steps, args.progress)
+    bar = progress_bar(len(specs) * args.steps, hvd.rank(), args.progress)
     rows = []
     for s in specs:
         bar.set_postfix_str(s, refresh=False)

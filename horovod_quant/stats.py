@@ -141,3 +141,24 @@ class StatsLogger:
             self.logger.info("horovod_quant %s (%d steps): %s", when, self._window_steps,
                              self.window)
         self.window, self._window_steps = StepStats(), 0
+
+
+def progress_bar(total: int, rank: int, show: bool | None = None, unit: str = "step") -> Any:
+    """A tqdm progress bar drawn by rank 0 only (the other ranks get a disabled one).
+
+    Args:
+        total: steps to come.
+        rank: this process's rank.
+        show: None: only when stderr is a terminal (under ``horovodrun``/``mpirun`` it is a
+            pipe); True / False: always / never. Off a terminal it redraws at most every 10 s,
+            so a log gets a few lines, not one per step.
+        unit: what a step is called.
+    """
+    import sys
+
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    disable = True if rank != 0 else (None if show is None else not show)
+    return tqdm(total=total, unit=unit, disable=disable, dynamic_ncols=tty,
+                mininterval=0.5 if tty else 10.0)
