@@ -116,7 +116,7 @@ def test_kernels_compile_and_pack(cp):
 
 # -- level quantizers ------------------------------------------------------------------------
 LEVEL_SPECS = [
-    ("qsgd", {}), ("qsgd", {"norm": "max"}), ("standard_dithering", {"p": 1.0}),
+    ("qsgd", {"norm": "l2"}), ("qsgd", {"norm": "max"}), ("standard_dithering", {"p": 1.0}),
     ("standard_dithering", {"p": INF}), ("nuqsgd", {}), ("natural_dithering", {}),
     ("natural", {}),
 ]
@@ -176,7 +176,7 @@ def test_gather_combine_one_pass(cp, npay):
 
 
 def test_float64_float16_and_torch_inputs(cp):
-    codec = hq.get_codec("qsgd", bits=4)
+    codec = hq.get_codec("qsgd", bits=4, norm="l2")
     x64 = np.concatenate([np.random.default_rng(1).standard_normal(5000), [1e-40, -2e-45]])
     assert same(codec.encode(cp.asarray(x64), 3).data, codec.encode(x64, 3).data)
     x16 = np.random.default_rng(2).standard_normal(5000).astype(np.float16)
@@ -199,7 +199,7 @@ def test_float64_float16_and_torch_inputs(cp):
 
 def test_elias_falls_back_to_cpu(cp):
     """No kernel for Elias coding: the dispatcher runs the CPU code on host copies (warning)."""
-    codec = hq.get_codec("qsgd", bits=3, bucket_size=None, elias=True)
+    codec = hq.get_codec("qsgd", bits=3, bucket_size=None, norm="l2", elias=True)
     x = gen("normal", 5000, 2)
     with pytest.warns(RuntimeWarning, match="no kernel"):
         got = codec.encode(cp.asarray(x), 4)

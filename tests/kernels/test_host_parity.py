@@ -215,7 +215,7 @@ def test_pack_unpack(hostlib, host_ops, host_ops_small, bits):
 
 # -- level quantizers ------------------------------------------------------------------------
 LEVEL_SPECS = [
-    ("qsgd", {}), ("qsgd", {"norm": "max"}), ("qsgd", {"levels": 3}),
+    ("qsgd", {"norm": "l2"}), ("qsgd", {"norm": "max"}), ("qsgd", {"levels": 3}),
     ("standard_dithering", {"p": 1.0}), ("standard_dithering", {"p": 3.0}),
     ("standard_dithering", {"p": INF}), ("nuqsgd", {}), ("natural_dithering", {}),
     ("natural_dithering", {"p": 1.0}), ("natural", {}),
@@ -315,7 +315,7 @@ def test_float64_and_float16_inputs(host_ops):
     assert same(host_ops.vector(x64), as_vector(x64))
     x16 = rng.standard_normal(1000).astype(np.float16)
     assert same(host_ops.vector(x16), as_vector(x16))
-    codec = hq.get_codec("qsgd", bits=4)
+    codec = hq.get_codec("qsgd", bits=4, norm="l2")
     assert same(host_ops.levels_encode(codec, x64, 1).data, codec.encode(x64, 1).data)
 
 
@@ -606,7 +606,7 @@ def test_dispatch_routes_device_arrays(host_ops, monkeypatch):
 
     monkeypatch.setattr(G, "_handler", spy)
     x = gen("normal", PB + 9, 0)
-    for codec in (hq.get_codec("qsgd", bits=4), hq.get_codec("natural"),
+    for codec in (hq.get_codec("qsgd", bits=4, norm="l2"), hq.get_codec("natural"),
                   hq.get_codec("dithered", bits=3),
                   hq.get_codec("global_qsgd", world_size=2, bits=8)):
         ref = codec.encode(x, seed=3)
@@ -615,7 +615,7 @@ def test_dispatch_routes_device_arrays(host_ops, monkeypatch):
         dev = hq.Payload(FakeDeviceArray(got.data), got.size, dict(got.meta))
         assert same(codec.decode(dev), codec.decode(ref)), codec.name
     assert calls.count("encode") == 4 and calls.count("decode") == 4
-    codec = hq.get_codec("qsgd", bits=4)
+    codec = hq.get_codec("qsgd", bits=4, norm="l2")
     ref = [codec.encode(gen("normal", 100, r), worker_seed(1, r)) for r in range(3)]
     dev = [hq.Payload(FakeDeviceArray(p.data), p.size, dict(p.meta)) for p in ref]
     calls.clear()
