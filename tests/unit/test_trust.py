@@ -177,3 +177,19 @@ def test_rules_take_codecs_none_and_compressor_like_objects():
         default.config(), eight.config(), Wrapped.codec.config()]
     with pytest.raises(TypeError, match="rule 'x'"):
         LayerPolicy(rules=[("x", "qsgd")])
+
+
+def test_importing_the_package_turns_numba_highlighting_off():
+    """numba's highlighting runs colorama.init(), whose exit hook printed ESC[0m on every rank
+    under Open MPI (a terminal stdout); a user's own setting wins."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, horovod_quant; print(os.environ['NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING'])"
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "1", out.stderr
+    env["NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "0", out.stderr
