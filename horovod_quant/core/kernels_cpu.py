@@ -126,6 +126,8 @@ def _bucket_scale(x, lo, hi, norm_kind, p):
         m += bad[j]
     if norm_kind == NORM_POW2 and m > 0 and np.isfinite(m):
         m = _pow2_ceil(m)
+    if m != m:  # one NaN pattern whatever the platform's inf - inf gives (x86: sign set)
+        m = np.float32(np.nan)
     return m
 
 

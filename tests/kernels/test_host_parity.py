@@ -315,8 +315,9 @@ def test_float64_and_float16_inputs(host_ops):
     assert same(host_ops.vector(x64), as_vector(x64))
     x16 = rng.standard_normal(1000).astype(np.float16)
     assert same(host_ops.vector(x16), as_vector(x16))
-    codec = hq.get_codec("qsgd", bits=4, norm="l2")
-    assert same(host_ops.levels_encode(codec, x64, 1).data, codec.encode(x64, 1).data)
+    for norm in ("l2", "max"):  # 1e39 is Inf in float32: max-norm's NaN scale, one pattern
+        codec = hq.get_codec("qsgd", bits=4, norm=norm)
+        assert same(host_ops.levels_encode(codec, x64, 1).data, codec.encode(x64, 1).data)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")
