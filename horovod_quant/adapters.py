@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from .comm.backend import Collectives, Handle
 from .core import available_codecs, get_codec
+from .core.registry import codec_class
 from .core.base import Codec, check_int
 from .core.schedules import resolve_gather
 from .env import env_seconds
@@ -15,9 +16,6 @@ from .policy import LayerPolicy, describe
 from .stats import StepStats
 
 log = logging.getLogger("horovod_quant")
-
-#: codecs whose construction needs the number of workers
-WORLD_SIZED = ("global_qsgd", "nested_dithered")
 
 #: default of ``HQ_CONFIG_TIMEOUT``: how long a rank waits for the others' configuration
 CONFIG_TIMEOUT_S = 600.0
@@ -177,7 +175,7 @@ class CompressionNamespace:
 
         def make(seed: int = 0, gather: str = "auto", policy: Any = None,
                  process_set: Any = None, **params: Any) -> Any:
-            if name in WORLD_SIZED and "world_size" not in params:
+            if codec_class(name).needs_world_size and "world_size" not in params:
                 params["world_size"] = (process_set if process_set is not None else self._global).size()
             return self._cls(get_codec(name, **params), seed=seed, gather=gather,
                              policy=policy, process_set=process_set)

@@ -4,7 +4,7 @@ from .exchange import CUSTOM_COLLECTIVES, Exchange, ExchangeStats, Pending, glob
 from .mpi_exp import mpi_exponent_factory
 from .staging import HostStaged
 
-CUSTOM_COLLECTIVES["global_qsgd"] = mpi_exponent_factory
+CUSTOM_COLLECTIVES["exponent_allreduce"] = mpi_exponent_factory
 
 __all__ = [
     "CUSTOM_COLLECTIVES", "Collectives", "Done", "Exchange", "ExchangeStats", "Handle",

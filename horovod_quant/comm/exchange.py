@@ -39,7 +39,8 @@ from ..core.schedules import (DEFAULT_PIPELINE_ELEMS, check_pipeline_elems, pipe
 from . import steps
 from .backend import Collectives, Handle
 
-#: custom collectives by codec name: ``factory(codec, comm) -> runner`` (or None to fall back)
+#: custom collectives by the name codecs declare (``Codec.custom_collective``):
+#: ``factory(codec, comm) -> runner`` (or None to fall back)
 #: where ``runner(payload, seed, name) -> Handle`` whose wait() gives the mean estimate.
 CUSTOM_COLLECTIVES: dict[str, Callable] = {}
 
@@ -116,7 +117,8 @@ class Exchange:
         self.kind = steps.plan(codec, comm.size, gather)
         self.gather = "sra" if self.kind == "sra" else "allgather"
         self.pipeline_elems = check_pipeline_elems(pipeline_elems)
-        factory = CUSTOM_COLLECTIVES.get(codec.name) if codec.exchange == "custom" else None
+        factory = (CUSTOM_COLLECTIVES.get(codec.custom_collective)
+                   if codec.exchange == "custom" else None)
         self._custom = factory(codec, comm) if factory is not None else None
 
     @property

@@ -36,7 +36,6 @@ import numpy as np
 
 from .. import gpu
 from ..core.base import Codec, array_module, as_vector, worker_seed
-from ..core.dithered import NestedDitheredQuantizer
 from ..core.payload import Payload
 from ..core.rng import name_key
 from ..core.schedules import chunk_bounds, chunk_seed, reencode_seed, resolve_gather
@@ -204,7 +203,7 @@ def decode_sum_wire(codec: Codec, total: np.ndarray, size: int, n: int, meta: di
 
 def counts_outage(codec: Codec) -> bool:
     """Whether an exchange of ``codec`` ends with the outage-count allreduce (NDQSG)."""
-    return isinstance(codec, NestedDitheredQuantizer)
+    return codec.counts_outage
 
 
 def combine_wire(codec: Codec, gathered: np.ndarray, size: int, seed: int, n: int,

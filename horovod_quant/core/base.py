@@ -182,6 +182,14 @@ class Codec(abc.ABC):
     #: tensor as it is) or the dtype name it is cast to and back (``"float16"``, as Horovod's
     #: ``Compression.fp16``).
     horovod_allreduce: ClassVar[str | None] = None
+    #: the constructor needs ``world_size`` (the framework doors fill it from the process set)
+    needs_world_size: ClassVar[bool] = False
+    #: a gathered exchange ends by counting the ranks' side-information outages (NDQSG): an
+    #: integer allreduce of ``last_stats["outside_count"]`` (:mod:`horovod_quant.comm.steps`)
+    counts_outage: ClassVar[bool] = False
+    #: the collective of :mod:`horovod_quant.comm` that reduces this codec's payloads in place
+    #: of an allgather (its factory may decline an instance it does not fit), or None
+    custom_collective: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

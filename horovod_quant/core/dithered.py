@@ -467,6 +467,8 @@ class NestedDitheredQuantizer(Codec):
 
     name = "nested_dithered"
     exchange: ClassVar[str] = "custom"
+    needs_world_size = True
+    counts_outage = True
 
     def __init__(self, world_size: int | None = None, bits: int = 4, p1_fraction: float = 0.5,
                  alpha: float = 1.0, coarse_ratio: int | None = None, outage: float = 0.01,

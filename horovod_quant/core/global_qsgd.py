@@ -427,6 +427,9 @@ class GlobalQSGD(Codec):
     name = "global_qsgd"
     #: of the default configuration; each instance sets its own from ``levels`` and ``mode``
     exchange = "custom"
+    needs_world_size = True
+    #: the mpi4py exponent allreduce (dense exponential levels; it declines the other modes)
+    custom_collective = "exponent_allreduce"
 
     def __init__(self, world_size: int | None = None, bits: int = 8,
                  levels: str = "exponential", num_levels: int | None = None,

@@ -16,6 +16,16 @@ def register(cls: type[Codec]) -> type[Codec]:
     return cls
 
 
+def codec_class(name: str) -> type[Codec]:
+    """The class registered under ``name`` (ValueError listing the valid names)."""
+    try:
+        return _CODECS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown codec {name!r}; valid codecs: {', '.join(available_codecs())}"
+        ) from None
+
+
 def available_codecs() -> list[str]:
     """Names accepted by :func:`get_codec`, in registration order."""
     return list(_CODECS)
@@ -34,12 +44,7 @@ def get_codec(name: str, **params: Any) -> Codec:
     Raises:
         ValueError: unknown name (the message lists the valid ones) or invalid parameters.
     """
-    try:
-        cls = _CODECS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown codec {name!r}; valid codecs: {', '.join(available_codecs())}"
-        ) from None
+    cls = codec_class(name)
     try:
         return cls(**params)
     except TypeError as exc:  # unexpected keyword: say which ones exist
