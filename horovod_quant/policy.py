@@ -57,7 +57,7 @@ class LayerPolicy:
         out: list[Codec] = []
         for codec in [default, *(c for _, c in self.rules)]:
             if codec is not None and codec.horovod_allreduce is None and all(
-                    codec.config() != o.config() for o in out):
+                    codec.config_key() != o.config_key() for o in out):
                 out.append(codec)
         return out
 

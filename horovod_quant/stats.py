@@ -6,6 +6,7 @@ one every N steps (and at epoch ends) on one rank through the standard ``logging
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -154,8 +155,6 @@ def progress_bar(total: int, rank: int, show: bool | None = None, unit: str = "s
             so a log gets a few lines, not one per step.
         unit: what a step is called.
     """
-    import sys
-
     from tqdm import tqdm
 
     tty = sys.stderr.isatty()

@@ -12,8 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-_OBJECT_LEN = np.dtype("<u8")
-
+from ..core.payload import Payload
 
 class Handle(abc.ABC):
     """A collective in flight."""
@@ -44,37 +43,35 @@ class Then(Handle):
 
 
 def encode_object(obj: Any) -> np.ndarray:
-    """``obj`` as JSON (sorted keys) behind its uint64 byte length, a writable uint8 array."""
-    body = json.dumps(obj, sort_keys=True, allow_nan=True).encode()
-    return np.frombuffer(bytearray(np.array([len(body)], _OBJECT_LEN).tobytes() + body), np.uint8)
+    """``obj`` as JSON (sorted keys) in a payload frame (:func:`~.steps.frame`), a writable
+    uint8 array."""
+    from .steps import frame
+
+    body = np.frombuffer(bytearray(json.dumps(obj, sort_keys=True, allow_nan=True).encode()),
+                         np.uint8)
+    return frame(Payload(body, body.size))
 
 
 def decode_objects(gathered: np.ndarray, count: int) -> list[Any]:
     """The ``count`` objects of a concatenation of :func:`encode_object` outputs.
 
     Only JSON is read from peers (never pickle: a peer's bytes must not run code here), and
-    every length is checked against the bytes received.
+    every length is checked against the bytes received (:func:`~.steps.unframe`).
 
     Raises:
         ValueError: the bytes are not ``count`` well-formed objects.
     """
-    buf = np.ascontiguousarray(gathered).reshape(-1).view(np.uint8).tobytes()
-    objects, o = [], 0
-    while o < len(buf):
-        if o + _OBJECT_LEN.itemsize > len(buf):
-            raise ValueError(f"gathered objects: {len(buf) - o} stray bytes at offset {o}")
-        length = int(np.frombuffer(buf, _OBJECT_LEN, 1, o)[0])
-        o += _OBJECT_LEN.itemsize
-        if length > len(buf) - o:
-            raise ValueError(f"gathered objects: object {len(objects)} declares {length} bytes, "
-                             f"{len(buf) - o} remain")
+    from .steps import unframe
+
+    parts, _ = unframe(np.ascontiguousarray(gathered).reshape(-1).view(np.uint8))
+    if len(parts) != count:
+        raise ValueError(f"gathered objects: expected {count}, got {len(parts)}")
+    objects = []
+    for i, part in enumerate(parts):
         try:
-            objects.append(json.loads(buf[o:o + length].decode()))
+            objects.append(json.loads(part.tobytes().decode()))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"gathered objects: object {len(objects)} is not JSON: {exc}") from None
-        o += length
-    if len(objects) != count:
-        raise ValueError(f"gathered objects: expected {count}, got {len(objects)}")
+            raise ValueError(f"gathered objects: object {i} is not JSON: {exc}") from None
     return objects
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import json
 from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import numpy as np
@@ -295,6 +296,11 @@ class Codec(abc.ABC):
     def config(self) -> dict[str, Any]:
         """Everything that must agree across ranks (checked once at the first step)."""
         return {"codec": self.name, **self.params}
+
+    def config_key(self) -> str:
+        """:meth:`config` as canonical JSON: equal for codecs built with the same parameters
+        (a key for one exchange per codec)."""
+        return json.dumps(self.config(), sort_keys=True)
 
     def encode_worker(self, x: Any, seed: int, rank: int, norm: float | None = None) -> Payload:
         """What worker ``rank`` sends in an exchange with seed ``seed``.

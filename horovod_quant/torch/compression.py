@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import sys
 import warnings
 from typing import Any, ContextManager
@@ -138,17 +137,17 @@ def horovod_dtype(codec: Codec | None, tensor: torch.Tensor) -> torch.dtype | No
 class _Job:
     """One tensor's exchange: started now or deferred (see the module doc), then finished."""
 
-    __slots__ = ("key", "exchange", "flat", "seed", "name", "tag", "grad", "pending")
+    __slots__ = ("key", "codec", "flat", "seed", "name", "tag", "grad", "pending")
 
-    def __init__(self, key: str, exchange: Any, flat: Any, seed: int, name: str, tag: Any,
+    def __init__(self, key: str, codec: Codec, flat: Any, seed: int, name: str, tag: Any,
                  grad: torch.Tensor) -> None:
-        self.key, self.exchange, self.flat, self.seed = key, exchange, flat, seed
+        self.key, self.codec, self.flat, self.seed = key, codec, flat, seed
         self.name, self.tag, self.grad = name, tag, grad
         self.pending = None
 
-    def start(self) -> None:
+    def start(self, exchange: Exchange) -> None:
         with stream_of(self.grad):
-            self.pending = self.exchange.start(self.flat, self.seed, self.name, tag=self.tag)
+            self.pending = exchange.start(self.flat, self.seed, self.name, tag=self.tag)
 
 
 class QuantizedCompressor(CompressorSettings, Compressor):
@@ -172,29 +171,19 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._deferred: list[_Job] = []  # not started yet
         self._open: list[_Job] = []  # not finished yet
 
-    def _exchange_for(self, codec: Codec) -> Exchange | None:
-        """The exchange of ``codec`` once the configuration check passed, else None."""
-        if self._check is None:
-            self._comm = collectives_for(self.process_set)
-            self._check = ConfigCheck(self._comm, self.shared_config())
-        return self._exchanges.get(json.dumps(codec.config(), sort_keys=True))
-
     def _finish_step(self) -> None:
         """Wait for the configuration check (the first time), build every exchange the policy
         can use in the policy's order (their collective set-up, e.g. the MPI communicator, then
         runs in the same order on every rank), start the deferred jobs and finish every open
         job, each in key order."""
-        if not self._exchanges and self._deferred:
+        if not self._exchanges:
             self._check.wait()
-            for codec in self.policy.codecs(self.codec):
-                self._exchanges[json.dumps(codec.config(), sort_keys=True)] = Exchange(
-                    codec, self._comm, gather=self.gather)
-            for job in self._deferred:
-                job.exchange = self._exchange_for(job.exchange)
+            self._exchanges = {c.config_key(): Exchange(c, self._comm, gather=self.gather)
+                               for c in self.policy.codecs(self.codec)}
         by_key = lambda j: j.key  # noqa: E731
         jobs, self._deferred = sorted(self._deferred, key=by_key), []
         for job in jobs:
-            job.start()
+            job.start(self._exchanges[job.codec.config_key()])
         jobs, self._open = sorted(self._open, key=by_key), []
         for job in jobs:
             with stream_of(job.grad):
@@ -215,14 +204,16 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             name, self._unnamed = f"#{self._unnamed}", self._unnamed + 1
         use = self._uses.get(name, 0)
         self._uses[name] = use + 1
-        exchange = self._exchange_for(codec)
-        job = _Job(name, exchange if exchange is not None else codec, flat_array(tensor),
-                   derive_key(self.seed, use, name_key(name)),
+        if self._check is None:  # the first compressed tensor: the check starts, unawaited
+            self._comm = collectives_for(self.process_set)
+            self._check = ConfigCheck(self._comm, self.shared_config())
+        job = _Job(name, codec, flat_array(tensor), derive_key(self.seed, use, name_key(name)),
                    f"{self._check.prefix}.{name}", exchange_tag(name, tensor.shape), tensor)
+        exchange = self._exchanges.get(codec.config_key())  # none before the check passed
         if exchange is None or exchange.blocks_on_peers:
             self._deferred.append(job)
         else:
-            job.start()
+            job.start(exchange)
         self._open.append(job)
         return torch.ones(1, dtype=torch.float32), job
 

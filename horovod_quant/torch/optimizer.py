@@ -29,7 +29,6 @@ the codec runs there (see :mod:`horovod_quant.torch.compression`).
 """
 from __future__ import annotations
 
-import json
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable
@@ -158,7 +157,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._layout()
         # the check comes before anything that can wait for a peer (the exchanges' set-up)
         self._prefix = self._check_layout()
-        self._exchanges = {self._codec_key(c): Exchange(c, self._comm, gather=gather,
+        self._exchanges = {c.config_key(): Exchange(c, self._comm, gather=gather,
                                                         pipeline_elems=pipeline_elems)
                            for c in policy.codecs(codec)}
         self._grad_accs = []
@@ -167,10 +166,6 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                 acc = p.expand_as(p).grad_fn.next_functions[0][0]
                 acc.register_hook(self._make_hook(p))
                 self._grad_accs.append(acc)
-
-    @staticmethod
-    def _codec_key(codec: Codec) -> str:
-        return json.dumps(codec.config(), sort_keys=True)
 
     def _layout(self) -> None:
         """Which parameters Horovod's allreduce carries (and in which dtype: ``_cast``) and the
@@ -184,10 +179,10 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                 self._raw.append(p)
                 self._cast[id(p)] = wire
             else:
-                by_codec.setdefault(self._codec_key(c), (c, []))[1].append(p)
+                by_codec.setdefault(c.config_key(), (c, []))[1].append(p)
         self._buckets = []
         for c in self.policy.codecs(self.codec):
-            _, params = by_codec.get(self._codec_key(c), (c, []))
+            _, params = by_codec.get(c.config_key(), (c, []))
             self._buckets += self._make_buckets(params, c, self._groups, self._fusion_bytes,
                                                 len(self._buckets))
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
@@ -258,7 +253,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             self._start_bucket(bucket, None)
 
     def _exchange_of(self, bucket: _Bucket) -> Exchange:
-        return self._exchanges[self._codec_key(bucket.codec)]
+        return self._exchanges[bucket.codec.config_key()]
 
     def _start_raw(self, p: torch.nn.Parameter) -> None:
         """Horovod's own allreduce of ``p``'s gradient (sparse: Horovod's sparse path; a cast
@@ -320,13 +315,13 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         waiting = [b for b in self._buckets if b.pending is None]
         norms: dict[str, float | None] = {}
         for b in waiting:
-            key = self._codec_key(b.codec)
+            key = b.codec.config_key()
             if key in norms or not self._exchange_of(b).needs_norm:
                 continue
             t = time.perf_counter()
             flats = []
             for o in waiting:
-                if self._codec_key(o.codec) == key:
+                if o.codec.config_key() == key:
                     with stream_of(o.params[0]):
                         flats.append(self._flat(o))
             name = f"{self._prefix}.norm{b.index}"
@@ -335,7 +330,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             self.stats.exchange_s += time.perf_counter() - t
             self.stats.bytes_sent += NORM_WIRE_WORDS * 8
         for b in waiting:
-            self._start_bucket(b, norms.get(self._codec_key(b.codec)))
+            self._start_bucket(b, norms.get(b.codec.config_key()))
 
     # -- synchronize / step -------------------------------------------------------------
     def synchronize(self) -> None:

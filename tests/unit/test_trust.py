@@ -12,7 +12,9 @@ from horovod_quant.adapters import CHECKS, ConfigCheck, check_same_config, wait_
 from horovod_quant.comm import Exchange
 from horovod_quant.comm.backend import Handle, decode_objects, encode_object
 from horovod_quant.comm.mpi_exp import world_communicator
-from horovod_quant.comm.steps import check_tags, exchange_tag, norm_from_gathered, norm_wire
+from horovod_quant.comm.steps import (check_tags, exchange_tag, frame, norm_from_gathered,
+                                      norm_wire)
+from horovod_quant.core.payload import Payload
 from horovod_quant.env import env_flag, env_seconds
 from horovod_quant.policy import LayerPolicy
 
@@ -67,8 +69,8 @@ def test_waiting_for_peers_has_a_deadline(monkeypatch):
 def test_objects_from_peers_are_json_never_pickle():
     blobs = np.concatenate([encode_object({"r": r, "t": (1, 2.5, None)}) for r in range(2)])
     assert decode_objects(blobs, 2) == [{"r": 0, "t": [1, 2.5, None]}, {"r": 1, "t": [1, 2.5, None]}]
-    evil = pickle.dumps({"r": 0})
-    framed = np.frombuffer(np.array([len(evil)], "<u8").tobytes() + evil, np.uint8)
+    evil = np.frombuffer(pickle.dumps({"r": 0}), np.uint8)
+    framed = frame(Payload(evil, evil.size))
     with pytest.raises(ValueError, match="not JSON"):
         decode_objects(framed, 1)
     with pytest.raises(ValueError, match="declares"):
