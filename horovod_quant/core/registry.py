@@ -31,6 +31,20 @@ def available_codecs() -> list[str]:
     return list(_CODECS)
 
 
+def horovod_equivalent(horovod_allreduce: str) -> Codec:
+    """The codec that does what one of Horovod's own compressors does: the registered codec
+    declaring ``horovod_allreduce`` (:attr:`Codec.horovod_allreduce`), ``"keep"`` for
+    ``hvd.Compression.none`` and ``"float16"`` for ``hvd.Compression.fp16``.
+
+    Raises:
+        ValueError: no registered codec declares it.
+    """
+    for cls in _CODECS.values():
+        if cls.horovod_allreduce == horovod_allreduce:
+            return cls()
+    raise ValueError(f"no codec declares horovod_allreduce={horovod_allreduce!r}")
+
+
 def get_codec(name: str, **params: Any) -> Codec:
     """Build a codec by name, validating its parameters.
 

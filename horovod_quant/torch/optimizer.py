@@ -40,7 +40,7 @@ import torch
 from ..adapters import check_same_config, check_seed
 from ..comm.exchange import Exchange, global_norm
 from ..comm.steps import NORM_WIRE_WORDS, exchange_tag
-from ..core import get_codec
+from ..core.registry import get_codec, horovod_equivalent
 from ..core.base import Codec
 from ..core.rng import derive_key
 from ..core.schedules import DEFAULT_PIPELINE_ELEMS
@@ -62,9 +62,9 @@ def _resolve_codec(compression: Any) -> tuple[Codec, dict]:
     if isinstance(compression, str):
         return get_codec(compression), {}
     if compression is None or compression is hvd.Compression.none:
-        return get_codec("none"), {}
+        return horovod_equivalent("keep"), {}
     if compression is hvd.Compression.fp16:
-        return get_codec("fp16"), {}
+        return horovod_equivalent("float16"), {}
     raise ValueError(f"compression={compression!r} is not understood: pass "
                      "hq.torch.Compression.<codec>(...), a codec, a codec name, or "
                      "hvd.Compression.none/fp16")
