@@ -48,6 +48,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PREFIX = "hqcl"
+#: the transports of the probe (benchmarks/cluster_workloads.transports; mpi4py under MPI only)
+TRANSPORTS = ("hvd_allgather", "hvd_allgather_concurrent", "hvd_grouped_allgather",
+              "hvd_alltoall", "hvd_allreduce_int32", "hvd_allreduce_fp32_same_bytes",
+              "torch_dist_all_gather", "torch_dist_all_gather_concurrent", "mpi4py_iallgather")
 MB = 1 << 20
 sys.path.insert(0, ROOT)
 from horovod_quant.core.schedules import DEFAULT_PIPELINE_ELEMS  # noqa: E402
@@ -321,8 +325,14 @@ def cleanup_leftovers() -> list[str]:
 
 
 # -- plan -----------------------------------------------------------------------------------
-def build_plan(args, first_rate: bool) -> list[dict]:
+def build_plan(args, first_rate: bool, rendezvous: str) -> list[dict]:
     items = []
+    if args.transport_probe:
+        for size in args.transport_sizes_mb:
+            items.append({"kind": "transport", "id": f"p-{size:g}MB", "size_mb": size,
+                          "warmup": 1, "repeats": args.repeats, "rendezvous": rendezvous,
+                          "configs": [{"id": t, "codec": "none", "params": {}}
+                                      for t in TRANSPORTS]})
     if args.overlap_probe and first_rate:
         items.append({"kind": "overlap", "id": "o-64MB", "size_mb": 64.0, "busy_s": 0.3,
                       "warmup": 1, "repeats": 7,
@@ -346,8 +356,9 @@ def build_plan(args, first_rate: bool) -> list[dict]:
 
 
 def ticks(item: dict) -> int:
-    return {"exchange": item.get("warmup", 0) + item.get("repeats", 0),
-            "overlap": item.get("warmup", 0) + item.get("repeats", 0)}.get(item["kind"], 1)
+    if item["kind"] in ("exchange", "overlap", "transport"):
+        return item.get("warmup", 0) + item.get("repeats", 0)
+    return 1
 
 
 def result_rows(items: list[dict], results: dict) -> list[dict]:
@@ -361,7 +372,7 @@ def result_rows(items: list[dict], results: dict) -> list[dict]:
             r.pop("type", None)
             r.update(kind=it["kind"], config_id=cfg["id"], codec=cfg["codec"],
                      codec_params=cfg["params"])
-            if it["kind"] in ("exchange", "overlap"):
+            if it["kind"] in ("exchange", "overlap", "transport"):
                 r.update(size_mb=it["size_mb"], repeats=it["repeats"])
             else:
                 r.update(model=it["model"], batch=it["batch"], steps=it["steps"])
@@ -586,6 +597,29 @@ def render_markdown(data: dict, prefix: str) -> str:
             L.append(f"| {mode} | {p['busy_s'] * 1e3:.0f} | {p['wall_s'] * 1e3:.0f} | {reps} | "
                      f"{'-' if stalled is None else f'{stalled:.2f}'} |")
         L.append("")
+    for link in data["links"]:
+        by_size: dict = {}
+        for r in link["results"]:
+            if r.get("kind") == "transport":
+                by_size.setdefault(r["size_mb"], []).append(r)
+        for size, rows in by_size.items():
+            L.append(f"## Moving a {size:g} MB uint8 payload per rank to every rank "
+                     f"({link['label']})\n")
+            L.append("Median (min) wall time of the slower rank; rate = payload bytes a rank "
+                     "receives from its peers x 8 / median time. The allreduce rows move the "
+                     "same bytes as words, for comparison.\n")
+            L.append("| transport | median ms | min ms | payload Gbit/s | vs hvd_allgather |")
+            L.append("|---|---|---|---|---|")
+            base = next((r["wall_s"] for r in rows
+                         if r["config_id"] == "hvd_allgather" and not r.get("error")), None)
+            for r in sorted(rows, key=lambda r: r.get("wall_s") or float("inf")):
+                if r.get("error"):
+                    L.append(f"| {r['config_id']} | - | - | - | {r['error']} |")
+                    continue
+                rel = f"{base / r['wall_s']:.2f}x" if base else "-"
+                L.append(f"| {r['config_id']} | {r['wall_s'] * 1e3:.0f} | "
+                         f"{r['wall_min_s'] * 1e3:.0f} | {r['gbit_s']:.2f} | {rel} |")
+            L.append("")
     if s["targets"]:
         L.append("## Targets (1 Gbit/s, 2 hosts)\n")
         L.append("| target | best measured | 8/4-bit codecs range | met |")
@@ -870,6 +904,12 @@ def parse_args(argv=None):
     ap.add_argument("--overlap-probe", action="store_true",
                     help="first measure whether a transfer progresses while its rank computes "
                          "(64 MB fp32 allreduce vs a 0.3 s busy loop or sleep)")
+    ap.add_argument("--transport-probe", action="store_true",
+                    help="first measure every way of moving a uint8 payload to all ranks "
+                         "(Horovod allgather / alltoall / grouped / concurrent, integer "
+                         "allreduce, torch.distributed gloo, mpi4py) at --transport-sizes-mb")
+    ap.add_argument("--transport-sizes-mb", default="16,64",
+                    help="payload MB per rank of the transport probe (default 16,64)")
     ap.add_argument("--pipeline-elems", type=int, default=DEFAULT_PIPELINE_ELEMS,
                     help="piece length of the codecs' pipelined exchanges in elements "
                          f"(default {DEFAULT_PIPELINE_ELEMS}, as Exchange); 0: whole vectors")
@@ -883,6 +923,7 @@ def parse_args(argv=None):
                   .split(",")]
     args.sizes_mb = [float(z) for z in (args.sizes_mb or ("4,64" if q else "4,64,256"))
                      .split(",")]
+    args.transport_sizes_mb = [float(z) for z in args.transport_sizes_mb.split(",")]
     codecs = (args.codecs or ("qsgd,nuqsgd,natural,global_qsgd-lin,global_qsgd-exp,dithered"
                               if q else ",".join(CODECS))).split(",")
     bits = [int(b) for b in args.bits.split(",")]
@@ -952,9 +993,10 @@ def main(argv=None) -> int:
             return 2
     from tqdm import tqdm
 
-    plans = [build_plan(args, i == 0) for i in range(len(args.rates))]
     run_id = str(os.getpid())
     cluster = Cluster(run_id)
+    rendezvous = f"{cluster.addr[0]}:{29500 + os.getpid() % 1000}"
+    plans = [build_plan(args, i == 0, rendezvous) for i in range(len(args.rates))]
     procs: list = []
 
     def on_signal(signum, _frame):

@@ -337,6 +337,127 @@ def run_overlap(item: dict, emit) -> None:
               "busy_s": busy if mode != "idle" else 0.0})
 
 
+TRANSPORT_PIECES = 4
+
+
+def _torch_group(item: dict):
+    """A torch.distributed gloo group beside Horovod, on this rank's veth (the only interface
+    of the namespace besides lo), rendezvous at rank 0's address from the plan."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        ifaces = [i for i in os.listdir("/sys/class/net") if i != "lo"]
+        if len(ifaces) == 1:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", ifaces[0])
+        dist.init_process_group("gloo", init_method=f"tcp://{item['rendezvous']}",
+                                rank=hvd.rank(), world_size=hvd.size())
+    return dist
+
+
+def _mpi_comm():
+    """A duplicate of MPI_COMM_WORLD for mpi4py (None under the gloo controller)."""
+    if os.environ.get("HOROVOD_CONTROLLER", "mpi") != "mpi" or not hvd.mpi_enabled():
+        return None
+    from mpi4py import MPI
+
+    global _MPI_DUP
+    if _MPI_DUP is None:
+        _MPI_DUP = MPI.COMM_WORLD.Dup()
+    return _MPI_DUP
+
+
+_MPI_DUP = None
+
+
+def transports(item: dict) -> dict:
+    """Ways to move one uint8 payload of every rank to every rank (what an allgather of
+    compressed gradients needs), each a function(payload tensor, name) run to completion."""
+    k = TRANSPORT_PIECES
+
+    def pieces(t):
+        return list(torch.chunk(t, k))
+
+    def hvd_allgather(t, name):
+        hvd.allgather(t, name=name)
+
+    def hvd_allgather_concurrent(t, name):
+        hs = [hvd.allgather_async(p, name=f"{name}.{i}") for i, p in enumerate(pieces(t))]
+        for h in hs:
+            hvd.synchronize(h)
+
+    def hvd_grouped_allgather(t, name):
+        hvd.grouped_allgather(pieces(t), name=name)
+
+    def hvd_alltoall(t, name):  # every rank sends its whole payload to each rank
+        n = hvd.size()
+        hvd.alltoall(t.repeat(n), splits=torch.tensor([t.numel()] * n, dtype=torch.int32),
+                     name=name)
+
+    def hvd_allreduce_int32(t, name):  # the integer sum of linear Global-QSGD, same bytes
+        hvd.allreduce(t.view(torch.int32), name=name, op=hvd.Sum)
+
+    def hvd_allreduce_fp32_same_bytes(t, name):
+        hvd.allreduce(t.view(torch.float32), name=name, op=hvd.Sum)
+
+    def torch_dist_all_gather(t, name):
+        dist = _torch_group(item)
+        out = [torch.empty_like(t) for _ in range(hvd.size())]
+        dist.all_gather(out, t)
+
+    def torch_dist_all_gather_concurrent(t, name):
+        dist = _torch_group(item)
+        works = []
+        for p in pieces(t):
+            out = [torch.empty_like(p) for _ in range(hvd.size())]
+            works.append(dist.all_gather(out, p, async_op=True))
+        for w in works:
+            w.wait()
+
+    def mpi4py_iallgather(t, name):
+        comm = _mpi_comm()
+        a = t.numpy()
+        out = np.empty(a.size * comm.Get_size(), np.uint8)
+        req = comm.Iallgather(a, out)
+        while not req.Test():  # polled as a pipelined exchange would, between its work
+            time.sleep(0.0005)
+
+    table = {f.__name__: f for f in (
+        hvd_allgather, hvd_allgather_concurrent, hvd_grouped_allgather, hvd_alltoall,
+        hvd_allreduce_int32, hvd_allreduce_fp32_same_bytes, torch_dist_all_gather,
+        torch_dist_all_gather_concurrent, mpi4py_iallgather)}
+    if _mpi_comm() is None:
+        table.pop("mpi4py_iallgather")
+    return table
+
+
+def run_transport(item: dict, emit) -> None:
+    """The time to move ``size_mb`` MB of uint8 payload per rank to every other rank by each
+    transport of :func:`transports`, interleaved over rounds, after a barrier each (median and
+    min of the slower rank). A ``result`` row per transport with the payload rate: the bytes
+    a rank receives from its peers, times 8, over the wall time."""
+    n = int(item["size_mb"] * MB)
+    payload = torch.from_numpy(np.random.default_rng(hvd.rank()).integers(
+        0, 256, n, dtype=np.uint8))
+    table = transports(item)
+    walls: dict[str, list[float]] = {name: [] for name in table}
+    rounds = item["warmup"] + item["repeats"]
+    for r in range(rounds):
+        for name, move in table.items():
+            barrier()
+            t = time.perf_counter()
+            move(payload, f"hqcl.t.{name}.{r}")
+            if r >= item["warmup"]:
+                walls[name].append(time.perf_counter() - t)
+        emit({"type": "progress", "id": item["id"], "round": r})
+    received_bits = 8 * n * (hvd.size() - 1)
+    for name in table:
+        slowest = [max(w) for w in zip(*gather_rows(walls[name]))]
+        med = statistics.median(slowest)
+        emit({"type": "result", "id": f"{item['id']}-{name}", "wall_s": med,
+              "wall_min_s": min(slowest), "walls_s": slowest,
+              "gbit_s": received_bits / med / 1e9})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plan", required=True)
@@ -357,6 +478,8 @@ def main() -> None:
         before = cpu_snapshot()
         if item["kind"] == "overlap":
             run_overlap(item, emit)
+        elif item["kind"] == "transport":
+            run_transport(item, emit)
         elif item["kind"] == "exchange":
             rows = []
             run_exchange(item, lambda row: rows.append(row) if row["type"] == "result"
