@@ -48,6 +48,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PREFIX = "hqcl"
+#: what the overlap probe posts (config id prefix -> transport; cluster_workloads.py)
+OVERLAP_TRANSPORTS = {"": "Horovod's fp32 allreduce",
+                      "torch-": "4 concurrent torch.distributed gloo all_gathers of uint8"}
 #: the transports of the probe (benchmarks/cluster_workloads.transports; mpi4py under MPI only)
 TRANSPORTS = ("hvd_allgather", "hvd_allgather_concurrent", "hvd_grouped_allgather",
               "hvd_alltoall", "hvd_allreduce_int32", "hvd_allreduce_fp32_same_bytes",
@@ -335,8 +338,10 @@ def build_plan(args, first_rate: bool, rendezvous: str) -> list[dict]:
                                       for t in TRANSPORTS]})
     if args.overlap_probe and first_rate:
         items.append({"kind": "overlap", "id": "o-64MB", "size_mb": 64.0, "busy_s": 0.3,
-                      "warmup": 1, "repeats": 7,
-                      "configs": [{"id": m, "codec": "none", "params": {}}
+                      "warmup": 1, "repeats": 7, "transports": list(OVERLAP_TRANSPORTS),
+                      "rendezvous": rendezvous,
+                      "configs": [{"id": p + m, "codec": "none", "params": {}}
+                                  for p in OVERLAP_TRANSPORTS
                                   for m in ("idle", "sleep", "compute")]})
     if not args.no_exchange:
         for size in args.sizes_mb:
@@ -579,24 +584,27 @@ def render_markdown(data: dict, prefix: str) -> str:
                  f"{cal.get('tcp_rtt_ms_median', float('nan')):.3f} ms |")
     L.append("")
     for lab, probe in s.get("overlap", {}).items():
-        idle = probe.get("idle", {}).get("wall_s")
-        L.append(f"## Does a transfer progress while its rank computes? ({lab})\n")
-        L.append("Horovod's fp32 allreduce of 64 MB posted, then the posting thread waits at "
-                 "once, sleeps, or computes (NumPy loop) for the same time, then waits. "
-                 "*stalled* = share of the busy time added to the idle wall time (0: full "
-                 "overlap, 1: none).\n")
-        L.append("| posting thread | busy ms | wall ms (median) | every repetition, ms | "
-                 "stalled |")
-        L.append("|---|---|---|---|---|")
-        for mode in ("idle", "sleep", "compute"):
-            p = probe.get(mode)
-            if p is None:
+        for prefix, what in OVERLAP_TRANSPORTS.items():
+            idle = probe.get(prefix + "idle", {}).get("wall_s")
+            if idle is None:
                 continue
-            stalled = ((p["wall_s"] - idle) / p["busy_s"] if idle and p["busy_s"] else None)
-            reps = " ".join(f"{w * 1e3:.0f}" for w in p.get("walls_s", []))
-            L.append(f"| {mode} | {p['busy_s'] * 1e3:.0f} | {p['wall_s'] * 1e3:.0f} | {reps} | "
-                     f"{'-' if stalled is None else f'{stalled:.2f}'} |")
-        L.append("")
+            L.append(f"## Does a transfer progress while its rank computes? ({lab}, {what})\n")
+            L.append("A 64 MB transfer posted, then the posting thread waits at once, sleeps, "
+                     "or computes (NumPy loop) for the same time, then waits. *stalled* = "
+                     "share of the busy time added to the idle wall time (0: full overlap, "
+                     "1: none).\n")
+            L.append("| posting thread | busy ms | wall ms (median) | every repetition, ms | "
+                     "stalled |")
+            L.append("|---|---|---|---|---|")
+            for mode in ("idle", "sleep", "compute"):
+                p = probe.get(prefix + mode)
+                if p is None:
+                    continue
+                stalled = (p["wall_s"] - idle) / p["busy_s"] if p["busy_s"] else None
+                reps = " ".join(f"{w * 1e3:.0f}" for w in p.get("walls_s", []))
+                L.append(f"| {mode} | {p['busy_s'] * 1e3:.0f} | {p['wall_s'] * 1e3:.0f} | "
+                         f"{reps} | {'-' if stalled is None else f'{stalled:.2f}'} |")
+            L.append("")
     for link in data["links"]:
         by_size: dict = {}
         for r in link["results"]:

@@ -300,41 +300,62 @@ def foreign_load(before, after) -> float:
 
 
 OVERLAP_MODES = ("idle", "sleep", "compute")
+#: what the overlap probe posts: Horovod's fp32 allreduce (config ids ``idle`` ...), and four
+#: concurrent torch.distributed gloo all_gathers of a uint8 payload of the same size on a group
+#: beside Horovod (``torch-idle`` ...)
+OVERLAP_TRANSPORTS = {"": "hvd_allreduce", "torch-": "torch_dist_all_gather_concurrent"}
+
+
+def _post(transport: str, buf: torch.Tensor, payload: torch.Tensor, name: str, item: dict):
+    """Start one transfer; returns the function that waits for it."""
+    if transport == "hvd_allreduce":
+        handle = hvd.allreduce_async_(buf, name=name, op=hvd.Average)
+        return lambda: hvd.synchronize(handle)
+    dist = _torch_group(item)
+    works = []
+    for piece in torch.chunk(payload, TRANSPORT_PIECES):
+        out = [torch.empty_like(piece) for _ in range(hvd.size())]
+        works.append(dist.all_gather(out, piece, async_op=True))
+    return lambda: [w.wait() for w in works]
 
 
 def run_overlap(item: dict, emit) -> None:
-    """Does a transfer progress while the thread that posted it works? Horovod's float32
-    averaging allreduce of ``size_mb`` MB is posted; the posting thread then waits at once
-    (``idle``), sleeps ``busy_s`` (``sleep``) or computes for ``busy_s`` (``compute``: an
-    elementwise NumPy loop, as an encode kernel or a backward pass would), then waits. Wall
-    time ~ max(transfer, busy_s) means the transfer went on meanwhile (overlap);
+    """Does a transfer progress while the thread that posted it works? A transfer of
+    ``size_mb`` MB per rank (:data:`OVERLAP_TRANSPORTS`) is posted; the posting thread then
+    waits at once (``idle``), sleeps ``busy_s`` (``sleep``) or computes for ``busy_s``
+    (``compute``: an elementwise NumPy loop, as an encode kernel or a backward pass would), then
+    waits. Wall time ~ max(transfer, busy_s) means the transfer went on meanwhile (overlap);
     ~ transfer + busy_s means it stalled. Pipelining encode/decode with the wire, and
     overlapping communication with backward, can only pay in the first case."""
     n = int(item["size_mb"] * MB) // 4
     buf = torch.from_numpy(gradient(n).copy())
+    payload = buf.view(torch.uint8).clone()
     work = np.ones(8 << 20, np.float32)
     busy = float(item["busy_s"])
-    walls: dict[str, list[float]] = {m: [] for m in OVERLAP_MODES}
+    configs = [(prefix, mode) for prefix in item.get("transports", [""])
+               for mode in OVERLAP_MODES]
+    walls: dict[str, list[float]] = {p + m: [] for p, m in configs}
     rounds = item["warmup"] + item["repeats"]
     for r in range(rounds):  # modes interleaved, so drifts of the link hit all alike
-        for mode in OVERLAP_MODES:
+        for prefix, mode in configs:
             barrier()
             t = time.perf_counter()
-            handle = hvd.allreduce_async_(buf, name=f"hqcl.o.{mode}.{r}", op=hvd.Average)
+            wait = _post(OVERLAP_TRANSPORTS[prefix], buf, payload,
+                         f"hqcl.o.{prefix}{mode}.{r}", item)
             if mode == "sleep":
                 time.sleep(busy)
             elif mode == "compute":
                 while time.perf_counter() - t < busy:
                     work *= np.float32(1.0000001)
-            hvd.synchronize(handle)
+            wait()
             if r >= item["warmup"]:
-                walls[mode].append(time.perf_counter() - t)
+                walls[prefix + mode].append(time.perf_counter() - t)
         emit({"type": "progress", "id": item["id"], "round": r})
-    for mode in OVERLAP_MODES:
-        slowest = [max(w) for w in zip(*gather_rows(walls[mode]))]
-        emit({"type": "result", "id": f"{item['id']}-{mode}", "wall_s": statistics.median(slowest),
-              "wall_min_s": min(slowest), "walls_s": slowest,
-              "busy_s": busy if mode != "idle" else 0.0})
+    for prefix, mode in configs:
+        slowest = [max(w) for w in zip(*gather_rows(walls[prefix + mode]))]
+        emit({"type": "result", "id": f"{item['id']}-{prefix}{mode}",
+              "wall_s": statistics.median(slowest), "wall_min_s": min(slowest),
+              "walls_s": slowest, "busy_s": busy if mode != "idle" else 0.0})
 
 
 TRANSPORT_PIECES = 4
