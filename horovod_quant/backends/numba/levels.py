@@ -24,11 +24,10 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from .. import MODE_UNIFORM, NORM_L2, NORM_MAX, NORM_P, NORM_POW2
 from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
 from .rng import block_key, hash32_at, u24_float
 
-NORM_L2, NORM_MAX, NORM_P, NORM_POW2 = 0, 1, 2, 3
-GRID_UNIFORM, GRID_GEOMETRIC = 0, 1
 
 _LANES = 8
 
@@ -230,7 +229,7 @@ def encode_levels(x, bucket, norm_kind, p, grid, s, bits, k0, k1, out):
                     xs = boosted[: hi - i]
                     sc = sc * _TINY_BOOST
                 base = np.uint32(i & 0xFFFFFFFF)
-                if grid == GRID_UNIFORM:
+                if grid == MODE_UNIFORM:
                     _round_uniform(xs, cs, base, sc, s, sign_bit, kb, k1)
                 else:
                     _round_geometric(xs, cs, base, sc, s, sign_bit, kb, k1)
