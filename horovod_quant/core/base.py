@@ -113,7 +113,11 @@ def _head_bytes(data: Any, count: int) -> np.ndarray:
 
 
 class Codec(abc.ABC):
-    """An unbiased (or baseline) gradient compressor on flat float32 NumPy arrays.
+    """An unbiased (or baseline) gradient compressor on flat float32 arrays.
+
+    Methods take NumPy arrays, CuPy arrays or CUDA torch tensors and run on their backend
+    (``backend_of``, :mod:`horovod_quant.backends`): each is written once against the
+    backend interface, and backends give the same bytes.
 
     Subclasses validate their parameters in ``__init__`` and implement :meth:`encode` and
     :meth:`decode`. ``exchange`` says how payloads of n workers combine:
