@@ -187,22 +187,30 @@ class Backend(abc.ABC):
         returns (float64 sum of squared residuals in fine steps, their count)."""
 
     # -- kernels only some backends have -----------------------------------------------------
-    def missing(self, what: str, instead: str) -> MissingKernel:
-        """The error for an entry point this backend lacks: ``what`` names the configuration,
-        ``instead`` what the caller can do."""
-        return MissingKernel(f"no {self.name} kernel for {what}; {instead}")
+    def require(self, entry: str) -> None:
+        """Raise :class:`MissingKernel` now, before any work, when this backend lacks the
+        optional entry point ``entry`` (one of :data:`OPTIONAL_ENTRIES`)."""
+        if getattr(type(self), entry) is getattr(Backend, entry):
+            what, instead = OPTIONAL_ENTRIES[entry]
+            raise MissingKernel(f"no {self.name} kernel for {what}; {instead}")
 
     def elias_encode_levels(self, fixed: Any, n: int, bucket: int, bits: int) -> Any:
         """The Elias form (QSGD Section 3.2) of a fixed-width levels payload."""
-        raise self.missing("Elias coding (qsgd elias=True)", "encode and decode on the host "
-                           "(NumPy arrays) or use elias=False")
+        self.require("elias_encode_levels")
 
     def elias_decode(self, data: Any, n: int, bucket: int, bits: int, table: Any, out: Any,
                      accumulate: bool) -> int:
         """Decode an Elias-coded levels payload; returns 0 or an error code of
         :func:`horovod_quant.backends.numba.elias.elias_error`."""
-        raise self.missing("Elias coding (qsgd elias=True)", "encode and decode on the host "
-                           "(NumPy arrays) or use elias=False")
+        self.require("elias_decode")
+
+
+#: Entry points a backend may lack: what the error names, and what the caller can do instead.
+OPTIONAL_ENTRIES = {
+    entry: ("Elias coding (qsgd elias=True)",
+            "encode and decode on the host (NumPy arrays) or use elias=False")
+    for entry in ("elias_encode_levels", "elias_decode")
+}
 
 
 _FORCED: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("hq_backend",
@@ -251,8 +259,24 @@ def use_backend(backend: Backend) -> Iterator[Backend]:
 
 
 __all__ = [
-    "Backend", "MissingKernel", "backend_of", "is_device_array", "numba_backend",
-    "use_backend", "MODE_UNIFORM", "MODE_GEOMETRIC", "MODE_EXP", "MODE_DITHER", "MODE_NESTED",
-    "MODE_LINEAR_SM", "NORM_L2", "NORM_MAX", "NORM_P", "NORM_POW2", "SCALED_MODES",
-    "SPARSE_OK", "SPARSE_SHORT", "SPARSE_BAD_POSITIONS",
+    "MODE_DITHER",
+    "MODE_EXP",
+    "MODE_GEOMETRIC",
+    "MODE_LINEAR_SM",
+    "MODE_NESTED",
+    "MODE_UNIFORM",
+    "NORM_L2",
+    "NORM_MAX",
+    "NORM_P",
+    "NORM_POW2",
+    "SCALED_MODES",
+    "SPARSE_BAD_POSITIONS",
+    "SPARSE_OK",
+    "SPARSE_SHORT",
+    "Backend",
+    "MissingKernel",
+    "backend_of",
+    "is_device_array",
+    "numba_backend",
+    "use_backend",
 ]

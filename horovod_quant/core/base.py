@@ -160,7 +160,8 @@ class Codec(abc.ABC):
     def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
         """``out += decode(payload)``; codecs override with a fused kernel."""
         self.check_payload(payload, out)
-        out += self.decode(payload)
+        dst = backend_of(payload.data).array(out)  # a CUDA torch tensor: its CuPy view
+        dst += self.decode(payload)
         return out
 
     def decode_sum(self, payload: Payload, n: int, out: np.ndarray | None = None) -> np.ndarray:

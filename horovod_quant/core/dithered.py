@@ -47,6 +47,7 @@ Randomness: worker r of an exchange with seed s encodes with ``worker_seed(s, r)
 needs that seed (``payload.meta["seed"]``, which every rank can compute, so it is not sent).
 """
 from __future__ import annotations
+
 import math
 from typing import Any, ClassVar, Sequence
 
@@ -58,7 +59,6 @@ from .base import Codec, WireLayout, _numel, check_int, worker_seed
 from .payload import Payload
 from .quantizers import DEFAULT_BUCKET, _check_bucket
 from .rng import derive_key, split_key
-
 
 #: bytes of the NDQSG header (int32 k)
 HEADER = 4
@@ -428,8 +428,9 @@ class NestedDitheredQuantizer(Codec):
         n = lay.size
         be = backend_of(payload.data)
         dst = be.xp.empty(n, np.float32) if out is None else be.array(out)
-        be.decode_dither([_bytes(be, payload)], [_keys(_seed_of(payload) if seed is None else seed)],
-                         HEADER, n, self._bucket(n), self.bits, self.M, dst, accumulate)
+        keys = _keys(_seed_of(payload) if seed is None else seed)
+        be.decode_dither([_bytes(be, payload)], [keys], HEADER, n, self._bucket(n), self.bits,
+                         self.M, dst, accumulate)
         return dst if out is None else out
 
     def decode_p2(self, payload: Payload, y: np.ndarray, out: np.ndarray | None = None

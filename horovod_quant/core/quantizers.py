@@ -270,6 +270,7 @@ class QSGD(LevelQuantizer):
             return super().encode(x, seed)
         # the fixed-width codes first (same kernel, same codes), then their Elias form
         be = backend_of(x)
+        be.require("elias_encode_levels")  # before the fixed-width encode
         v = be.vector(x)
         n = int(v.size)
         bucket = self._bucket(n)

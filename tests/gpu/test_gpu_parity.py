@@ -18,7 +18,6 @@ import pytest
 import horovod_quant as hq
 from horovod_quant.backends.numba import global_qsgd as NG
 from horovod_quant.backends.numba import packing
-from horovod_quant.backends.numba import rng as NR
 from horovod_quant.core import exp_reduce as ER
 from horovod_quant.core import rng as R
 from horovod_quant.core.base import worker_seed

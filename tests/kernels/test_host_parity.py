@@ -554,7 +554,11 @@ def test_sources_inline_and_nvrtc_ptx_is_exact():
     """The source CuPy loads (headers inlined) compiles with NVRTC under the loader's options,
     and its PTX has no flush-to-zero and no contracted f32 multiply-add."""
     from horovod_quant.backends.cuda.source import (
-        KERNEL_FILES, kernel_dir, load_source, nvrtc_options)
+        KERNEL_FILES,
+        kernel_dir,
+        load_source,
+        nvrtc_options,
+    )
 
     assert (kernel_dir() / "hq_common.cuh").is_file()
     srcs = {f: load_source(f) for f in KERNEL_FILES}

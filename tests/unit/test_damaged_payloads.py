@@ -25,11 +25,11 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import horovod_quant as hq  # noqa: E402
-from horovod_quant.core import worker_seed  # noqa: E402
-from horovod_quant.core.base import MAX_PAYLOAD_SIZE  # noqa: E402
-from horovod_quant.backends.numba.elias import elias_decode_ints, elias_encode_ints  # noqa: E402,E501
+from horovod_quant.backends.numba.elias import elias_decode_ints, elias_encode_ints  # noqa: E402
 from horovod_quant.backends.numba.global_qsgd import exp_combine  # noqa: E402
 from horovod_quant.backends.numba.packing import PACK_BLOCK, packed_nbytes  # noqa: E402
+from horovod_quant.core import worker_seed  # noqa: E402
+from horovod_quant.core.base import MAX_PAYLOAD_SIZE  # noqa: E402
 from horovod_quant.core.exp_reduce import reduce_packed  # noqa: E402
 from horovod_quant.core.payload import Payload  # noqa: E402
 

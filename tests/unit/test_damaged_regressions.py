@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
+from horovod_quant.backends import use_backend
+from horovod_quant.backends.cuda import CudaBackend
 from horovod_quant.core import worker_seed
 from horovod_quant.core.base import MAX_PAYLOAD_SIZE
 from horovod_quant.core.dithered import HEADER
 from horovod_quant.core.payload import Payload
-from horovod_quant.backends import use_backend
-from horovod_quant.backends.cuda import CudaBackend
 
 RNG = np.random.default_rng(7)
 X = RNG.standard_normal(100_000).astype(np.float32)

@@ -17,6 +17,7 @@ from .. import (
     MODE_LINEAR_SM,
     MODE_NESTED,
     MODE_UNIFORM,
+    NORM_MAX,
     Backend,
     Keys,
 )
@@ -48,7 +49,7 @@ class NumbaBackend(Backend):
 
     # -- levels ------------------------------------------------------------------------------
     def encode(self, x: Any, out: Any, offset: int, bucket: int, mode: int, bits: int,
-               keys: Keys, *, norm_kind: int = 1, p: float = 2.0, s: int = 0, c: int = 0,
+               keys: Keys, *, norm_kind: int = NORM_MAX, p: float = 2.0, s: int = 0, c: int = 0,
                M: int = 0, k: int = 0, am: float = 0.0, gnorm: float = 0.0) -> None:
         k0, k1 = keys
         if mode in (MODE_UNIFORM, MODE_GEOMETRIC):

@@ -28,7 +28,6 @@ from .. import MODE_UNIFORM, NORM_L2, NORM_MAX, NORM_P, NORM_POW2
 from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
 from .rng import block_key, hash32_at, u24_float
 
-
 _LANES = 8
 
 #: Buckets whose scale is below this are rounded on a copy multiplied by ``_TINY_BOOST``
