@@ -25,7 +25,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from .. import MODE_UNIFORM, NORM_L2, NORM_MAX, NORM_P, NORM_POW2
-from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
+from .packing import PACK_BLOCK, pack_block, unpack_block
 from .rng import block_key, hash32_at, u24_float
 
 _LANES = 8
@@ -307,9 +307,3 @@ def combine_levels(datas, n, bucket, bits, table, inv_count, out):
         for j in range(b1 - b0):
             out[b0 + j] = acc[j] * inv_count
     return out
-
-
-@numba.njit(cache=True, nogil=True)
-def levels_nbytes(n, bucket, bits):
-    """Payload bytes of :func:`encode_levels` for n elements."""
-    return 4 * ((n + bucket - 1) // bucket) + packed_nbytes(n, bits)
