@@ -68,7 +68,9 @@ def device_scope(*objs: Any) -> Iterator[None]:
         import cupy
         import torch
 
-        dev = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+        dev = tensor.device.index
+        if dev is None:
+            dev = torch.cuda.current_device()
         with cupy.cuda.Device(dev):
             stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev)
             with stream:

@@ -5,8 +5,8 @@ for why not ``RawModule(code=...)``) to a CUBIN for the device (PTX as a fallbac
 use, once per device architecture,
 cached on disk (``$HQ_KERNEL_CACHE`` or ``~/.cache/horovod_quant/kernels``, keyed by source,
 options and NVRTC version) and loaded with ``cupy.RawModule(path=...)``. Every launch goes to
-CuPy's current stream, which :func:`horovod_quant.backends.cuda.arrays.device_scope` sets to the framework's
-stream.
+CuPy's current stream, which :func:`horovod_quant.backends.cuda.arrays.device_scope` sets to
+the framework's stream.
 """
 from __future__ import annotations
 
