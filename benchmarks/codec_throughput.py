@@ -5,7 +5,7 @@ examples:
   python3 benchmarks/codec_throughput.py --sizes 1M --codecs qsgd,natural --bits 4,8 --repeat 7 --json bench_out/cpu.json
   python3 benchmarks/codec_throughput.py --sizes 1M --json bench_out/cpu.json --plot bench_out/cpu.png
   python3 benchmarks/codec_throughput.py --from-json bench_out/cpu.json --plot bench_out/cpu.png
-  python3 benchmarks/codec_throughput.py --device cuda                      # horovod_quant.gpu
+  python3 benchmarks/codec_throughput.py --device cuda                      # the CUDA backend
 
 Throughput is GB/s of float32 input (4 bytes per element), best of --repeat runs after one
 warm-up call (which also compiles the numba kernels). Columns:
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     ap.add_argument("--from-json", default=None, metavar="JSON",
                     help="measure nothing: draw --plot from an earlier --json")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="cpu: NumPy arrays; cuda: CuPy arrays through horovod_quant.gpu")
+                    help="cpu: NumPy arrays (numba backend); cuda: CuPy arrays (CUDA backend)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall clock, or process CPU time (for shared machines; cpu device only)")
     ap.add_argument("--threads", type=int, default=1,

@@ -80,7 +80,7 @@ def kernel_throughput(bits: int, size: int = 1 << 24, repeat: int = 5) -> float:
     """Elements per second of exp_combine on one core (best of ``repeat``), on the codes two
     workers' Gaussian gradients really produce."""
     import horovod_quant as hq
-    from horovod_quant.core.exp_reduce import exp_combine
+    from horovod_quant.backends.numba.global_qsgd import exp_combine
 
     codec = hq.get_codec("global_qsgd", world_size=2, bits=bits, levels="exponential")
     xs = [np.random.default_rng(r).standard_normal(size).astype(np.float32) for r in range(2)]

@@ -31,10 +31,11 @@ from typing import Any
 import numpy as np
 
 from .. import gpu
+from ..backends.numba.global_qsgd import exp_combine
+from ..backends.numba.packing import PACK_BLOCK
 from ..env import env_flag
 from ..core.base import array_module
-from ..core.exp_reduce import block_byte_range, exp_combine, round_key, schedule
-from ..core.packing import PACK_BLOCK
+from ..core.exp_reduce import block_byte_range, round_key, schedule
 from ..core.payload import Payload
 from .backend import Handle
 

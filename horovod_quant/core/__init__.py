@@ -1,6 +1,7 @@
-"""Framework-neutral codecs on NumPy arrays (CuPy arrays go to kernels/ via horovod_quant.gpu).
+"""Framework-neutral codecs: each method runs on the backend of its arrays
+(:func:`horovod_quant.backends.backend_of`: numba for NumPy, CUDA for CuPy / CUDA torch).
 
-Nothing here imports torch, tensorflow or horovod.
+Nothing here imports torch, tensorflow, CuPy or horovod.
 """
 from .base import Codec, as_vector, worker_seed
 from .baselines import BF16, FP16, NoCompression

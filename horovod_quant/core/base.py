@@ -2,80 +2,33 @@
 from __future__ import annotations
 
 import abc
-import functools
 import json
-from typing import Any, Callable, ClassVar, NamedTuple, Sequence
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 
+from ..backends import backend_of
 from .payload import Payload
 from .rng import derive_key
 
 EXCHANGES = ("sum", "gather", "custom")
 
 
-def as_vector(x: Any) -> np.ndarray:
-    """A flat float32 view of ``x`` (a copy only when the dtype or layout requires one).
+def as_vector(x: Any) -> Any:
+    """A flat float32 view of ``x`` on its backend (a copy only when the dtype or layout
+    requires one): NumPy for host arrays, a flat float32 CuPy array for device arrays (CuPy,
+    CUDA torch tensors).
 
     float16, bfloat16 (``ml_dtypes``/torch-converted) and float64 inputs are accepted; codecs
     compute in float32 and decode to float32, as the adapters cast back to the tensor's dtype.
-
-    Device arrays (CuPy, CUDA torch tensors) stay on their device: a flat float32 CuPy array.
     """
-    if _on_device(x):
-        from .. import gpu
-
-        return gpu.ops().vector(gpu.as_cupy(x))
-    arr = np.asarray(x)
-    if arr.dtype.kind not in "fV" and arr.dtype.name != "bfloat16":
-        raise TypeError(f"expected a floating-point array, got dtype {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+    return backend_of(x).vector(x)
 
 
 def array_module(x: Any) -> Any:
     """``cupy`` for device arrays, else ``numpy``: allocate like ``x`` without importing CuPy
     on machines that never see a device array."""
-    if _on_device(x):
-        import cupy
-
-        return cupy
-    return np
-
-
-# -- device dispatch hook (horovod_quant.gpu) -------------------------------------------------
-# When an argument of one of these codec methods (or a payload's data, or an element of a list
-# argument) is a CuPy array or a CUDA torch tensor, the call goes to horovod_quant.gpu.dispatch,
-# which runs the CUDA kernels (same payload bytes as the CPU code); NumPy arguments run the
-# method as written. Checked without importing cupy or torch: core stays importable without
-# them. Codec subclasses get their overrides wrapped automatically (Codec.__init_subclass__).
-_DEVICE_METHODS = ("encode", "decode", "decode_add", "decode_sum", "combine_gathered", "reduce",
-                   "norm_statistic", "decode_side_info", "payload_from_wire")
-
-
-def _on_device(obj: Any) -> bool:
-    mod = type(obj).__module__
-    if mod.startswith("cupy"):
-        return True
-    if mod.startswith("torch"):
-        return bool(getattr(obj, "is_cuda", False))
-    if isinstance(obj, Payload):
-        return _on_device(obj.data)
-    if isinstance(obj, (list, tuple)):
-        return any(_on_device(o) for o in obj)
-    return False
-
-
-def _device_dispatching(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if any(_on_device(a) for a in args) or any(_on_device(v) for v in kwargs.values()):
-            from .. import gpu
-
-            return gpu.dispatch(name, self, fn, args, kwargs)
-        return fn(self, *args, **kwargs)
-
-    method._hq_device_dispatch = True  # type: ignore[attr-defined]
-    return method
+    return backend_of(x).xp
 
 
 def worker_seed(seed: int, rank: int) -> int:
@@ -155,16 +108,16 @@ def _numel(a: Any) -> int:
 def _head_bytes(data: Any, count: int) -> np.ndarray:
     """The first ``count`` bytes of a payload's data as a host uint8 array (a device payload
     copies just these bytes)."""
-    if _on_device(data):
-        from .. import gpu
-
-        dev = gpu.as_cupy(data).reshape(-1).view("uint8")[:count]
-        return np.asarray(gpu.to_host(dev)).view(np.uint8)
-    return np.ascontiguousarray(np.asarray(data).reshape(-1).view(np.uint8)[:count])
+    be = backend_of(data)
+    return np.ascontiguousarray(be.to_host(be.array(data).view(np.uint8)[:count]))
 
 
 class Codec(abc.ABC):
-    """An unbiased (or baseline) gradient compressor on flat float32 NumPy arrays.
+    """An unbiased (or baseline) gradient compressor on flat float32 arrays.
+
+    Methods take NumPy arrays, CuPy arrays or CUDA torch tensors and run on their backend
+    (``backend_of``, :mod:`horovod_quant.backends`): each is written once against the
+    backend interface, and backends give the same bytes.
 
     Subclasses validate their parameters in ``__init__`` and implement :meth:`encode` and
     :meth:`decode`. ``exchange`` says how payloads of n workers combine:
@@ -192,13 +145,6 @@ class Codec(abc.ABC):
     #: of an allgather (its factory may decline an instance it does not fit), or None
     custom_collective: ClassVar[str | None] = None
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        for name in _DEVICE_METHODS:  # device dispatch hook (see _device_dispatching)
-            fn = cls.__dict__.get(name)
-            if callable(fn) and not getattr(fn, "_hq_device_dispatch", False):
-                setattr(cls, name, _device_dispatching(name, fn))
-
     def __init__(self, **params: Any) -> None:
         self.params = dict(params)
 
@@ -214,7 +160,8 @@ class Codec(abc.ABC):
     def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
         """``out += decode(payload)``; codecs override with a fused kernel."""
         self.check_payload(payload, out)
-        out += self.decode(payload)
+        dst = backend_of(payload.data).array(out)  # a CUDA torch tensor: its CuPy view
+        dst += self.decode(payload)
         return out
 
     def decode_sum(self, payload: Payload, n: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -227,7 +174,7 @@ class Codec(abc.ABC):
         ``meta`` carries what every rank knows without it being sent: the sender's seed
         (``seed=worker_seed(s, r)``, for codecs that regenerate a dither), the global norm, ...
         """
-        raw = Payload(np.asarray(data).reshape(-1).view(np.uint8),
+        raw = Payload(backend_of(data).array(data).view(np.uint8),
                       check_payload_size(self.name, size), dict(meta))
         self.check_payload(raw)  # before the view: a damaged length may not be whole words
         return Payload(raw.data.view(self.wire_dtype), raw.size, raw.meta)
@@ -320,12 +267,13 @@ class Codec(abc.ABC):
         their reduction (a fallback when no custom collective is available).
         """
         size = self.check_payloads(payloads, out)[0].size
-        est = np.empty(size, np.float32) if out is None else out
+        be = backend_of(payloads[0].data)
+        est = be.xp.empty(size, np.float32) if out is None else be.array(out)
         est.fill(0)
         for p in payloads:
             self.decode_add(p, est)
-        est *= np.float32(1.0 / len(payloads))
-        return est
+        be.scale(est, 1.0 / len(payloads), est)
+        return est if out is None else out
 
     def combine_payloads(self, payloads: Sequence[Payload], seed: int) -> np.ndarray:
         """The mean estimate from every worker's payload (rank order) as the exchange combines
@@ -353,7 +301,3 @@ class Codec(abc.ABC):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"{type(self).__name__}({args})"
-
-
-for _name in ("decode_add", "combine_gathered", "payload_from_wire"):  # device dispatch hook
-    setattr(Codec, _name, _device_dispatching(_name, Codec.__dict__[_name]))

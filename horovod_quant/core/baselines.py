@@ -5,30 +5,40 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .base import Codec, WireLayout, array_module, as_vector, check_int
+from ..backends import backend_of
+from .base import Codec, WireLayout, check_int
 from .payload import Payload
 
 
-def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round float32 to bfloat16 (nearest, ties to even; NaN stays NaN) as uint16 bit patterns."""
-    b = x.view(np.uint32)
-    rounded = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
-    nan = np.isnan(x)
-    return np.where(nan, (b >> 16) | 0x40, rounded).astype(np.uint16)
+def float32_to_bf16_bits(x: Any) -> Any:
+    """Round float32 to bfloat16 (nearest, ties to even; NaN stays NaN) as uint16 bit patterns
+    (NumPy or CuPy: integer operations only)."""
+    xp = backend_of(x).xp
+    b = x.view(xp.uint32)
+    one = xp.uint32(1)
+    rounded = (b + (xp.uint32(0x7FFF) + ((b >> xp.uint32(16)) & one))) >> xp.uint32(16)
+    nan = xp.isnan(x)
+    return xp.where(nan, (b >> xp.uint32(16)) | xp.uint32(0x40), rounded).astype(xp.uint16)
 
 
-def bf16_bits_to_float32(h: np.ndarray) -> np.ndarray:
-    return (h.astype(np.uint32) << 16).view(np.float32)
+def bf16_bits_to_float32(h: Any) -> Any:
+    xp = backend_of(h).xp
+    return (h.astype(xp.uint32) << xp.uint32(16)).view(xp.float32)
 
 
-def _wire_values(codec: Codec, payload: Payload, out: np.ndarray | None) -> np.ndarray:
-    """The payload's data as a flat array of ``codec.wire_dtype`` after
+def _wire_values(codec: Codec, payload: Payload, out: Any | None) -> Any:
+    """The payload's data as a flat array of ``codec.wire_dtype`` on its backend after
     :meth:`Codec.check_payload` (exactly ``size`` values)."""
     codec.check_payload(payload, out)
-    data = payload.data
-    if type(data).__module__.startswith("torch") and getattr(data, "is_cuda", False):
-        return data  # decode_sum's device passthrough (horovod_quant.gpu): used as it is
-    return array_module(data).asarray(data).reshape(-1).view(codec.wire_dtype)
+    return backend_of(payload.data).array(payload.data).view(codec.wire_dtype)
+
+
+def _store(values: Any, out: Any | None) -> Any:
+    """``values`` as float32 into the caller's ``out`` (returned), or a new array."""
+    if out is None:
+        return values.astype(np.float32, copy=True)
+    backend_of(out).array(out)[:] = values
+    return out
 
 
 class _FloatBaseline(Codec):
@@ -46,9 +56,12 @@ class _FloatBaseline(Codec):
     def decode_sum(self, payload: Payload, n: int, out: np.ndarray | None = None) -> np.ndarray:
         n = check_int("n", n, 1, hint=f"{self.name}: the number of summed payloads.")
         data = _wire_values(self, payload, out)
+        be = backend_of(payload.data)
         # one pass: widen and scale together (out may be the summed buffer itself)
-        return np.multiply(data, np.float32(1.0 / n), out=out, dtype=np.float32,
-                           casting="unsafe")
+        dst = None if out is None else be.array(out)
+        res = be.xp.multiply(data, np.float32(1.0 / n), out=dst, dtype=np.float32,
+                             casting="unsafe")
+        return res if out is None else out
 
 
 class NoCompression(_FloatBaseline):
@@ -59,15 +72,11 @@ class NoCompression(_FloatBaseline):
     horovod_allreduce = "keep"
 
     def encode(self, x: Any, seed: int = 0) -> Payload:
-        v = as_vector(x)
-        return Payload(v.copy(), v.size)
+        v = backend_of(x).vector(x)
+        return Payload(v.copy(), int(v.size))
 
-    def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
-        data = _wire_values(self, payload, out)
-        if out is None:
-            return data.astype(np.float32, copy=True)
-        out[:] = data
-        return out
+    def decode(self, payload: Payload, out: Any | None = None) -> Any:
+        return _store(_wire_values(self, payload, out), out)
 
 
 class FP16(_FloatBaseline):
@@ -78,15 +87,11 @@ class FP16(_FloatBaseline):
     horovod_allreduce = "float16"
 
     def encode(self, x: Any, seed: int = 0) -> Payload:
-        v = as_vector(x)
-        return Payload(v.astype(np.float16), v.size)
+        v = backend_of(x).vector(x)
+        return Payload(v.astype(np.float16), int(v.size))
 
-    def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
-        data = _wire_values(self, payload, out)
-        if out is None:
-            return data.astype(np.float32)
-        out[:] = data
-        return out
+    def decode(self, payload: Payload, out: Any | None = None) -> Any:
+        return _store(_wire_values(self, payload, out), out)
 
 
 class BF16(Codec):
@@ -104,16 +109,15 @@ class BF16(Codec):
         super().__init__()
 
     def encode(self, x: Any, seed: int = 0) -> Payload:
-        v = as_vector(x)
-        return Payload(float32_to_bf16_bits(v).view(np.uint8), v.size)
+        v = backend_of(x).vector(x)
+        return Payload(float32_to_bf16_bits(v).view(np.uint8), int(v.size))
 
     def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout:
         return WireLayout(size, 2 * size, True, "2 bytes per element")
 
     def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
         self.check_payload(payload, out)
-        vals = bf16_bits_to_float32(np.asarray(payload.data).reshape(-1).view(np.uint16))
+        vals = bf16_bits_to_float32(backend_of(payload.data).array(payload.data).view(np.uint16))
         if out is None:
             return vals
-        out[:] = vals
-        return out
+        return _store(vals, out)

@@ -51,19 +51,17 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar, Sequence
 
-import numba
 import numpy as np
 
-from .base import Codec, WireLayout, _numel, as_vector, check_int, worker_seed
-from .kernels_cpu import NORM_MAX, _bucket_scale
-from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
+from ..backends import MODE_DITHER, MODE_NESTED, NORM_MAX, backend_of, numba_backend
+from ..backends.numba.packing import packed_nbytes
+from .base import Codec, WireLayout, _numel, check_int, worker_seed
 from .payload import Payload
 from .quantizers import DEFAULT_BUCKET, _check_bucket
-from .rng import block_key, derive_key, hash32_at, split_key, u24_float
+from .rng import derive_key, split_key
 
 #: bytes of the NDQSG header (int32 k)
 HEADER = 4
-_HALF = np.float32(0.5)
 
 
 def fine_levels(bits: int) -> int:
@@ -110,226 +108,15 @@ def theorem6_ratio(bits: int, alpha: float, sigma2: float, outage: float) -> int
     return top
 
 
-# -- kernels ---------------------------------------------------------------------------------
-@numba.njit(inline="always")
-def _fine_index(v, kap, am, rho):
-    """``ceil((v / kap) am - rho)`` as int32: the dithered fine index of v (|result| <= M when
-    am <= M). ``ceil(t - rho) = floor(t) + (rho < frac(t))``, in 32-bit lanes."""
-    t = (v / kap) * am
-    lvl = np.floor(t)
-    return np.int32(np.int32(lvl) + np.int32(rho < t - lvl))
-
-
-@numba.njit(inline="always")
-def _nested_index(c, rho, yv, kap, am, kf, invk, cmf, h):
-    """Fine index recovered from a nested code c (= m + h) and the side information yv.
-
-    Returns ``(q_hat, resid)``: ``q_hat = m - k f`` with ``f = round((m - 1/2 + rho - alpha Y)
-    / k)`` clamped to [-cmf, cmf], ``cmf = round(M / k)`` (the shifts real indices use; a NaN
-    side information lands on a bound instead of an undefined integer), and
-    ``resid = (r - Q2(r)) / Delta1`` in fine steps (|resid| <= k/2 unless clamped).
-    """
-    m = np.int32(np.int32(c) - h)
-    a = ((np.float32(m) - _HALF) + rho) - (yv / kap) * am
-    f = np.floor(a * invk + _HALF)
-    f = f if f > -cmf else -cmf
-    f = f if f < cmf else cmf
-    return np.int32(m - np.int32(kf) * np.int32(f)), a - kf * f
-
-
-@numba.njit(cache=True, nogil=True)
-def encode_dithered(x, bucket, M, am, k, bits, k0, k1, out, o):
-    """Encode float32 ``x`` into ``out[o:]`` = [float32 kappa per bucket][packed codes].
-
-    ``k == 0``: DQSG codes ``q + M``; ``k >= 3``: nested codes ``(q + h) mod k`` (= m + h,
-    h = (k-1)/2). ``q = ceil((x / kappa) am - rho)``; ``am = alpha M`` (M for DQSG). Zero and
-    non-finite buckets get the neutral code (q = 0); their kappa alone defines the decode.
-    Returns the end offset.
-    """
-    n = x.size
-    nb = (n + bucket - 1) // bucket
-    scales = out[o : o + 4 * nb].view(np.float32)
-    codes = np.empty(PACK_BLOCK + 8, np.uint8)
-    h = np.int32((k - 1) // 2) if k > 0 else np.int32(0)
-    ki = np.int32(k)
-    invk = np.float32(1.0 / k) if k > 0 else np.float32(0.0)
-    neutral = np.uint8(M) if k == 0 else np.uint8(h)
-    o += 4 * nb
-    next_bucket = 0
-    for b0 in range(0, n, PACK_BLOCK):
-        b1 = min(b0 + PACK_BLOCK, n)
-        while next_bucket < nb and next_bucket * bucket < b1:
-            lo = next_bucket * bucket
-            scales[next_bucket] = _bucket_scale(x, lo, min(lo + bucket, n), NORM_MAX, 0.0)
-            next_bucket += 1
-        kb = block_key(b0, k0)
-        i = b0
-        while i < b1:
-            kk = i // bucket
-            hi = min((kk + 1) * bucket, b1)
-            kap = scales[kk]
-            xs = x[i:hi]
-            cs = codes[i - b0 : hi - b0]
-            base = np.uint32(i & 0xFFFFFFFF)
-            if not (kap > 0 and np.isfinite(kap)):
-                cs[:] = neutral
-            elif k == 0:
-                for j in range(xs.size):
-                    q = _fine_index(xs[j], kap, am, u24_float(hash32_at(base, j, kb, k1)))
-                    cs[j] = np.uint8(q + M)
-            else:
-                for j in range(xs.size):
-                    q = _fine_index(xs[j], kap, am, u24_float(hash32_at(base, j, kb, k1)))
-                    a = np.int32(q + h)
-                    # floor(a / k) exactly: a + 1/2 sits >= 1/(2k) away from a multiple of k
-                    f = np.floor((np.float32(a) + _HALF) * invk)
-                    cs[j] = np.uint8(a - ki * np.int32(f))
-            i = hi
-        o = pack_block(codes, b1 - b0, bits, out, o)
-    return o
-
-
-@numba.njit(cache=True, nogil=True)
-def decode_dithered(data, o, n, bucket, M, bits, k0, k1, out, accumulate):
-    """Decode DQSG codes at ``data[o:]`` into ``out`` (``+=`` if accumulate):
-    ``x_hat = (kappa / M) ((code - M) - 1/2 + rho)``; zero buckets decode to zeros, non-finite
-    kappa to non-finite values."""
-    nb = (n + bucket - 1) // bucket
-    scales = data[o : o + 4 * nb].view(np.float32)
-    codes = np.empty(PACK_BLOCK + 8, np.uint8)
-    fm = np.float32(M)
-    o += 4 * nb
-    for b0 in range(0, n, PACK_BLOCK):
-        b1 = min(b0 + PACK_BLOCK, n)
-        o = unpack_block(data, o, b1 - b0, bits, codes)
-        kb = block_key(b0, k0)
-        i = b0
-        while i < b1:
-            kk = i // bucket
-            hi = min((kk + 1) * bucket, b1)
-            step = scales[kk] / fm
-            ob = out[i:hi]
-            cb = codes[i - b0 : hi - b0]
-            base = np.uint32(i & 0xFFFFFFFF)
-            for j in range(ob.size):
-                rho = u24_float(hash32_at(base, j, kb, k1))
-                v = ((np.float32(np.int32(cb[j]) - M) - _HALF) + rho) * step
-                ob[j] = ob[j] + v if accumulate else v
-            i = hi
-    return out
-
-
-@numba.njit(cache=True, nogil=True)
-def decode_nested(data, o, n, bucket, M, k, bits, am, alpha, y, k0, k1, out):
-    """``out += x_hat`` of a P2 payload (codes at ``data[o:]``) with side information y.
-
-    ``x_hat = alpha (kappa / M) (q_hat - 1/2 + rho) + (1 - alpha^2) y`` (module doc); zero
-    buckets add nothing, non-finite kappa adds NaN. Returns ``(sum resid^2, count)`` over the
-    finite nonzero buckets, in fine steps (float64, 8 interleaved lanes in a fixed order, so
-    every rank computes the same value).
-    """
-    nb = (n + bucket - 1) // bucket
-    scales = data[o : o + 4 * nb].view(np.float32)
-    codes = np.empty(PACK_BLOCK + 8, np.uint8)
-    resid = np.empty(PACK_BLOCK, np.float32)
-    lanes = np.zeros(8, np.float64)
-    h = np.int32((k - 1) // 2)
-    kf = np.float32(k)
-    invk = np.float32(1.0 / k)
-    # |round(q / k)| <= round(M / k) = (M + h) // k for |q| <= M (k odd)
-    cmf = np.float32((M + h) // k)
-    fm = np.float32(M)
-    beta = np.float32(1.0) - alpha * alpha
-    count = 0
-    o += 4 * nb
-    for b0 in range(0, n, PACK_BLOCK):
-        b1 = min(b0 + PACK_BLOCK, n)
-        o = unpack_block(data, o, b1 - b0, bits, codes)
-        kb = block_key(b0, k0)
-        i = b0
-        while i < b1:
-            kk = i // bucket
-            hi = min((kk + 1) * bucket, b1)
-            kap = scales[kk]
-            ob = out[i:hi]
-            if kap > 0 and np.isfinite(kap):
-                step = kap / fm
-                ys = y[i:hi]
-                cb = codes[i - b0 : hi - b0]
-                rs = resid[: hi - i]
-                base = np.uint32(i & 0xFFFFFFFF)
-                for j in range(ob.size):
-                    rho = u24_float(hash32_at(base, j, kb, k1))
-                    q, r = _nested_index(cb[j], rho, ys[j], kap, am, kf, invk, cmf, h)
-                    rs[j] = r
-                    ob[j] += (((np.float32(q) - _HALF) + rho) * step) * alpha + beta * ys[j]
-                m8 = rs.size // 8 * 8
-                for t in range(0, m8, 8):
-                    for l in range(8):
-                        v = np.float64(rs[t + l])
-                        lanes[l] += v * v
-                for t in range(m8, rs.size):
-                    v = np.float64(rs[t])
-                    lanes[t - m8] += v * v
-                count += rs.size
-            elif kap != 0:
-                for j in range(ob.size):
-                    ob[j] += kap * np.float32(0.0)
-            i = hi
-    total = 0.0
-    for l in range(8):
-        total += lanes[l]
-    return total, count
-
-
-@numba.njit(cache=True, nogil=True)
-def nested_outside(data, o, n, bucket, M, k, bits, am, y, k0, k1, fine):
-    """Number of P2 elements (finite nonzero buckets) whose recovered fine index differs from
-    the sender's ``fine`` (from :func:`fine_indices`): the exact outage count, for simulations
-    that know the inputs."""
-    nb = (n + bucket - 1) // bucket
-    scales = data[o : o + 4 * nb].view(np.float32)
-    codes = np.empty(PACK_BLOCK + 8, np.uint8)
-    h = np.int32((k - 1) // 2)
-    kf = np.float32(k)
-    invk = np.float32(1.0 / k)
-    cmf = np.float32((M + h) // k)
-    wrong = 0
-    o += 4 * nb
-    for b0 in range(0, n, PACK_BLOCK):
-        b1 = min(b0 + PACK_BLOCK, n)
-        o = unpack_block(data, o, b1 - b0, bits, codes)
-        kb = block_key(b0, k0)
-        for i in range(b0, b1):
-            kap = scales[i // bucket]
-            if kap > 0 and np.isfinite(kap):
-                rho = u24_float(hash32_at(np.uint32(b0 & 0xFFFFFFFF), i - b0, kb, k1))
-                q, _ = _nested_index(codes[i - b0], rho, y[i], kap, am, kf, invk, cmf, h)
-                wrong += q != fine[i]
-    return wrong
-
-
-@numba.njit(cache=True, nogil=True)
-def fine_indices(x, bucket, am, k0, k1):
-    """The sender's fine indices ``ceil((x / kappa) am - rho)`` (0 in zero/non-finite buckets):
-    what a P2 receiver should recover. For statistics only (the encoder fuses this)."""
-    n = x.size
-    out = np.zeros(n, np.int32)
-    for lo in range(0, n, bucket):
-        hi = min(lo + bucket, n)
-        kap = _bucket_scale(x, lo, hi, NORM_MAX, 0.0)
-        if kap > 0 and np.isfinite(kap):
-            for i in range(lo, hi):
-                kb = block_key(i, k0)
-                rho = u24_float(hash32_at(np.uint32(i & 0xFFFFFFFF), 0, kb, k1))
-                out[i] = _fine_index(x[i], kap, am, rho)
-    return out
-
-
 # -- codecs ----------------------------------------------------------------------------------
-def _bytes(payload: Payload) -> np.ndarray:
-    """A payload's data as a flat uint8 array (a view)."""
-    return np.asarray(payload.data).reshape(-1).view(np.uint8)
+def _bytes(be: Any, payload: Payload) -> Any:
+    """A payload's data as a flat uint8 array of backend ``be`` (a view)."""
+    return be.array(payload.data).view(np.uint8)
+
+
+def _keys(seed: int) -> tuple[np.uint32, np.uint32]:
+    """The element key halves of a sender's seed."""
+    return split_key(derive_key(int(seed)))
 
 
 def _seed_of(payload: Payload) -> int:
@@ -339,6 +126,12 @@ def _seed_of(payload: Payload) -> int:
         raise ValueError("payload.meta has no 'seed': the receiver regenerates the sender's "
                          "dither from it; rebuild the payload with payload_from_wire(data, size, "
                          "seed=worker_seed(exchange_seed, rank))") from None
+
+
+def _host_vector(x: Any) -> np.ndarray:
+    """``x`` as a flat float32 NumPy array (a device array is copied to the host)."""
+    be = backend_of(x)
+    return numba_backend().vector(be.to_host(be.vector(x)))
 
 
 def _check_bits(bits: Any) -> int:
@@ -388,26 +181,42 @@ class DitheredQuantizer(Codec):
     def encode(self, x: Any, seed: int = 0) -> Payload:
         """Encode a 1-D float array; ``meta["seed"]`` keeps the seed the decoder needs (not
         sent: a receiver knows every sender's seed)."""
-        v = as_vector(x)
-        out = np.empty(self.payload_nbytes(v.size), np.uint8)
-        k0, k1 = split_key(derive_key(seed))
-        encode_dithered(v, self._bucket(v.size), self.M, np.float32(self.M), 0, self.bits,
-                        k0, k1, out, 0)
-        return Payload(out, v.size, {"seed": int(seed)})
+        be = backend_of(x)
+        v = be.vector(x)
+        n = int(v.size)
+        out = be.xp.empty(self.payload_nbytes(n), np.uint8)
+        be.encode(v, out, 0, self._bucket(n), MODE_DITHER, self.bits, _keys(seed),
+                  norm_kind=NORM_MAX, p=0.0, M=self.M, k=0, am=np.float32(self.M))
+        return Payload(out, n, {"seed": int(seed)})
 
-    def _decode(self, payload: Payload, out: np.ndarray | None, accumulate: bool) -> np.ndarray:
-        n = self.check_payload(payload, out).size
-        k0, k1 = split_key(derive_key(_seed_of(payload)))
-        out = np.empty(n, np.float32) if out is None else out
-        decode_dithered(_bytes(payload), 0, n, self._bucket(n), self.M, self.bits, k0, k1, out,
-                        accumulate)
-        return out
+    def _decode(self, payloads: Sequence[Payload], out: Any | None, accumulate: bool,
+                post: float | None = None) -> Any:
+        """Decode checked payloads (their sum, in order; times ``post``) into ``out``."""
+        n = payloads[0].size
+        be = backend_of(payloads[0].data)
+        dst = be.xp.empty(n, np.float32) if out is None else be.array(out)
+        be.decode_dither([_bytes(be, p) for p in payloads], [_keys(_seed_of(p)) for p in payloads],
+                         0, n, self._bucket(n), self.bits, self.M, dst, accumulate, post)
+        return dst if out is None else out
 
-    def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
-        return self._decode(payload, out, False)
+    def decode(self, payload: Payload, out: Any | None = None) -> Any:
+        self.check_payload(payload, out)
+        return self._decode([payload], out, False)
 
-    def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
-        return self._decode(payload, out, True)
+    def decode_add(self, payload: Payload, out: Any) -> Any:
+        self.check_payload(payload, out)
+        return self._decode([payload], out, True)
+
+    def combine_gathered(self, payloads: Sequence[Payload], seed: int,
+                         out: Any | None = None) -> Any:
+        """The gather exchange's mean in one pass: zeros, every payload added in rank order,
+        times float32(1 / n) (the operations of :meth:`Codec.combine_gathered`)."""
+        size = self.check_payloads(payloads, out)[0].size
+        be = backend_of(payloads[0].data)
+        est = be.xp.empty(size, np.float32) if out is None else be.array(out)
+        est.fill(0)
+        self._decode(payloads, est, True, np.float32(1.0 / len(payloads)))
+        return est if out is None else out
 
     def error_variance(self, kappa: float) -> float:
         """Per-element error variance ``kappa^2 Delta^2 / 12`` (Theorem 1, Lemma 3)."""
@@ -575,15 +384,17 @@ class NestedDitheredQuantizer(Codec):
         Returns:
             The payload ``[int32 k][float32 kappa per bucket][packed codes]``, k = 0 for P1.
         """
-        v = as_vector(x)
+        be = backend_of(x)
+        v = be.vector(x)
+        n = int(v.size)
         k = 0 if self.in_p1(rank) else self.current_k
         bits = self.bits if k == 0 else coarse_bits(k)
         am = np.float32(self.M) if k == 0 else np.float32(self.alpha * self.M)
-        out = np.empty(self.payload_nbytes(v.size, rank), np.uint8)
-        out[:HEADER].view(np.int32)[0] = k
-        k0, k1 = split_key(derive_key(seed))
-        encode_dithered(v, self._bucket(v.size), self.M, am, k, bits, k0, k1, out, HEADER)
-        return Payload(out, v.size, {"seed": int(seed)})
+        out = be.xp.empty(self.payload_nbytes(n, rank), np.uint8)
+        out[:HEADER] = be.xp.asarray(np.array([k], np.int32).view(np.uint8))
+        be.encode(v, out, HEADER, self._bucket(n), MODE_DITHER if k == 0 else MODE_NESTED, bits,
+                  _keys(seed), norm_kind=NORM_MAX, p=0.0, M=self.M, k=k, am=am)
+        return Payload(out, n, {"seed": int(seed)})
 
     def encode_worker(self, x: Any, seed: int, rank: int, norm: float | None = None) -> Payload:
         return self.encode(x, seed=worker_seed(seed, rank), rank=rank)
@@ -591,11 +402,12 @@ class NestedDitheredQuantizer(Codec):
     @staticmethod
     def payload_k(payload: Payload) -> int:
         """The coarse ratio in a payload's header (0 for a P1 payload)."""
-        data = np.asarray(payload.data).view(np.uint8)
+        be = backend_of(payload.data)
+        data = _bytes(be, payload)
         if data.size < HEADER:
             raise ValueError(f"an NDQSG payload starts with a {HEADER}-byte header; got "
                              f"{data.size} bytes")
-        return int(data[:HEADER].view(np.int32)[0])
+        return int(be.to_host(data[:HEADER]).view(np.int32)[0])
 
     def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
         """Decode a P1 payload (DQSG). P2 payloads need side information:
@@ -614,11 +426,12 @@ class NestedDitheredQuantizer(Codec):
                              f"decodes only with the P1 mean as side information; use "
                              f"decode_side_info")
         n = lay.size
-        k0, k1 = split_key(derive_key(_seed_of(payload) if seed is None else seed))
-        out = np.empty(n, np.float32) if out is None else out
-        decode_dithered(_bytes(payload), HEADER, n, self._bucket(n), self.M, self.bits, k0, k1,
-                        out, accumulate)
-        return out
+        be = backend_of(payload.data)
+        dst = be.xp.empty(n, np.float32) if out is None else be.array(out)
+        keys = _keys(_seed_of(payload) if seed is None else seed)
+        be.decode_dither([_bytes(be, payload)], [keys], HEADER, n, self._bucket(n), self.bits,
+                         self.M, dst, accumulate)
+        return dst if out is None else out
 
     def decode_p2(self, payload: Payload, y: np.ndarray, out: np.ndarray | None = None
                   ) -> np.ndarray:
@@ -636,16 +449,17 @@ class NestedDitheredQuantizer(Codec):
         k, n = lay.head, lay.size
         if k == 0:
             raise ValueError(f"{self.name}: this is a P1 payload: decode it with decode()")
-        y = np.ascontiguousarray(y, np.float32).reshape(-1)
+        be = backend_of(payload.data)
+        y = be.vector(y)
         if y.size != n:
             raise ValueError(f"{self.name}: side information has {y.size} elements, the "
                              f"payload size={n}")
-        k0, k1 = split_key(derive_key(_seed_of(payload)))
-        out = np.zeros(n, np.float32) if out is None else out
-        out[:] = 0
-        decode_nested(_bytes(payload), HEADER, n, self._bucket(n), self.M, k, coarse_bits(k),
-                      np.float32(self.alpha * self.M), np.float32(self.alpha), y, k0, k1, out)
-        return out
+        dst = be.xp.zeros(n, np.float32) if out is None else be.array(out)
+        dst[:] = 0
+        be.decode_nested(_bytes(be, payload), HEADER, n, self._bucket(n), self.M, k,
+                         coarse_bits(k), np.float32(self.alpha * self.M), np.float32(self.alpha),
+                         y, _keys(_seed_of(payload)), dst)
+        return dst if out is None else out
 
     def decode_side_info(self, payloads_by_rank: Sequence[Payload], seeds_by_rank: Sequence[int],
                          inputs: Sequence[Any] | None = None,
@@ -677,31 +491,34 @@ class NestedDitheredQuantizer(Codec):
         size = payloads_by_rank[0].size
         if inputs is not None:
             self.check_inputs(inputs, size)
-        est = np.empty(size, np.float32) if out is None else out
+        be = backend_of(payloads_by_rank[0].data)
+        est = be.xp.empty(size, np.float32) if out is None else be.array(out)
         est.fill(0)
-        for r in range(self.n1):
-            self._decode_p1(payloads_by_rank[r], int(seeds_by_rank[r]), est, True)
-        y = est * np.float32(1.0 / self.n1)
         bucket = self._bucket(size)
+        be.decode_dither([_bytes(be, p) for p in payloads_by_rank[: self.n1]],
+                         [_keys(s) for s in seeds_by_rank[: self.n1]], HEADER, size, bucket,
+                         self.bits, self.M, est, True)
+        y = be.scale(est, 1.0 / self.n1, be.xp.empty_like(est))
         am = np.float32(self.alpha * self.M)
         sum_r2, count, wrong, ks = 0.0, 0, 0, []
         for r in range(self.n1, n):
-            p = payloads_by_rank[r]
             k = ks_all[r]
             ks.append(k)
-            data = _bytes(p)
-            k0, k1 = split_key(derive_key(int(seeds_by_rank[r])))
-            s2, c = decode_nested(data, HEADER, size, bucket, self.M, k, coarse_bits(k), am,
-                                  np.float32(self.alpha), y, k0, k1, est)
+            data = _bytes(be, payloads_by_rank[r])
+            keys = _keys(seeds_by_rank[r])
+            s2, c = be.decode_nested(data, HEADER, size, bucket, self.M, k, coarse_bits(k), am,
+                                     np.float32(self.alpha), y, keys, est)
             sum_r2 += s2
             count += c
             if inputs is not None and inputs[r] is not None:
-                fine = fine_indices(as_vector(inputs[r]), bucket, am, k0, k1)
-                wrong += nested_outside(data, HEADER, size, bucket, self.M, k, coarse_bits(k), am,
-                                        y, k0, k1, fine)
-        est *= np.float32(1.0 / n)
+                # a statistic of simulations that know the inputs: on the host, in numba
+                host = numba_backend()
+                wrong += host.count_outside(_host_vector(inputs[r]), be.to_host(data), HEADER,
+                                            size, bucket, self.M, k, coarse_bits(k), am,
+                                            be.to_host(y), keys)
+        be.scale(est, 1.0 / n, est)
         self._update_state(sum_r2, count, wrong, ks, self._all_p2_known(inputs))
-        return est
+        return est if out is None else out
 
     def check_group_headers(self, payloads_by_rank: Sequence[Payload], out: Any | None = None
                             ) -> list[int]:

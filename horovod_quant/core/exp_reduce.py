@@ -3,7 +3,7 @@
 Values. After the global normalization each worker holds values ``sign * 2^-e`` (``e >= 1``;
 ``e = 0`` is zero) whose magnitudes are at most ``2^-c``, ``c`` = :func:`exponent_offset`. A
 value travels as the ``bits``-wide code ``sign << (bits - 1) | e``, packed with the layout of
-:mod:`.packing`; zero is always code 0.
+:mod:`horovod_quant.backends.numba.packing`; zero is always code 0.
 
 Combination. Two values combine into ``C_nat(x1 + x2)``: the sum rounded to one of its two
 neighbouring powers of two with the probabilities that keep it unbiased (Algorithm 2). With
@@ -20,7 +20,7 @@ its first 32 digits are ``hash32(i, k0, k1)`` for element index i, and digit wor
 
 Schedules (n ranks, d elements, ``nb = ceil(d / PACK_BLOCK)`` packing blocks). Chunks are whole
 packing blocks, so every exchanged byte range is :func:`packed_range` of its elements and the
-combination kernel :func:`exp_combine` runs on packed bytes. Every combination in round ``t``
+combination kernel (``Backend.exp_combine``) runs on packed bytes. Every combination in round ``t``
 computed by rank ``g`` draws its p from ``derive_key(seed, t, g)`` (``seed`` is the exchange
 seed, not a worker seed) at the global element index, so independent combinations get
 independent bits, the result does not depend on how a range is cut into calls, and any rank
@@ -46,209 +46,17 @@ Allgathers copy bytes, so every rank ends with the same final codes.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
-import numba
 import numpy as np
-from llvmlite import ir
-from numba.core import types
-from numba.extending import intrinsic
 
+from ..backends import backend_of
+from ..backends.numba.packing import PACK_BLOCK, packed_nbytes
 from .base import check_payload_size
-from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
-from .rng import block_key, derive_key, hash32_lo, split_key
+from .rng import derive_key, split_key
 from .schedules import chunk_bounds
 
 REDUCTIONS = ("tree", "ring")
-
-#: Multipliers of the key halves of p's digit words t = 1, 2, 3 (see module doc).
-_EXT0, _EXT1 = 0x632BE5AB, 0x85157AF5
-
-
-#: Stand-in exponent of a zero operand: larger than any real exponent, so a zero is never the
-#: larger magnitude and its difference to a nonzero exponent exceeds 32 (no rounding).
-_ZERO_KEY = 1 << 20
-
-
-@intrinsic
-def _combine_lanes(typingctx, a, b, h, smask):
-    """Algorithm 2 on one pair of codes, as i32 LLVM IR (numba would widen it to 64-bit lanes).
-
-    ``a``, ``b``: codes ``sign << (bits - 1) | e``; ``smask = 1 << (bits - 1)``; ``h``: the first
-    32 binary digits of p. Returns the combined code. With zeros mapped to ``_ZERO_KEY``, ``lo``
-    / ``hi`` are the exponents of the larger / smaller magnitude (the paper's ``leq`` select)
-    and ``diff = hi - lo - [opposite signs]``. The rounding moves the exponent one step (down
-    for equal signs, up for opposite) iff ``p < 2^-diff``: always when ``diff <= 0``, else iff
-    ``h <= 0x7FFFFFFF >> (diff - 1)``, exact for ``diff <= 32``. For larger diff (or a zero
-    operand) this reads as ``h == 0``; :func:`_combine_block` redoes those elements exactly.
-    """
-    sig = types.int32(types.int32, types.int32, types.uint32, types.int32)
-
-    def codegen(context, builder, signature, args):
-        a_, b_, h_, smask_ = args
-        i32 = ir.IntType(32)
-
-        def const(v):
-            return ir.Constant(i32, v)
-
-        emask = builder.sub(smask_, const(1))
-        e1 = builder.and_(a_, emask)
-        e2 = builder.and_(b_, emask)
-        k1 = builder.select(builder.icmp_signed("==", e1, const(0)), const(_ZERO_KEY), e1)
-        k2 = builder.select(builder.icmp_signed("==", e2, const(0)), const(_ZERO_KEY), e2)
-        leq = builder.icmp_signed("<=", k1, k2)
-        lo = builder.select(leq, k1, k2)
-        hi = builder.select(leq, k2, k1)
-        sign = builder.and_(builder.select(leq, a_, b_), smask_)
-        opp = builder.icmp_signed("!=", builder.and_(builder.xor(a_, b_), smask_), const(0))
-        opp_m = builder.sext(opp, i32)  # -1 for opposite signs
-        gap = builder.sub(hi, lo)
-        diff = builder.add(gap, opp_m)
-        d1 = builder.sub(diff, const(1))
-        d1 = builder.select(builder.icmp_unsigned("<", d1, const(31)), d1, const(31))
-        thr = builder.lshr(const(0x7FFFFFFF), d1)
-        up = builder.or_(builder.icmp_signed("<=", diff, const(0)),
-                         builder.icmp_unsigned("<=", h_, thr))
-        up_m = builder.sext(up, i32)
-        # e = lo - up (equal signs: the sum doubles) or lo + up (opposite: it halves)
-        e = builder.add(lo, builder.sub(builder.xor(up_m, opp_m), opp_m))
-        zero = builder.or_(builder.icmp_signed("==", lo, const(_ZERO_KEY)),
-                           builder.and_(opp, builder.icmp_signed("==", gap, const(0))))
-        return builder.and_(builder.or_(e, sign), builder.not_(builder.sext(zero, i32)))
-
-    return sig, codegen
-
-
-@numba.njit(nogil=True)
-def _up_exact(a, b, index, bits, k0, k1):
-    """``[p < 2^-diff]`` for an element whose first 32 digits of p are zero: true up to
-    diff 32, decided on digit words t = 1, 2, 3 (module doc) beyond; false for a zero operand."""
-    emask = (1 << (bits - 1)) - 1
-    e1, e2 = a & emask, b & emask
-    if e1 == 0 or e2 == 0:
-        return False
-    left = abs(e1 - e2) - (1 if (a ^ b) >> (bits - 1) else 0) - 32
-    t = 1
-    while left > 0:
-        kt0 = np.uint32((k0 ^ (t * _EXT0)) & 0xFFFFFFFF)
-        kt1 = np.uint32((k1 ^ (t * _EXT1)) & 0xFFFFFFFF)
-        g = hash32_lo(np.uint32(index & 0xFFFFFFFF), block_key(index, kt0), kt1)
-        if left < 32:
-            return (g >> (32 - left)) == 0
-        if g != 0:
-            return False
-        left -= 32
-        t += 1
-    return True
-
-
-@numba.njit(inline="always")
-def _combine_run(xa, xb, acc, n, start, sh, bits, k0, k1):
-    """``acc[j] |= combine(a_j, b_j) << sh`` for j < n, where a_j, b_j are the codes in bits
-    ``[sh, sh + bits)`` of ``xa[j]``, ``xb[j]`` and belong to element ``start + j``. The range
-    lies in one packing block (one high index word); ``acc`` is int32. Callers pass ``sh`` as a
-    literal so that the shifts compile to constant 32-bit lane shifts."""
-    smask = np.int32(1 << (bits - 1))
-    cmask = np.int32((1 << bits) - 1)
-    kb = block_key(start, k0)
-    a8, b8, t = xa[:n], xb[:n], acc[:n]
-    # a 32-bit counter instead of base + j keeps the index lanes 32 bits wide
-    idx = np.uint32(start & 0xFFFFFFFF)
-    rare = np.int32(0)
-    for j in range(n):
-        h = hash32_lo(idx, kb, k1)
-        a = np.int32(np.int32(np.int32(a8[j]) >> sh) & cmask)
-        b = np.int32(np.int32(np.int32(b8[j]) >> sh) & cmask)
-        t[j] = np.int32(t[j] | np.int32(_combine_lanes(a, b, h, smask) << sh))
-        rare = np.int32(rare | np.int32(h == np.uint32(0)))
-        idx = np.uint32(idx + np.uint32(1))
-    if rare:
-        # p's first 32 digits are zero for some element (probability 2^-32 each): decide
-        # exactly, then force the rounding through h (0: round, 0xFFFFFFFF: do not)
-        base = np.uint32(start & 0xFFFFFFFF)
-        for j in range(n):
-            if hash32_lo(np.uint32(base + np.uint32(j)), kb, k1) == 0:
-                a = np.int32(np.int32(np.int32(a8[j]) >> sh) & cmask)
-                b = np.int32(np.int32(np.int32(b8[j]) >> sh) & cmask)
-                up = _up_exact(a, b, start + j, bits, k0, k1)
-                hx = np.uint32(0) if up else np.uint32(0xFFFFFFFF)
-                code = _combine_lanes(a, b, hx, smask)
-                t[j] = np.int32((t[j] & ~np.int32(cmask << sh)) | np.int32(code << sh))
-
-
-@numba.njit(inline="always")
-def _narrow(acc, out, n):
-    """``out[:n] = acc[:n]`` as uint8; in its own loop so the combine loops stay free of byte
-    shuffles, and last because ``out`` may alias an operand."""
-    o, t = out[:n], acc[:n]
-    for j in range(n):
-        o[j] = np.uint8(t[j])
-
-
-@numba.njit(cache=True, nogil=True)
-def exp_combine(a_codes_packed, b_codes_packed, out_packed, n_elements, first_element_index,
-                bits, k0, k1):
-    """Combine two packed exponent-code ranges element by element (Algorithm 2).
-
-    Args:
-        a_codes_packed, b_codes_packed: uint8 packed codes (:mod:`.packing` layout) of elements
-            ``first_element_index .. first_element_index + n_elements``, starting at that
-            element's block (see :func:`packed_range`).
-        out_packed: receives the combined codes, same layout; may be ``a_codes_packed`` or
-            ``b_codes_packed`` (each block is read completely before it is written).
-        n_elements: elements in the range; a multiple of ``PACK_BLOCK`` unless the range ends
-            the vector.
-        first_element_index: global index of the first element, a multiple of ``PACK_BLOCK``.
-        bits: code width, 2..8.
-        k0, k1: key halves of the combination, ``split_key(derive_key(seed, round, group))``.
-
-    Returns:
-        The number of bytes written to ``out_packed``.
-    """
-    if first_element_index % PACK_BLOCK != 0 or first_element_index < 0:
-        raise ValueError("first_element_index must be a multiple of PACK_BLOCK")
-    if n_elements < 0 or bits < 2 or bits > 8:
-        raise ValueError("exp_combine: n_elements must be >= 0 and bits in 2..8")
-    nbytes = packed_nbytes(n_elements, bits)
-    if a_codes_packed.size < nbytes or b_codes_packed.size < nbytes or out_packed.size < nbytes:
-        raise ValueError("packed buffers are shorter than packed_nbytes(n_elements, bits)")
-    acc = np.empty(PACK_BLOCK, np.int32)
-    if bits == 8 or bits == 4 or bits == 2:
-        # one bit plane: byte j holds codes j, j + L, ... (packing.py), combined in place of
-        # unpacked copies; padding codes past the block are 0 and combine to 0
-        per = 8 // bits
-        for b0 in range(0, n_elements, PACK_BLOCK):
-            m = min(PACK_BLOCK, n_elements - b0)
-            L = (m + per - 1) // per
-            o = b0 // per
-            xa, xb = a_codes_packed[o : o + L], b_codes_packed[o : o + L]
-            start = first_element_index + b0
-            acc[:L] = 0
-            if bits == 8:
-                _combine_run(xa, xb, acc, L, start, 0, 8, k0, k1)
-            elif bits == 4:
-                _combine_run(xa, xb, acc, L, start, 0, 4, k0, k1)
-                _combine_run(xa, xb, acc, L, start + L, 4, 4, k0, k1)
-            else:
-                _combine_run(xa, xb, acc, L, start, 0, 2, k0, k1)
-                _combine_run(xa, xb, acc, L, start + L, 2, 2, k0, k1)
-                _combine_run(xa, xb, acc, L, start + 2 * L, 4, 2, k0, k1)
-                _combine_run(xa, xb, acc, L, start + 3 * L, 6, 2, k0, k1)
-            _narrow(acc, out_packed[o : o + L], L)
-        return nbytes
-    ca = np.empty(PACK_BLOCK + 8, np.uint8)
-    cb = np.empty(PACK_BLOCK + 8, np.uint8)
-    co = np.empty(PACK_BLOCK + 8, np.uint8)
-    o = 0
-    for b0 in range(0, n_elements, PACK_BLOCK):
-        m = min(PACK_BLOCK, n_elements - b0)
-        unpack_block(a_codes_packed, o, m, bits, ca)
-        unpack_block(b_codes_packed, o, m, bits, cb)
-        acc[:m] = 0
-        _combine_run(ca, cb, acc, m, first_element_index + b0, 0, bits, k0, k1)
-        _narrow(acc, co, m)
-        o = pack_block(co, m, bits, out_packed, o)
-    return o
 
 
 def packed_range(i0: int, i1: int, size: int, bits: int) -> tuple[int, int]:
@@ -371,8 +179,7 @@ def check_reduce_buffers(buffers: Sequence[Any], size: int, bits: int, reduction
                          f"size={size} (bits={bits}, packed exponent codes)")
 
 
-def reduce_packed(buffers: Sequence[Any], size: int, bits: int, seed: int, reduction: str,
-                  xp: Any = np, combine: Callable = exp_combine) -> Any:
+def reduce_packed(buffers: Sequence[Any], size: int, bits: int, seed: int, reduction: str) -> Any:
     """Run the reduction of n ranks' packed codes in one process, combination by combination.
 
     Args:
@@ -382,15 +189,15 @@ def reduce_packed(buffers: Sequence[Any], size: int, bits: int, seed: int, reduc
         bits: code width.
         seed: the exchange seed (keys: module doc).
         reduction: "tree" or "ring".
-        xp: array module of the buffers (NumPy, or CuPy for device buffers).
-        combine: the combination kernel, :func:`exp_combine` or its device twin.
 
     Returns:
         The reduced packed codes every rank holds after the allgather.
     """
     n = len(buffers)
     check_reduce_buffers(buffers, size, bits, reduction)
-    work = [xp.array(b, dtype=xp.uint8, copy=True) for b in buffers]
+    be = backend_of(buffers[0])  # the combination kernel: Backend.exp_combine
+    xp = be.xp
+    work = [xp.array(be.array(b), dtype=xp.uint8, copy=True) for b in buffers]
     rounds, owners = schedule(n, -(-size // PACK_BLOCK), reduction)
     for step in rounds:
         for c in step:
@@ -399,7 +206,7 @@ def reduce_packed(buffers: Sequence[Any], size: int, bits: int, seed: int, reduc
                 continue
             k0, k1 = round_key(seed, c.round, c.rank)
             own = work[c.rank][lo:hi]
-            combine(own, work[c.partner][lo:hi], own, i1 - i0, i0, bits, k0, k1)
+            be.exp_combine(own, work[c.partner][lo:hi], own, i1 - i0, i0, bits, k0, k1)
     out = xp.empty(int(packed_nbytes(size, bits)), xp.uint8)
     for g, b0, b1 in owners:
         _, _, lo, hi = block_byte_range(b0, b1, size, bits)

@@ -15,7 +15,8 @@ their codes can be combined without side information:
   (``exchange = "custom"``).
 * ``mode="sparse"``: only the nonzero codes and their positions travel (``exchange = "gather"``).
 
-Linear word layout. Words are cut into blocks of ``WORD_BLOCK`` words (``WORD_BLOCK * F``
+Linear word layout. Words are cut into blocks of ``WORD_BLOCK`` = 1024 words
+(:mod:`horovod_quant.backends.numba.global_qsgd`) (``WORD_BLOCK * F``
 elements, the last block may be shorter). In a block of m elements with ``L = ceil(m / F)``
 words, word j holds elements ``j, j + L, ..., j + (F - 1) L`` of the block in fields 0..F-1
 (field f at bits ``f * bits``), so d elements take exactly ``ceil(d / F)`` words and the
@@ -31,10 +32,18 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-import numba
 import numpy as np
 
-from .base import Codec, WireLayout, as_vector, check_choice, check_int, worker_seed
+from ..backends import (
+    MODE_EXP,
+    MODE_LINEAR_SM,
+    NORM_L2,
+    SPARSE_OK,
+    SPARSE_SHORT,
+    backend_of,
+)
+from ..backends.numba.packing import packed_nbytes
+from .base import Codec, WireLayout, check_choice, check_int, worker_seed
 from .exp_reduce import (
     REDUCTIONS,
     exponent_offset,
@@ -42,341 +51,15 @@ from .exp_reduce import (
     reduce_packed,
     reduction_rounds,
 )
-from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
 from .payload import Payload
 from .quantizers import uniform_grid_omega
-from .rng import block_key, derive_key, hash32_lo, split_key, u24_float
+from .rng import derive_key, split_key
 
-#: Words per block of the linear layout. Part of the wire format.
-WORD_BLOCK = 1024
 LEVELS = ("linear", "exponential")
 NORMS = ("max", "l2")
 MODES = ("dense", "sparse")
 #: Largest field of the linear dense layout (levels and offsets stay exact in int32/float32).
 MAX_LINEAR_BITS = 16
-
-_LANES = 8
-#: Norms below this are handled on values and norm scaled by ``_TINY_BOOST``: s / norm and
-#: 1 / norm overflow float32 near the subnormal range (0 * inf would round zeros to the top
-#: level). Scaling by a power of two is exact, so other norms round exactly as without it.
-_TINY_NORM = np.float32(2.0 ** -100)
-_TINY_BOOST = np.float32(2.0 ** 64)
-
-
-# -- norm ------------------------------------------------------------------------------------
-@numba.njit(cache=True, nogil=True)
-def _sum_squares(x):
-    """sum x^2 in float64, in 8 interleaved lanes combined in lane order (fixed order)."""
-    n = x.size
-    n8 = n // _LANES * _LANES
-    lanes = np.zeros(_LANES, np.float64)
-    for i in range(0, n8, _LANES):
-        for j in range(_LANES):
-            v = np.float64(x[i + j])
-            lanes[j] += v * v
-    for i in range(n8, n):
-        v = np.float64(x[i])
-        lanes[i - n8] += v * v
-    acc = 0.0
-    for j in range(_LANES):
-        acc += lanes[j]
-    return acc
-
-
-@numba.njit(cache=True, nogil=True)
-def _max_abs(x):
-    """max |x|, NaN if x holds a NaN or an infinity.
-
-    One pass over the bit patterns with the sign cleared: for non-negative floats their order
-    as uint32 is their order as floats, and infinities and NaNs sort above every finite value,
-    so a single integer max (which vectorizes, unlike a NaN-aware float max) finds both.
-    """
-    u = x.view(np.uint32)
-    top = np.uint32(0)
-    for i in range(u.size):
-        a = u[i] & np.uint32(0x7FFFFFFF)
-        top = a if a > top else top
-    if top >= np.uint32(0x7F800000):
-        return np.float32(np.nan)
-    return np.array([top], np.uint32).view(np.float32)[0]
-
-
-# -- rounding --------------------------------------------------------------------------------
-@numba.njit(inline="always")
-def _boost(norm):
-    """Factor applied to values and norm before dividing (``_TINY_BOOST`` for tiny norms)."""
-    return _TINY_BOOST if norm < _TINY_NORM else np.float32(1.0)
-
-
-@numba.njit(inline="always")
-def _linear_level(v, boost, mult, fs, h):
-    """Signed level in [-s, s] of v on the grid {j/s} (QSGD rounding, Definition 3.1 eq. (6)):
-    floor(t) or floor(t) + 1 with t = |v| s / norm (``mult = s / (norm * boost)``), the upper
-    one with probability frac(t). A NaN compares false and lands on s (only reachable when the
-    norm does not cover x)."""
-    t = (np.abs(v) * boost) * mult
-    t = t if t < fs else fs
-    lvl = np.int32(t)
-    mag = np.int32(lvl + np.int32(u24_float(h) < t - np.float32(lvl)))
-    return np.int32(-mag) if v < 0 else mag
-
-
-@numba.njit(inline="always")
-def _exp_code(v, boost, inv, low_mult, top, s_floor, e_low, smask, h):
-    """Code ``sign | e`` of v on {0} U {2^-j, j < s} (Global-E_s), e = j + c, 0 for zero.
-
-    With r = |v| / norm in [2^-(j+1), 2^-j) the upper level is taken with probability
-    r / 2^-(j+1) - 1, the float's mantissa fraction, compared as an integer with 23 random bits
-    (exact). Below the smallest level 2^(1-s) (code ``e_low = s - 1 + c``) it is taken with
-    probability r * 2^(s-1) against 24 random bits. ``top = 127 + c``: e of the lower level is
-    ``top - biased_exponent(r)``; ``s_floor = 128 - s``: the smallest biased exponent above
-    the low range. ``inv = 1 / (norm * boost)``.
-    """
-    r = (np.abs(v) * boost) * inv
-    r = r if r < np.float32(1.0) else np.float32(1.0)
-    rb = np.int32(np.float32(r).view(np.int32))
-    be = np.int32(rb >> 23)
-    up = np.int32(np.int32(h >> np.uint32(9)) < np.int32(rb & 0x7FFFFF))
-    e_hi = np.int32(np.int32(top - be) - up)
-    e_lo = e_low if u24_float(h) < r * low_mult else np.int32(0)
-    e = e_hi if be >= s_floor else e_lo
-    return np.int32(e | smask) if (v < 0) & (e != 0) else e
-
-
-# -- linear dense ----------------------------------------------------------------------------
-@numba.njit(inline="always")
-def _linear_fields(x, lo, hi, words, sh, boost, mult, fs, s, k0, k1):
-    """OR the offset levels of x[lo:hi] into field ``sh`` of words[:hi - lo]. The range must
-    not cross a multiple of 2^32 (one high index word)."""
-    xs = x[lo:hi]
-    ws = words[: hi - lo]
-    kb = block_key(lo, k0)
-    # a 32-bit counter instead of lo + j keeps the index lanes 32 bits wide
-    idx = np.uint32(lo & 0xFFFFFFFF)
-    ush = np.uint64(sh)
-    for j in range(xs.size):
-        q = _linear_level(xs[j], boost, mult, fs, hash32_lo(idx, kb, k1))
-        ws[j] |= np.uint64(np.uint32(np.int32(q + s))) << ush
-        idx = np.uint32(idx + np.uint32(1))
-
-
-@numba.njit(cache=True, nogil=True)
-def encode_linear(x, norm, s, bits, k0, k1, out):
-    """Encode float32 x into the uint64 words ``out`` (layout: module doc).
-
-    Args:
-        x: float32 vector.
-        norm: global norm (float32); zero or non-finite gives all levels 0.
-        s: number of levels; bits: field width; k0, k1: element key halves.
-        out: uint64, ``ceil(x.size / (64 // bits))`` words.
-    """
-    n = x.size
-    per = 64 // bits
-    ok = norm > 0 and np.isfinite(norm)
-    boost = _boost(norm)
-    mult = np.float32(s) / (norm * boost) if ok else np.float32(0.0)
-    fs = np.float32(s)
-    for w0 in range(0, out.size, WORD_BLOCK):
-        e0 = w0 * per
-        m = min(WORD_BLOCK * per, n - e0)
-        L = (m + per - 1) // per
-        words = out[w0 : w0 + L]
-        words[:] = 0
-        for f in range(per):
-            lo = e0 + f * L
-            hi = min(lo + L, e0 + m)
-            if hi <= lo:
-                break
-            # split at a multiple of 2^32 so each call has one high index word
-            mid = min(hi, max(lo, ((lo >> 32) + 1) << 32))
-            _linear_fields(x, lo, mid, words, f * bits, boost, mult, fs, s, k0, k1)
-            if mid < hi:
-                _linear_fields(x, mid, hi, words[mid - lo :], f * bits, boost, mult, fs, s,
-                               k0, k1)
-
-
-@numba.njit(cache=True, nogil=True)
-def decode_linear(words, n, bits, offset, scale, out, accumulate):
-    """``out[i] (+)= (field_i - offset) * scale`` for the n elements held in ``words``."""
-    per = 64 // bits
-    mask = np.uint64((1 << bits) - 1)
-    off = np.int32(offset)
-    for w0 in range(0, words.size, WORD_BLOCK):
-        e0 = w0 * per
-        m = min(WORD_BLOCK * per, n - e0)
-        L = (m + per - 1) // per
-        ws = words[w0 : w0 + L]
-        for f in range(per):
-            lo = e0 + f * L
-            hi = min(lo + L, e0 + m)
-            if hi <= lo:
-                break
-            ob = out[lo:hi]
-            ush = np.uint64(f * bits)
-            if accumulate:
-                for j in range(ob.size):
-                    ob[j] += np.float32(np.int32(np.int32((ws[j] >> ush) & mask) - off)) * scale
-            else:
-                for j in range(ob.size):
-                    ob[j] = np.float32(np.int32(np.int32((ws[j] >> ush) & mask) - off)) * scale
-    return out
-
-
-# -- exponential dense / sparse codes ---------------------------------------------------------
-@numba.njit(inline="always")
-def _codes_block(x, b0, b1, grid_exp, norm, s, c, bits, k0, k1, codes):
-    """Sign-magnitude codes of x[b0:b1] (one packing block) into ``codes[:b1 - b0]`` as int32:
-    ``sign | e`` for exponential levels (offset c), ``sign | level`` for linear ones."""
-    ok = norm > 0 and np.isfinite(norm)
-    cs = codes[: b1 - b0]
-    if not ok:
-        cs[:] = 0
-        return
-    xs = x[b0:b1]
-    kb = block_key(b0, k0)
-    idx = np.uint32(b0 & 0xFFFFFFFF)
-    smask = np.int32(1 << (bits - 1))
-    boost = _boost(norm)
-    if grid_exp:
-        inv = np.float32(1.0) / (norm * boost)
-        low_mult = np.float32(2.0) ** np.float32(s - 1)
-        top = np.int32(127 + c)
-        s_floor = np.int32(128 - s)
-        e_low = np.int32(s - 1 + c)
-        for j in range(xs.size):
-            cs[j] = _exp_code(xs[j], boost, inv, low_mult, top, s_floor, e_low, smask,
-                              hash32_lo(idx, kb, k1))
-            idx = np.uint32(idx + np.uint32(1))
-    else:
-        mult = np.float32(s) / (norm * boost)
-        fs = np.float32(s)
-        for j in range(xs.size):
-            q = _linear_level(xs[j], boost, mult, fs, hash32_lo(idx, kb, k1))
-            cs[j] = np.int32(np.int32(-q) | smask) if q < 0 else q
-            idx = np.uint32(idx + np.uint32(1))
-
-
-@numba.njit(cache=True, nogil=True)
-def encode_exp(x, norm, s, c, bits, k0, k1, out):
-    """Packed exponent codes of float32 x into ``out`` (``packed_nbytes(x.size, bits)`` bytes)."""
-    n = x.size
-    codes = np.empty(PACK_BLOCK, np.int32)
-    small = np.empty(PACK_BLOCK + 8, np.uint8)
-    o = 0
-    for b0 in range(0, n, PACK_BLOCK):
-        b1 = min(b0 + PACK_BLOCK, n)
-        _codes_block(x, b0, b1, True, norm, s, c, bits, k0, k1, codes)
-        # narrowing in its own loop keeps the rounding loop free of byte shuffles
-        for j in range(b1 - b0):
-            small[j] = np.uint8(codes[j])
-        o = pack_block(small, b1 - b0, bits, out, o)
-    return o
-
-
-@numba.njit(cache=True, nogil=True)
-def decode_packed(data, n, bits, table, scale, out, accumulate):
-    """``out[i] (+)= table[code_i] * scale`` for the n packed codes of ``data``."""
-    codes = np.empty(PACK_BLOCK + 8, np.uint8)
-    o = 0
-    for b0 in range(0, n, PACK_BLOCK):
-        b1 = min(b0 + PACK_BLOCK, n)
-        o = unpack_block(data, o, b1 - b0, bits, codes)
-        ob = out[b0:b1]
-        cb = codes[: b1 - b0]
-        if accumulate:
-            for j in range(ob.size):
-                ob[j] += table[cb[j]] * scale
-        else:
-            for j in range(ob.size):
-                ob[j] = table[cb[j]] * scale
-    return out
-
-
-@numba.njit(cache=True, nogil=True)
-def encode_sparse(x, grid_exp, norm, s, c, bits, k0, k1):
-    """Sparse payload: ``[uint32 count][count uint32 positions][packed codes of the nonzeros]``.
-
-    Returns the payload as a new uint8 array of exactly its size.
-    """
-    n = x.size
-    codes = np.empty(PACK_BLOCK, np.int32)
-    pos = np.empty(n, np.uint32)
-    nz = np.empty(n + 8, np.uint8)
-    cnt = 0
-    for b0 in range(0, n, PACK_BLOCK):
-        b1 = min(b0 + PACK_BLOCK, n)
-        _codes_block(x, b0, b1, grid_exp, norm, s, c, bits, k0, k1, codes)
-        for j in range(b1 - b0):
-            if codes[j] != 0:
-                pos[cnt] = np.uint32(b0 + j)
-                nz[cnt] = np.uint8(codes[j])
-                cnt += 1
-    out = np.empty(4 + 4 * cnt + packed_nbytes(cnt, bits), np.uint8)
-    out[:4].view(np.uint32)[0] = np.uint32(cnt)
-    out[4 : 4 + 4 * cnt].view(np.uint32)[:] = pos[:cnt]
-    scratch = np.empty(PACK_BLOCK + 8, np.uint8)
-    o = 4 + 4 * cnt
-    for b0 in range(0, cnt, PACK_BLOCK):
-        m = min(PACK_BLOCK, cnt - b0)
-        scratch[:m] = nz[b0 : b0 + m]
-        o = pack_block(scratch, m, bits, out, o)
-    return out
-
-
-#: status codes of :func:`decode_sparse`
-SPARSE_OK, SPARSE_SHORT, SPARSE_BAD_POSITIONS = 0, -1, -2
-
-
-@numba.njit(inline="always")
-def _order_violations(pos, lo, hi):
-    """How many j in (lo, hi) have ``pos[j] <= pos[j - 1]``: a sum over unsigned indices (no
-    negative-index wraparound), which vectorizes."""
-    bad = np.uint32(0)
-    for j in range(np.uint64(lo) + np.uint64(1), np.uint64(hi)):
-        bad += np.uint32(pos[j] <= pos[j - np.uint64(1)])
-    return bad
-
-
-@numba.njit(cache=True, nogil=True)
-def decode_sparse(data, n, bits, table, scale, out):
-    """``out[pos] += table[code] * scale`` for every entry of a sparse payload of an n-element
-    vector (``out`` holds n elements).
-
-    The positions are checked first, without touching ``out``: they must increase strictly and
-    stay below n (the encoder writes them in index order). One vectorized pass over them costs
-    about a seventh of the decode of a payload whose every code is nonzero (a check fused into
-    the scattering loop, or run per packing block, measured slower). Returns ``SPARSE_OK`` (0),
-    ``SPARSE_SHORT`` when ``data`` is shorter than its count says (or the count exceeds n), or
-    ``SPARSE_BAD_POSITIONS``; ``out`` is unchanged on an error.
-    """
-    if data.size < 4 or out.size < n:
-        return SPARSE_SHORT
-    cnt = np.int64(data[:4].view(np.uint32)[0])
-    if cnt > n or 4 + 4 * cnt + packed_nbytes(cnt, bits) > data.size:
-        return SPARSE_SHORT
-    pos = data[4 : 4 + 4 * cnt].view(np.uint32)
-    if cnt and (_order_violations(pos, 0, cnt) or np.int64(pos[cnt - 1]) >= n):
-        return SPARSE_BAD_POSITIONS
-    codes = np.empty(PACK_BLOCK + 8, np.uint8)
-    o = 4 + 4 * cnt
-    for b0 in range(0, cnt, PACK_BLOCK):
-        m = min(PACK_BLOCK, cnt - b0)
-        o = unpack_block(data, o, m, bits, codes)
-        for j in range(m):
-            out[pos[b0 + j]] += table[codes[j]] * scale
-    return SPARSE_OK
-
-
-def sparse_positions_error(pos: Any, size: int) -> bool:
-    """Whether the uint32 positions ``pos`` (a NumPy or CuPy array) of a sparse payload break
-    the rule :func:`decode_sparse` checks (strictly increasing, below ``size``): the device
-    decoder's check, in array operations, before its kernel is launched."""
-    if pos.size == 0:
-        return False
-    bad = pos[-1] >= size
-    if pos.size > 1:
-        bad = bad | (pos[1:] <= pos[:-1]).any()
-    return bool(bad)
 
 
 # -- codec -----------------------------------------------------------------------------------
@@ -535,8 +218,9 @@ class GlobalQSGD(Codec):
         """This worker's part of the global norm: max|x| ("max") or sum x^2 ("l2"), computed
         in float64; NaN/Inf in x make it non-finite. Combine the workers' values with
         ``norm_op`` ("max" or "sum") and pass the result to :meth:`norm_from_statistic`."""
-        v = as_vector(x)
-        return float(_max_abs(v) if self.norm == "max" else _sum_squares(v))
+        be = backend_of(x)
+        v = be.vector(x)
+        return be.max_abs(v) if self.norm == "max" else be.sum_squares(v)
 
     def norm_from_statistic(self, stat: float) -> np.float32:
         """The global norm from the combined statistic (the root for "l2"), as float32 rounded
@@ -600,7 +284,9 @@ class GlobalQSGD(Codec):
             The payload; ``meta["norm"]`` holds the float32 norm (not sent: every rank knows
             the global norm from the norm allreduce).
         """
-        v = as_vector(x)
+        be = backend_of(x)
+        v = be.vector(x)
+        n = int(v.size)
         if norm is None:
             g = self.norm_from_statistic(self.norm_statistic(v))
         else:
@@ -608,20 +294,23 @@ class GlobalQSGD(Codec):
             if g < 0:
                 raise ValueError(f"norm={norm} must be >= 0: pass the global norm "
                                  f"(norm_from_statistic of the combined statistics)")
-        k0, k1 = split_key(derive_key(seed))
+        keys = split_key(derive_key(seed))
         exp = self.levels == "exponential"
+        xp = be.xp
         if self.mode == "sparse":
-            if v.size >= 1 << 32:
-                raise ValueError(f"sparse payloads index with uint32: split the {v.size}-element "
+            if n >= 1 << 32:
+                raise ValueError(f"sparse payloads index with uint32: split the {n}-element "
                                  f"vector below 2^32 elements or use mode='dense'")
-            data = encode_sparse(v, exp, g, self.s, self.c, self.bits, k0, k1)
+            data = be.encode_sparse(v, MODE_EXP if exp else MODE_LINEAR_SM, g, self.s, self.c,
+                                    self.bits, keys)
         elif exp:
-            data = np.empty(self.payload_nbytes(v.size), np.uint8)
-            encode_exp(v, g, self.s, self.c, self.bits, k0, k1, data)
+            data = xp.empty(self.payload_nbytes(n), np.uint8)
+            be.encode(v, data, 0, max(n, 1), MODE_EXP, self.bits, keys, norm_kind=NORM_L2,
+                      s=self.s, c=self.c, gnorm=g)
         else:
-            data = np.empty(self.payload_nbytes(v.size) // 8, np.uint64)
-            encode_linear(v, g, self.s, self.bits, k0, k1, data)
-        return Payload(data, v.size, {"norm": g})
+            data = xp.empty(self.payload_nbytes(n) // 8, np.uint64)
+            be.linear_encode(v, self.bits, self.s, g, keys, data)
+        return Payload(data, n, {"norm": g})
 
     def _norm_of(self, payload: Payload) -> np.float32:
         """The payload's float32 norm (any float, NaN and Inf included: they decode to
@@ -637,35 +326,38 @@ class GlobalQSGD(Codec):
             raise ValueError(f"{self.name}: payload.meta['norm']={norm!r} is not a "
                              f"number") from None
 
-    def _decode(self, payload: Payload, n: int, out: np.ndarray | None, acc: bool
-                ) -> np.ndarray:
-        size = self.check_payload(payload, out).size
+    def _decode(self, payload: Payload, n: int, out: Any | None, acc: bool) -> Any:
+        lay = self.check_payload(payload, out)
+        size = lay.size
         norm = self._norm_of(payload)
+        be = backend_of(payload.data)
+        xp = be.xp
         if out is None:
-            out = np.zeros(size, np.float32) if acc else np.empty(size, np.float32)
-        data = np.asarray(payload.data).reshape(-1)
+            dst = xp.zeros(size, np.float32) if acc else xp.empty(size, np.float32)
+        else:
+            dst = be.array(out)
+        data = be.array(payload.data)
+        table = be.constant(self.table)
         if self.mode == "sparse":
+            if not acc:
+                dst[:] = 0
             if math.isfinite(norm):
-                if not acc:
-                    out[:] = 0
-                err = decode_sparse(data.view(np.uint8), size, self.bits, self.table,
-                                    norm / np.float32(n), out)
-                if err:
+                err = be.decode_sparse(data.view(np.uint8), size, self.bits, table,
+                                       norm / np.float32(n), dst)
+                if err != SPARSE_OK:
                     raise ValueError(f"{self.name}: damaged sparse payload: "
                                      + ("shorter than its count says" if err == SPARSE_SHORT
                                         else "positions not strictly increasing below "
                                         f"size={size}"))
             else:  # no nonzero codes were sent; the non-finite norm still has to show
-                if not acc:
-                    out[:] = 0
-                out += np.float32(np.nan)
+                dst += np.float32(np.nan)
         elif self.levels == "linear":
             scale = np.float32(np.float64(norm) / (self.s * n))
-            decode_linear(data.view(np.uint64), size, self.bits, n * self.s, scale, out, acc)
+            be.linear_decode(data.view(np.uint64), size, self.bits, n * self.s, scale, dst, acc)
         else:
-            decode_packed(data.view(np.uint8), size, self.bits, self.table,
-                          np.float32(norm / np.float32(n)), out, acc)
-        return out
+            be.decode_codes(data.view(np.uint8), size, self.bits, table,
+                            np.float32(norm / np.float32(n)), dst, acc)
+        return dst if out is None else out
 
     def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
         """One worker's payload as float32 (its own estimate of x_i)."""
@@ -696,12 +388,13 @@ class GlobalQSGD(Codec):
                   hint=f"the codec was built for world_size={self.world_size}.")
         self.check_payloads(payloads)
         first = payloads[0]
+        be = backend_of(first.data)
         if self.levels == "linear":
-            total = np.asarray(first.data).reshape(-1).view(np.uint64).copy()
+            total = be.array(first.data).view(np.uint64).copy()
             for p in payloads[1:]:
-                total += np.asarray(p.data).reshape(-1).view(np.uint64)
+                total += be.array(p.data).view(np.uint64)
         else:
-            total = reduce_packed([np.asarray(p.data).reshape(-1).view(np.uint8) for p in payloads],
+            total = reduce_packed([be.array(p.data).view(np.uint8) for p in payloads],
                                   first.size, self.bits, seed, self.reduction)
         return Payload(total, first.size, dict(first.meta))
 

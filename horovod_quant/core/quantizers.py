@@ -3,7 +3,8 @@
 All five are "general dithering" (natural-compression paper, Definition 3): normalize a bucket
 by a scale, round each magnitude stochastically to one of two neighbouring levels so that the
 expectation is exact, and send the sign with the level index. They share one kernel
-(:mod:`.kernels_cpu`) and differ in the level grid and the scale.
+(``Backend.encode`` with a grid mode, :mod:`horovod_quant.backends`) and differ in the level grid
+and the scale.
 
 How ``bits`` maps to levels (``bits`` counts every bit sent per element, the sign included):
 
@@ -36,9 +37,18 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from . import kernels_cpu as K
-from .base import Codec, WireLayout, as_vector, check_choice, check_int
-from .elias import elias_decode, elias_encode_levels, elias_error
+from ..backends import (
+    MODE_GEOMETRIC,
+    MODE_UNIFORM,
+    NORM_L2,
+    NORM_MAX,
+    NORM_P,
+    NORM_POW2,
+    backend_of,
+)
+from ..backends.numba.elias import elias_error
+from ..backends.numba.packing import packed_nbytes
+from .base import Codec, WireLayout, check_choice, check_int
 from .payload import Payload
 from .rng import derive_key, split_key
 
@@ -94,6 +104,8 @@ class LevelQuantizer(Codec):
     """Shared implementation; subclasses fix the grid and how parameters map to it."""
 
     exchange: ClassVar[str] = "gather"
+    #: the level grid, as the backends' encode mode (``MODE_UNIFORM``: j/s; ``MODE_GEOMETRIC``:
+    #: 0, 2^(1-s), ..., 1/2, 1); a new grid needs its own mode in every backend
     grid: ClassVar[int]
 
     def __init__(self, params: dict[str, Any], *, bits: int, nonzero_levels: int,
@@ -104,19 +116,19 @@ class LevelQuantizer(Codec):
         self.bucket_size = bucket_size
         self.p = p
         if pow2_scale:
-            self.norm_kind = K.NORM_POW2
+            self.norm_kind = NORM_POW2
         elif p == 2:
-            self.norm_kind = K.NORM_L2
+            self.norm_kind = NORM_L2
         elif math.isinf(p):
-            self.norm_kind = K.NORM_MAX
+            self.norm_kind = NORM_MAX
         else:
-            self.norm_kind = K.NORM_P
+            self.norm_kind = NORM_P
         self.table = self._signed_table()
 
     def _levels(self) -> np.ndarray:
         """Level value of each magnitude index 0..s."""
         j = np.arange(self.s + 1, dtype=np.float64)
-        if self.grid == K.GRID_UNIFORM:
+        if self.grid == MODE_UNIFORM:
             return (j / self.s).astype(np.float32)
         lv = np.ldexp(1.0, (j - self.s).astype(np.int64))
         lv[0] = 0.0
@@ -135,7 +147,7 @@ class LevelQuantizer(Codec):
 
     def payload_nbytes(self, n: int) -> int:
         """Exact payload size for n elements: one float32 per bucket plus packed codes."""
-        return int(K.levels_nbytes(n, self._bucket(n), self.bits))
+        return 4 * -(-n // self._bucket(n)) + int(packed_nbytes(n, self.bits))
 
     def _layout_detail(self) -> str:
         return f"bits={self.bits}, bucket_size={self.bucket_size}"
@@ -144,44 +156,58 @@ class LevelQuantizer(Codec):
         return WireLayout(size, self.payload_nbytes(size), True, self._layout_detail())
 
     def encode(self, x: Any, seed: int = 0) -> Payload:
-        v = as_vector(x)
-        bucket = self._bucket(v.size)
-        out = np.empty(self.payload_nbytes(v.size), np.uint8)
-        k0, k1 = split_key(derive_key(seed))
-        K.encode_levels(v, bucket, self.norm_kind, self.p, self.grid, self.s, self.bits, k0, k1, out)
-        return Payload(out, v.size)
+        be = backend_of(x)
+        v = be.vector(x)
+        n = int(v.size)
+        out = be.xp.empty(self.payload_nbytes(n), np.uint8)
+        self._encode_fixed(be, v, seed, out)
+        return Payload(out, n)
 
-    def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+    def _encode_fixed(self, be: Any, v: Any, seed: int, out: Any) -> None:
+        """The fixed-width payload ``[float32 scale per bucket][packed codes]`` of v into out."""
+        be.encode(v, out, 0, self._bucket(int(v.size)), self.grid, self.bits,
+                  split_key(derive_key(seed)), norm_kind=self.norm_kind, p=float(self.p),
+                  s=self.s)
+
+    def decode(self, payload: Payload, out: Any | None = None) -> Any:
         n = self.check_payload(payload, out).size
-        if out is None:
-            out = np.empty(n, np.float32)
-        K.decode_levels(_bytes(payload), n, self._bucket(n), self.bits, self.table, out, False)
+        be = backend_of(payload.data)
+        dst = be.xp.empty(n, np.float32) if out is None else be.array(out)
+        self._decode_into(be, payload, n, dst, False)
+        return dst if out is None else out
+
+    def decode_add(self, payload: Payload, out: Any) -> Any:
+        n = self.check_payload(payload, out).size
+        be = backend_of(payload.data)
+        self._decode_into(be, payload, n, be.array(out), True)
         return out
 
-    def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
-        n = self.check_payload(payload, out).size
-        K.decode_levels(_bytes(payload), n, self._bucket(n), self.bits, self.table, out, True)
-        return out
+    def _decode_into(self, be: Any, payload: Payload, n: int, out: Any, accumulate: bool
+                     ) -> None:
+        """Decode a checked payload of n elements into ``out`` (``+=`` if accumulate)."""
+        if n:
+            be.decode_levels(_bytes(be, payload), n, self._bucket(n), self.bits,
+                             be.constant(self.table), out, accumulate)
 
     def combine_gathered(self, payloads: Sequence[Payload], seed: int,
-                         out: np.ndarray | None = None) -> np.ndarray:
-        """The gather exchange's mean in one fused pass (:func:`.kernels_cpu.combine_levels`),
-        bit for bit the rank-order ``decode_add`` of :meth:`Codec.combine_gathered`."""
+                         out: Any | None = None) -> Any:
+        """The gather exchange's mean in one fused pass (``Backend.combine_levels``), bit for
+        bit the rank-order ``decode_add`` of :meth:`Codec.combine_gathered`."""
         n = self.check_payloads(payloads, out)[0].size
-        out = np.empty(n, np.float32) if out is None else out
-        datas = tuple(np.asarray(p.data).view(np.uint8).reshape(-1) for p in payloads)
-        K.combine_levels(datas, n, self._bucket(n), self.bits, self.table,
-                         np.float32(1.0 / len(payloads)), out)
-        return out
+        be = backend_of(payloads[0].data)
+        dst = be.xp.empty(n, np.float32) if out is None else be.array(out)
+        be.combine_levels([_bytes(be, p) for p in payloads], n, self._bucket(n), self.bits,
+                          be.constant(self.table), np.float32(1.0 / len(payloads)), dst)
+        return dst if out is None else out
 
     def omega(self, d: int) -> float:
         """Bound on E||Q(x) - x||^2 / ||x||^2 for one bucket of d elements."""
         raise NotImplementedError
 
 
-def _bytes(payload: Payload) -> np.ndarray:
-    """A payload's data as a flat uint8 array (a view)."""
-    return np.asarray(payload.data).reshape(-1).view(np.uint8)
+def _bytes(be: Any, payload: Payload) -> Any:
+    """A payload's data as a flat uint8 array of backend ``be`` (a view)."""
+    return be.array(payload.data).view(np.uint8)
 
 
 def _default_levels(name: str, levels: Any, bits: int, most: int, least: int = 1) -> int:
@@ -210,7 +236,7 @@ class QSGD(LevelQuantizer):
     """
 
     name = "qsgd"
-    grid = K.GRID_UNIFORM
+    grid = MODE_UNIFORM
 
     def __init__(self, bits: int = 8, bucket_size: int | None = DEFAULT_BUCKET, norm: str = "max",
                  levels: int | None = None, elias: bool = False) -> None:
@@ -243,41 +269,29 @@ class QSGD(LevelQuantizer):
         if not self.elias:
             return super().encode(x, seed)
         # the fixed-width codes first (same kernel, same codes), then their Elias form
-        v = as_vector(x)
-        bucket = self._bucket(v.size)
-        fixed = np.empty(int(K.levels_nbytes(v.size, bucket, self.bits)), np.uint8)
-        k0, k1 = split_key(derive_key(seed))
-        K.encode_levels(v, bucket, self.norm_kind, self.p, self.grid, self.s, self.bits, k0, k1,
-                        fixed)
-        return Payload(elias_encode_levels(fixed, v.size, bucket, self.bits), v.size)
+        be = backend_of(x)
+        be.require("elias_encode_levels")  # before the fixed-width encode
+        v = be.vector(x)
+        n = int(v.size)
+        bucket = self._bucket(n)
+        fixed = be.xp.empty(super().payload_nbytes(n), np.uint8)
+        self._encode_fixed(be, v, seed, fixed)
+        return Payload(be.elias_encode_levels(fixed, n, bucket, self.bits), n)
 
-    def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+    def _decode_into(self, be: Any, payload: Payload, n: int, out: Any, accumulate: bool
+                     ) -> None:
+        """Fixed width: the levels decode; Elias: ``Backend.elias_decode``, whose damaged
+        stream raises ValueError (``out`` then holds a partial result)."""
         if not self.elias:
-            return super().decode(payload, out)
-        n = self.check_payload(payload, out).size
-        if out is None:
-            out = np.empty(n, np.float32)
-        return self._elias_decode(payload, n, out, False)
-
-    def decode_add(self, payload: Payload, out: np.ndarray) -> np.ndarray:
-        if not self.elias:
-            return super().decode_add(payload, out)
-        n = self.check_payload(payload, out).size
-        return self._elias_decode(payload, n, out, True)
-
-    def _elias_decode(self, payload: Payload, n: int, out: np.ndarray, accumulate: bool
-                      ) -> np.ndarray:
-        """:func:`.elias.elias_decode` of a checked payload; a damaged stream raises ValueError
-        (``out`` then holds a partial result)."""
-        err = elias_decode(_bytes(payload), n, self._bucket(n), self.bits, self.table, out,
-                           accumulate)
+            return super()._decode_into(be, payload, n, out, accumulate)
+        err = be.elias_decode(_bytes(be, payload), n, self._bucket(n), self.bits,
+                              be.constant(self.table), out, accumulate)
         if err:
             raise ValueError(f"{self.name}: corrupt Elias stream ({elias_error(err)}; "
                              f"size={n}, {self._layout_detail()})")
-        return out
 
     def combine_gathered(self, payloads: Sequence[Payload], seed: int,
-                         out: np.ndarray | None = None) -> np.ndarray:
+                         out: Any | None = None) -> Any:
         if not self.elias:
             return super().combine_gathered(payloads, seed, out)
         return Codec.combine_gathered(self, payloads, seed, out)  # variable-length payloads
@@ -297,7 +311,7 @@ class StandardDithering(LevelQuantizer):
     """
 
     name = "standard_dithering"
-    grid = K.GRID_UNIFORM
+    grid = MODE_UNIFORM
 
     def __init__(self, bits: int = 4, bucket_size: int | None = DEFAULT_BUCKET, p: float = 2.0,
                  levels: int | None = None) -> None:
@@ -321,7 +335,7 @@ class NUQSGD(LevelQuantizer):
     """
 
     name = "nuqsgd"
-    grid = K.GRID_GEOMETRIC
+    grid = MODE_GEOMETRIC
 
     def __init__(self, bits: int = 4, bucket_size: int | None = DEFAULT_BUCKET,
                  levels: int | None = None) -> None:
@@ -346,7 +360,7 @@ class NaturalDithering(LevelQuantizer):
     """
 
     name = "natural_dithering"
-    grid = K.GRID_GEOMETRIC
+    grid = MODE_GEOMETRIC
 
     def __init__(self, bits: int = 4, bucket_size: int | None = DEFAULT_BUCKET, p: float = 2.0,
                  levels: int | None = None) -> None:
@@ -371,7 +385,7 @@ class NaturalCompression(LevelQuantizer):
     """
 
     name = "natural"
-    grid = K.GRID_GEOMETRIC
+    grid = MODE_GEOMETRIC
 
     def __init__(self, bits: int = 8, bucket_size: int | None = DEFAULT_BUCKET) -> None:
         bits = check_int("bits", bits, 2, 8)

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
+from horovod_quant.backends.numba import global_qsgd as NG
+from horovod_quant.backends.numba import packing
 from horovod_quant.core import exp_reduce as ER
-from horovod_quant.core import packing
 from horovod_quant.core import rng as R
 from horovod_quant.core.base import worker_seed
 
@@ -96,9 +97,10 @@ def gen(kind, n, seed):
 # -- basics ----------------------------------------------------------------------------------
 def test_kernels_compile_and_pack(cp):
     import horovod_quant.gpu as G
+    from horovod_quant.backends.cuda import cuda_backend
 
     assert G.available()
-    be = G.ops().be
+    be = cuda_backend().kernels
     rng = np.random.default_rng(0)
     for bits in range(1, 9):
         for n in SIZES:
@@ -186,8 +188,10 @@ def test_float64_float16_and_torch_inputs(cp):
         pytest.skip("torch without CUDA")
     x = gen("normal", 3 * PB + 1, 4)
     t = torch.from_numpy(x).cuda()
+    import horovod_quant.gpu as G
+
     stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):  # kernels must run on torch's current stream
+    with torch.cuda.stream(stream), G.device_scope(t):  # kernels on torch's current stream
         p = codec.encode(t, seed=3)
         out = torch.empty_like(t)
         res = codec.decode(p, out)
@@ -197,15 +201,18 @@ def test_float64_float16_and_torch_inputs(cp):
     assert same(out.cpu().numpy(), codec.decode(codec.encode(x, 3)))
 
 
-def test_elias_falls_back_to_cpu(cp):
-    """No kernel for Elias coding: the dispatcher runs the CPU code on host copies (warning)."""
+def test_elias_on_device_arrays_is_an_error(cp):
+    """No CUDA kernel for Elias coding: an error that says what to do, nothing copied to the
+    host behind the caller's back."""
+    from horovod_quant.backends import MissingKernel
+
     codec = hq.get_codec("qsgd", bits=3, bucket_size=None, norm="l2", elias=True)
     x = gen("normal", 5000, 2)
-    with pytest.warns(RuntimeWarning, match="no kernel"):
-        got = codec.encode(cp.asarray(x), 4)
-    ref = codec.encode(x, 4)
-    assert same(got.data, ref.data)
-    assert same(codec.decode(got), codec.decode(ref))
+    with pytest.raises(MissingKernel, match="no CUDA kernel for Elias coding"):
+        codec.encode(cp.asarray(x), 4)
+    with pytest.raises(MissingKernel, match="no CUDA kernel for Elias coding"):
+        ref = codec.encode(x, 4)
+        codec.decode(hq.Payload(cp.asarray(ref.data), ref.size))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")
@@ -264,7 +271,7 @@ def test_exp_combine(cp, bits):
         lo, hi = ER.packed_range(i0, size, size, bits)
         k0, k1 = (int(v) for v in R.split_key(R.derive_key(size, bits)))
         ref = a.copy()
-        ER.exp_combine(ref[lo:hi], b[lo:hi], ref[lo:hi], size - i0, i0, bits, k0, k1)
+        NG.exp_combine(ref[lo:hi], b[lo:hi], ref[lo:hi], size - i0, i0, bits, k0, k1)
         da, db = cp.asarray(a), cp.asarray(b)
         G.exp_combine(da[lo:hi], db[lo:hi], da[lo:hi], size - i0, i0, bits, k0, k1)
         assert same(da, ref), (bits, size)

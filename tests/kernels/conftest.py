@@ -1,9 +1,10 @@
 """Host build of the CUDA block programs (tests/kernels/host_parity.cu) for the parity tests.
 
 ``nvcc`` compiles the __host__ __device__ code of ``kernels/*.cuh`` for the CPU into a shared
-library (once per session); :class:`HostBackend` exposes it with the kernel interface of
-``horovod_quant.gpu._ops`` on NumPy arrays, so ``Ops(HostBackend)`` runs the GPU code path
-(Python launch logic + block programs) on this machine. Without nvcc every test here skips.
+library (once per session); :class:`HostBackend` exposes it as the kernel launcher of
+:class:`horovod_quant.backends.cuda.CudaBackend` on NumPy arrays, so the ``host_cuda`` fixture
+(``CudaBackend(HostBackend(lib))``) runs the GPU code path (Python launch logic + block
+programs) on this machine. Without nvcc every test here skips.
 """
 from __future__ import annotations
 
@@ -81,8 +82,8 @@ def ptr(a: np.ndarray) -> int:
 
 
 class HostBackend:
-    """The kernel interface of ``horovod_quant.gpu._ops`` (see its module doc) on NumPy arrays,
-    each call replaying the kernel of the same name on the CPU."""
+    """The kernel launcher of :class:`horovod_quant.backends.cuda.CudaBackend` (see its module
+    doc) on NumPy arrays, each call replaying the kernel of the same name on the CPU."""
 
     xp = np
 
@@ -187,15 +188,17 @@ def hostlib(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def host_ops(hostlib):
-    from horovod_quant.gpu._ops import Ops
+def host_cuda(hostlib):
+    """The CUDA backend with the host launcher."""
+    from horovod_quant.backends.cuda import CudaBackend
 
-    return Ops(HostBackend(hostlib))
+    return CudaBackend(HostBackend(hostlib))
 
 
 @pytest.fixture(scope="session")
-def host_ops_small(hostlib):
+def host_cuda_small(hostlib):
     """Same, with 64-thread blocks: results must not depend on the block size."""
-    from horovod_quant.gpu._ops import Ops
+    from horovod_quant.backends.cuda import CudaBackend
 
-    return Ops(HostBackend(hostlib, nt=64))
+    return CudaBackend(HostBackend(hostlib, nt=64))
+

@@ -2,8 +2,9 @@
 
 ``conftest.py`` builds ``host_parity.cu`` with nvcc: the __host__ __device__ functions and
 block programs of ``kernels/*.cuh`` (the exact code the CUDA kernels run), replayed thread by
-thread and block by block on the CPU. ``Ops(HostBackend)`` drives them through the same Python
-launch logic as the GPU path (``horovod_quant.gpu._ops``). Every comparison is bit for bit:
+thread and block by block on the CPU. ``CudaBackend(HostBackend)`` (the ``host_cuda`` fixture)
+drives them through the same Python launch logic as the GPU (``horovod_quant.backends.cuda``),
+and :func:`on` runs a codec method on it. Every comparison is bit for bit:
 payload bytes, and float32 results compared as uint32 patterns.
 
 What this cannot see (covered by tests/gpu on a GPU): the CUDA launch itself (grid/block
@@ -24,8 +25,11 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
+from horovod_quant.backends import use_backend
+from horovod_quant.backends.numba import global_qsgd as NG
+from horovod_quant.backends.numba import packing
+from horovod_quant.backends.numba import rng as NR
 from horovod_quant.core import exp_reduce as ER
-from horovod_quant.core import packing
 from horovod_quant.core import rng as R
 from horovod_quant.core.base import as_vector, worker_seed
 
@@ -39,7 +43,7 @@ INF = float("inf")
 def _nb_hash(idx, k0, k1):
     out = np.empty(idx.size, np.uint32)
     for i in range(idx.size):
-        out[i] = R.hash32(idx[i], k0, k1)
+        out[i] = NR.hash32(idx[i], k0, k1)
     return out
 
 
@@ -47,7 +51,7 @@ def _nb_hash(idx, k0, k1):
 def _nb_hash_lo(lo, kb, k1):
     out = np.empty(lo.size, np.uint32)
     for i in range(lo.size):
-        out[i] = R.hash32_lo(lo[i], kb, k1)
+        out[i] = NR.hash32_lo(lo[i], kb, k1)
     return out
 
 
@@ -55,7 +59,7 @@ def _nb_hash_lo(lo, kb, k1):
 def _nb_block_key(starts, k0):
     out = np.empty(starts.size, np.uint32)
     for i in range(starts.size):
-        out[i] = R.block_key(starts[i], k0)
+        out[i] = NR.block_key(starts[i], k0)
     return out
 
 
@@ -63,7 +67,7 @@ def _nb_block_key(starts, k0):
 def _nb_u24(h):
     out = np.empty(h.size, np.float32)
     for i in range(h.size):
-        out[i] = R.u24_float(h[i])
+        out[i] = NR.u24_float(h[i])
     return out
 
 
@@ -71,7 +75,7 @@ def _nb_u24(h):
 def _nb_combine(a, b, h, smask):
     out = np.empty(a.size, np.int32)
     for i in range(a.size):
-        out[i] = ER._combine_lanes(a[i], b[i], h[i], smask)
+        out[i] = NG._combine_lanes(a[i], b[i], h[i], smask)
     return out
 
 
@@ -89,6 +93,13 @@ def _k1_for_zero_hash(index: int, k0: int) -> int:
     """The k1 that makes hash32(index, k0, k1) == 0 (mix is a bijection with mix(0) = 0)."""
     kb = k0 ^ (((index >> 32) * 0x85EBCA6B) & 0xFFFFFFFF)
     return _mix32(((index & 0xFFFFFFFF) * 0x9E3779B9 + kb) & 0xFFFFFFFF)
+
+
+def on(backend, method, *args, **kwargs):
+    """``method(*args, **kwargs)`` (a codec method) with its NumPy arrays on ``backend``: the
+    way these tests choose the host-replayed CUDA backend."""
+    with use_backend(backend):
+        return method(*args, **kwargs)
 
 
 def same(a, b) -> bool:
@@ -193,23 +204,23 @@ def test_hash32_u24_block_key(hostlib, seed):
     first = np.arange(1000, dtype=np.uint64)  # kept alive: ctypes holds only the address
     hostlib.hqh_hash32(first.ctypes.data, 1000, int(k0), int(k1), out.ctypes.data)
     hostlib.hqh_u24(out.ctypes.data, 1000, u.ctypes.data)
-    assert same(u[:1000], R.uniforms(1000, R.derive_key(seed)))
+    assert same(u[:1000], NR.uniforms(1000, R.derive_key(seed)))
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
-def test_pack_unpack(hostlib, host_ops, host_ops_small, bits):
+def test_pack_unpack(hostlib, host_cuda, host_cuda_small, bits):
     rng = np.random.default_rng(bits)
     for n in SIZES + [PB - 1, 3 * PB + 1, 5]:
         assert hostlib.hqh_packed_nbytes(n, bits) == packing.packed_nbytes(n, bits)
         codes = rng.integers(0, 1 << bits, n).astype(np.uint8)
         ref = packing.pack(codes, bits)
-        for ops in (host_ops, host_ops_small):
+        for ops in (host_cuda, host_cuda_small):
             out = np.full(ref.size, 0xAB, np.uint8)
             if n:
-                ops.be.pack(codes, n, bits, out)
+                ops.kernels.pack(codes, n, bits, out)
             assert same(out, ref), (bits, n, first_diff(out, ref))
         back = np.empty(n, np.uint8)
-        host_ops.be.unpack(ref, n, bits, back)
+        host_cuda.kernels.unpack(ref, n, bits, back)
         assert same(back, packing.unpack(ref, n, bits)) and same(back, codes)
 
 
@@ -237,7 +248,7 @@ def _sizes_for(bucket):
 
 def _check_levels(ops, codec, x, seed, nonfinite=False):
     ref = codec.encode(x, seed=seed)
-    got = ops.levels_encode(codec, x, seed=seed)
+    got = on(ops, codec.encode, x, seed=seed)
     n = x.size
     nb = -(-n // codec._bucket(n)) if n else 0
     where = f"{codec!r} n={n}"
@@ -247,15 +258,15 @@ def _check_levels(ops, codec, x, seed, nonfinite=False):
     else:
         assert same(got.data, ref.data), f"{where}: {first_diff(got.data, ref.data)}"
     cmp = same_nan if nonfinite else same
-    assert cmp(ops.levels_decode(codec, got), codec.decode(ref)), where
+    assert cmp(on(ops, codec.decode, got), codec.decode(ref)), where
     base = np.random.default_rng(n).standard_normal(n).astype(np.float32)
     a, b = base.copy(), base.copy()
-    assert cmp(ops.levels_decode_add(codec, got, a), codec.decode_add(ref, b)), where
+    assert cmp(on(ops, codec.decode_add, got, a), codec.decode_add(ref, b)), where
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
 @pytest.mark.parametrize("spec", LEVEL_SPECS, ids=lambda s: f"{s[0]}-{'-'.join(map(str, s[1].values()))}")
-def test_levels_encode_decode(host_ops, spec, bits):
+def test_levels_encode_decode(host_cuda, spec, bits):
     name, kw = spec
     ran = 0
     for bucket in BUCKETS:
@@ -263,7 +274,7 @@ def test_levels_encode_decode(host_ops, spec, bits):
         if codec is None:
             continue
         for n in _sizes_for(bucket):
-            _check_levels(host_ops, codec, gen("normal", n, n + bits), seed=n * 31 + bits)
+            _check_levels(host_cuda, codec, gen("normal", n, n + bits), seed=n * 31 + bits)
             ran += 1
     if ran == 0:
         pytest.skip(f"{name} has no {bits}-bit configuration")
@@ -271,7 +282,7 @@ def test_levels_encode_decode(host_ops, spec, bits):
 
 @pytest.mark.parametrize("kind", ["special", "nonfinite"])
 @pytest.mark.parametrize("spec", LEVEL_SPECS, ids=lambda s: f"{s[0]}-{'-'.join(map(str, s[1].values()))}")
-def test_levels_special_values(host_ops, spec, kind):
+def test_levels_special_values(host_cuda, spec, kind):
     name, kw = spec
     for bits in (3, 4, 8):
         for bucket in (16, 100, 512, None):
@@ -279,26 +290,26 @@ def test_levels_special_values(host_ops, spec, kind):
             if codec is None:
                 continue
             for n in (9, 1000, PB + 3, 3 * PB):
-                _check_levels(host_ops, codec, gen(kind, n, bits * n), seed=bits,
+                _check_levels(host_cuda, codec, gen(kind, n, bits * n), seed=bits,
                               nonfinite=kind == "nonfinite")
 
 
 @pytest.mark.parametrize("spec", [("qsgd", {}), ("natural", {}), ("nuqsgd", {}),
                                   ("standard_dithering", {"p": 3.0})], ids=lambda s: s[0])
-def test_levels_block_size_independent(host_ops_small, spec):
+def test_levels_block_size_independent(host_cuda_small, spec):
     """The same bytes with 64-thread blocks: no result depends on the thread layout."""
     name, kw = spec
     for bits in (3, 4, 8):
         for bucket in (3, 100, 512, PB + 1, None):
             codec = _level_codec(name, kw, bits, bucket)
             for n in (0, 9, PB + 1, 2 * PB + 17):
-                _check_levels(host_ops_small, codec, gen("special", n, n), seed=7)
+                _check_levels(host_cuda_small, codec, gen("special", n, n), seed=7)
 
 
 @pytest.mark.parametrize("npay", [1, 2, 5])
 @pytest.mark.parametrize("spec", [("qsgd", {}), ("natural", {}), ("natural_dithering", {})],
                          ids=lambda s: s[0])
-def test_levels_combine_gathered(host_ops, spec, npay):
+def test_levels_combine_gathered(host_cuda, spec, npay):
     name, kw = spec
     for bits in (2, 4, 8):
         codec = _level_codec(name, kw, bits, 512)
@@ -306,30 +317,30 @@ def test_levels_combine_gathered(host_ops, spec, npay):
             continue
         for n in (1, 9, PB + 1):
             pays = [codec.encode(gen("normal", n, r), worker_seed(3, r)) for r in range(npay)]
-            assert same(host_ops.gather_combine(codec, pays, 3), codec.combine_gathered(pays, 3))
+            assert same(on(host_cuda, codec.combine_gathered, pays, 3), codec.combine_gathered(pays, 3))
 
 
-def test_float64_and_float16_inputs(host_ops):
+def test_float64_and_float16_inputs(host_cuda):
     rng = np.random.default_rng(5)
     x64 = np.concatenate([rng.standard_normal(1000), [1e-40, -3e-45, 1e-46, 1e39, 2.5e-39]])
-    assert same(host_ops.vector(x64), as_vector(x64))
+    assert same(host_cuda.vector(x64), as_vector(x64))
     x16 = rng.standard_normal(1000).astype(np.float16)
-    assert same(host_ops.vector(x16), as_vector(x16))
+    assert same(host_cuda.vector(x16), as_vector(x16))
     for norm in ("l2", "max"):  # 1e39 is Inf in float32: max-norm's NaN scale, one pattern
         codec = hq.get_codec("qsgd", bits=4, norm=norm)
-        assert same(host_ops.levels_encode(codec, x64, 1).data, codec.encode(x64, 1).data)
+        assert same(on(host_cuda, codec.encode, x64, 1).data, codec.encode(x64, 1).data)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")
-def test_baselines(host_ops):
+def test_baselines(host_cuda):
     x = gen("special", 3000, 1)
     x[5] = np.nan
     for name in ("none", "fp16", "bf16"):  # (fp16 overflows for the 1e30 values: inf, as on CPU)
         codec = hq.get_codec(name)
-        ref, got = codec.encode(x), host_ops.baseline_encode(codec, x)
+        ref, got = codec.encode(x), on(host_cuda, codec.encode, x)
         assert same_nan(got.data.view(np.uint8), ref.data.view(np.uint8)) or \
             same(got.data, ref.data), name
-        assert same_nan(host_ops.baseline_decode(codec, got), codec.decode(ref)), name
+        assert same_nan(on(host_cuda, codec.decode, got), codec.decode(ref)), name
 
 
 # -- Global-QSGD -----------------------------------------------------------------------------
@@ -340,7 +351,7 @@ GQ_CONFIGS = [("linear", "dense", "tree"), ("exponential", "dense", "tree"),
 
 @pytest.mark.parametrize("norm", ["max", "l2"])
 @pytest.mark.parametrize("cfg", GQ_CONFIGS, ids=lambda c: "-".join(c))
-def test_global_qsgd(host_ops, cfg, norm):
+def test_global_qsgd(host_cuda, cfg, norm):
     levels, mode, reduction = cfg
     ran = 0
     for world in (1, 2, 3, 4, 5):
@@ -353,38 +364,38 @@ def test_global_qsgd(host_ops, cfg, norm):
             for n in (0, 1, 9, PB + 1, 3 * PB + 5, 40000):
                 xs = [gen("special" if (n + world) % 3 == 0 else "normal", n, 10 * world + r)
                       for r in range(world)]
-                stats = [host_ops.gq_norm_statistic(codec, x) for x in xs]
+                stats = [on(host_cuda, codec.norm_statistic, x) for x in xs]
                 assert stats == [codec.norm_statistic(x) for x in xs]
                 g = codec.global_norm(xs)
                 ref = [codec.encode_worker(x, 11, r, g) for r, x in enumerate(xs)]
-                got = [host_ops.gq_encode(codec, x, worker_seed(11, r), norm=g)
+                got = [on(host_cuda, codec.encode, x, worker_seed(11, r), norm=g)
                        for r, x in enumerate(xs)]
                 where = f"{codec!r} n={n}"
                 for a, b in zip(got, ref):
                     assert same(a.data, b.data), f"{where}: {first_diff(a.data, b.data)}"
-                assert same(host_ops.gq_decode(codec, got[0]), codec.decode(ref[0])), where
+                assert same(on(host_cuda, codec.decode, got[0]), codec.decode(ref[0])), where
                 acc = gen("normal", n, 99)
-                assert same(host_ops.gq_decode_add(codec, got[-1], acc.copy()),
+                assert same(on(host_cuda, codec.decode_add, got[-1], acc.copy()),
                             codec.decode_add(ref[-1], acc.copy())), where
-                assert same(host_ops.gq_combine_gathered(codec, got, 11),
+                assert same(on(host_cuda, codec.combine_gathered, got, 11),
                             codec.combine_gathered(ref, 11)), where
                 # own-norm encode (norm=None) and a zero / non-finite norm
-                assert same(host_ops.gq_encode(codec, xs[0], 5).data, codec.encode(xs[0], 5).data)
+                assert same(on(host_cuda, codec.encode, xs[0], 5).data, codec.encode(xs[0], 5).data)
                 tiny = xs[0] * np.float32(1e-34)  # norm below 2^-100: the boosted path
-                assert same(host_ops.gq_encode(codec, tiny, 5).data, codec.encode(tiny, 5).data)
+                assert same(on(host_cuda, codec.encode, tiny, 5).data, codec.encode(tiny, 5).data)
                 for bad in (0.0, np.inf, np.nan, 1e-38):
-                    assert same(host_ops.gq_encode(codec, xs[0], 5, norm=bad).data,
+                    assert same(on(host_cuda, codec.encode, xs[0], 5, norm=bad).data,
                                 codec.encode(xs[0], 5, norm=bad).data), (where, bad)
                 ran += 1
     assert ran
 
 
-def test_norm_statistics_nonfinite(host_ops):
+def test_norm_statistics_nonfinite(host_cuda):
     for norm in ("max", "l2"):
         codec = hq.get_codec("global_qsgd", world_size=2, norm=norm)
         for kind in ("special", "nonfinite"):
             x = gen(kind, 5000, 3)
-            a, b = host_ops.gq_norm_statistic(codec, x), codec.norm_statistic(x)
+            a, b = on(host_cuda, codec.norm_statistic, x), codec.norm_statistic(x)
             assert (math.isnan(a) and math.isnan(b)) or a == b, (norm, kind, a, b)
 
 
@@ -398,7 +409,7 @@ def _random_exp_codes(rng, n, bits, top=None):
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
-def test_exp_combine(host_ops, host_ops_small, bits):
+def test_exp_combine(host_cuda, host_cuda_small, bits):
     rng = np.random.default_rng(bits)
     for size, i0 in ((1, 0), (9, 0), (PB, 0), (PB + 5, 0), (3 * PB + 17, PB), (2 * PB, 2 * PB)):
         a = packing.pack(_random_exp_codes(rng, size, bits), bits)
@@ -406,8 +417,8 @@ def test_exp_combine(host_ops, host_ops_small, bits):
         lo, hi = ER.packed_range(i0, size, size, bits)
         k0, k1 = (int(v) for v in R.split_key(R.derive_key(size, bits)))
         ref = a.copy()
-        ER.exp_combine(ref[lo:hi], b[lo:hi], ref[lo:hi], size - i0, i0, bits, k0, k1)
-        for ops in (host_ops, host_ops_small):
+        NG.exp_combine(ref[lo:hi], b[lo:hi], ref[lo:hi], size - i0, i0, bits, k0, k1)
+        for ops in (host_cuda, host_cuda_small):
             got = a.copy()  # combined in place (out aliases a)
             ops.exp_combine(got[lo:hi], b[lo:hi], got[lo:hi], size - i0, i0, bits, k0, k1)
             assert same(got, ref), (bits, size, i0, first_diff(got, ref))
@@ -428,7 +439,7 @@ def test_combine_codes_exhaustive(hostlib, bits):
 
 
 @pytest.mark.parametrize("bits", [2, 4, 6, 8])
-def test_exp_combine_rare_exact_path(host_ops, bits):
+def test_exp_combine_rare_exact_path(host_cuda, bits):
     """Elements whose first 32 random digits are zero take the exact path (digit words
     t = 1, 2, 3): force h == 0 at chosen elements through the key and compare."""
     rng = np.random.default_rng(100 + bits)
@@ -448,44 +459,44 @@ def test_exp_combine_rare_exact_path(host_ops, bits):
             cb[target] = (1 if top > 1 else e2) if rng.random() < 0.3 else e2
             a, b = packing.pack(ca, bits), packing.pack(cb, bits)
             ref = a.copy()
-            ER.exp_combine(ref, b, ref, size, 0, bits, k0, k1)
+            NG.exp_combine(ref, b, ref, size, 0, bits, k0, k1)
             got = a.copy()
-            host_ops.exp_combine(got, b, got, size, 0, bits, k0, k1)
+            host_cuda.exp_combine(got, b, got, size, 0, bits, k0, k1)
             assert same(got, ref), (bits, target, ca[target], cb[target])
 
 
-def test_reduce_packed_matches(host_ops):
+def test_reduce_packed_matches(host_cuda):
     rng = np.random.default_rng(9)
     for reduction in ("tree", "ring"):
         for n in (2, 3, 5, 8):
             for size in (1, PB + 3, 5 * PB + 9):
                 bufs = [packing.pack(_random_exp_codes(rng, size, 8, top=20), 8) for _ in range(n)]
                 ref = ER.reduce_packed(bufs, size, 8, 77, reduction)
-                got = host_ops.reduce_packed(bufs, size, 8, 77, reduction)
+                got = on(host_cuda, ER.reduce_packed, bufs, size, 8, 77, reduction)
                 assert same(got, ref), (reduction, n, size)
 
 
 # -- DQSG / NDQSG ----------------------------------------------------------------------------
 @pytest.mark.parametrize("bits", range(2, 9))
-def test_dithered(host_ops, bits):
+def test_dithered(host_cuda, bits):
     for bucket in (1, 100, 512, PB + 1, None):
         codec = hq.get_codec("dithered", bits=bits, bucket_size=bucket)
         for n in _sizes_for(bucket)[::2] + [2 * PB + 17]:
             for kind in ("normal", "special"):
                 x = gen(kind, n, n + bits)
-                ref, got = codec.encode(x, 3), host_ops.dq_encode(codec, x, 3)
+                ref, got = codec.encode(x, 3), on(host_cuda, codec.encode, x, 3)
                 assert same(got.data, ref.data), (bits, bucket, n, kind)
-                assert same(host_ops.dq_decode(codec, got), codec.decode(ref))
+                assert same(on(host_cuda, codec.decode, got), codec.decode(ref))
                 acc = gen("normal", n, 1)
-                assert same(host_ops.dq_decode_add(codec, got, acc.copy()),
+                assert same(on(host_cuda, codec.decode_add, got, acc.copy()),
                             codec.decode_add(ref, acc.copy()))
         pays = [codec.encode(gen("normal", 1000, r), worker_seed(4, r)) for r in range(3)]
-        assert same(host_ops.dq_combine_gathered(codec, pays, 4), codec.combine_gathered(pays, 4))
+        assert same(on(host_cuda, codec.combine_gathered, pays, 4), codec.combine_gathered(pays, 4))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
-def test_nested_dithered(host_ops, world, bits):
+def test_nested_dithered(host_cuda, world, bits):
     rng = np.random.default_rng(world * 10 + bits)
     for alpha in (1.0, 0.7):
         for k in (None, 3, 5):
@@ -504,7 +515,7 @@ def test_nested_dithered(host_ops, world, bits):
                 for rnd in range(2):  # the second exchange uses the adapted k
                     seed = 9 + rnd
                     ref = [c_cpu.encode_worker(x, seed, r) for r, x in enumerate(xs)]
-                    got = [host_ops.nd_encode(c_gpu, x, worker_seed(seed, r), rank=r)
+                    got = [on(host_cuda, c_gpu.encode, x, worker_seed(seed, r), rank=r)
                            for r, x in enumerate(xs)]
                     for a, b in zip(got, ref):
                         nb = -(-n // 512)
@@ -513,12 +524,12 @@ def test_nested_dithered(host_ops, world, bits):
                         assert same(a.data[:4], b.data[:4]) and same(a.data[4 + 4 * nb:], b.data[4 + 4 * nb:])
                     seeds = [worker_seed(seed, r) for r in range(world)]
                     e_ref = c_cpu.decode_side_info(ref, seeds, inputs=xs)
-                    e_got = host_ops.nd_decode_side_info(c_gpu, got, seeds, inputs=xs)
+                    e_got = on(host_cuda, c_gpu.decode_side_info, got, seeds, inputs=xs)
                     assert same_nan(e_got, e_ref), (world, bits, alpha, k, n, rnd)
                     assert c_gpu.sigma2 == c_cpu.sigma2 or (math.isinf(c_gpu.sigma2) and math.isinf(c_cpu.sigma2))
                     assert c_gpu.last_stats == c_cpu.last_stats
                     if n <= 600:
-                        assert same(host_ops.dq_decode(c_gpu, got[0]), c_cpu.decode(ref[0]))
+                        assert same(on(host_cuda, c_gpu.decode, got[0]), c_cpu.decode(ref[0]))
 
 
 # -- sources ---------------------------------------------------------------------------------
@@ -542,7 +553,12 @@ def _find_nvrtc():
 def test_sources_inline_and_nvrtc_ptx_is_exact():
     """The source CuPy loads (headers inlined) compiles with NVRTC under the loader's options,
     and its PTX has no flush-to-zero and no contracted f32 multiply-add."""
-    from horovod_quant.gpu._source import KERNEL_FILES, kernel_dir, load_source, nvrtc_options
+    from horovod_quant.backends.cuda.source import (
+        KERNEL_FILES,
+        kernel_dir,
+        load_source,
+        nvrtc_options,
+    )
 
     assert (kernel_dir() / "hq_common.cuh").is_file()
     srcs = {f: load_source(f) for f in KERNEL_FILES}
@@ -575,7 +591,7 @@ def test_sources_inline_and_nvrtc_ptx_is_exact():
                 (f, arch, sorted(set(f32)))
 
 
-# -- dispatch --------------------------------------------------------------------------------
+# -- backend choice ------------------------------------------------------------------------
 class FakeDeviceArray:
     """Stands in for a CuPy array (the hook only looks at the type's module)."""
 
@@ -588,24 +604,22 @@ class FakeDeviceArray:
         return self.a if dtype is None else self.a.astype(dtype)
 
 
-def test_dispatch_routes_device_arrays(host_ops, monkeypatch):
-    """codec.encode / decode / combine_gathered with a device array go to horovod_quant.gpu
-    (here wired to the host backend) and give the CPU's bytes."""
-    import contextlib
+def test_device_arrays_pick_the_cuda_backend(host_cuda, monkeypatch):
+    """codec.encode / decode / combine_gathered with a device array run on the CUDA backend
+    (``backend_of``; here its host launcher) and give the CPU's bytes; NumPy arguments never
+    ask for it; a kernel the backend lacks is an error, not a copy to the host."""
+    import horovod_quant.backends as B
+    import horovod_quant.backends.cuda as BC
 
-    import horovod_quant.gpu as G
-
-    monkeypatch.setattr(G, "_OPS", host_ops)
-    monkeypatch.setattr(G, "device_scope", lambda *a: contextlib.nullcontext())
-    monkeypatch.setattr(G, "as_cupy", lambda o: np.asarray(o) if isinstance(o, FakeDeviceArray) else o)
     calls = []
-    real = G._handler
 
-    def spy(codec, method):
-        calls.append(method)
-        return real(codec, method)
+    def cuda_backend():
+        calls.append(1)
+        return host_cuda
 
-    monkeypatch.setattr(G, "_handler", spy)
+    monkeypatch.setattr(BC, "cuda_backend", cuda_backend)
+    monkeypatch.setattr(BC, "as_cupy",
+                        lambda o: np.asarray(o) if isinstance(o, FakeDeviceArray) else o)
     x = gen("normal", PB + 9, 0)
     for codec in (hq.get_codec("qsgd", bits=4, norm="l2"), hq.get_codec("natural"),
                   hq.get_codec("dithered", bits=3),
@@ -615,17 +629,18 @@ def test_dispatch_routes_device_arrays(host_ops, monkeypatch):
         assert same(got.data, ref.data), codec.name
         dev = hq.Payload(FakeDeviceArray(got.data), got.size, dict(got.meta))
         assert same(codec.decode(dev), codec.decode(ref)), codec.name
-    assert calls.count("encode") == 4 and calls.count("decode") == 4
     codec = hq.get_codec("qsgd", bits=4, norm="l2")
     ref = [codec.encode(gen("normal", 100, r), worker_seed(1, r)) for r in range(3)]
     dev = [hq.Payload(FakeDeviceArray(p.data), p.size, dict(p.meta)) for p in ref]
     calls.clear()
     assert same(codec.combine_gathered(dev, 1), codec.combine_gathered(ref, 1))
-    assert calls == ["combine_gathered"]
-    # numpy arguments never reach the dispatcher
+    assert calls
+    # numpy arguments never reach the CUDA backend
     calls.clear()
     codec.decode(codec.encode(x, 1))
     assert calls == []
+    with pytest.raises(B.MissingKernel, match="no CUDA kernel for Elias coding"):
+        hq.get_codec("qsgd", bits=3, elias=True).encode(FakeDeviceArray(x), 1)
 
 
 def test_cupy_loader_compiles_and_caches(monkeypatch, tmp_path):
@@ -638,8 +653,8 @@ def test_cupy_loader_compiles_and_caches(monkeypatch, tmp_path):
         nvrtc.getVersion()
     except Exception as exc:  # CuPy without its NVRTC library
         pytest.skip(f"NVRTC not loadable through CuPy: {exc!r}")
-    from horovod_quant.gpu import _cupy
-    from horovod_quant.gpu._source import KERNEL_FILES
+    from horovod_quant.backends.cuda import kernels as _cupy
+    from horovod_quant.backends.cuda.source import KERNEL_FILES
 
     monkeypatch.setenv("HQ_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(_cupy, "_targets",

@@ -1,7 +1,7 @@
 """Shared helpers for the unit tests: independent NumPy references of the level quantizers.
 
 Everything here is written from the papers and from the wire format documented in
-``docs/architecture.md`` / ``horovod_quant/core/packing.py``, not from the kernels, so that a
+``docs/architecture.md`` / ``horovod_quant/backends/numba/packing.py``, not from the kernels, so that a
 wrong kernel disagrees with it. Tests reach the helpers through the session fixture ``ref``
 (``ref.levels(codec)``, ``ref.moments(codec, x, payload)``, ...); importing this module by name
 would clash with other ``conftest.py`` files when several test folders are collected together.
@@ -23,8 +23,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from horovod_quant.core.packing import PACK_BLOCK, unpack
-from horovod_quant.core.rng import derive_key, uniforms
+from horovod_quant.backends.numba.packing import PACK_BLOCK, unpack
+from horovod_quant.backends.numba.rng import uniforms
+from horovod_quant.core.rng import derive_key
 
 FLT_MIN = 2.0 ** -126  # smallest normal float32
 

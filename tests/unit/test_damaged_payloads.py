@@ -25,11 +25,12 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import horovod_quant as hq  # noqa: E402
+from horovod_quant.backends.numba.elias import elias_decode_ints, elias_encode_ints  # noqa: E402
+from horovod_quant.backends.numba.global_qsgd import exp_combine  # noqa: E402
+from horovod_quant.backends.numba.packing import PACK_BLOCK, packed_nbytes  # noqa: E402
 from horovod_quant.core import worker_seed  # noqa: E402
 from horovod_quant.core.base import MAX_PAYLOAD_SIZE  # noqa: E402
-from horovod_quant.core.elias import elias_decode_ints, elias_encode_ints  # noqa: E402
-from horovod_quant.core.exp_reduce import exp_combine, reduce_packed  # noqa: E402
-from horovod_quant.core.packing import PACK_BLOCK, packed_nbytes  # noqa: E402
+from horovod_quant.core.exp_reduce import reduce_packed  # noqa: E402
 from horovod_quant.core.payload import Payload  # noqa: E402
 
 SETTINGS = settings(max_examples=60, deadline=None, database=None, print_blob=True,

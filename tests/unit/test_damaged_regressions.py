@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
+from horovod_quant.backends import use_backend
+from horovod_quant.backends.cuda import CudaBackend
 from horovod_quant.core import worker_seed
 from horovod_quant.core.base import MAX_PAYLOAD_SIZE
 from horovod_quant.core.dithered import HEADER
 from horovod_quant.core.payload import Payload
-from horovod_quant.gpu._ops import Ops
 
 RNG = np.random.default_rng(7)
 X = RNG.standard_normal(100_000).astype(np.float32)
@@ -288,8 +289,8 @@ def test_non_finite_norms_decode_non_finite(norm, mode, levels):
 
 # -- the device path: the same checks before any kernel launch ---------------------------------
 class _NoKernels:
-    """A kernel backend for :class:`horovod_quant.gpu._ops.Ops` on NumPy arrays whose every
-    kernel fails the test: the checks must raise before a launch."""
+    """A kernel launcher for :class:`horovod_quant.backends.cuda.CudaBackend` on NumPy arrays
+    whose every kernel fails the test: the checks must raise before a launch."""
 
     xp = np
 
@@ -305,11 +306,8 @@ class _NoKernels:
 @pytest.mark.parametrize("name, params", [c for c in CONFIGS if "elias" not in c[1]],
                          ids=[i for c, i in zip(CONFIGS, IDS) if "elias" not in c[1]])
 @pytest.mark.parametrize("damage", ["size x100", "half", "extra byte", "header"])
-def test_device_ops_check_before_launching(name, params, damage, monkeypatch):
-    from horovod_quant import gpu
-
-    ops = Ops(_NoKernels())
-    monkeypatch.setattr(gpu, "_OPS", ops)
+def test_device_ops_check_before_launching(name, params, damage):
+    be = CudaBackend(_NoKernels())
     codec, p = encoded(name, params)
     raw = np.asarray(p.data).reshape(-1).view(np.uint8)
     if damage == "size x100":
@@ -329,44 +327,42 @@ def test_device_ops_check_before_launching(name, params, damage, monkeypatch):
                                                  "natural_dithering", "standard_dithering"):
             return  # fixed-width payloads without a header: any bytes decode
     n = params.get("world_size", 2)
-    calls = {"payload_from_wire": lambda: gpu._payload_from_wire(codec, raw if damage ==
-                                                                 "size x100" else bad.data,
-                                                                 bad.size, **bad.meta)}
+    calls = {"payload_from_wire": lambda: codec.payload_from_wire(raw if damage == "size x100"
+                                                                  else bad.data, bad.size,
+                                                                  **bad.meta)}
     if name in ("none", "fp16", "bf16"):
-        calls["decode"] = lambda: ops.baseline_decode(codec, bad)
+        calls["decode"] = lambda: codec.decode(bad)
     elif name == "global_qsgd":
-        calls["decode"] = lambda: ops.gq_decode(codec, bad)
-        calls["decode_add"] = lambda: ops.gq_decode_add(codec, bad, np.zeros(bad.size,
-                                                                            np.float32))
-        calls["combine_gathered"] = lambda: ops.gq_combine_gathered(codec, [bad] * n, 0)
+        calls["decode"] = lambda: codec.decode(bad)
+        calls["decode_add"] = lambda: codec.decode_add(bad, np.zeros(bad.size, np.float32))
+        calls["combine_gathered"] = lambda: codec.combine_gathered([bad] * n, 0)
         if codec.mode == "dense":
-            calls["decode_sum"] = lambda: ops.gq_decode_sum(codec, bad, n)
-            calls["reduce"] = lambda: ops.gq_reduce(codec, [p] * (n - 1) + [bad], 0)
+            calls["decode_sum"] = lambda: codec.decode_sum(bad, n)
+            calls["reduce"] = lambda: codec.reduce([p] * (n - 1) + [bad], 0)
     elif name == "nested_dithered":
-        calls["decode"] = lambda: ops.dq_decode(codec, bad)
-        calls["decode_side_info"] = lambda: ops.nd_decode_side_info(
-            codec, [bad, bad], [worker_seed(0, r) for r in range(2)])
+        calls["decode"] = lambda: codec.decode(bad)
+        calls["decode_side_info"] = lambda: codec.decode_side_info(
+            [bad, bad], [worker_seed(0, r) for r in range(2)])
     elif name == "dithered":
-        calls["decode"] = lambda: ops.dq_decode(codec, bad)
-        calls["decode_add"] = lambda: ops.dq_decode_add(codec, bad, np.zeros(bad.size,
-                                                                            np.float32))
-        calls["combine_gathered"] = lambda: ops.dq_combine_gathered(codec, [p, bad], 0)
+        calls["decode"] = lambda: codec.decode(bad)
+        calls["decode_add"] = lambda: codec.decode_add(bad, np.zeros(bad.size, np.float32))
+        calls["combine_gathered"] = lambda: codec.combine_gathered([p, bad], 0)
     else:
-        calls["decode"] = lambda: ops.levels_decode(codec, bad)
-        calls["decode_add"] = lambda: ops.levels_decode_add(codec, bad, np.zeros(bad.size,
-                                                                                np.float32))
-        calls["combine_gathered"] = lambda: ops.gather_combine(codec, [p, bad], 0)
+        calls["decode"] = lambda: codec.decode(bad)
+        calls["decode_add"] = lambda: codec.decode_add(bad, np.zeros(bad.size, np.float32))
+        calls["combine_gathered"] = lambda: codec.combine_gathered([p, bad], 0)
     for call in calls.values():
-        with pytest.raises(ValueError, match=f"^{codec.name}: "):
+        with use_backend(be), pytest.raises(ValueError, match=f"^{codec.name}: "):
             call()
 
 
 def test_device_sparse_positions_checked_before_launching():
-    ops = Ops(_NoKernels())
+    be = CudaBackend(_NoKernels())
     codec, p = encoded("global_qsgd", {"world_size": 2, "mode": "sparse", "bits": 8})
     cnt = int(p.data[:4].view(np.uint32)[0])
     for j, value in [(0, p.size), (cnt - 1, p.size), (5, 0), (cnt // 2, 2 ** 32 - 1)]:
         d = p.data.copy()
         d[4: 4 + 4 * cnt].view(np.uint32)[j] = value
-        with pytest.raises(ValueError, match="^global_qsgd: damaged sparse payload"):
-            ops.gq_decode(codec, with_data(p, d))
+        with use_backend(be), pytest.raises(ValueError,
+                                            match="^global_qsgd: damaged sparse payload"):
+            codec.decode(with_data(p, d))

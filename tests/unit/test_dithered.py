@@ -17,8 +17,9 @@ import horovod_quant as hq
 from horovod_quant.core.dithered import (
     HEADER, coarse_bits, fine_levels, outage_bound, theorem6_ratio,
 )
-from horovod_quant.core.packing import packed_nbytes, unpack
-from horovod_quant.core.rng import derive_key, uniforms
+from horovod_quant.backends.numba.packing import packed_nbytes, unpack
+from horovod_quant.backends.numba.rng import uniforms
+from horovod_quant.core.rng import derive_key
 
 Z = 5.0
 BUCKET = 512

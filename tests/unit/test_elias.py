@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.core.elias import elias_decode_ints, elias_encode_ints, elias_length
-from horovod_quant.core.packing import unpack
+from horovod_quant.backends.numba.elias import elias_decode_ints, elias_encode_ints, elias_length
+from horovod_quant.backends.numba.packing import unpack
 
 
 def omega(k: int) -> str:

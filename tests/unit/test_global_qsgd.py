@@ -15,17 +15,18 @@ from horovod_quant.core.schedules import chunk_bounds
 import pytest
 
 from horovod_quant.core import get_codec, mean_estimate, worker_seed
+from horovod_quant.backends.numba.global_qsgd import WORD_BLOCK, exp_combine
+from horovod_quant.backends.numba.packing import PACK_BLOCK, pack, packed_nbytes, unpack
+from horovod_quant.backends.numba.rng import uniforms
 from horovod_quant.core.exp_reduce import (
-    exp_combine,
     packed_range,
     reduction_rounds,
     round_key,
     schedule,
 )
-from horovod_quant.core.global_qsgd import WORD_BLOCK, GlobalQSGD
-from horovod_quant.core.packing import PACK_BLOCK, pack, packed_nbytes, unpack
+from horovod_quant.core.global_qsgd import GlobalQSGD
 from horovod_quant.core.payload import Payload
-from horovod_quant.core.rng import derive_key, split_key, uniforms
+from horovod_quant.core.rng import derive_key, split_key
 
 M32 = 0xFFFFFFFF
 Z = 5.0  # z-score tolerance

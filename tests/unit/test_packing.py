@@ -1,10 +1,10 @@
-"""Bit packing (core/packing.py) against a plain-Python packer of the documented layout."""
+"""Bit packing (backends/numba/packing.py) against a plain-Python packer of the documented layout."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from horovod_quant.core.packing import PACK_BLOCK, pack, packed_nbytes, unpack
+from horovod_quant.backends.numba.packing import PACK_BLOCK, pack, packed_nbytes, unpack
 
 SIZES = [0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 63, 100, 255, 256, 257, 1000, 4095,
          PACK_BLOCK - 1, PACK_BLOCK, PACK_BLOCK + 1, 2 * PACK_BLOCK + 37]

@@ -1,4 +1,4 @@
-"""Counter-based RNG (core/rng.py): determinism, uniformity, independence across keys."""
+"""Counter-based RNG (core/rng.py keys, backends/numba/rng.py hash): determinism, uniformity, independence across keys."""
 from __future__ import annotations
 
 import math
@@ -7,17 +7,15 @@ import numba
 import numpy as np
 import pytest
 
-from horovod_quant.core.rng import (
+from horovod_quant.backends.numba.rng import (
     block_key,
-    derive_key,
     hash32,
     hash32_at,
     hash32_lo,
-    split_key,
-    splitmix64,
     uniform24,
     uniforms,
 )
+from horovod_quant.core.rng import derive_key, split_key, splitmix64
 
 N = 1 << 20
 Z = 5.0

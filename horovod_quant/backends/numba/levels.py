@@ -24,11 +24,9 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
+from .. import MODE_UNIFORM, NORM_L2, NORM_MAX, NORM_P, NORM_POW2
+from .packing import PACK_BLOCK, pack_block, unpack_block
 from .rng import block_key, hash32_at, u24_float
-
-NORM_L2, NORM_MAX, NORM_P, NORM_POW2 = 0, 1, 2, 3
-GRID_UNIFORM, GRID_GEOMETRIC = 0, 1
 
 _LANES = 8
 
@@ -230,7 +228,7 @@ def encode_levels(x, bucket, norm_kind, p, grid, s, bits, k0, k1, out):
                     xs = boosted[: hi - i]
                     sc = sc * _TINY_BOOST
                 base = np.uint32(i & 0xFFFFFFFF)
-                if grid == GRID_UNIFORM:
+                if grid == MODE_UNIFORM:
                     _round_uniform(xs, cs, base, sc, s, sign_bit, kb, k1)
                 else:
                     _round_geometric(xs, cs, base, sc, s, sign_bit, kb, k1)
@@ -309,9 +307,3 @@ def combine_levels(datas, n, bucket, bits, table, inv_count, out):
         for j in range(b1 - b0):
             out[b0 + j] = acc[j] * inv_count
     return out
-
-
-@numba.njit(cache=True, nogil=True)
-def levels_nbytes(n, bucket, bits):
-    """Payload bytes of :func:`encode_levels` for n elements."""
-    return 4 * ((n + bucket - 1) // bucket) + packed_nbytes(n, bits)

@@ -19,7 +19,7 @@ positions run over the whole vector, so sparse buckets cost nothing but their sc
 terminating gap (rather than a leading count) keeps encoding to one pass; padding is never
 read as data.
 
-Encoding runs after the fixed-width encoder (:func:`.kernels_cpu.encode_levels`), from its
+Encoding runs after the fixed-width encoder (:func:`.levels.encode_levels`), from its
 payload: the codes are the same by construction, and the extra pass reads only the packed
 codes (bits/32 of the input).
 """
@@ -172,7 +172,7 @@ def elias_error(code: int) -> str:
 @numba.njit(cache=True, nogil=True)
 def elias_encode_levels(data, n, bucket, bits):
     """The Elias payload of a fixed-width level payload ``data`` (layout of
-    :func:`.kernels_cpu.encode_levels`: [float32 scale per bucket][packed codes]) holding n
+    :func:`.levels.encode_levels`: [float32 scale per bucket][packed codes]) holding n
     codes of ``bits`` bits. Returns a new uint8 array (module doc)."""
     nb = (n + bucket - 1) // bucket
     head = 4 * nb

@@ -12,7 +12,7 @@ from typing import Any
 
 
 def _kind(codec: Any) -> tuple[int, int, float]:
-    from ..core.quantizers import LevelQuantizer
+    from horovod_quant.core.quantizers import LevelQuantizer
 
     if not isinstance(codec, LevelQuantizer):
         raise NotImplementedError(f"torch_reference_encode covers the level quantizers "
@@ -29,7 +29,7 @@ def torch_reference_encode(codec: Any, x: Any, generator: Any = None) -> dict[st
     """
     import torch
 
-    from ..core import kernels_cpu as K
+    import horovod_quant.backends as K
 
     grid, kind, p = _kind(codec)
     v = x.reshape(-1).float()
@@ -50,7 +50,7 @@ def torch_reference_encode(codec: Any, x: Any, generator: Any = None) -> dict[st
     r = torch.nan_to_num(a / scale[:, None], nan=0.0).clamp_(max=1.0)
     u = torch.rand(r.shape, device=r.device, dtype=r.dtype, generator=generator)
     s = codec.s
-    if grid == K.GRID_UNIFORM:
+    if grid == K.MODE_UNIFORM:
         t = r * s
         lvl = torch.floor(t)
         mag = lvl + (u < t - lvl).to(t.dtype)

@@ -1,12 +1,12 @@
-"""Kernel backend on a GPU: CuPy RawModules over ``kernels/*.cu``.
+"""Kernel launcher on a GPU: CuPy RawModules over ``kernels/*.cu``.
 
-Each source file is compiled with NVRTC (CuPy's bindings, our exact options: see ``_source.py``
+Each source file is compiled with NVRTC (CuPy's bindings, our exact options: see ``source.py``
 for why not ``RawModule(code=...)``) to a CUBIN for the device (PTX as a fallback) on first
 use, once per device architecture,
 cached on disk (``$HQ_KERNEL_CACHE`` or ``~/.cache/horovod_quant/kernels``, keyed by source,
 options and NVRTC version) and loaded with ``cupy.RawModule(path=...)``. Every launch goes to
-CuPy's current stream, which :func:`horovod_quant.gpu.device_scope` sets to the framework's
-stream.
+CuPy's current stream, which :func:`horovod_quant.backends.cuda.arrays.device_scope` sets to
+the framework's stream.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..core.packing import PACK_BLOCK
-from ._source import load_source, nvrtc_options
+from ..numba.packing import PACK_BLOCK
+from .source import load_source, nvrtc_options
 
 THREADS = 256  # HQ_THREADS of the .cu files
 _MAX_GRID = 1 << 16  # grid-stride kernels: enough blocks to fill any current GPU
@@ -140,15 +140,16 @@ def get_function(fname: str, kernel: str) -> Any:
 
 def compile_all() -> list[str]:
     """Compile every kernel file for the current device (raises on a compile error)."""
-    from ._source import KERNEL_FILES
+    from .source import KERNEL_FILES
 
     for f in KERNEL_FILES:
         get_module(f)
     return list(KERNEL_FILES)
 
 
-class CupyBackend:
-    """The kernel interface of :mod:`._ops` on CuPy arrays."""
+class CupyKernels:
+    """The kernel launcher of :class:`horovod_quant.backends.cuda.CudaBackend` on a GPU: one
+    method per kernel, launched on CuPy's current stream."""
 
     def __init__(self) -> None:
         import cupy

@@ -11,7 +11,7 @@ Sources are looked up, in order:
 NVRTC needs no include path and the compile cache, keyed by the source text, sees every header
 change.
 
-Compilation goes through NVRTC with exactly :data:`NVRTC_OPTIONS` (see ``_cupy.py``), not
+Compilation goes through NVRTC with exactly :data:`NVRTC_OPTIONS` (see ``kernels.py``), not
 through ``cupy.RawModule(code=...)``: CuPy appends ``-ftz=true`` to every option list it compiles
 and NVRTC honours the last occurrence, which would flush subnormal floats to zero in products,
 comparisons, ``fabsf`` and ``floorf`` and break bit parity with the CPU.
@@ -49,7 +49,7 @@ def _candidates() -> list[Path]:
         out.append(Path(str(files("horovod_quant.kernels"))))
     except (ImportError, ModuleNotFoundError, TypeError):
         pass
-    out.append(Path(__file__).resolve().parents[2] / "kernels")
+    out.append(Path(__file__).resolve().parents[3] / "kernels")
     return out
 
 

@@ -1,0 +1,81 @@
+"""The backend interface: which backend an array gets, the import direction, and missing
+kernels as errors (the bytes themselves: tests/kernels, tests/gpu)."""
+import ast
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import horovod_quant as hq
+from horovod_quant import backends as B
+from horovod_quant.backends.cuda import CudaBackend
+from horovod_quant.backends.numba import NumbaBackend
+
+PKG = pathlib.Path(hq.__file__).parent
+
+
+class _Launcher:
+    """A CUDA kernel launcher on NumPy arrays whose kernels must not run."""
+
+    xp = np
+
+    def to_host(self, a):
+        return np.asarray(a)
+
+    def __getattr__(self, name):
+        raise AssertionError(f"kernel {name} launched")
+
+
+def test_numpy_arrays_get_numba_without_importing_cupy_or_torch():
+    code = ("import sys, numpy as np, horovod_quant as hq\n"
+            "from horovod_quant.backends import backend_of\n"
+            "c = hq.get_codec('qsgd', bits=4)\n"
+            "x = np.ones(100, np.float32)\n"
+            "c.decode(c.encode(x, 1))\n"
+            "print(type(backend_of(x)).__name__, 'cupy' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False)
+    assert out.stdout.split() == ["NumbaBackend", "False", "False"], out.stderr
+
+
+def test_use_backend_chooses_for_numpy_and_restores():
+    x = np.zeros(3, np.float32)
+    fake = CudaBackend(_Launcher())
+    assert isinstance(B.backend_of(x), NumbaBackend)
+    with B.use_backend(fake) as be:
+        assert be is fake and B.backend_of(x) is fake
+    assert isinstance(B.backend_of(x), NumbaBackend)
+
+
+def test_missing_kernel_is_an_error_that_says_what_to_do():
+    codec = hq.get_codec("qsgd", bits=3, elias=True)
+    x = np.ones(100, np.float32)
+    with B.use_backend(CudaBackend(_Launcher())), \
+            pytest.raises(B.MissingKernel, match=r"no CUDA kernel for Elias coding .*elias=False"):
+        codec.encode(x, 1)
+
+
+@pytest.mark.parametrize("backend", [NumbaBackend(), CudaBackend(_Launcher())],
+                         ids=["numba", "cuda"])
+def test_unknown_mode_is_rejected(backend):
+    x = np.ones(10, np.float32)
+    with pytest.raises(ValueError, match="unknown mode 9"):
+        backend.encode(x, np.zeros(64, np.uint8), 0, 10, 9, 4, (1, 2))
+
+
+def test_backends_import_no_codec():
+    """Imports run one way: backends <- codecs (core) <- comm <- doors."""
+    for path in (PKG / "backends").rglob("*.py"):
+        package = list(path.relative_to(PKG.parent).parts[:-1])  # what "." refers to
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                mod = ".".join(base + ([node.module] if node.module else []))
+            elif isinstance(node, ast.Import):
+                mod = ",".join(alias.name for alias in node.names)
+            else:
+                continue
+            assert "horovod_quant.core" not in mod and "horovod_quant.comm" not in mod, \
+                (path, mod)
