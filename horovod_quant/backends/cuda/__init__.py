@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import Backend
+from ..protocol import Backend
 from .arrays import as_cupy
 from .dithered import DitheredLaunches
 from .global_qsgd import GlobalQSGDLaunches

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from .. import is_device_array
+from ..protocol import is_device_array
 
 
 def _is_torch(obj: Any) -> bool:

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import Keys
+from ..protocol import Keys
 from .launch import Launches, int_keys
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import MODE_DITHER, MODE_EXP, MODE_GEOMETRIC, MODE_NESTED, MODE_UNIFORM, Keys
+from ..protocol import MODE_DITHER, MODE_EXP, MODE_GEOMETRIC, MODE_NESTED, MODE_UNIFORM, Keys
 
 #: the modes of the ``hq_encode`` kernel
 ENCODE_MODES = (MODE_UNIFORM, MODE_GEOMETRIC, MODE_EXP, MODE_DITHER, MODE_NESTED)

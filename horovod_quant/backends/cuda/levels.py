@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import MODE_DITHER, MODE_NESTED, NORM_MAX, NORM_POW2, SCALED_MODES, Keys
+from ..protocol import MODE_DITHER, MODE_NESTED, NORM_MAX, NORM_POW2, SCALED_MODES, Keys
 from ..numba.packing import PACK_BLOCK
 from .launch import ENCODE_MODES, Launches, int_keys
 

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import (
+from ..protocol import (
     MODE_DITHER,
     MODE_EXP,
     MODE_GEOMETRIC,

@@ -11,7 +11,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from .. import SPARSE_BAD_POSITIONS, SPARSE_OK, SPARSE_SHORT
+from ..protocol import SPARSE_BAD_POSITIONS, SPARSE_OK, SPARSE_SHORT
 from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
 from .rng import block_key, hash32_lo, u24_float
 

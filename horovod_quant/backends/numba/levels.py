@@ -24,7 +24,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .. import MODE_UNIFORM, NORM_L2, NORM_MAX, NORM_P, NORM_POW2
+from ..protocol import MODE_UNIFORM, NORM_L2, NORM_MAX, NORM_P, NORM_POW2
 from .packing import PACK_BLOCK, pack_block, unpack_block
 from .rng import block_key, hash32_at, u24_float
 
