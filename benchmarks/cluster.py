@@ -50,7 +50,7 @@ ROOT = os.path.dirname(HERE)
 PREFIX = "hqcl"
 MB = 1 << 20
 sys.path.insert(0, ROOT)
-from horovod_quant.core.schedules import DEFAULT_PIPELINE_ELEMS  # noqa: E402
+from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS  # noqa: E402
 
 CODECS = ("qsgd", "nuqsgd", "natural", "natural_dithering", "standard_dithering",
           "global_qsgd-lin", "global_qsgd-exp", "dithered")

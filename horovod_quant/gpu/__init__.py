@@ -18,7 +18,7 @@ Public API (all take CuPy arrays or CUDA torch tensors; torch tensors are viewed
   level quantizers (``torch.rand_like`` + elementwise ops), the baseline of the speed benchmark
 * :func:`cuda_aware_mpi`: whether MPI can take device buffers (``HQ_CUDA_AWARE_MPI`` overrides);
   :func:`horovod_device_collectives`: whether Horovod's collectives can (else exchanges stage
-  their payloads through host memory, :class:`horovod_quant.comm.staging.HostStaged`)
+  their payloads through host memory, :class:`horovod_quant.exchange.staging.HostStaged`)
 * :func:`to_host` / :func:`to_device`: the staging copies
 * :func:`available`, :func:`compile_kernels`
 

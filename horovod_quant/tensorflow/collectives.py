@@ -19,7 +19,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from ..comm.backend import Handle, ProcessSetCollectives, Then
+from ..exchange.collectives import Handle, ProcessSetCollectives, Then
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
 

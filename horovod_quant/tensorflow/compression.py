@@ -10,7 +10,7 @@ called while a graph is traced).
 Horovod allreduces whatever ``compress`` returns with the user's ``op``, which would destroy
 quantized codes, so ``compress`` builds the codec's own exchange out of graph ops:
 ``tf.numpy_function`` callbacks into the framework-neutral steps of
-:mod:`horovod_quant.comm.steps` (the same core code as every other adapter) around Horovod's TF
+:mod:`horovod_quant.exchange.steps` (the same core code as every other adapter) around Horovod's TF
 collectives on the encoded bytes (``hvd.allgather`` of uint8 frames for gather and custom
 codecs, ``hvd.allreduce(op=hvd.Sum)`` of int64 words for summable ones, ``hvd.alltoall`` +
 ``hvd.allgather`` for the scatter-reduce-allgather schedule, and first an allgather of the
@@ -58,7 +58,7 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
 from ..adapters import CompressionNamespace, CompressorSettings, ConfigCheck
-from ..comm import steps
+from ..exchange import steps
 from ..core.base import Codec
 from ..core.rng import derive_key
 from ..policy import LayerPolicy

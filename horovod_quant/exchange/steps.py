@@ -1,32 +1,12 @@
-"""One exchange cut into pure steps: the single implementation every adapter runs.
+"""The local steps of the exchange plans (:mod:`horovod_quant.exchange.plans`) and the framing.
 
-Each step takes what a collective delivered (NumPy arrays) and returns what the next collective
-sends, with the framing, seeds and order of operations that make the result equal
-:func:`horovod_quant.mean_estimate` bit for bit. Two drivers run them:
-:class:`~horovod_quant.comm.exchange.Exchange` calls the collectives itself (torch, tests), and
-the TensorFlow adapter runs them as Horovod TF ops between ``tf.numpy_function`` callbacks.
-
-An exchange of a flat float32 vector ``x`` with exchange seed ``seed`` between ``n`` ranks:
-
-* global-norm codecs (``needs_norm``) first: ``norm_wire(codec, [x, ...])`` -> allgather ->
-  ``norm_from_gathered(codec, gathered)``. The per-rank statistics are gathered and combined in
-  rank order, as the reference does: an allreduce would add in the backend's order (not
-  bit-exact for n >= 3) and MPI's max of a NaN is implementation-defined;
-* ``plan(codec, n, gather)`` says which collectives follow:
-
-  - ``"sum"``: ``encode_wire`` -> allreduce(sum) of the int64/float words -> ``decode_sum_wire``;
-  - ``"allgather"`` (gather codecs with the allgather schedule, and custom codecs, whose
-    reduction then runs locally on every rank): ``encode_wire`` (a framed uint8 array) ->
-    allgather -> ``combine_wire``;
-  - ``"sra"``: ``sra_encode_wire`` -> alltoall with the returned splits -> ``sra_reduce_wire``
-    -> allgather -> ``sra_decode_wire``.
-
-* NDQSG (``counts_outage``): ``combine_wire(..., own=(rank, x))`` counts this rank's wrong
-  coarse bins; allreduce(sum) of ``outage_wire(codec)`` -> ``outage_from_wire`` makes the
-  codec's ``last_stats["outside_share"]`` exact.
-
-``encode_wire`` also returns the payload's ``meta`` (values every rank knows without sending
-them, such as the global norm); pass it back to the decoding step of the same exchange.
+Each step takes what a collective delivered (NumPy or CuPy arrays) and returns what the next
+collective sends, with the framing, seeds and checks that make every runner's result equal
+:func:`horovod_quant.mean_estimate` bit for bit: encoding a rank's payload, framing payloads
+with their length and the exchange's :data:`Tag` (:func:`frame`, :func:`unframe`,
+:func:`check_tags`), the global norm's statistics, decoding a sum or a gather, the NDQSG outage
+count, and the three steps of the scatter-reduce-allgather plan. The order in which they run
+is written once, in the plans.
 """
 from __future__ import annotations
 
@@ -37,8 +17,8 @@ import numpy as np
 from .. import gpu
 from ..core.base import Codec, array_module, as_vector, worker_seed
 from ..core.payload import Payload
-from ..core.rng import name_key
-from ..core.schedules import chunk_bounds, chunk_seed, reencode_seed, resolve_gather
+from ..core.exp_reduce import chunk_bounds
+from ..core.rng import derive_key, name_key
 
 #: what the ranks exchange under one collective name: (elements of the whole tensor, 64-bit key
 #: of its name and shape); every rank's must be equal, or different tensors would be combined
@@ -115,32 +95,6 @@ def check_tags(tags: Sequence[Tag], name: str = "") -> None:
             f"different order); nothing was combined:\n{lines}")
 
 
-PLANS = ("sum", "allgather", "sra")
-
-
-def needs_norm(codec: Codec) -> bool:
-    """Whether the codec encodes with a global norm (one allreduce before encoding)."""
-    return hasattr(codec, "norm_statistic")
-
-
-def plan(codec: Codec, n: int, gather: str = "auto") -> str:
-    """Which collectives an exchange of ``codec`` between ``n`` ranks runs (module doc)."""
-    if codec.exchange == "sum":
-        return "sum"
-    if codec.exchange == "gather" and resolve_gather(gather, n, codec) == "sra":
-        return "sra"
-    return "allgather"
-
-
-def wire_dtype(codec: Codec, kind: str) -> np.dtype:
-    """dtype of the array ``encode_wire`` returns for plan ``kind``: uint8 frames, or for the
-    sum plan the payload's words (uint64 words travel as int64, whose wrapping sum is exact)."""
-    if kind != "sum":
-        return np.dtype(np.uint8)
-    dt = np.dtype(codec.wire_dtype)
-    return np.dtype(np.int64) if dt == np.uint64 else dt
-
-
 # -- global norm -------------------------------------------------------------------------------
 NORM_WIRE_WORDS = 1 + len(NO_TAG)
 
@@ -168,28 +122,19 @@ def norm_from_gathered(codec: Codec, gathered: np.ndarray, name: str = "") -> np
     return codec.norm_from_statistics([float(t) for t in words[:, 0]])
 
 
-# -- sum and allgather plans -------------------------------------------------------------------
+# -- sum, allgather and custom plans ------------------------------------------------------
 def encode_payload(codec: Codec, x: Any, seed: int, rank: int,
                    norm: float | None = None) -> Payload:
-    """Rank ``rank``'s payload in an exchange with seed ``seed`` (for custom collectives that
-    take payloads rather than wire arrays)."""
+    """Rank ``rank``'s payload in an exchange with seed ``seed`` (``norm``: the global norm of
+    ``needs_norm`` codecs)."""
     return codec.encode_worker(as_vector(x), seed, rank, norm)
 
 
-def encode_wire(codec: Codec, x: Any, seed: int, rank: int, kind: str,
-                norm: float | None = None, tag: Tag = NO_TAG) -> tuple[np.ndarray, dict]:
-    """What rank ``rank`` sends in an exchange with seed ``seed``: ``(wire array, meta)``.
-
-    For ``kind == "sum"`` the payload's words (dtype :func:`wire_dtype`), to be summed
-    elementwise (an allreduce checks the ranks' lengths itself); for ``"allgather"`` the
-    framed payload bytes (:func:`frame`, carrying ``tag``).
-    """
-    payload = encode_payload(codec, x, seed, rank, norm)
-    if kind == "sum":
-        data = payload.data.reshape(-1)
-        wire = data.view(np.int64) if data.dtype == np.uint64 else data
-        return wire, dict(payload.meta)
-    return frame(payload, tag), {k: v for k, v in payload.meta.items() if k != "seed"}
+def sum_words(payload: Payload) -> Any:
+    """The payload's words as the sum plan's allreduce adds them: uint64 words as int64 (whose
+    wrapping sum is exact modulo 2^64), other word types as they are."""
+    data = payload.data.reshape(-1)
+    return data.view(np.int64) if data.dtype == np.uint64 else data
 
 
 def decode_sum_wire(codec: Codec, total: np.ndarray, size: int, n: int, meta: dict,
@@ -199,11 +144,6 @@ def decode_sum_wire(codec: Codec, total: np.ndarray, size: int, n: int, meta: di
     data = array_module(total).ascontiguousarray(total).reshape(-1).view(
         np.dtype(codec.wire_dtype))
     return codec.decode_sum(Payload(data, int(size), dict(meta)), int(n), out)
-
-
-def counts_outage(codec: Codec) -> bool:
-    """Whether an exchange of ``codec`` ends with the outage-count allreduce (NDQSG)."""
-    return codec.counts_outage
 
 
 def combine_wire(codec: Codec, gathered: np.ndarray, size: int, seed: int, n: int,
@@ -223,7 +163,7 @@ def combine_wire(codec: Codec, gathered: np.ndarray, size: int, seed: int, n: in
     seeds = [worker_seed(seed, r) for r in range(n)]
     payloads = [codec.payload_from_wire(b, int(size), **{**meta, "seed": s})
                 for b, s in zip(parts, seeds)]
-    if own is not None and counts_outage(codec):
+    if own is not None and codec.counts_outage:
         inputs: list[Any] = [None] * n
         inputs[own[0]] = own[1]
         return codec.decode_side_info(payloads, seeds, inputs=inputs, out=out)
@@ -242,16 +182,30 @@ def outage_from_wire(codec: Codec, total: np.ndarray) -> None:
 
 
 # -- scatter-reduce-allgather plan -------------------------------------------------------------
+REENCODE_TAG = 0x5EA
+
+
+def chunk_seed(seed: int, rank: int, chunk: int) -> int:
+    """Seed rank ``rank`` encodes chunk ``chunk`` with in the sra plan."""
+    return derive_key(worker_seed(seed, rank), chunk)
+
+
+def reencode_seed(seed: int, chunk: int) -> int:
+    """Seed the owner of ``chunk`` re-encodes the chunk mean with in the sra plan."""
+    return derive_key(seed, REENCODE_TAG, chunk)
+
+
 def sra_encode_wire(codec: Codec, x: Any, seed: int, rank: int, n: int, tag: Tag = NO_TAG
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Sra plan, step 1: ``(send bytes, int32 splits)`` for an alltoall; chunk c goes to rank c.
-    Every frame carries ``tag``, checked by the receiving rank (each rank receives one frame of
-    every rank, so all of them see a mismatch)."""
+                    ) -> tuple[Any, np.ndarray, int]:
+    """Sra plan, step 1: ``(send bytes, int32 splits, payload bytes)`` for an alltoall; chunk
+    c goes to rank c. Every frame carries ``tag``, checked by the receiving rank (each rank
+    receives one frame of every rank, so all of them see a mismatch)."""
     v = as_vector(x)
-    frames = [frame(codec.encode(v[lo:hi], seed=chunk_seed(seed, rank, c)), tag)
-              for c, (lo, hi) in enumerate(chunk_bounds(v.size, n))]
-    return (array_module(v).concatenate(frames),
-            np.array([f.size for f in frames], np.int32))
+    payloads = [codec.encode(v[lo:hi], seed=chunk_seed(seed, rank, c))
+                for c, (lo, hi) in enumerate(chunk_bounds(v.size, n))]
+    frames = [frame(p, tag) for p in payloads]
+    return (array_module(v).concatenate(frames), np.array([f.size for f in frames], np.int32),
+            sum(p.nbytes for p in payloads))
 
 
 def sra_reduce_wire(codec: Codec, received: np.ndarray, size: int, seed: int, rank: int,

@@ -87,7 +87,7 @@ class Done(Handle):
 
 class Collectives(abc.ABC):
     """Asynchronous collectives over 1-D NumPy arrays (and CuPy arrays, for backends that
-    move device buffers; :class:`~horovod_quant.comm.staging.HostStaged` adapts the others).
+    move device buffers; :class:`~horovod_quant.exchange.staging.HostStaged` adapts the others).
 
     Attributes:
         rank: this process's rank in the group.

@@ -1,0 +1,268 @@
+"""Every exchange kind written once, as a plan: local steps between collective requests.
+
+A plan is a generator function of one :class:`Piece` (one rank's part of one exchange). It runs
+the local steps of :mod:`horovod_quant.exchange.steps` and yields a collective request
+(:class:`Allreduce`, :class:`Allgather`, :class:`Alltoall`, :class:`Custom`) whenever the next
+step needs the other ranks; whoever runs the plan performs the collective and sends its result
+back in (``generator.send``). The generator's return value is the float32 mean estimate, the
+same on every rank. Three runners exist:
+
+* :class:`horovod_quant.exchange.Exchange` (torch, the DDP door, tests): asynchronous
+  :class:`~.collectives.Collectives`, pieces of a pipelined exchange in flight together, the
+  MPI exponent allreduce as the :class:`Custom` collective;
+* the TensorFlow compressor: each request becomes a Horovod TF op between
+  ``tf.numpy_function`` callbacks that resume the generator (:func:`signature` says at trace
+  time which ops the graph needs);
+* :func:`horovod_quant.exchange.reference.mean_estimate`: n ranks' plans in lockstep in one
+  process with exact simulated collectives (the test oracle).
+
+The plans (``KINDS``; :func:`plan_kind` picks one from the codec's declared capabilities):
+
+* ``"sum"`` (``exchange == "sum"``): the payload's words (uint64 words as int64, whose wrapping
+  sum is exact) -> allreduce(sum) -> ``decode_sum``;
+* ``"allgather"`` (gather codecs with the allgather schedule, custom codecs without their
+  collective): framed payloads (:func:`~.steps.frame`) -> allgather -> every rank combines the
+  n payloads in rank order; codecs that ``counts_outage`` (NDQSG) end with an int64
+  allreduce(sum) of each rank's wrong coarse bins, which makes ``outside_share`` exact;
+* ``"custom"`` (``exchange == "custom"`` with a registered collective, e.g. the mpi4py exponent
+  allreduce of Global-QSGD): the payload -> the codec's collective, which returns the mean;
+* ``"sra"`` (scatter-reduce-allgather, the bidirectional compression of the natural-compression
+  paper, Algorithm 1): the vector is cut into n chunks; rank r encodes chunk c with
+  :func:`~.steps.chunk_seed` and sends it to rank c (alltoall); rank c combines its chunk's n payloads in
+  rank order, re-encodes the mean with :func:`~.steps.reencode_seed` and the re-encoded chunks are
+  allgathered. Receive volume about 2 (n - 1) / n * P instead of (n - 1) * P, at the price of a
+  second quantization (variance omega_W / n + omega_M in the paper's notation).
+
+Global-norm codecs (``needs_norm``) first run :func:`norm_plan` over the whole vector (one
+allgather of per-rank statistics, combined in rank order: an allreduce would add in the
+backend's order, not bit-exact for n >= 3, and MPI's max of a NaN is implementation-defined).
+
+Pipelining: a vector longer than ``pipeline_elems`` is exchanged as pieces
+(:func:`pipeline_bounds`), each its own plan with seed :func:`pipeline_seed`. Runners start
+every piece (encode it and issue its first collective) before finishing any, so that piece k is
+on the wire while k + 1 is encoded, and so that a stateful codec (NDQSG) encodes every piece
+with the same state, whatever the runner.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Generator, NamedTuple, Sequence
+
+import numpy as np
+
+from ..core.base import Codec
+from ..core.payload import Payload
+from ..core.rng import derive_key
+from . import steps
+
+PIPELINE_TAG = 0x919E
+SRA_MIN_WORLD = 5
+GATHER_SCHEDULES = ("auto", "allgather", "sra")
+#: default piece length of a pipelined exchange (Exchange, the torch doors): 2^21 float32 =
+#: 8 MiB, a multiple of the packing block and of every power-of-two bucket size up to it (so
+#: no bucket is cut in two). mean_estimate exchanges whole vectors unless given this value.
+DEFAULT_PIPELINE_ELEMS = 1 << 21
+
+
+# -- collective requests -----------------------------------------------------------------------
+class Allreduce(NamedTuple):
+    """Elementwise ``op`` over the ranks' ``array``; the result is the reduced array."""
+
+    array: Any
+    op: str = "sum"
+    suffix: str = ""  # appended to the exchange's collective name
+    payload_bytes: int = 0  # codec payload bytes in ``array`` (mean_estimate's wire count)
+
+
+class Allgather(NamedTuple):
+    """The ranks' ``array`` concatenated in rank order."""
+
+    array: Any
+    suffix: str = ""
+    payload_bytes: int = 0
+
+
+class Alltoall(NamedTuple):
+    """``array[sum(splits[:r]):sum(splits[:r + 1])]`` to rank r; the result is ``(received,
+    received splits)``."""
+
+    array: Any
+    splits: list
+    suffix: str = ""
+    payload_bytes: int = 0
+
+
+class Custom(NamedTuple):
+    """The codec's own collective (``Codec.custom_collective``) on ``payload``; the result is
+    the float32 mean estimate."""
+
+    payload: Payload
+    seed: int
+    suffix: str = ""
+    payload_bytes: int = 0
+
+    @property
+    def array(self) -> Any:
+        return self.payload.data
+
+
+Request = Allreduce | Allgather | Alltoall | Custom
+Plan = Generator[Request, Any, Any]
+
+
+class Piece(NamedTuple):
+    """One rank's part of one exchange (a whole vector, or a piece of a pipelined one).
+
+    Attributes:
+        codec: the codec.
+        x: this rank's float32 vector (host or device); NDQSG reads it again after the gather.
+        seed: the exchange seed of this piece (the same on every rank).
+        rank: this rank.
+        n: the number of ranks.
+        norm: the global norm for ``needs_norm`` codecs, else None.
+        tag: what every rank must agree this exchange carries (:func:`~.steps.exchange_tag`).
+        out: float32 buffer of ``x.size`` the mean estimate is written to.
+        label: the exchange's name in error messages.
+    """
+
+    codec: Codec
+    x: Any
+    seed: int
+    rank: int
+    n: int
+    norm: float | None
+    tag: steps.Tag
+    out: Any
+    label: str = ""
+
+
+# -- the plans ---------------------------------------------------------------------------------
+def norm_plan(codec: Codec, xs: Sequence[Any], tag: steps.Tag = steps.NO_TAG,
+              label: str = "") -> Plan:
+    """The global norm over every rank and every vector of ``xs``: one allgather of each
+    rank's statistic and ``tag`` (checked on every rank). Returns the norm."""
+    gathered = yield Allgather(steps.norm_wire(codec, list(xs), tag))
+    return steps.norm_from_gathered(codec, gathered, label)
+
+
+def sum_plan(p: Piece) -> Plan:
+    payload = steps.encode_payload(p.codec, p.x, p.seed, p.rank, p.norm)
+    total = yield Allreduce(steps.sum_words(payload), "sum", payload_bytes=payload.nbytes)
+    return steps.decode_sum_wire(p.codec, total, p.x.size, p.n, payload.meta, p.out)
+
+
+def allgather_plan(p: Piece) -> Plan:
+    codec = p.codec
+    payload = steps.encode_payload(codec, p.x, p.seed, p.rank, p.norm)
+    gathered = yield Allgather(steps.frame(payload, p.tag), payload_bytes=payload.nbytes)
+    own = (p.rank, p.x) if codec.counts_outage else None
+    mean = steps.combine_wire(codec, gathered, p.x.size, p.seed, p.n, payload.meta, own, p.out,
+                              p.label)
+    if codec.counts_outage:
+        # this rank's count is read now: a lockstep runner's next rank combines next
+        total = yield Allreduce(steps.outage_wire(codec), "sum", ".outage")
+        steps.outage_from_wire(codec, total)
+    return mean
+
+
+def custom_plan(p: Piece) -> Plan:
+    payload = steps.encode_payload(p.codec, p.x, p.seed, p.rank, p.norm)
+    p.out[:] = yield Custom(payload, p.seed, payload_bytes=payload.nbytes)
+    return p.out
+
+
+def sra_plan(p: Piece) -> Plan:
+    codec, size, n = p.codec, p.x.size, p.n
+    send, splits, sent = steps.sra_encode_wire(codec, p.x, p.seed, p.rank, n, p.tag)
+    received, _ = yield Alltoall(send, splits.tolist(), ".scatter", sent)
+    again = steps.sra_reduce_wire(codec, received, size, p.seed, p.rank, n, p.label)
+    gathered = yield Allgather(again, ".gather", again.nbytes - steps.FRAME_HEADER_BYTES)
+    return steps.sra_decode_wire(codec, gathered, size, p.seed, n, p.out)
+
+
+PLANS: dict[str, Callable[[Piece], Plan]] = {
+    "sum": sum_plan, "allgather": allgather_plan, "custom": custom_plan, "sra": sra_plan}
+KINDS = tuple(PLANS)
+
+
+def signature(kind: str, codec: Codec) -> list[tuple[type, np.dtype | None]]:
+    """The requests a plan of ``kind`` yields, in order, with their arrays' dtypes: what a
+    runner that must build its collectives before the plan runs (a TensorFlow graph) lays out.
+    The plan is checked against it as it runs (:func:`check_request`)."""
+    if kind == "norm":
+        return [(Allgather, np.dtype(np.float64))]
+    if kind == "sum":
+        dt = np.dtype(codec.wire_dtype)
+        return [(Allreduce, np.dtype(np.int64) if dt == np.uint64 else dt)]
+    if kind == "allgather":
+        outage = [(Allreduce, np.dtype(np.int64))] if codec.counts_outage else []
+        return [(Allgather, np.dtype(np.uint8))] + outage
+    if kind == "sra":
+        return [(Alltoall, np.dtype(np.uint8)), (Allgather, np.dtype(np.uint8))]
+    return [(Custom, None)]
+
+
+def check_request(request: Any, expected: tuple[type, np.dtype | None], label: str) -> None:
+    """Raise RuntimeError when a plan yields another request than its :func:`signature`."""
+    kind, dtype = expected
+    if type(request) is not kind or (dtype is not None and request.array.dtype != dtype):
+        raise RuntimeError(f"exchange {label!r}: the plan yielded {type(request).__name__} of "
+                           f"{getattr(request.array, 'dtype', None)} where its signature says "
+                           f"{kind.__name__} of {dtype}")
+
+
+# -- which plan, which pieces, which seeds -----------------------------------------------------
+def resolve_gather(schedule: str, n: int, codec: Codec | None = None) -> str:
+    """The concrete schedule for ``schedule`` ("auto", "allgather" or "sra") and n ranks.
+
+    Codecs that ``needs_norm`` (sparse Global-QSGD) always allgather: re-encoding a chunk mean
+    would need a second global norm, which the sra plan does not have. ``auto`` picks allgather
+    below ``SRA_MIN_WORLD`` ranks and sra from there on.
+    """
+    if schedule not in GATHER_SCHEDULES:
+        raise ValueError(f"gather={schedule!r} is not valid: choose one of {list(GATHER_SCHEDULES)}")
+    if codec is not None and codec.needs_norm:
+        return "allgather"
+    if schedule == "auto":
+        return "sra" if n >= SRA_MIN_WORLD else "allgather"
+    return schedule
+
+
+def plan_kind(codec: Codec, n: int, gather: str = "auto", custom: bool = False) -> str:
+    """The plan (module doc) an exchange of ``codec`` between ``n`` ranks runs; ``custom``:
+    the runner has the codec's custom collective."""
+    if codec.exchange == "sum":
+        return "sum"
+    if codec.exchange == "custom":
+        return "custom" if custom else "allgather"
+    return "sra" if resolve_gather(gather, n, codec) == "sra" else "allgather"
+
+
+def pipeline_bounds(size: int, pipeline_elems: int | None) -> list[tuple[int, int]]:
+    """The pieces of a pipelined exchange: ``[(0, size)]`` when ``pipeline_elems`` is None or
+    at least ``size``, else pieces of ``pipeline_elems`` elements (the last one shorter)."""
+    if pipeline_elems is None or size <= pipeline_elems:
+        return [(0, size)]
+    return [(lo, min(lo + pipeline_elems, size)) for lo in range(0, size, pipeline_elems)]
+
+
+def check_pipeline_elems(pipeline_elems: int | None) -> int | None:
+    """Validate a ``pipeline_elems`` argument (None: no pipelining)."""
+    if pipeline_elems is None:
+        return None
+    if isinstance(pipeline_elems, bool) or not isinstance(pipeline_elems, (int, np.integer)) \
+            or pipeline_elems < 1:
+        raise ValueError(f"pipeline_elems={pipeline_elems!r} must be a positive integer "
+                         f"(elements per piece, e.g. {DEFAULT_PIPELINE_ELEMS}) or None")
+    return int(pipeline_elems)
+
+
+def pipeline_seed(seed: int, piece: int, pieces: int) -> int:
+    """Seed of piece ``piece`` of ``pieces``: the exchange seed itself when there is one piece
+    (an unpipelined exchange), else an independent key per piece."""
+    return seed if pieces == 1 else derive_key(seed, PIPELINE_TAG, piece)
+
+
+def piece_name(name: str, piece: int, pieces: int) -> str:
+    """Collective name of piece ``piece`` of an exchange called ``name``."""
+    return name if pieces == 1 else f"{name}.p{piece}"
+
