@@ -201,9 +201,11 @@ def signature(kind: str, codec: Codec) -> list[tuple[type, np.dtype | None]]:
     return [(Custom, None)]
 
 
-def check_request(request: Any, expected: tuple[type, np.dtype | None], label: str) -> None:
-    """Raise RuntimeError when a plan yields another request than its :func:`signature`."""
-    kind, dtype = expected
+def check_request(request: Any, expected: tuple[type, np.dtype | None] | None,
+                  label: str) -> None:
+    """Raise RuntimeError when a plan yields another request than its :func:`signature`
+    (``expected``: the signature's entry, None past its end)."""
+    kind, dtype = expected if expected is not None else (type(None), None)
     if type(request) is not kind or (dtype is not None and request.array.dtype != dtype):
         raise RuntimeError(f"exchange {label!r}: the plan yielded {type(request).__name__} of "
                            f"{getattr(request.array, 'dtype', None)} where its signature says "
