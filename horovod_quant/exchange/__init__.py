@@ -3,7 +3,7 @@
 * :mod:`.plans`: every exchange kind (sum, allgather, custom, scatter-reduce-allgather, the
   global-norm prologue, the NDQSG outage epilogue) written once, as generators that yield
   collective requests between local steps;
-* :mod:`.steps`: those local steps and the framing of payloads;
+* :mod:`.wire`: frames, tags and the norm statistics' words;
 * :mod:`.driver`: :class:`Exchange`, the runner over asynchronous :class:`Collectives`
   (pipelined pieces, custom collectives);
 * :mod:`.reference`: :func:`mean_estimate`, the runner of n simulated ranks in lockstep;

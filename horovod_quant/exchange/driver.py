@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..core.base import Codec, array_module
-from . import plans, steps
+from . import plans, wire
 from .collectives import Collectives, Handle
 
 #: custom collectives by the name codecs declare (``Codec.custom_collective``):
@@ -112,7 +112,7 @@ def issue(comm: Collectives, request: plans.Request, name: str, custom: Any = No
 
 
 def global_norm(codec: Codec, xs_local: list[np.ndarray], comm: Collectives, name: str,
-                tag: steps.Tag = steps.NO_TAG) -> float:
+                tag: wire.Tag = wire.NO_TAG) -> float:
     """Global norm over every rank and every given vector (:func:`~.plans.norm_plan`: one
     allgather of the float64 statistic and ``tag``, which every rank checks)."""
     return _Running(plans.norm_plan(codec, xs_local, tag, name), comm, name, None,
@@ -157,7 +157,7 @@ class Exchange:
         return self.needs_norm or self._custom is not None
 
     def start(self, x: np.ndarray, seed: int, name: str, norm: float | None = None,
-              out: np.ndarray | None = None, tag: steps.Tag | None = None) -> Pending:
+              out: np.ndarray | None = None, tag: wire.Tag | None = None) -> Pending:
         """Encode ``x`` (float32, 1-D) and start its exchange under collective name ``name``
         (pieces add ``.p<k>``). Exchanges that :attr:`blocks_on_peers` must be started in the
         same order on every rank.
@@ -170,7 +170,7 @@ class Exchange:
             norm: the global norm, for global-norm codecs whose caller computed it.
             out: float32 buffer of ``x.size`` the mean is written to (reusing one buffer
                 across steps avoids the page faults of a fresh allocation); None: a new array.
-            tag: what the ranks must agree this exchange carries (:func:`~.steps.exchange_tag`;
+            tag: what the ranks must agree this exchange carries (:func:`~.wire.exchange_tag`;
                 default: ``name`` and ``x.size``), checked at its first collective on every
                 rank, which raises ValueError if any rank's differs.
 
@@ -179,7 +179,7 @@ class Exchange:
         """
         stats = ExchangeStats(x.size * 4)
         if tag is None:
-            tag = steps.exchange_tag(name, (x.size,))
+            tag = wire.exchange_tag(name, (x.size,))
         if out is None:
             out = array_module(x).empty(x.size, np.float32)
         if self.needs_norm and norm is None:

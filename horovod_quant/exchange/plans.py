@@ -1,7 +1,8 @@
 """Every exchange kind written once, as a plan: local steps between collective requests.
 
 A plan is a generator function of one :class:`Piece` (one rank's part of one exchange). It runs
-the local steps of :mod:`horovod_quant.exchange.steps` and yields a collective request
+local steps (codec calls, framing from :mod:`horovod_quant.exchange.wire`) and yields a
+collective request
 (:class:`Allreduce`, :class:`Allgather`, :class:`Alltoall`, :class:`Custom`) whenever the next
 step needs the other ranks; whoever runs the plan performs the collective and sends its result
 back in (``generator.send``). The generator's return value is the float32 mean estimate, the
@@ -21,15 +22,15 @@ The plans (``KINDS``; :func:`plan_kind` picks one from the codec's declared capa
 * ``"sum"`` (``exchange == "sum"``): the payload's words (uint64 words as int64, whose wrapping
   sum is exact) -> allreduce(sum) -> ``decode_sum``;
 * ``"allgather"`` (gather codecs with the allgather schedule, custom codecs without their
-  collective): framed payloads (:func:`~.steps.frame`) -> allgather -> every rank combines the
+  collective): framed payloads (:func:`~.wire.frame`) -> allgather -> every rank combines the
   n payloads in rank order; codecs that ``counts_outage`` (NDQSG) end with an int64
   allreduce(sum) of each rank's wrong coarse bins, which makes ``outside_share`` exact;
 * ``"custom"`` (``exchange == "custom"`` with a registered collective, e.g. the mpi4py exponent
   allreduce of Global-QSGD): the payload -> the codec's collective, which returns the mean;
 * ``"sra"`` (scatter-reduce-allgather, the bidirectional compression of the natural-compression
   paper, Algorithm 1): the vector is cut into n chunks; rank r encodes chunk c with
-  :func:`~.steps.chunk_seed` and sends it to rank c (alltoall); rank c combines its chunk's n payloads in
-  rank order, re-encodes the mean with :func:`~.steps.reencode_seed` and the re-encoded chunks are
+  :func:`chunk_seed` and sends it to rank c (alltoall); rank c combines its chunk's n payloads in
+  rank order, re-encodes the mean with :func:`reencode_seed` and the re-encoded chunks are
   allgathered. Receive volume about 2 (n - 1) / n * P instead of (n - 1) * P, at the price of a
   second quantization (variance omega_W / n + omega_M in the paper's notation).
 
@@ -49,11 +50,13 @@ from typing import Any, Callable, Generator, NamedTuple, Sequence
 
 import numpy as np
 
-from ..core.base import Codec
+from ..core.base import Codec, array_module, as_vector, worker_seed
+from ..core.exp_reduce import chunk_bounds
 from ..core.payload import Payload
 from ..core.rng import derive_key
-from . import steps
+from . import wire
 
+REENCODE_TAG = 0x5EA
 PIPELINE_TAG = 0x919E
 SRA_MIN_WORLD = 5
 GATHER_SCHEDULES = ("auto", "allgather", "sra")
@@ -119,7 +122,7 @@ class Piece(NamedTuple):
         rank: this rank.
         n: the number of ranks.
         norm: the global norm for ``needs_norm`` codecs, else None.
-        tag: what every rank must agree this exchange carries (:func:`~.steps.exchange_tag`).
+        tag: what every rank must agree this exchange carries (:func:`~.wire.exchange_tag`).
         out: float32 buffer of ``x.size`` the mean estimate is written to.
         label: the exchange's name in error messages.
     """
@@ -130,53 +133,74 @@ class Piece(NamedTuple):
     rank: int
     n: int
     norm: float | None
-    tag: steps.Tag
+    tag: wire.Tag
     out: Any
     label: str = ""
 
 
 # -- the plans ---------------------------------------------------------------------------------
-def norm_plan(codec: Codec, xs: Sequence[Any], tag: steps.Tag = steps.NO_TAG,
+def norm_plan(codec: Codec, xs: Sequence[Any], tag: wire.Tag = wire.NO_TAG,
               label: str = "") -> Plan:
     """The global norm over every rank and every vector of ``xs``: one allgather of each
     rank's statistic and ``tag`` (checked on every rank). Returns the norm."""
-    gathered = yield Allgather(steps.norm_wire(codec, list(xs), tag))
-    return steps.norm_from_gathered(codec, gathered, label)
+    gathered = yield Allgather(wire.norm_wire(codec, list(xs), tag))
+    return wire.norm_from_gathered(codec, gathered, label)
 
 
 def sum_plan(p: Piece) -> Plan:
-    payload = steps.encode_payload(p.codec, p.x, p.seed, p.rank, p.norm)
-    total = yield Allreduce(steps.sum_words(payload), "sum", payload_bytes=payload.nbytes)
-    return steps.decode_sum_wire(p.codec, total, p.x.size, p.n, payload.meta, p.out)
+    codec = p.codec
+    payload = codec.encode_worker(as_vector(p.x), p.seed, p.rank, p.norm)
+    words = payload.data.reshape(-1)
+    total = yield Allreduce(words.view(np.int64) if words.dtype == np.uint64 else words,
+                            payload_bytes=payload.nbytes)
+    total = array_module(total).ascontiguousarray(total).reshape(-1).view(codec.wire_dtype)
+    return codec.decode_sum(Payload(total, p.x.size, dict(payload.meta)), p.n, p.out)
 
 
 def allgather_plan(p: Piece) -> Plan:
-    codec = p.codec
-    payload = steps.encode_payload(codec, p.x, p.seed, p.rank, p.norm)
-    gathered = yield Allgather(steps.frame(payload, p.tag), payload_bytes=payload.nbytes)
-    own = (p.rank, p.x) if codec.counts_outage else None
-    mean = steps.combine_wire(codec, gathered, p.x.size, p.seed, p.n, payload.meta, own, p.out,
-                              p.label)
-    if codec.counts_outage:
-        # this rank's count is read now: a lockstep runner's next rank combines next
-        total = yield Allreduce(steps.outage_wire(codec), "sum", ".outage")
-        steps.outage_from_wire(codec, total)
+    codec, n = p.codec, p.n
+    payload = codec.encode_worker(as_vector(p.x), p.seed, p.rank, p.norm)
+    gathered = yield Allgather(wire.frame(payload, p.tag), payload_bytes=payload.nbytes)
+    seeds = [worker_seed(p.seed, r) for r in range(n)]
+    payloads = [codec.payload_from_wire(b, p.x.size, **{**payload.meta, "seed": s})
+                for b, s in zip(wire.unframe_all(gathered, n, "framed payloads", p.label), seeds)]
+    if not codec.counts_outage:
+        return codec.combine_gathered(payloads, p.seed, out=p.out)
+    # NDQSG: this rank counts its own wrong coarse bins; one allreduce sums every rank's count
+    inputs: list[Any] = [None] * n
+    inputs[p.rank] = p.x
+    mean = codec.decode_side_info(payloads, seeds, inputs=inputs, out=p.out)
+    count = np.array([codec.last_stats.get("outside_count", 0)], np.int64)  # read before a
+    total = yield Allreduce(count, "sum", ".outage")  # lockstep runner's next rank combines
+    codec.set_outside_total(int(np.asarray(total).reshape(-1)[0]))
     return mean
 
 
 def custom_plan(p: Piece) -> Plan:
-    payload = steps.encode_payload(p.codec, p.x, p.seed, p.rank, p.norm)
+    payload = p.codec.encode_worker(as_vector(p.x), p.seed, p.rank, p.norm)
     p.out[:] = yield Custom(payload, p.seed, payload_bytes=payload.nbytes)
     return p.out
 
 
 def sra_plan(p: Piece) -> Plan:
-    codec, size, n = p.codec, p.x.size, p.n
-    send, splits, sent = steps.sra_encode_wire(codec, p.x, p.seed, p.rank, n, p.tag)
-    received, _ = yield Alltoall(send, splits.tolist(), ".scatter", sent)
-    again = steps.sra_reduce_wire(codec, received, size, p.seed, p.rank, n, p.label)
-    gathered = yield Allgather(again, ".gather", again.nbytes - steps.FRAME_HEADER_BYTES)
-    return steps.sra_decode_wire(codec, gathered, size, p.seed, n, p.out)
+    codec, n, bounds = p.codec, p.n, chunk_bounds(p.x.size, p.n)
+    v = as_vector(p.x)
+    chunks = [codec.encode(v[lo:hi], seed=chunk_seed(p.seed, p.rank, c))
+              for c, (lo, hi) in enumerate(bounds)]
+    frames = [wire.frame(c, p.tag) for c in chunks]  # chunk c to rank c, which checks the tags
+    received, _ = yield Alltoall(array_module(v).concatenate(frames), [f.size for f in frames],
+                                 ".scatter", sum(c.nbytes for c in chunks))
+    lo, hi = bounds[p.rank]
+    mine = [codec.payload_from_wire(b, hi - lo, seed=chunk_seed(p.seed, r, p.rank))
+            for r, b in enumerate(wire.unframe_all(received, n, "chunks", p.label))]
+    again = codec.encode(Codec.combine_gathered(codec, mine, p.seed),
+                         seed=reencode_seed(p.seed, p.rank))
+    gathered = yield Allgather(wire.frame(again), ".gather", again.nbytes)
+    for c, ((lo, hi), part) in enumerate(zip(bounds, wire.unframe_all(
+            gathered, n, "re-encoded chunks", p.label))):
+        codec.decode(codec.payload_from_wire(part, hi - lo, seed=reencode_seed(p.seed, c)),
+                     p.out[lo:hi])
+    return p.out
 
 
 PLANS: dict[str, Callable[[Piece], Plan]] = {
@@ -237,6 +261,16 @@ def plan_kind(codec: Codec, n: int, gather: str = "auto", custom: bool = False) 
     if codec.exchange == "custom":
         return "custom" if custom else "allgather"
     return "sra" if resolve_gather(gather, n, codec) == "sra" else "allgather"
+
+
+def chunk_seed(seed: int, rank: int, chunk: int) -> int:
+    """Seed rank ``rank`` encodes chunk ``chunk`` with in the sra plan."""
+    return derive_key(worker_seed(seed, rank), chunk)
+
+
+def reencode_seed(seed: int, chunk: int) -> int:
+    """Seed the owner of ``chunk`` re-encodes the chunk mean with in the sra plan."""
+    return derive_key(seed, REENCODE_TAG, chunk)
 
 
 def pipeline_bounds(size: int, pipeline_elems: int | None) -> list[tuple[int, int]]:

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..core.base import Codec, as_vector
-from . import plans, steps
+from . import plans, wire
 
 
 def _simulate(requests: list[plans.Request]) -> list[Any]:
@@ -121,7 +121,7 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
         norm = Lockstep([plans.norm_plan(codec, [v]) for v in vecs]).finish()[0]
     outs = [np.empty(size, np.float32) for _ in vecs]
     pieces = [Lockstep([plans.PLANS[kind](plans.Piece(
-        codec, v[lo:hi], plans.pipeline_seed(seed, k, len(bounds)), r, n, norm, steps.NO_TAG,
+        codec, v[lo:hi], plans.pipeline_seed(seed, k, len(bounds)), r, n, norm, wire.NO_TAG,
         out[lo:hi])) for r, (v, out) in enumerate(zip(vecs, outs))])
         for k, (lo, hi) in enumerate(bounds)]  # every piece encoded before any is combined
     for piece in pieces:

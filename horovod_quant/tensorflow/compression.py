@@ -8,17 +8,15 @@ allreduce of an eagerly built tape/optimizer in a ``tf.function``, so ``compress
 called while a graph is traced).
 
 Horovod allreduces whatever ``compress`` returns with the user's ``op``, which would destroy
-quantized codes, so ``compress`` builds the codec's own exchange out of graph ops:
-``tf.numpy_function`` callbacks into the framework-neutral steps of
-:mod:`horovod_quant.exchange.steps` (the same core code as every other adapter) around Horovod's TF
-collectives on the encoded bytes (``hvd.allgather`` of uint8 frames for gather and custom
-codecs, ``hvd.allreduce(op=hvd.Sum)`` of int64 words for summable ones, ``hvd.alltoall`` +
-``hvd.allgather`` for the scatter-reduce-allgather schedule, and first an allgather of the
-per-rank norm statistics for global-norm codecs; NDQSG ends with an int64 allreduce of the
-ranks' wrong-coarse-bin counts). The gathered/reduced tensor stays in ``ctx`` and
-Horovod reduces a one-element float32 placeholder holding 1.0, whose reduced value is the
-factor the user's op and pre/postscale factors imply (1 for Average, n for Sum); ``decompress``
-decodes, applies that factor, reshapes and casts back to the gradient's dtype.
+quantized codes, so ``compress`` runs the codec's exchange plan (:mod:`horovod_quant.exchange.plans`,
+the generators that ``Exchange`` and ``mean_estimate`` run too) as graph ops: a
+``tf.numpy_function`` callback starts the plan, and each collective it asks for is a Horovod TF
+op (laid out by :func:`~horovod_quant.exchange.plans.signature`) followed by a callback that
+resumes the plan with the op's result; a custom collective (the mpi4py exponent allreduce) runs
+inside a callback. The mean estimate stays in ``ctx`` and Horovod reduces a one-element float32
+placeholder holding 1.0, whose reduced value is the factor the user's op and pre/postscale
+factors imply (1 for Average, n for Sum); ``decompress`` applies that factor, reshapes and
+casts back to the gradient's dtype.
 
 Seeds. Each compressor owns an int64 ``tf.Variable`` call counter. Every compressed tensor
 takes the counter's value k and increments it (``assign_add`` inside the graph, so the count
@@ -59,7 +57,7 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
 from ..adapters import CompressionNamespace, CompressorSettings, ConfigCheck
-from ..exchange import CUSTOM_COLLECTIVES, plans, steps
+from ..exchange import CUSTOM_COLLECTIVES, plans, wire
 from ..core.base import Codec
 from ..core.rng import derive_key
 from ..policy import LayerPolicy
@@ -154,8 +152,8 @@ class _Spec(NamedTuple):
     prefix: str  # the configuration check's ``hq.<group>.<n>``
     custom: Any  # the codec's custom collective (plans.Custom), or None
 
-    def tag(self, k: int) -> steps.Tag:
-        return steps.exchange_tag(f"{self.key}#{k}" if self.key else f"#{k}", self.shape)
+    def tag(self, k: int) -> wire.Tag:
+        return wire.exchange_tag(f"{self.key}#{k}" if self.key else f"#{k}", self.shape)
 
     def label(self, k: int) -> str:
         """The exchange's name in error messages."""

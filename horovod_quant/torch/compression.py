@@ -49,7 +49,7 @@ from horovod.torch.compression import Compressor
 
 from ..adapters import CompressionNamespace, CompressorSettings, ConfigCheck
 from ..exchange.driver import Exchange
-from ..exchange.steps import exchange_tag
+from ..exchange.wire import exchange_tag
 from ..core.base import Codec
 from ..core.rng import derive_key, name_key
 from ..policy import LayerPolicy

@@ -39,7 +39,7 @@ import torch
 
 from ..adapters import check_same_config, check_seed
 from ..exchange.driver import Exchange, global_norm
-from ..exchange.steps import NORM_WIRE_WORDS, exchange_tag
+from ..exchange.wire import NORM_WIRE_WORDS, exchange_tag
 from ..core import get_codec
 from ..core.base import Codec
 from ..core.rng import derive_key

@@ -5,7 +5,7 @@ import pytest
 import horovod_quant as hq
 from horovod_quant.exchange import Exchange, LocalCollectives
 from horovod_quant.exchange.plans import pipeline_seed
-from horovod_quant.exchange.steps import frame, unframe
+from horovod_quant.exchange.wire import frame, unframe
 from horovod_quant.core.payload import Payload
 
 from threaded_comm import run_ranks

@@ -12,7 +12,7 @@ from horovod_quant.adapters import CHECKS, ConfigCheck, check_same_config, wait_
 from horovod_quant.exchange import Exchange
 from horovod_quant.exchange.collectives import Handle, decode_objects, encode_object
 from horovod_quant.exchange.mpi_exp import world_communicator
-from horovod_quant.exchange.steps import (check_tags, exchange_tag, frame, norm_from_gathered,
+from horovod_quant.exchange.wire import (check_tags, exchange_tag, frame, norm_from_gathered,
                                       norm_wire)
 from horovod_quant.core.payload import Payload
 from horovod_quant.env import env_flag, env_seconds
