@@ -1,24 +1,16 @@
-"""The plans of :mod:`horovod_quant.exchange.plans` over asynchronous :class:`Collectives`.
+"""The runner of the exchange plans over asynchronous :class:`Collectives`.
 
-:class:`Exchange` runs one codec's plan for a flat float32 vector and returns a
-:class:`Pending` handle (the torch compressor and optimizer, the DDP door, tests). The result
-equals :func:`horovod_quant.mean_estimate` (with the same ``gather`` and ``pipeline_elems``) bit
-for bit, on every rank.
-
-Pipelining: a vector longer than ``pipeline_elems`` is exchanged as pieces, each started (run to
-its first collective) as soon as it is encoded. Horovod (or the custom collective's thread)
-moves piece k while this thread encodes piece k + 1, and :meth:`Pending.wait` decodes piece k
-while later pieces are still on the wire, so encode and decode hide behind the transfer.
-
-Codecs that ``needs_norm`` (Global-QSGD) get the norm from :func:`global_norm` before encoding
-unless the caller passes it (the optimizer groups all buckets of a step).
-
-Device vectors (CuPy) are encoded and decoded on their device; their payloads go to
-collectives that take device arrays, or through
-:class:`~horovod_quant.exchange.staging.HostStaged` to ones that do not.
+:class:`Exchange` (the torch doors, the DDP door, tests) gives the bits of
+:func:`horovod_quant.mean_estimate` with the same ``gather`` and ``pipeline_elems``, on every
+rank. Pieces of a pipelined exchange are all started (run to their first collective) before
+:meth:`Pending.wait` finishes them in order, so Horovod (or a custom collective's thread) moves
+piece k while this thread encodes k + 1 and decodes k - 1. Device (CuPy) vectors are encoded
+and decoded on their device; their payloads go to collectives that take device arrays, or
+through :class:`~horovod_quant.exchange.staging.HostStaged`.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable
 
@@ -34,18 +26,16 @@ from .collectives import Collectives, Handle
 CUSTOM_COLLECTIVES: dict[str, Callable] = {}
 
 
+@dataclasses.dataclass(slots=True)
 class ExchangeStats:
     """Bytes and seconds of one exchange (filled as it runs): time in a plan's steps before its
     first collective counts as encoding, after it as decoding, waiting for one as exchange."""
 
-    __slots__ = ("bytes_sent", "bytes_raw", "encode_s", "exchange_s", "decode_s")
-
-    def __init__(self, bytes_raw: int) -> None:
-        self.bytes_sent = 0
-        self.bytes_raw = bytes_raw
-        self.encode_s = 0.0
-        self.exchange_s = 0.0
-        self.decode_s = 0.0
+    bytes_raw: int
+    bytes_sent: int = 0
+    encode_s: float = 0.0
+    exchange_s: float = 0.0
+    decode_s: float = 0.0
 
 
 class Pending:
@@ -103,7 +93,7 @@ def issue(comm: Collectives, request: plans.Request, name: str, custom: Any = No
     """Start ``request`` over ``comm`` under the collective name ``name`` (``custom``: the
     codec's custom collective, for :class:`~.plans.Custom` requests)."""
     if isinstance(request, plans.Allreduce):
-        return comm.allreduce_async(request.array, name, request.op)
+        return comm.allreduce_async(request.array, name, "sum")
     if isinstance(request, plans.Allgather):
         return comm.allgather_async(request.array, name)
     if isinstance(request, plans.Alltoall):

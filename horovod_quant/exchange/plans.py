@@ -1,48 +1,34 @@
 """Every exchange kind written once, as a plan: local steps between collective requests.
 
 A plan is a generator function of one :class:`Piece` (one rank's part of one exchange). It runs
-local steps (codec calls, framing from :mod:`horovod_quant.exchange.wire`) and yields a
-collective request
-(:class:`Allreduce`, :class:`Allgather`, :class:`Alltoall`, :class:`Custom`) whenever the next
-step needs the other ranks; whoever runs the plan performs the collective and sends its result
-back in (``generator.send``). The generator's return value is the float32 mean estimate, the
-same on every rank. Three runners exist:
+local steps (codec calls, framing from :mod:`.wire`) and yields a collective request
+(:class:`Allreduce`, :class:`Allgather`, :class:`Alltoall`, :class:`Custom`) whenever it needs
+the other ranks; the runner performs the collective and sends the result back in. The plan
+returns the float32 mean estimate, the same on every rank. Runners: :class:`.driver.Exchange`
+(asynchronous collectives), the TensorFlow compressor (graph ops, laid out by
+:func:`signature`) and :func:`.reference.mean_estimate` (n ranks in lockstep).
 
-* :class:`horovod_quant.exchange.Exchange` (torch, the DDP door, tests): asynchronous
-  :class:`~.collectives.Collectives`, pieces of a pipelined exchange in flight together, the
-  MPI exponent allreduce as the :class:`Custom` collective;
-* the TensorFlow compressor: each request becomes a Horovod TF op between
-  ``tf.numpy_function`` callbacks that resume the generator (:func:`signature` says at trace
-  time which ops the graph needs);
-* :func:`horovod_quant.exchange.reference.mean_estimate`: n ranks' plans in lockstep in one
-  process with exact simulated collectives (the test oracle).
+:func:`plan_kind` picks the plan from the codec's declared capabilities:
 
-The plans (``KINDS``; :func:`plan_kind` picks one from the codec's declared capabilities):
+* ``"sum"``: the payload's words (uint64 as int64, whose wrapping sum is exact) -> allreduce ->
+  ``decode_sum``;
+* ``"allgather"`` (gather codecs; custom codecs whose collective is not available): framed
+  payloads -> allgather -> every rank combines the n payloads in rank order; codecs that
+  ``counts_outage`` (NDQSG) end with an allreduce of each rank's wrong coarse bins;
+* ``"custom"``: the payload -> the codec's collective (``custom_collective``), which returns
+  the mean;
+* ``"sra"`` (scatter-reduce-allgather, natural compression paper, Algorithm 1): rank r sends
+  chunk c, encoded with :func:`chunk_seed`, to rank c (alltoall); rank c combines its chunk's n
+  payloads, re-encodes the mean with :func:`reencode_seed`, and the chunks are allgathered.
+  Receive volume about 2 (n - 1) / n * P instead of (n - 1) * P, for a second quantization.
 
-* ``"sum"`` (``exchange == "sum"``): the payload's words (uint64 words as int64, whose wrapping
-  sum is exact) -> allreduce(sum) -> ``decode_sum``;
-* ``"allgather"`` (gather codecs with the allgather schedule, custom codecs without their
-  collective): framed payloads (:func:`~.wire.frame`) -> allgather -> every rank combines the
-  n payloads in rank order; codecs that ``counts_outage`` (NDQSG) end with an int64
-  allreduce(sum) of each rank's wrong coarse bins, which makes ``outside_share`` exact;
-* ``"custom"`` (``exchange == "custom"`` with a registered collective, e.g. the mpi4py exponent
-  allreduce of Global-QSGD): the payload -> the codec's collective, which returns the mean;
-* ``"sra"`` (scatter-reduce-allgather, the bidirectional compression of the natural-compression
-  paper, Algorithm 1): the vector is cut into n chunks; rank r encodes chunk c with
-  :func:`chunk_seed` and sends it to rank c (alltoall); rank c combines its chunk's n payloads in
-  rank order, re-encodes the mean with :func:`reencode_seed` and the re-encoded chunks are
-  allgathered. Receive volume about 2 (n - 1) / n * P instead of (n - 1) * P, at the price of a
-  second quantization (variance omega_W / n + omega_M in the paper's notation).
-
-Global-norm codecs (``needs_norm``) first run :func:`norm_plan` over the whole vector (one
-allgather of per-rank statistics, combined in rank order: an allreduce would add in the
-backend's order, not bit-exact for n >= 3, and MPI's max of a NaN is implementation-defined).
-
-Pipelining: a vector longer than ``pipeline_elems`` is exchanged as pieces
-(:func:`pipeline_bounds`), each its own plan with seed :func:`pipeline_seed`. Runners start
-every piece (encode it and issue its first collective) before finishing any, so that piece k is
-on the wire while k + 1 is encoded, and so that a stateful codec (NDQSG) encodes every piece
-with the same state, whatever the runner.
+Codecs that ``needs_norm`` first run :func:`norm_plan` over the whole vector (statistics
+gathered and combined in rank order: an allreduce would add in the backend's order, not
+bit-exact for n >= 3, and MPI's max of a NaN is implementation-defined). Pipelining: a vector
+longer than ``pipeline_elems`` is exchanged as pieces (:func:`pipeline_bounds`), each its own
+plan with seed :func:`pipeline_seed`; runners start every piece before finishing any, so piece
+k is on the wire while k + 1 is encoded, and a stateful codec (NDQSG) encodes every piece with
+one state.
 """
 from __future__ import annotations
 
@@ -68,10 +54,10 @@ DEFAULT_PIPELINE_ELEMS = 1 << 21
 
 # -- collective requests -----------------------------------------------------------------------
 class Allreduce(NamedTuple):
-    """Elementwise ``op`` over the ranks' ``array``; the result is the reduced array."""
+    """The elementwise sum of the ranks' ``array`` (integers wrap; plans sum nothing else that
+    must be bit-exact across backends); the result is the sum."""
 
     array: Any
-    op: str = "sum"
     suffix: str = ""  # appended to the exchange's collective name
     payload_bytes: int = 0  # codec payload bytes in ``array`` (mean_estimate's wire count)
 
@@ -171,7 +157,7 @@ def allgather_plan(p: Piece) -> Plan:
     inputs[p.rank] = p.x
     mean = codec.decode_side_info(payloads, seeds, inputs=inputs, out=p.out)
     count = np.array([codec.last_stats.get("outside_count", 0)], np.int64)  # read before a
-    total = yield Allreduce(count, "sum", ".outage")  # lockstep runner's next rank combines
+    total = yield Allreduce(count, ".outage")  # lockstep runner's next rank combines
     codec.set_outside_total(int(np.asarray(total).reshape(-1)[0]))
     return mean
 
@@ -205,7 +191,6 @@ def sra_plan(p: Piece) -> Plan:
 
 PLANS: dict[str, Callable[[Piece], Plan]] = {
     "sum": sum_plan, "allgather": allgather_plan, "custom": custom_plan, "sra": sra_plan}
-KINDS = tuple(PLANS)
 
 
 def signature(kind: str, codec: Codec) -> list[tuple[type, np.dtype | None]]:
@@ -227,13 +212,15 @@ def signature(kind: str, codec: Codec) -> list[tuple[type, np.dtype | None]]:
 
 def check_request(request: Any, expected: tuple[type, np.dtype | None] | None,
                   label: str) -> None:
-    """Raise RuntimeError when a plan yields another request than its :func:`signature`
-    (``expected``: the signature's entry, None past its end)."""
+    """Raise RuntimeError when a plan yields another request than its :func:`signature` says
+    (``expected``: the signature's next entry, None past its end; ``request``: None when the
+    plan returned)."""
     kind, dtype = expected if expected is not None else (type(None), None)
     if type(request) is not kind or (dtype is not None and request.array.dtype != dtype):
-        raise RuntimeError(f"exchange {label!r}: the plan yielded {type(request).__name__} of "
-                           f"{getattr(request.array, 'dtype', None)} where its signature says "
-                           f"{kind.__name__} of {dtype}")
+        got = ("its end" if request is None
+               else f"{type(request).__name__} of {request.array.dtype}")
+        raise RuntimeError(f"exchange {label!r}: the plan reached {got} where its signature "
+                           f"says {kind.__name__} of {dtype}")
 
 
 # -- which plan, which pieces, which seeds -----------------------------------------------------

@@ -1,16 +1,11 @@
 """The test oracle: n ranks' plans run in lockstep in one process, collectives simulated exactly.
 
-:func:`mean_estimate` runs the very plans of :mod:`horovod_quant.exchange.plans` that
-:class:`~horovod_quant.exchange.Exchange` and the TensorFlow compressor run, one generator per
-simulated rank, and answers every collective request with what an exact n-rank world delivers
-(sums in rank order, wrapping for integers; concatenation in rank order; the alltoall's
-pieces), independent of Horovod, TensorFlow or threads. A real n-rank run with the same
-inputs, seed, schedule and pieces gives bit-identical numbers on every rank.
-
-The simulated ranks share one codec object, as they share nothing else: every rank encodes
-(all pieces) before any rank combines, as in a real run, and a rank's values that another
-rank's step would overwrite (NDQSG's own outage count) are read into its request before the
-next rank resumes, so a stateful codec ends in the state every real rank ends in.
+:func:`mean_estimate` runs the plans that every other runner runs, one generator per simulated
+rank, and answers each request as an exact n-rank world does (sums and concatenations in rank
+order, integers wrapping), without Horovod, TensorFlow or threads. The simulated ranks share
+one codec object: every rank encodes (all pieces) before any combines, as in a real run, and a
+plan reads what a later rank's step would overwrite (NDQSG's own outage count) into its
+request, so a stateful codec ends in the state every real rank ends in.
 """
 from __future__ import annotations
 
@@ -30,7 +25,7 @@ def _simulate(requests: list[plans.Request]) -> list[Any]:
     if isinstance(first, plans.Allreduce):
         total = np.array(first.array, copy=True)
         for r in requests[1:]:
-            total = np.maximum(total, r.array) if first.op == "max" else total + r.array
+            total += r.array  # in rank order; integers wrap
         return [total] * len(requests)
     if isinstance(first, plans.Allgather):
         return [np.concatenate([r.array for r in requests])] * len(requests)

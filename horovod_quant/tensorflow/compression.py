@@ -259,38 +259,28 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         request's array (an alltoall's with its splits), or the plan's result. A custom
         collective runs here, inside the callback (it pairs ranks by call order, which the
         compressor's ordered callbacks keep)."""
+        label, sent = spec.label(key[0]), 0
         with ieee_denormals():
             t0 = time.perf_counter()
             try:
                 request = plan.send(value)
                 while isinstance(request, plans.Custom):
-                    self._count(request.array.nbytes)
-                    request = plan.send(spec.custom(request.payload, request.seed,
-                                                    spec.label(key[0])).wait())
+                    sent += request.array.nbytes
+                    request = plan.send(spec.custom(request.payload, request.seed, label).wait())
             except StopIteration as stop:
                 request, result = None, stop.value
-                if expected is not None:
-                    raise RuntimeError(f"exchange {spec.label(key[0])!r}: the plan ended "
-                                       f"before its signature's {expected[0].__name__}") from None
+            plans.check_request(request, expected, label)
             t1 = time.perf_counter()
-            with self._lock:
-                setattr(self.stats, "encode_s" if first else "decode_s",
-                        getattr(self.stats, "encode_s" if first else "decode_s") + t1 - t0)
-                if request is None:
-                    return result
-                plans.check_request(request, expected, spec.label(key[0]))
-                if isinstance(request, plans.Allreduce) and request.op != "sum":
-                    raise RuntimeError(f"exchange {spec.label(key[0])!r}: the TensorFlow "
-                                       f"runner sums; the plan asked for {request.op!r}")
-                self.stats.bytes_sent += request.array.nbytes
-                self._flights[key] = _Flight(plan, t1)
-            if isinstance(request, plans.Alltoall):
-                return request.array, np.asarray(request.splits, np.int32)
-            return request.array
-
-    def _count(self, nbytes: int) -> None:
         with self._lock:
-            self.stats.bytes_sent += nbytes
+            field = "encode_s" if first else "decode_s"
+            setattr(self.stats, field, getattr(self.stats, field) + t1 - t0)
+            self.stats.bytes_sent += sent + (0 if request is None else request.array.nbytes)
+            if request is None:
+                return result
+            self._flights[key] = _Flight(plan, t1)
+        if isinstance(request, plans.Alltoall):
+            return request.array, np.asarray(request.splits, np.int32)
+        return request.array
 
     def _callback(self, spec: _Spec, key: str, expected: tuple | None, k: np.ndarray,
                   *result: np.ndarray) -> Any:
@@ -302,44 +292,48 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         value = result[0] if len(result) == 1 else (result[0], result[1].tolist())
         return self._resume(spec, (k, key), flight.plan, value, expected, False)
 
-    def _run_plan(self, spec: _Spec, key: str, k: tf.Tensor, make: Any, inputs: list,
-                  signature: list, out_dtype: tf.DType, out_shape: list) -> tf.Tensor:
-        """Lay out one plan as graph ops: a callback that starts it (``make(k, *inputs)``,
-        numpy, returns the generator), then per request of its ``signature`` the Horovod op
-        and a callback that resumes the plan with the op's result; the last returns the plan's
-        result (``out_dtype``, ``out_shape``)."""
+    def _run_plans(self, spec: _Spec, k: tf.Tensor, starts: list, signature: list,
+                   shapes: list) -> list[tf.Tensor]:
+        """Lay out plans as graph ops: per plan ``(key, make, inputs)`` a callback that starts
+        it (``make(k, *inputs)`` returns the generator), then per request of the ``signature``
+        its Horovod op and a callback that resumes the plan with the op's result; the last
+        returns the plan's float32 result of shape ``shapes[j]``. Stage by stage, so every
+        plan (piece) is started before any collective, as :class:`Exchange` does."""
         ps = self._ps()
         signature = [s for s in signature if s[0] is not plans.Custom]  # run in callbacks
-        outs = signature[0] if signature else None
-
-        def start(kk: np.ndarray, *xs: np.ndarray) -> Any:
-            return self._resume(spec, (int(kk), key), make(int(kk), *xs), None, outs, True)
 
         def dtypes(i: int) -> Any:
             if i == len(signature):
-                return out_dtype
+                return tf.float32
             kind, dtype = signature[i]
             return [tf.uint8, tf.int32] if kind is plans.Alltoall else tf.as_dtype(dtype)
 
-        value = tf.numpy_function(start, [k] + inputs, dtypes(0), stateful=True,
-                                  name="hq_plan")
+        def start(key: str, make: Any, kk: np.ndarray, *xs: np.ndarray) -> Any:
+            return self._resume(spec, (int(kk), key), make(int(kk), *xs), None,
+                                signature[0] if signature else None, True)
+
+        values = [tf.numpy_function(functools.partial(start, key, make), [k] + inputs,
+                                    dtypes(0), stateful=True, name="hq_plan")
+                  for key, make, inputs in starts]
         for i, (kind, _) in enumerate(signature):
-            if kind is plans.Alltoall:
-                send, splits = value
-                send.set_shape([None])
-                splits.set_shape([spec.n])
-                result = list(hvd.alltoall(send, splits=splits, process_set=ps))
-            else:
-                value.set_shape([None])
-                op = hvd.allgather if kind is plans.Allgather else functools.partial(
-                    hvd.allreduce, op=hvd.Sum)
-                result = [op(value, process_set=ps)]
             nxt = signature[i + 1] if i + 1 < len(signature) else None
-            value = tf.numpy_function(
-                functools.partial(self._callback, spec, key, nxt), [k] + result,
-                dtypes(i + 1), stateful=True, name="hq_plan")
-        value.set_shape(out_shape)
-        return value
+            for j, (key, _, _) in enumerate(starts):
+                if kind is plans.Alltoall:
+                    send, splits = values[j]
+                    send.set_shape([None])
+                    splits.set_shape([spec.n])
+                    result = list(hvd.alltoall(send, splits=splits, process_set=ps))
+                else:
+                    values[j].set_shape([None])
+                    op = hvd.allgather if kind is plans.Allgather else functools.partial(
+                        hvd.allreduce, op=hvd.Sum)
+                    result = [op(values[j], process_set=ps)]
+                values[j] = tf.numpy_function(functools.partial(self._callback, spec, key, nxt),
+                                              [k] + result, dtypes(i + 1), stateful=True,
+                                              name="hq_plan")
+        for value, shape in zip(values, shapes):
+            value.set_shape(shape)
+        return values
 
     def _end(self, mean: np.ndarray, factor: np.ndarray) -> np.ndarray:
         """The mean times the factor Horovod's reduction of the placeholder gave (module doc)."""
@@ -382,14 +376,14 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             k = self._counter.assign_add(1) - 1
             norm = []
             if codec.needs_norm:
-                norm = [self._run_plan(
-                    spec, "norm", k,
-                    lambda kk, x: plans.norm_plan(codec, [x], spec.tag(kk), spec.label(kk)),
-                    [flat], plans.signature("norm", codec), tf.float32, [])]
-            means = [self._run_plan(
-                spec, f"p{i}", k, functools.partial(self._piece, spec, i, len(bounds)),
-                [flat[lo:hi]] + norm, plans.signature(spec.kind, codec), tf.float32, [hi - lo])
-                for i, (lo, hi) in enumerate(bounds)]
+                norm = self._run_plans(spec, k, [(
+                    "norm", lambda kk, x: plans.norm_plan(codec, [x], spec.tag(kk),
+                                                          spec.label(kk)), [flat])],
+                    plans.signature("norm", codec), [[]])
+            means = self._run_plans(
+                spec, k, [(f"p{i}", functools.partial(self._piece, spec, i, len(bounds)),
+                           [flat[lo:hi]] + norm) for i, (lo, hi) in enumerate(bounds)],
+                plans.signature(spec.kind, codec), [[hi - lo] for lo, hi in bounds])
             mean = means[0] if len(means) == 1 else tf.concat(means, 0)
             placeholder = tf.ones([1], tf.float32)
         return placeholder, _Ctx(mean, spec, tensor.dtype)

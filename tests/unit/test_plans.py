@@ -117,12 +117,14 @@ def test_plans_yield_their_signature(name, gather):
 
 
 def test_check_request_names_the_mismatch():
-    with pytest.raises(RuntimeError, match="yielded Allgather of uint8 where its signature "
+    with pytest.raises(RuntimeError, match="reached Allgather of uint8 where its signature "
                                            "says Allreduce of int64"):
         plans.check_request(plans.Allgather(np.zeros(3, np.uint8)),
                             (plans.Allreduce, np.dtype(np.int64)), "x")
-    with pytest.raises(RuntimeError, match="NoneType"):
+    with pytest.raises(RuntimeError, match="says NoneType"):
         plans.check_request(plans.Allgather(np.zeros(3, np.uint8)), None, "x")
+    with pytest.raises(RuntimeError, match="reached its end where its signature says Allgather"):
+        plans.check_request(None, (plans.Allgather, np.dtype(np.uint8)), "x")
 
 
 @pytest.mark.parametrize("name", hq.available_codecs())
