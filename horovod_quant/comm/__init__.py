@@ -4,7 +4,7 @@ in progress): the same objects, and its modules under their old names (``backend
 ``steps`` :mod:`~horovod_quant.exchange.wire`). New code imports :mod:`horovod_quant.exchange`."""
 import sys
 
-from ..exchange import *  # noqa: F401,F403
+from ..exchange import *
 from ..exchange import __all__, collectives, driver, mpi_exp, staging, wire  # noqa: F401
 
 for _old, _module in {"backend": collectives, "exchange": driver, "mpi_exp": mpi_exp,

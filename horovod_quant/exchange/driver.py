@@ -10,7 +10,6 @@ through :class:`~horovod_quant.exchange.staging.HostStaged`.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Callable
 
@@ -26,16 +25,18 @@ from .collectives import Collectives, Handle
 CUSTOM_COLLECTIVES: dict[str, Callable] = {}
 
 
-@dataclasses.dataclass(slots=True)
 class ExchangeStats:
     """Bytes and seconds of one exchange (filled as it runs): time in a plan's steps before its
     first collective counts as encoding, after it as decoding, waiting for one as exchange."""
 
-    bytes_raw: int
-    bytes_sent: int = 0
-    encode_s: float = 0.0
-    exchange_s: float = 0.0
-    decode_s: float = 0.0
+    __slots__ = ("bytes_sent", "bytes_raw", "encode_s", "exchange_s", "decode_s")
+
+    def __init__(self, bytes_raw: int) -> None:
+        self.bytes_sent = 0
+        self.bytes_raw = bytes_raw
+        self.encode_s = 0.0
+        self.exchange_s = 0.0
+        self.decode_s = 0.0
 
 
 class Pending:
@@ -101,6 +102,14 @@ def issue(comm: Collectives, request: plans.Request, name: str, custom: Any = No
     return custom(request.payload, request.seed, name)
 
 
+def custom_collective(codec: Codec, comm: Collectives) -> Any:
+    """The runner of the codec's custom collective over ``comm`` (:data:`CUSTOM_COLLECTIVES`),
+    or None: the allgather plan then reduces on every rank. Collective: call it at the same
+    point on every rank (it may set up a communicator)."""
+    factory = CUSTOM_COLLECTIVES.get(codec.custom_collective if codec.exchange == "custom" else "")
+    return factory(codec, comm) if factory is not None else None
+
+
 def global_norm(codec: Codec, xs_local: list[np.ndarray], comm: Collectives, name: str,
                 tag: wire.Tag = wire.NO_TAG) -> float:
     """Global norm over every rank and every given vector (:func:`~.plans.norm_plan`: one
@@ -127,9 +136,7 @@ class Exchange:
                  pipeline_elems: int | None = plans.DEFAULT_PIPELINE_ELEMS) -> None:
         self.codec = codec
         self.comm = comm
-        factory = (CUSTOM_COLLECTIVES.get(codec.custom_collective)
-                   if codec.exchange == "custom" else None)
-        self._custom = factory(codec, comm) if factory is not None else None
+        self._custom = custom_collective(codec, comm)
         self.kind = plans.plan_kind(codec, comm.size, gather, self._custom is not None)
         self.gather = "sra" if self.kind == "sra" else "allgather"
         self.pipeline_elems = plans.check_pipeline_elems(pipeline_elems)

@@ -32,7 +32,7 @@ one state.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Generator, NamedTuple, Sequence
+from typing import Any, Callable, Generator, NamedTuple, Sequence, Union
 
 import numpy as np
 
@@ -94,34 +94,22 @@ class Custom(NamedTuple):
         return self.payload.data
 
 
-Request = Allreduce | Allgather | Alltoall | Custom
+Request = Union[Allreduce, Allgather, Alltoall, Custom]
 Plan = Generator[Request, Any, Any]
 
 
 class Piece(NamedTuple):
-    """One rank's part of one exchange (a whole vector, or a piece of a pipelined one).
-
-    Attributes:
-        codec: the codec.
-        x: this rank's float32 vector (host or device); NDQSG reads it again after the gather.
-        seed: the exchange seed of this piece (the same on every rank).
-        rank: this rank.
-        n: the number of ranks.
-        norm: the global norm for ``needs_norm`` codecs, else None.
-        tag: what every rank must agree this exchange carries (:func:`~.wire.exchange_tag`).
-        out: float32 buffer of ``x.size`` the mean estimate is written to.
-        label: the exchange's name in error messages.
-    """
+    """One rank's part of one exchange (a whole vector, or a piece of a pipelined one)."""
 
     codec: Codec
-    x: Any
-    seed: int
+    x: Any  # this rank's float32 vector (host or device); NDQSG reads it after the gather
+    seed: int  # the exchange seed of this piece (the same on every rank)
     rank: int
-    n: int
-    norm: float | None
-    tag: wire.Tag
-    out: Any
-    label: str = ""
+    n: int  # ranks
+    norm: float | None  # the global norm of ``needs_norm`` codecs
+    tag: wire.Tag  # what every rank must agree this exchange carries (wire.exchange_tag)
+    out: Any  # float32 buffer of x.size the mean estimate is written to
+    label: str = ""  # the exchange's name in error messages
 
 
 # -- the plans ---------------------------------------------------------------------------------

@@ -78,11 +78,10 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
                   pipeline_elems: int | None = None) -> tuple[np.ndarray, int]:
     """The n-worker mean that the distributed exchange computes, simulated in one process.
 
-    Worker ``r`` encodes ``xs[r]`` with ``worker_seed(seed, r)``; payloads combine as the
-    codec's exchange plan does (sum, gather with the given schedule, or its custom reduction
-    run locally on every rank, such as Global-QSGD's stochastic exponent reduce or NDQSG's
-    side-information decoding). A real n-rank run with the same inputs, seed and schedule
-    gives bit-identical numbers.
+    Runs the codec's exchange plan (:mod:`~.plans`) for n simulated ranks, rank ``r``
+    encoding ``xs[r]`` with ``worker_seed(seed, r)``; a custom codec's reduction runs on every
+    rank (the allgather plan). A real n-rank run with the same inputs, seed, schedule and
+    pieces gives bit-identical numbers.
 
     Args:
         codec: a codec from :func:`get_codec`.

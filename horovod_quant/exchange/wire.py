@@ -76,12 +76,8 @@ def unframe(buf: np.ndarray) -> tuple[list[np.ndarray], list[Tag]]:
 
 
 def unframe_all(buf: Any, n: int, what: str, name: str = "") -> list[Any]:
-    """The n payloads of a concatenation of n ranks' frames (rank order), after
-    :func:`check_tags`; ``what`` and ``name`` (the exchange's) go into the messages.
-
-    Raises:
-        ValueError: the frames are damaged, not n, or carry different tags.
-    """
+    """The n payloads of a concatenation of n ranks' frames (rank order); raises ValueError
+    (naming ``what`` and the exchange ``name``) unless they are n with equal tags."""
     parts, tags = unframe(buf)
     if len(parts) != n:
         raise ValueError(f"damaged exchange {name!r}: expected {n} {what}, got {len(parts)}")

@@ -8,8 +8,8 @@ allreduce of an eagerly built tape/optimizer in a ``tf.function``, so ``compress
 called while a graph is traced).
 
 Horovod allreduces whatever ``compress`` returns with the user's ``op``, which would destroy
-quantized codes, so ``compress`` runs the codec's exchange plan (:mod:`horovod_quant.exchange.plans`,
-the generators that ``Exchange`` and ``mean_estimate`` run too) as graph ops: a
+quantized codes, so ``compress`` runs the codec's exchange plan
+(:mod:`horovod_quant.exchange.plans`, the generators that ``Exchange`` and ``mean_estimate`` run too) as graph ops: a
 ``tf.numpy_function`` callback starts the plan, and each collective it asks for is a Horovod TF
 op (laid out by :func:`~horovod_quant.exchange.plans.signature`) followed by a callback that
 resumes the plan with the op's result; a custom collective (the mpi4py exponent allreduce) runs
@@ -57,7 +57,8 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
 from ..adapters import CompressionNamespace, CompressorSettings, ConfigCheck
-from ..exchange import CUSTOM_COLLECTIVES, plans, wire
+from ..exchange import plans, wire
+from ..exchange.driver import custom_collective
 from ..core.base import Codec
 from ..core.rng import derive_key
 from ..policy import LayerPolicy
@@ -168,13 +169,6 @@ class _Ctx(NamedTuple):
     dtype: tf.DType
 
 
-class _Flight(NamedTuple):
-    """A plan between two callbacks: its generator, and the time its last callback ended."""
-
-    plan: plans.Plan
-    t: float
-
-
 class QuantizedCompressor(CompressorSettings, Compressor):
     """A ``horovod.tensorflow.compression.Compressor`` running a horovod_quant codec.
 
@@ -210,7 +204,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._check: ConfigCheck | None = None
         self._prefix: str | None = None  # the check's prefix, once it passed
         self._customs: dict[str, Any] = {}  # custom collectives by codec config_key
-        self._flights: dict[tuple[int, str], _Flight] = {}
+        self._flights: dict[tuple[int, str], tuple] = {}  # plans between callbacks, and when
+        # their last callback ended
         self._lock = threading.Lock()
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -245,11 +240,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         every rank), or None: the allgather plan then reduces on every rank."""
         key = codec.config_key()
         if key not in self._customs:
-            factory = (CUSTOM_COLLECTIVES.get(codec.custom_collective)
-                       if codec.exchange == "custom" else None)
             with tf.init_scope():
-                self._customs[key] = (factory(codec, HorovodTFCollectives(self._ps()))
-                                      if factory is not None else None)
+                self._customs[key] = custom_collective(codec, HorovodTFCollectives(self._ps()))
         return self._customs[key]
 
     # -- the graph runner of a plan --------------------------------------------------------------
@@ -277,7 +269,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             self.stats.bytes_sent += sent + (0 if request is None else request.array.nbytes)
             if request is None:
                 return result
-            self._flights[key] = _Flight(plan, t1)
+            self._flights[key] = plan, t1
         if isinstance(request, plans.Alltoall):
             return request.array, np.asarray(request.splits, np.int32)
         return request.array
@@ -287,10 +279,10 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         """Callback after a collective: resume the plan ``key`` of call ``k`` with its result."""
         k = int(k)
         with self._lock:
-            flight = self._flights.pop((k, key))
-            self.stats.exchange_s += time.perf_counter() - flight.t
+            plan, t = self._flights.pop((k, key))
+            self.stats.exchange_s += time.perf_counter() - t
         value = result[0] if len(result) == 1 else (result[0], result[1].tolist())
-        return self._resume(spec, (k, key), flight.plan, value, expected, False)
+        return self._resume(spec, (k, key), plan, value, expected, False)
 
     def _run_plans(self, spec: _Spec, k: tf.Tensor, starts: list, signature: list,
                    shapes: list) -> list[tf.Tensor]:
