@@ -220,7 +220,8 @@ def resolve_gather(schedule: str, n: int, codec: Codec | None = None) -> str:
     below ``SRA_MIN_WORLD`` ranks and sra from there on.
     """
     if schedule not in GATHER_SCHEDULES:
-        raise ValueError(f"gather={schedule!r} is not valid: choose one of {list(GATHER_SCHEDULES)}")
+        raise ValueError(f"gather={schedule!r} is not valid: choose one of "
+                         f"{list(GATHER_SCHEDULES)}")
     if codec is not None and codec.needs_norm:
         return "allgather"
     if schedule == "auto":
