@@ -14,9 +14,9 @@ to the single-process :func:`~horovod_quant.core.exp_reduce.reduce_packed`.
 The communicator is a duplicate of ``MPI.COMM_WORLD`` (so nothing collides with Horovod's own
 traffic). It is used only when Horovod itself runs on MPI with ``MPI_THREAD_MULTIPLE`` (the
 reduction runs on a worker thread to overlap with backward, beside Horovod's background
-thread); otherwise, e.g. under gloo, :class:`horovod_quant.exchange.Exchange` falls back to
-allgathering the payloads and reducing locally with the same schedule (same result, O(n)
-receive volume). ``HQ_MPI_EXCHANGE=0`` (or false/no/off) forces the fallback.
+thread); otherwise, e.g. under gloo, the runners (``Exchange``, the TensorFlow compressor) fall
+back to the allgather plan: the payloads gathered and reduced locally with the same schedule
+(same result, O(n) receive volume). ``HQ_MPI_EXCHANGE=0`` (or false/no/off) forces the fallback.
 
 Device payloads (CuPy) are reduced on the device, each round's combine a kernel, and sent as
 device buffers when the MPI is CUDA-aware (:func:`horovod_quant.gpu.cuda_aware_mpi`); otherwise
