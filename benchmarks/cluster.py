@@ -57,7 +57,7 @@ TRANSPORTS = ("hvd_allgather", "hvd_allgather_concurrent", "hvd_grouped_allgathe
               "torch_dist_all_gather", "torch_dist_all_gather_concurrent", "mpi4py_iallgather")
 MB = 1 << 20
 sys.path.insert(0, ROOT)
-from horovod_quant.core.schedules import DEFAULT_PIPELINE_ELEMS  # noqa: E402
+from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS  # noqa: E402
 
 CODECS = ("qsgd", "nuqsgd", "natural", "natural_dithering", "standard_dithering",
           "global_qsgd-lin", "global_qsgd-exp", "dithered")

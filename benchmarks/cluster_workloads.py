@@ -9,7 +9,7 @@ cluster.py tails for its progress bar and its results. Two kinds of item:
 * ``exchange``: one flat float32 gradient of ``size_mb`` MB on every rank, averaged by
   Horovod itself for the baselines (``none`` = ``hvd.allreduce(op=hvd.Average)`` of the
   float32 tensor, ``fp16`` = the same with ``compression=hvd.Compression.fp16``) and through
-  :class:`horovod_quant.comm.Exchange` over Horovod's torch collectives for the codecs
+  :class:`horovod_quant.exchange.Exchange` over Horovod's torch collectives for the codecs
   (encode, their collective, decode, pipelined in pieces of ``pipeline_elems``). The
   configurations of one size run interleaved (round r runs each once). Each repetition
   starts after a barrier; its wall time is the slowest
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 
-from horovod_quant.comm.exchange import Exchange  # noqa: E402
+from horovod_quant.exchange.driver import Exchange  # noqa: E402
 from horovod_quant.core import get_codec  # noqa: E402
 from horovod_quant.torch.collectives import HorovodTorchCollectives  # noqa: E402
 
@@ -100,7 +100,7 @@ class HorovodAllreduce:
         self.wire_bytes = 2 if codec_name == "fp16" else 4
 
     def start(self, x: np.ndarray, seed: int, name: str, out: np.ndarray):
-        from horovod_quant.comm.exchange import ExchangeStats, Pending
+        from horovod_quant.exchange.driver import ExchangeStats, Pending
 
         stats = ExchangeStats(x.size * 4)
         stats.bytes_sent = x.size * self.wire_bytes

@@ -19,7 +19,7 @@ Configurations (--configs takes groups or labels, comma-separated):
   horovod  "horovod fp32", "horovod fp16": hvd.allreduce of a torch tensor with
            hvd.Compression.none / .fp16 (no split: Horovod does not time its parts)
   codecs   "qsgd 8b" ... "nuqsgd 4b": qsgd, natural and nuqsgd at 8 and 4 bits through
-           horovod_quant.comm.Exchange (allgather of the payloads, combine on every rank)
+           horovod_quant.exchange.Exchange (allgather of the payloads, combine on every rank)
   global   "global linear 8b" ... "global sparse linear 4b": Global-QSGD linear (integer
            words summed by Horovod's allreduce), exponential (the mpi4py exponent allreduce
            under MPI, tree and ring; an allgather under gloo) and sparse
@@ -194,7 +194,7 @@ def measure(args, labels: list[str]) -> list[dict]:
     import torch
 
     import horovod_quant as hq
-    from horovod_quant.comm import Exchange
+    from horovod_quant.exchange import Exchange
     from horovod_quant.stats import progress_bar
     from horovod_quant.torch.collectives import HorovodTorchCollectives
 

@@ -12,7 +12,8 @@ import os
 os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
 
 from .core import (  # noqa: E402
-    Codec, Payload, available_codecs, derive_key, get_codec, mean_estimate, worker_seed)
+    Codec, Payload, available_codecs, derive_key, get_codec, worker_seed)
+from .exchange.reference import mean_estimate  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -6,11 +6,11 @@ import logging
 import time
 from typing import Any, Callable
 
-from .comm.backend import Collectives, Handle
+from .exchange.collectives import Collectives, Handle
 from .core import available_codecs, get_codec
 from .core.registry import codec_class
 from .core.base import Codec, check_int
-from .core.schedules import resolve_gather
+from .exchange.plans import resolve_gather
 from .env import env_seconds
 from .policy import LayerPolicy, describe
 from .stats import StepStats

@@ -39,7 +39,7 @@ class StepStats:
         return self.bytes_raw / self.bytes_sent if self.bytes_sent else float("inf")
 
     def add(self, exchange_stats) -> None:
-        """Add one exchange's :class:`~horovod_quant.comm.ExchangeStats`."""
+        """Add one exchange's :class:`~horovod_quant.exchange.ExchangeStats`."""
         self.bytes_sent += exchange_stats.bytes_sent
         self.bytes_raw += exchange_stats.bytes_raw
         self.encode_s += exchange_stats.encode_s

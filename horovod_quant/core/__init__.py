@@ -11,7 +11,6 @@ from .payload import Payload
 from .quantizers import QSGD, NUQSGD, NaturalCompression, NaturalDithering, StandardDithering
 from .registry import available_codecs, get_codec, register
 from .rng import derive_key
-from .schedules import mean_estimate
 
 for _cls in (NoCompression, FP16, BF16, QSGD, NUQSGD, NaturalCompression, NaturalDithering,
              StandardDithering, GlobalQSGD, DitheredQuantizer, NestedDitheredQuantizer):
@@ -19,5 +18,5 @@ for _cls in (NoCompression, FP16, BF16, QSGD, NUQSGD, NaturalCompression, Natura
 
 __all__ = [
     "Codec", "Payload", "as_vector", "available_codecs", "derive_key", "get_codec",
-    "mean_estimate", "register", "worker_seed",
+    "register", "worker_seed",
 ]

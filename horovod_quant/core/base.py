@@ -126,7 +126,7 @@ class Codec(abc.ABC):
       :meth:`decode_sum` turns the sum into the mean estimate;
     * ``"gather"``: each worker's payload is decoded separately and the results averaged;
     * ``"custom"``: the codec's own reduction (Global-QSGD exponent reduce, NDQSG side
-      information), simulated by :meth:`reference_mean` and run for real by ``horovod_quant.comm``.
+      information), run by the exchange plans of ``horovod_quant.exchange``.
     """
 
     name: ClassVar[str]
@@ -139,11 +139,14 @@ class Codec(abc.ABC):
     #: the constructor needs ``world_size`` (the framework doors fill it from the process set)
     needs_world_size: ClassVar[bool] = False
     #: a gathered exchange ends by counting the ranks' side-information outages (NDQSG): an
-    #: integer allreduce of ``last_stats["outside_count"]`` (:mod:`horovod_quant.comm.steps`)
+    #: integer allreduce of ``last_stats["outside_count"]`` (:mod:`horovod_quant.exchange.plans`)
     counts_outage: ClassVar[bool] = False
-    #: the collective of :mod:`horovod_quant.comm` that reduces this codec's payloads in place
+    #: the collective of :mod:`horovod_quant.exchange` that reduces this codec's payloads in place
     #: of an allgather (its factory may decline an instance it does not fit), or None
     custom_collective: ClassVar[str | None] = None
+    #: encoding needs the global norm of every rank's vector (``norm_statistic``,
+    #: ``norm_op``, ``norm_from_statistics``): the exchange gathers it first
+    needs_norm: ClassVar[bool] = False
 
     def __init__(self, **params: Any) -> None:
         self.params = dict(params)
@@ -294,9 +297,10 @@ class Codec(abc.ABC):
 
     def reference_mean(self, xs: Sequence[np.ndarray], seed: int) -> tuple[np.ndarray, int]:
         """Single-process simulation of the n-worker exchange (allgather schedule for gather
-        codecs); see :func:`horovod_quant.core.schedules.mean_estimate`."""
-        payloads = [self.encode_worker(x, seed, r) for r, x in enumerate(xs)]
-        return self.combine_payloads(payloads, seed), max(p.nbytes for p in payloads)
+        codecs): :func:`horovod_quant.mean_estimate`, which runs the exchange plans."""
+        from ..exchange.reference import mean_estimate  # the exchange layer builds on core
+
+        return mean_estimate(self, xs, seed)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())

@@ -248,9 +248,10 @@ class NestedDitheredQuantizer(Codec):
       cannot tell a wrong coarse bin from a right one (the decoded value is always within
       Delta2/2 of the side information), but each P2 sender can check its own values: in a
       distributed exchange every rank counts its own wrong bins (``"outside_count"``, from
-      ``inputs=`` with only its own vector), :class:`horovod_quant.comm.Exchange` sums the
-      counts with one integer allreduce and calls :meth:`set_outside_total`. None until then;
-      :meth:`reference_mean` knows every input and fills it directly.
+      ``inputs=`` with only its own vector), and the exchange plan (run by
+      :class:`horovod_quant.exchange.Exchange` and by :func:`horovod_quant.mean_estimate`) sums
+      the counts with one integer allreduce and calls :meth:`set_outside_total`. None until
+      then, and after a :meth:`decode_side_info` that was not given every P2 input.
     * ``"outside_count"``: wrong coarse bins among the P2 senders whose input was given;
       ``"p2_values"``: P2 values decoded (finite, non-zero buckets), the share's denominator.
     * ``"outside_bound"``: Theorem 6's bound evaluated at this exchange's k and the sigma_z^2
@@ -591,16 +592,3 @@ class NestedDitheredQuantizer(Codec):
         fallback: allgather, then this on every rank)."""
         return self.decode_side_info(payloads, [worker_seed(seed, r) for r in range(len(payloads))],
                                      out=out)
-
-    def reference_mean(self, xs: Sequence[np.ndarray], seed: int) -> tuple[np.ndarray, int]:
-        """The n-rank exchange in one process: rank r encodes ``xs[r]`` with
-        ``worker_seed(seed, r)``, then :meth:`decode_side_info` (which updates the state as
-        every rank of the distributed run does, and reports the exact outage share)."""
-        n = len(xs)
-        if n != self.world_size:
-            raise ValueError(f"got {n} workers' vectors for a codec built with "
-                             f"world_size={self.world_size}; pass world_size={n}")
-        payloads = [self.encode_worker(x, seed, r) for r, x in enumerate(xs)]
-        seeds = [worker_seed(seed, r) for r in range(n)]
-        est = self.decode_side_info(payloads, seeds, inputs=xs)
-        return est, max(p.nbytes for p in payloads)

@@ -36,7 +36,7 @@ its operands.
   Rank g then owns its final range; ranks ``< P`` allgather the owned ranges by recursive
   doubling and send the whole result to rank ``g + P`` where it exists. Each element is rounded
   ``ceil(log2 n)`` times.
-* ``"ring"``: the blocks split into n chunks by :func:`.schedules.chunk_bounds`; in round
+* ``"ring"``: the blocks split into n chunks by :func:`chunk_bounds`; in round
   ``t = 0 .. n - 2`` rank g receives chunk ``(g - t - 1) mod n`` from rank ``g - 1`` and combines
   it into its own (chunk c is accumulated in rank order c, c + 1, ...). Rank g owns chunk
   ``(g + 1) mod n`` and a ring allgather copies the owned chunks. Each element is rounded
@@ -54,7 +54,19 @@ from ..backends import backend_of
 from ..backends.numba.packing import PACK_BLOCK, packed_nbytes
 from .base import check_payload_size
 from .rng import derive_key, split_key
-from .schedules import chunk_bounds
+
+
+def chunk_bounds(size: int, n: int) -> list[tuple[int, int]]:
+    """Split ``range(size)`` into n contiguous chunks whose lengths differ by at most one (the
+    ring reduction's chunks of blocks, the sra plan's chunks of elements)."""
+    base, extra = divmod(size, n)
+    bounds, lo = [], 0
+    for c in range(n):
+        hi = lo + base + (1 if c < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
 
 REDUCTIONS = ("tree", "ring")
 

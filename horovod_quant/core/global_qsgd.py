@@ -113,6 +113,7 @@ class GlobalQSGD(Codec):
     needs_world_size = True
     #: the mpi4py exponent allreduce (dense exponential levels; it declines the other modes)
     custom_collective = "exponent_allreduce"
+    needs_norm = True
 
     def __init__(self, world_size: int | None = None, bits: int = 8,
                  levels: str = "exponential", num_levels: int | None = None,
@@ -410,17 +411,6 @@ class GlobalQSGD(Codec):
         if self.mode == "sparse":
             return super().combine_gathered(payloads, seed, out)
         return self.decode_sum(self.reduce(payloads, seed), len(payloads), out)
-
-    def reference_mean(self, xs: Sequence[np.ndarray], seed: int) -> tuple[np.ndarray, int]:
-        """The n-worker exchange in one process: :meth:`global_norm`, worker r encoding with
-        ``worker_seed(seed, r)``, then :meth:`combine_gathered`."""
-        n = len(xs)
-        if n != self.world_size:
-            raise ValueError(f"got {n} workers' vectors for a codec built with "
-                             f"world_size={self.world_size}; pass world_size={n}")
-        norm = self.global_norm(xs)
-        payloads = [self.encode_worker(x, seed, r, norm) for r, x in enumerate(xs)]
-        return self.combine_gathered(payloads, seed), max(p.nbytes for p in payloads)
 
     def theta(self, d: int) -> float:
         """Bound on E||mean estimate - mean||^2 / ((1/n) sum_i ||x_i||^2) for d elements per

@@ -8,7 +8,7 @@ beside them:
 * :func:`cuda_aware_mpi`: whether MPI can take device buffers (``HQ_CUDA_AWARE_MPI``
   overrides); :func:`horovod_device_collectives`: whether Horovod's collectives can (else
   exchanges stage their payloads through host memory,
-  :class:`horovod_quant.comm.staging.HostStaged`)
+  :class:`horovod_quant.exchange.staging.HostStaged`)
 * :func:`is_device_array`, :func:`as_cupy`, :func:`to_host` / :func:`to_device` (the staging
   copies), :func:`device_scope` (the device and stream kernels run on)
 * :func:`exp_combine`, :func:`reduce_packed`: the Global-QSGD exponent combination and

@@ -97,7 +97,7 @@ def horovod_device_collectives(horovod_module: Any) -> tuple[bool, str]:
     ``HQ_DEVICE_COLLECTIVES=1``/``=0`` overrides (e.g. ``0`` for a Horovod whose allgather or
     alltoall was built without GPU support). When False, exchanges of device gradients copy
     their compressed payloads to host memory and back
-    (:class:`horovod_quant.comm.staging.HostStaged`).
+    (:class:`horovod_quant.exchange.staging.HostStaged`).
 
     Args:
         horovod_module: ``horovod.torch`` or ``horovod.tensorflow`` (initialized).

@@ -2,7 +2,8 @@
 
 The compressor's exchanges run as graph ops (see :mod:`.compression`); these serve the
 one-time cross-rank configuration check, which the compressor starts and waits for while a
-``tf.function`` is being traced.
+``tf.function`` is being traced, and give a custom collective (the mpi4py exponent
+allreduce) its MPI communicator.
 
 Each collective runs on its own daemon thread, so the caller can stop waiting: a Horovod op
 that a peer never joins blocks its thread forever, and
@@ -19,7 +20,8 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from ..comm.backend import Handle, ProcessSetCollectives, Then
+from ..exchange.collectives import Handle, ProcessSetCollectives, Then
+from ..exchange.mpi_exp import world_communicator
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
 
@@ -84,3 +86,8 @@ class HorovodTFCollectives(ProcessSetCollectives):
             t, splits=s, name=name, process_set=self.process_set),
             arr, np.asarray(splits, np.int32))
         return Then(handle, lambda out: (out[0], out[1].tolist()))
+
+    def mpi_communicator(self) -> Any | None:
+        if self.process_set is not hvd.global_process_set:
+            return None
+        return world_communicator(hvd)

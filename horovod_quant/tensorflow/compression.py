@@ -8,17 +8,15 @@ allreduce of an eagerly built tape/optimizer in a ``tf.function``, so ``compress
 called while a graph is traced).
 
 Horovod allreduces whatever ``compress`` returns with the user's ``op``, which would destroy
-quantized codes, so ``compress`` builds the codec's own exchange out of graph ops:
-``tf.numpy_function`` callbacks into the framework-neutral steps of
-:mod:`horovod_quant.comm.steps` (the same core code as every other adapter) around Horovod's TF
-collectives on the encoded bytes (``hvd.allgather`` of uint8 frames for gather and custom
-codecs, ``hvd.allreduce(op=hvd.Sum)`` of int64 words for summable ones, ``hvd.alltoall`` +
-``hvd.allgather`` for the scatter-reduce-allgather schedule, and first an allgather of the
-per-rank norm statistics for global-norm codecs; NDQSG ends with an int64 allreduce of the
-ranks' wrong-coarse-bin counts). The gathered/reduced tensor stays in ``ctx`` and
-Horovod reduces a one-element float32 placeholder holding 1.0, whose reduced value is the
-factor the user's op and pre/postscale factors imply (1 for Average, n for Sum); ``decompress``
-decodes, applies that factor, reshapes and casts back to the gradient's dtype.
+quantized codes, so ``compress`` runs the codec's exchange plan
+(:mod:`horovod_quant.exchange.plans`, the generators that ``Exchange`` and ``mean_estimate`` run too) as graph ops: a
+``tf.numpy_function`` callback starts the plan, and each collective it asks for is a Horovod TF
+op (laid out by :func:`~horovod_quant.exchange.plans.signature`) followed by a callback that
+resumes the plan with the op's result; a custom collective (the mpi4py exponent allreduce) runs
+inside a callback. The mean estimate stays in ``ctx`` and Horovod reduces a one-element float32
+placeholder holding 1.0, whose reduced value is the factor the user's op and pre/postscale
+factors imply (1 for Average, n for Sum); ``decompress`` applies that factor, reshapes and
+casts back to the gradient's dtype.
 
 Seeds. Each compressor owns an int64 ``tf.Variable`` call counter. Every compressed tensor
 takes the counter's value k and increments it (``assign_add`` inside the graph, so the count
@@ -46,6 +44,7 @@ traced: every rank traces its first step); a rank whose peers never join gives u
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import threading
@@ -58,7 +57,8 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
 from ..adapters import CompressionNamespace, CompressorSettings, ConfigCheck
-from ..comm import steps
+from ..exchange import plans, wire
+from ..exchange.driver import custom_collective
 from ..core.base import Codec
 from ..core.rng import derive_key
 from ..policy import LayerPolicy
@@ -66,7 +66,6 @@ from ._fenv import ieee_denormals
 from .collectives import HorovodTFCollectives
 
 _IDS = itertools.count()
-_NORM_WIRE_BYTES = 8 * steps.NORM_WIRE_WORDS  # the rank's norm statistic and the tag, float64
 _PLACEHOLDER_BYTES = 4
 _HOROVOD_TF = "horovod.tensorflow"
 _MAX_FRAMES = 96  # autograph and tf.cond put ~40 frames between Horovod's allreduce_grads and us
@@ -146,15 +145,16 @@ class _Spec(NamedTuple):
     """One tensor's exchange as traced: what the numpy callbacks close over."""
 
     codec: Codec
-    kind: str  # steps.plan
+    kind: str  # plans.plan_kind
     key: str | None  # horovod_name, or None: the tag then names the call index
     shape: tuple
     rank: int
     n: int
     prefix: str  # the configuration check's ``hq.<group>.<n>``
+    custom: Any  # the codec's custom collective (plans.Custom), or None
 
-    def tag(self, k: int) -> steps.Tag:
-        return steps.exchange_tag(f"{self.key}#{k}" if self.key else f"#{k}", self.shape)
+    def tag(self, k: int) -> wire.Tag:
+        return wire.exchange_tag(f"{self.key}#{k}" if self.key else f"#{k}", self.shape)
 
     def label(self, k: int) -> str:
         """The exchange's name in error messages."""
@@ -162,11 +162,9 @@ class _Spec(NamedTuple):
 
 
 class _Ctx(NamedTuple):
-    """What ``decompress`` needs: the exchanged tensor and the call index, as graph tensors."""
+    """What ``decompress`` needs: the mean estimate as a graph tensor."""
 
-    result: tf.Tensor
-    k: tf.Tensor
-    flat: tf.Tensor  # this rank's input: NDQSG senders count their own wrong coarse bins
+    mean: tf.Tensor
     spec: _Spec
     dtype: tf.DType
 
@@ -178,7 +176,10 @@ class QuantizedCompressor(CompressorSettings, Compressor):
     compressed (from 0) uses seed ``derive_key(seed, k)`` (module doc), the policy's name rules
     see the variable names (``dense/kernel:0``) or the ``name=`` of ``hvd.allreduce``, tensors
     whose static shape is not fully known travel uncompressed too, and integer and boolean
-    tensors always pass to Horovod unchanged (exact).
+    tensors always pass to Horovod unchanged (exact). ``pipeline_elems``: tensors longer than
+    this are exchanged in pieces of this many elements (as
+    :class:`~horovod_quant.exchange.Exchange` does: same pieces, seeds and bits); None (the
+    default, which keeps the seeds of earlier releases) exchanges every tensor whole.
 
     Attributes:
         stats: :class:`~horovod_quant.stats.StepStats` of the compressed exchanges since the
@@ -189,8 +190,10 @@ class QuantizedCompressor(CompressorSettings, Compressor):
     """
 
     def __init__(self, codec: Codec, seed: int = 0, gather: str = "auto",
-                 policy: LayerPolicy | None = None, process_set: Any = None) -> None:
+                 policy: LayerPolicy | None = None, process_set: Any = None,
+                 pipeline_elems: int | None = None) -> None:
         super().__init__(codec, seed, gather, policy, process_set)
+        self.pipeline_elems = plans.check_pipeline_elems(pipeline_elems)
         self._id = next(_IDS)
         # Created eagerly with the compressor, not by the first compress: a tf.function whose
         # first trace creates a variable and then raises (a configuration mismatch) is not
@@ -200,7 +203,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
                                         name=f"hq_calls_{self._id}")
         self._check: ConfigCheck | None = None
         self._prefix: str | None = None  # the check's prefix, once it passed
-        self._inflight: dict[int, dict] = {}
+        self._customs: dict[str, Any] = {}  # custom collectives by codec config_key
+        self._flights: dict[tuple[int, str], tuple] = {}  # plans between callbacks, and when
+        # their last callback ended
         self._lock = threading.Lock()
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -230,94 +235,109 @@ class QuantizedCompressor(CompressorSettings, Compressor):
                 self._prefix = self._check.wait()
         return self._prefix
 
-    # -- numpy callbacks (run when the graph runs; ``spec`` chose the codec) --------------------
-    def _norm_wire(self, spec: _Spec, flat: np.ndarray, k: np.ndarray) -> np.ndarray:
+    def _custom_for(self, codec: Codec) -> Any:
+        """The codec's custom collective (set up once per codec, at the same trace point on
+        every rank), or None: the allgather plan then reduces on every rank."""
+        key = codec.config_key()
+        if key not in self._customs:
+            with tf.init_scope():
+                self._customs[key] = custom_collective(codec, HorovodTFCollectives(self._ps()))
+        return self._customs[key]
+
+    # -- the graph runner of a plan --------------------------------------------------------------
+    def _resume(self, spec: _Spec, key: tuple[int, str], plan: plans.Plan, value: Any,
+                expected: tuple | None, first: bool) -> Any:
+        """Send ``value`` into ``plan`` and return what the next graph op needs: the next
+        request's array (an alltoall's with its splits), or the plan's result. A custom
+        collective runs here, inside the callback (it pairs ranks by call order, which the
+        compressor's ordered callbacks keep)."""
+        label, sent = spec.label(key[0]), 0
         with ieee_denormals():
-            return steps.norm_wire(spec.codec, [flat], spec.tag(int(k)))
-
-    def _norm_from_gathered(self, spec: _Spec, gathered: np.ndarray, k: np.ndarray) -> np.ndarray:
-        with ieee_denormals():
-            return np.float32(steps.norm_from_gathered(spec.codec, gathered, spec.label(int(k))))
-
-    def _begin(self, k: int, size: int, meta: dict, t0: float, nbytes: int) -> None:
-        t1 = time.perf_counter()
+            t0 = time.perf_counter()
+            try:
+                request = plan.send(value)
+                while isinstance(request, plans.Custom):
+                    sent += request.array.nbytes
+                    request = plan.send(spec.custom(request.payload, request.seed, label).wait())
+            except StopIteration as stop:
+                request, result = None, stop.value
+            plans.check_request(request, expected, label)
+            t1 = time.perf_counter()
         with self._lock:
-            self._inflight[k] = {"size": size, "meta": meta, "t": t1}
-            self.stats.encode_s += t1 - t0
-            self.stats.bytes_sent += nbytes
-            self.stats.bytes_raw += 4 * size
-            self.stats.tensors += 1
+            field = "encode_s" if first else "decode_s"
+            setattr(self.stats, field, getattr(self.stats, field) + t1 - t0)
+            self.stats.bytes_sent += sent + (0 if request is None else request.array.nbytes)
+            if request is None:
+                return result
+            self._flights[key] = plan, t1
+        if isinstance(request, plans.Alltoall):
+            return request.array, np.asarray(request.splits, np.int32)
+        return request.array
 
-    def _finish(self, k: int) -> dict:
+    def _callback(self, spec: _Spec, key: str, expected: tuple | None, k: np.ndarray,
+                  *result: np.ndarray) -> Any:
+        """Callback after a collective: resume the plan ``key`` of call ``k`` with its result."""
+        k = int(k)
         with self._lock:
-            rec = self._inflight.pop(k)
-            self.stats.exchange_s += time.perf_counter() - rec["t"]
-        return rec
+            plan, t = self._flights.pop((k, key))
+            self.stats.exchange_s += time.perf_counter() - t
+        value = result[0] if len(result) == 1 else (result[0], result[1].tolist())
+        return self._resume(spec, (k, key), plan, value, expected, False)
 
-    def _end(self, mean: np.ndarray, factor: np.ndarray, t0: float) -> np.ndarray:
+    def _run_plans(self, spec: _Spec, k: tf.Tensor, starts: list, signature: list,
+                   shapes: list) -> list[tf.Tensor]:
+        """Lay out plans as graph ops: per plan ``(key, make, inputs)`` a callback that starts
+        it (``make(k, *inputs)`` returns the generator), then per request of the ``signature``
+        its Horovod op and a callback that resumes the plan with the op's result; the last
+        returns the plan's float32 result of shape ``shapes[j]``. Stage by stage, so every
+        plan (piece) is started before any collective, as :class:`Exchange` does."""
+        ps = self._ps()
+        signature = [s for s in signature if s[0] is not plans.Custom]  # run in callbacks
+
+        def dtypes(i: int) -> Any:
+            if i == len(signature):
+                return tf.float32
+            kind, dtype = signature[i]
+            return [tf.uint8, tf.int32] if kind is plans.Alltoall else tf.as_dtype(dtype)
+
+        def start(key: str, make: Any, kk: np.ndarray, *xs: np.ndarray) -> Any:
+            return self._resume(spec, (int(kk), key), make(int(kk), *xs), None,
+                                signature[0] if signature else None, True)
+
+        values = [tf.numpy_function(functools.partial(start, key, make), [k] + inputs,
+                                    dtypes(0), stateful=True, name="hq_plan")
+                  for key, make, inputs in starts]
+        for i, (kind, _) in enumerate(signature):
+            nxt = signature[i + 1] if i + 1 < len(signature) else None
+            for j, (key, _, _) in enumerate(starts):
+                if kind is plans.Alltoall:
+                    send, splits = values[j]
+                    send.set_shape([None])
+                    splits.set_shape([spec.n])
+                    result = list(hvd.alltoall(send, splits=splits, process_set=ps))
+                else:
+                    values[j].set_shape([None])
+                    op = hvd.allgather if kind is plans.Allgather else functools.partial(
+                        hvd.allreduce, op=hvd.Sum)
+                    result = [op(values[j], process_set=ps)]
+                values[j] = tf.numpy_function(functools.partial(self._callback, spec, key, nxt),
+                                              [k] + result, dtypes(i + 1), stateful=True,
+                                              name="hq_plan")
+        for value, shape in zip(values, shapes):
+            value.set_shape(shape)
+        return values
+
+    def _end(self, mean: np.ndarray, factor: np.ndarray) -> np.ndarray:
+        """The mean times the factor Horovod's reduction of the placeholder gave (module doc)."""
+        t0 = time.perf_counter()
         f = np.float32(np.asarray(factor).reshape(-1)[0])
         if f != np.float32(1.0):
-            mean = mean * f
+            with ieee_denormals():
+                mean = mean * f
         with self._lock:
             self.stats.decode_s += time.perf_counter() - t0
             self.stats.bytes_sent += _PLACEHOLDER_BYTES
         return np.ascontiguousarray(mean, np.float32)
-
-    def _encode(self, spec: _Spec, flat: np.ndarray, k: np.ndarray,
-                norm: np.ndarray | None = None) -> np.ndarray:
-        with ieee_denormals():
-            t0 = time.perf_counter()
-            k = int(k)
-            wire, meta = steps.encode_wire(spec.codec, flat, derive_key(self.seed, k), spec.rank,
-                                           spec.kind, None if norm is None else np.float32(norm),
-                                           spec.tag(k))
-            extra = _NORM_WIRE_BYTES if norm is not None else 0
-            self._begin(k, flat.size, meta, t0, wire.nbytes + extra)
-            return wire
-
-    def _decode(self, spec: _Spec, result: np.ndarray, k: np.ndarray, factor: np.ndarray,
-                flat: np.ndarray | None = None):
-        with ieee_denormals():
-            k = int(k)
-            rec = self._finish(k)
-            t0 = time.perf_counter()
-            seed, codec, n = derive_key(self.seed, k), spec.codec, spec.n
-            if spec.kind == "sum":
-                mean = steps.decode_sum_wire(codec, result, rec["size"], n, rec["meta"])
-            elif spec.kind == "allgather":
-                own = (spec.rank, flat) if flat is not None else None
-                mean = steps.combine_wire(codec, result, rec["size"], seed, n, rec["meta"], own,
-                                          name=spec.label(k))
-            else:
-                mean = steps.sra_decode_wire(codec, result, rec["size"], seed, n)
-            mean = self._end(mean, factor, t0)
-            return mean if flat is None else (mean, steps.outage_wire(codec))
-
-    def _outage_total(self, spec: _Spec, total: np.ndarray) -> np.ndarray:
-        steps.outage_from_wire(spec.codec, total)
-        return np.zeros([], np.int64)
-
-    def _sra_encode(self, spec: _Spec, flat: np.ndarray, k: np.ndarray):
-        with ieee_denormals():
-            t0 = time.perf_counter()
-            k = int(k)
-            send, splits = steps.sra_encode_wire(spec.codec, flat, derive_key(self.seed, k),
-                                                 spec.rank, spec.n, spec.tag(k))
-            self._begin(k, flat.size, {}, t0, send.nbytes)
-            return send, splits
-
-    def _sra_reduce(self, spec: _Spec, received: np.ndarray, k: np.ndarray) -> np.ndarray:
-        with ieee_denormals():
-            k = int(k)
-            t0 = time.perf_counter()
-            with self._lock:
-                size = self._inflight[k]["size"]
-            again = steps.sra_reduce_wire(spec.codec, received, size, derive_key(self.seed, k),
-                                          spec.rank, spec.n, name=spec.label(k))
-            with self._lock:
-                self.stats.decode_s += time.perf_counter() - t0
-                self.stats.bytes_sent += again.nbytes
-            return again
 
     # -- Compressor ---------------------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
@@ -338,46 +358,41 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             return tf.cast(tensor, tf.as_dtype(wire)), tensor.dtype
         ps = self._ps()
         n = ps.size()
-        spec = _Spec(codec, steps.plan(codec, n, self.gather), key, tuple(shape.as_list()),
-                     ps.rank(), n, prefix)
+        custom = self._custom_for(codec)
+        spec = _Spec(codec, plans.plan_kind(codec, n, self.gather, custom is not None), key,
+                     tuple(shape.as_list()), ps.rank(), n, prefix, custom)
+        size = int(np.prod(spec.shape, dtype=np.int64))
+        bounds = plans.pipeline_bounds(size, self.pipeline_elems)
         with tf.device("/cpu:0"):
             flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
             k = self._counter.assign_add(1) - 1
-            if spec.kind == "sra":
-                send, splits = tf.numpy_function(
-                    lambda x, kk: self._sra_encode(spec, x, kk), [flat, k],
-                    [tf.uint8, tf.int32], stateful=True, name="hq_sra_encode")
-                send.set_shape([None])
-                splits.set_shape([n])
-                received, _ = hvd.alltoall(send, splits=splits, process_set=ps)
-                again = tf.numpy_function(lambda r, kk: self._sra_reduce(spec, r, kk),
-                                          [received, k], tf.uint8, stateful=True,
-                                          name="hq_sra_reduce")
-                again.set_shape([None])
-                result = hvd.allgather(again, process_set=ps)
-            else:
-                inputs = [flat, k]
-                if steps.needs_norm(codec):
-                    stat = tf.numpy_function(lambda x, kk: self._norm_wire(spec, x, kk),
-                                             [flat, k], tf.float64, stateful=True,
-                                             name="hq_norm_stat")
-                    stat.set_shape([steps.NORM_WIRE_WORDS])
-                    gathered = hvd.allgather(stat, process_set=ps)
-                    norm = tf.numpy_function(
-                        lambda g, kk: self._norm_from_gathered(spec, g, kk), [gathered, k],
-                        tf.float32, stateful=True, name="hq_norm")
-                    norm.set_shape([])
-                    inputs.append(norm)
-                dtype = tf.as_dtype(steps.wire_dtype(codec, spec.kind))
-                wire = tf.numpy_function(lambda *a: self._encode(spec, *a), inputs, dtype,
-                                         stateful=True, name="hq_encode")
-                wire.set_shape([None])
-                if spec.kind == "sum":
-                    result = hvd.allreduce(wire, op=hvd.Sum, process_set=ps)
-                else:
-                    result = hvd.allgather(wire, process_set=ps)
+            norm = []
+            if codec.needs_norm:
+                norm = self._run_plans(spec, k, [(
+                    "norm", lambda kk, x: plans.norm_plan(codec, [x], spec.tag(kk),
+                                                          spec.label(kk)), [flat])],
+                    plans.signature("norm", codec), [[]])
+            means = self._run_plans(
+                spec, k, [(f"p{i}", functools.partial(self._piece, spec, i, len(bounds)),
+                           [flat[lo:hi]] + norm) for i, (lo, hi) in enumerate(bounds)],
+                plans.signature(spec.kind, codec), [[hi - lo] for lo, hi in bounds])
+            mean = means[0] if len(means) == 1 else tf.concat(means, 0)
             placeholder = tf.ones([1], tf.float32)
-        return placeholder, _Ctx(result, k, flat, spec, tensor.dtype)
+        return placeholder, _Ctx(mean, spec, tensor.dtype)
+
+    def _piece(self, spec: _Spec, i: int, pieces: int, k: int, x: np.ndarray,
+               norm: np.ndarray | None = None) -> plans.Plan:
+        """The plan of piece ``i`` of call ``k`` (numpy, in the first callback)."""
+        if i == 0:
+            with self._lock:
+                self.stats.tensors += 1
+                self.stats.bytes_raw += 4 * int(np.prod(spec.shape, dtype=np.int64))
+        if spec.codec.counts_outage:  # read after this callback: TF may reuse its buffer
+            x = np.array(x, copy=True)
+        return plans.PLANS[spec.kind](plans.Piece(
+            spec.codec, x, plans.pipeline_seed(derive_key(self.seed, k), i, pieces), spec.rank,
+            spec.n, None if norm is None else np.float32(norm), spec.tag(k),
+            np.empty(x.size, np.float32), spec.label(k)))
 
     @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor: Any, ctx: Any) -> Any:
@@ -385,24 +400,10 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             return tensor
         if isinstance(ctx, tf.DType):
             return tf.cast(tensor, ctx)
-        spec = ctx.spec
         with tf.device("/cpu:0"):
-            args = [ctx.result, ctx.k, tf.cast(tensor, tf.float32)]
-            if spec.kind == "allgather" and steps.counts_outage(spec.codec):
-                mean, count = tf.numpy_function(
-                    lambda r, kk, f, x: self._decode(spec, r, kk, f, x), args + [ctx.flat],
-                    [tf.float32, tf.int64], stateful=True, name="hq_decode")
-                count.set_shape([1])
-                total = hvd.allreduce(count, op=hvd.Sum, process_set=self._ps())
-                done = tf.numpy_function(lambda t: self._outage_total(spec, t), [total],
-                                         tf.int64, stateful=True, name="hq_outage")
-                with tf.control_dependencies([done]):
-                    mean = tf.identity(mean)
-            else:
-                mean = tf.numpy_function(lambda r, kk, f: self._decode(spec, r, kk, f), args,
-                                         tf.float32, stateful=True, name="hq_decode")
-            mean.set_shape([int(np.prod(spec.shape, dtype=np.int64))])
-            out = tf.reshape(mean, spec.shape)
+            mean = tf.numpy_function(self._end, [ctx.mean, tf.cast(tensor, tf.float32)],
+                                     tf.float32, stateful=True, name="hq_scale")
+            out = tf.reshape(mean, ctx.spec.shape)
         return tf.cast(out, ctx.dtype) if ctx.dtype != tf.float32 else out
 
 

@@ -2,7 +2,7 @@
 
 NumPy arrays travel as CPU tensors. CuPy arrays (payloads of CUDA gradients) travel as CUDA
 tensors through DLPack when Horovod's collectives take device buffers, else through
-:class:`~horovod_quant.comm.staging.HostStaged` (:func:`collectives_for` decides).
+:class:`~horovod_quant.exchange.staging.HostStaged` (:func:`collectives_for` decides).
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from ..comm.backend import Collectives, Handle, ProcessSetCollectives
-from ..comm.mpi_exp import world_communicator
-from ..comm.staging import HostStaged
+from ..exchange.collectives import Collectives, Handle, ProcessSetCollectives
+from ..exchange.mpi_exp import world_communicator
+from ..exchange.staging import HostStaged
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
 
@@ -78,7 +78,7 @@ class HorovodTorchCollectives(ProcessSetCollectives):
 
 def collectives_for(process_set: Any = None) -> Collectives:
     """The collectives an exchange of this process set runs on: Horovod's, wrapped in
-    :class:`~horovod_quant.comm.staging.HostStaged` when CuPy is there to encode CUDA gradients
+    :class:`~horovod_quant.exchange.staging.HostStaged` when CuPy is there to encode CUDA gradients
     on the GPU but Horovod cannot move device buffers
     (:func:`horovod_quant.gpu.horovod_device_collectives`)."""
     comm = HorovodTorchCollectives(process_set)

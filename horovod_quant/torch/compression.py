@@ -48,8 +48,8 @@ import torch
 from horovod.torch.compression import Compressor
 
 from ..adapters import CompressionNamespace, CompressorSettings, ConfigCheck
-from ..comm.exchange import Exchange
-from ..comm.steps import exchange_tag
+from ..exchange.driver import Exchange
+from ..exchange.wire import exchange_tag
 from ..core.base import Codec
 from ..core.rng import derive_key, name_key
 from ..policy import LayerPolicy

@@ -38,12 +38,12 @@ import numpy as np
 import torch
 
 from ..adapters import check_same_config, check_seed
-from ..comm.exchange import Exchange, global_norm
-from ..comm.steps import NORM_WIRE_WORDS, exchange_tag
+from ..exchange.driver import Exchange, global_norm
+from ..exchange.wire import NORM_WIRE_WORDS, exchange_tag
 from ..core.registry import get_codec, horovod_equivalent
 from ..core.base import Codec
 from ..core.rng import derive_key
-from ..core.schedules import DEFAULT_PIPELINE_ELEMS
+from ..exchange.plans import DEFAULT_PIPELINE_ELEMS
 from ..policy import LayerPolicy, describe
 from ..stats import StepStats
 from .collectives import as_array, as_tensor, collectives_for
@@ -430,7 +430,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         gather: schedule for gather codecs (default: the compressor's, else "auto").
         pipeline_elems: buckets longer than this are exchanged in pieces of this many elements,
             each piece on the wire while the next is encoded and the previous decoded (see
-            :class:`horovod_quant.comm.Exchange`; default ``1 << 21``); None sends every bucket
+            :class:`horovod_quant.exchange.Exchange`; default ``1 << 21``); None sends every bucket
             whole.
         on_step: called with each step's :class:`StepStats` (also at ``.last_stats``).
 

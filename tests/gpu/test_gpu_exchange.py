@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.comm import Exchange, HostStaged
+from horovod_quant.exchange import Exchange, HostStaged
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
 from threaded_comm import run_ranks  # noqa: E402

@@ -7,7 +7,7 @@ import horovod.torch as hvd
 import horovod_quant as hq
 import horovod_quant.torch as hqt
 from horovod_quant.core.rng import derive_key, name_key
-from horovod_quant.comm.steps import FRAME_HEADER_BYTES
+from horovod_quant.exchange.wire import FRAME_HEADER_BYTES
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 
 from conftest import Linear, codec_params, rank_gradients

@@ -14,6 +14,7 @@ from conftest import codec_params, linear_loss, rank_gradients, reference, same_
 
 import horovod_quant as hq
 import horovod_quant.tensorflow as hqtf
+from horovod_quant.core.rng import derive_key
 
 EVERYTHING = hqtf.LayerPolicy.everything()
 CONFIGS = [(c, {}) for c in hq.available_codecs() if c not in ("none", "fp16")] + [
@@ -138,6 +139,40 @@ def test_sra_schedule(name):
     got = [g.numpy() for g in step_fn(rank_gradients(shapes, 0, hvd.rank()))]
     if hvd.size() > 1:
         _check(got, codec, shapes, 0, 21, k0, gather="sra")
+
+
+def _correlated(shapes, step, rank):
+    """Gradients close to each other on every rank: NDQSG's state (the coarse ratio k) moves."""
+    base = rank_gradients(shapes, step, 0)
+    noise = rank_gradients(shapes, step, rank, scale=0.01)
+    return [b + e for b, e in zip(base, noise)]
+
+
+@pytest.mark.parametrize("name,params,gather", [
+    ("qsgd", {}, "sra"), ("global_qsgd", {}, "auto"),
+    ("global_qsgd", {"mode": "sparse", "norm": "l2"}, "auto"), ("nested_dithered", {}, "auto")])
+def test_pipelined_pieces_match_reference(name, params, gather):
+    """pipeline_elems cuts a tensor into pieces as Exchange does (the same plans, seeds and
+    bits; one global norm over the whole tensor; NDQSG encodes every piece with one state)."""
+    shapes = [(33, 70), (20, 40)]
+    params = {**params, **codec_params(name)}
+    comp = hqtf.QuantizedCompressor(hq.get_codec(name, **params), seed=13, gather=gather,
+                                    policy=EVERYTHING, pipeline_elems=400)
+    codec = hq.get_codec(name, **params)
+    vs = [tf.Variable(tf.zeros(s)) for s in shapes]
+    step_fn = _tape_fn(comp, vs)
+    for step in range(3):
+        k0 = comp.calls
+        got = [g.numpy() for g in step_fn(_correlated(shapes, step, hvd.rank()))]
+        if hvd.size() == 1:
+            continue
+        for j in range(len(shapes)):
+            flats = [_correlated(shapes, step, r)[j].reshape(-1) for r in range(hvd.size())]
+            want, _ = hq.mean_estimate(codec, flats, seed=derive_key(13, k0 + j),
+                                       gather=gather, pipeline_elems=400)
+            assert np.array_equal(got[j].reshape(-1), want, equal_nan=True), (name, step, j)
+    if name == "nested_dithered" and hvd.size() > 1:
+        assert comp.codec.current_k < 2 * codec.M + 1  # the state moved between pieces
 
 
 def test_direct_allreduce_eager_sum():

@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.comm import Exchange, LocalCollectives
-from horovod_quant.comm.steps import frame, unframe
+from horovod_quant.exchange import Exchange, LocalCollectives
+from horovod_quant.exchange.plans import pipeline_seed
+from horovod_quant.exchange.wire import frame, unframe
 from horovod_quant.core.payload import Payload
 
 from threaded_comm import run_ranks
@@ -92,8 +93,8 @@ def test_pipelined_global_norm_spans_all_pieces():
     piped, _ = hq.mean_estimate(make(), xs, seed=1, pipeline_elems=500)
     codec = make()
     norm = codec.global_norm(xs)
-    want = codec.combine_payloads([codec.encode_worker(x[500:], hq.core.schedules.pipeline_seed(
-        1, 1, 2), r, norm) for r, x in enumerate(xs)], hq.core.schedules.pipeline_seed(1, 1, 2))
+    want = codec.combine_payloads([codec.encode_worker(x[500:], pipeline_seed(
+        1, 1, 2), r, norm) for r, x in enumerate(xs)], pipeline_seed(1, 1, 2))
     assert np.array_equal(piped[500:], want)
 
 

@@ -11,10 +11,10 @@ import math
 
 import numpy as np
 
-from horovod_quant.core.schedules import chunk_bounds
+from horovod_quant.core.exp_reduce import chunk_bounds
 import pytest
 
-from horovod_quant.core import get_codec, mean_estimate, worker_seed
+from horovod_quant import get_codec, mean_estimate, worker_seed
 from horovod_quant.backends.numba.global_qsgd import WORD_BLOCK, exp_combine
 from horovod_quant.backends.numba.packing import PACK_BLOCK, pack, packed_nbytes, unpack
 from horovod_quant.backends.numba.rng import uniforms

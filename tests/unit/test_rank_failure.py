@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent("""
     import os, sys, numpy as np
     import horovod.torch as hvd
     import horovod_quant as hq
-    from horovod_quant.comm import Exchange
+    from horovod_quant.exchange import Exchange
     from horovod_quant.torch.collectives import HorovodTorchCollectives
     hvd.init()
     codec = hq.get_codec("global_qsgd", world_size=hvd.size(), levels="exponential")

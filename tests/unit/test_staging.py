@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import horovod_quant.gpu as G
-from horovod_quant.comm import HostStaged
+from horovod_quant.exchange import HostStaged
 from horovod_quant.gpu import mpi as gpu_mpi
 
 from threaded_comm import run_ranks

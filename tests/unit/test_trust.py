@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
-import horovod_quant.comm
+import horovod_quant.exchange
 from horovod_quant.adapters import CHECKS, ConfigCheck, check_same_config, wait_for_peers
-from horovod_quant.comm import Exchange
-from horovod_quant.comm.backend import Handle, decode_objects, encode_object
-from horovod_quant.comm.mpi_exp import world_communicator
-from horovod_quant.comm.steps import (check_tags, exchange_tag, frame, norm_from_gathered,
+from horovod_quant.exchange import Exchange
+from horovod_quant.exchange.collectives import Handle, decode_objects, encode_object
+from horovod_quant.exchange.mpi_exp import world_communicator
+from horovod_quant.exchange.wire import (check_tags, exchange_tag, frame, norm_from_gathered,
                                       norm_wire)
 from horovod_quant.core.payload import Payload
 from horovod_quant.env import env_flag, env_seconds
@@ -41,7 +41,7 @@ def test_config_check_raises_the_same_error_on_every_rank():
 
 
 def test_checks_are_numbered_when_they_start_not_when_built():
-    comm = hq.comm.LocalCollectives()
+    comm = hq.exchange.LocalCollectives()
     before = CHECKS.started(comm)
     check = ConfigCheck(comm, {"a": 1})
     assert CHECKS.started(comm) == before + 1

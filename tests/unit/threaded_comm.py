@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from horovod_quant.comm.backend import Collectives, Done
+from horovod_quant.exchange.collectives import Collectives, Done
 
 
 class _World:

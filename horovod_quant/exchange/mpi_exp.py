@@ -14,9 +14,9 @@ to the single-process :func:`~horovod_quant.core.exp_reduce.reduce_packed`.
 The communicator is a duplicate of ``MPI.COMM_WORLD`` (so nothing collides with Horovod's own
 traffic). It is used only when Horovod itself runs on MPI with ``MPI_THREAD_MULTIPLE`` (the
 reduction runs on a worker thread to overlap with backward, beside Horovod's background
-thread); otherwise, e.g. under gloo, :class:`horovod_quant.comm.Exchange` falls back to
-allgathering the payloads and reducing locally with the same schedule (same result, O(n)
-receive volume). ``HQ_MPI_EXCHANGE=0`` (or false/no/off) forces the fallback.
+thread); otherwise, e.g. under gloo, the runners (``Exchange``, the TensorFlow compressor) fall
+back to the allgather plan: the payloads gathered and reduced locally with the same schedule
+(same result, O(n) receive volume). ``HQ_MPI_EXCHANGE=0`` (or false/no/off) forces the fallback.
 
 Device payloads (CuPy) are reduced on the device, each round's combine a kernel, and sent as
 device buffers when the MPI is CUDA-aware (:func:`horovod_quant.gpu.cuda_aware_mpi`); otherwise
@@ -37,7 +37,7 @@ from ..env import env_flag
 from ..core.base import array_module
 from ..core.exp_reduce import block_byte_range, round_key, schedule
 from ..core.payload import Payload
-from .backend import Handle
+from .collectives import Handle
 
 
 def world_communicator(horovod_module: Any) -> Any | None:
@@ -125,7 +125,7 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
 
 class MpiExponentReduce:
     """The custom collective for dense exponential Global-QSGD (registered in
-    :data:`horovod_quant.comm.exchange.CUSTOM_COLLECTIVES`).
+    :data:`horovod_quant.exchange.driver.CUSTOM_COLLECTIVES`).
 
     Calls run in order on one worker thread per codec, identical on every rank. A device
     payload's estimate is on its device and complete (its stream synchronized) when the handle

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import gpu
-from .backend import Collectives, Handle, Then
+from .collectives import Collectives, Handle, Then
 
 
 class HostStaged(Collectives):

@@ -43,9 +43,9 @@ class Then(Handle):
 
 
 def encode_object(obj: Any) -> np.ndarray:
-    """``obj`` as JSON (sorted keys) in a payload frame (:func:`~.steps.frame`), a writable
+    """``obj`` as JSON (sorted keys) in a payload frame (:func:`~.wire.frame`), a writable
     uint8 array."""
-    from .steps import frame
+    from .wire import frame
 
     body = np.frombuffer(bytearray(json.dumps(obj, sort_keys=True, allow_nan=True).encode()),
                          np.uint8)
@@ -56,12 +56,12 @@ def decode_objects(gathered: np.ndarray, count: int) -> list[Any]:
     """The ``count`` objects of a concatenation of :func:`encode_object` outputs.
 
     Only JSON is read from peers (never pickle: a peer's bytes must not run code here), and
-    every length is checked against the bytes received (:func:`~.steps.unframe`).
+    every length is checked against the bytes received (:func:`~.wire.unframe`).
 
     Raises:
         ValueError: the bytes are not ``count`` well-formed objects.
     """
-    from .steps import unframe
+    from .wire import unframe
 
     parts, _ = unframe(np.ascontiguousarray(gathered).reshape(-1).view(np.uint8))
     if len(parts) != count:
@@ -87,7 +87,7 @@ class Done(Handle):
 
 class Collectives(abc.ABC):
     """Asynchronous collectives over 1-D NumPy arrays (and CuPy arrays, for backends that
-    move device buffers; :class:`~horovod_quant.comm.staging.HostStaged` adapts the others).
+    move device buffers; :class:`~horovod_quant.exchange.staging.HostStaged` adapts the others).
 
     Attributes:
         rank: this process's rank in the group.

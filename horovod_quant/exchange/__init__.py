@@ -1,0 +1,17 @@
+"""How payloads travel between ranks: the exchange plans (:mod:`.plans`, framing in
+:mod:`.wire`) and their runners, :class:`Exchange` over :class:`Collectives` (:mod:`.driver`)
+and :func:`mean_estimate` (:mod:`.reference`); the TensorFlow compressor is the third.
+:mod:`.staging` carries device payloads over host-only collectives, :mod:`.mpi_exp` is the
+mpi4py exponent allreduce of Global-QSGD (docs/architecture.md)."""
+from .collectives import Collectives, Done, Handle, LocalCollectives
+from .driver import CUSTOM_COLLECTIVES, Exchange, ExchangeStats, Pending, global_norm
+from .mpi_exp import mpi_exponent_factory
+from .reference import mean_estimate
+from .staging import HostStaged
+
+CUSTOM_COLLECTIVES["exponent_allreduce"] = mpi_exponent_factory
+
+__all__ = [
+    "CUSTOM_COLLECTIVES", "Collectives", "Done", "Exchange", "ExchangeStats", "Handle",
+    "HostStaged", "LocalCollectives", "Pending", "global_norm", "mean_estimate",
+]

@@ -1,0 +1,123 @@
+"""The test oracle: n ranks' plans run in lockstep in one process, collectives simulated exactly.
+
+:func:`mean_estimate` runs the plans that every other runner runs, one generator per simulated
+rank, and answers each request as an exact n-rank world does (sums and concatenations in rank
+order, integers wrapping), without Horovod, TensorFlow or threads. The simulated ranks share
+one codec object: every rank encodes (all pieces) before any combines, as in a real run, and a
+plan reads what a later rank's step would overwrite (NDQSG's own outage count) into its
+request, so a stateful codec ends in the state every real rank ends in.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..core.base import Codec, as_vector
+from . import plans, wire
+
+
+def _simulate(requests: list[plans.Request]) -> list[Any]:
+    """Every rank's result of one collective, given every rank's request (rank order)."""
+    first = requests[0]
+    if any(type(r) is not type(first) or r.suffix != first.suffix for r in requests):
+        raise RuntimeError(f"the ranks' plans diverged: {[type(r).__name__ for r in requests]}")
+    if isinstance(first, plans.Allreduce):
+        total = np.array(first.array, copy=True)
+        for r in requests[1:]:
+            total += r.array  # in rank order; integers wrap
+        return [total] * len(requests)
+    if isinstance(first, plans.Allgather):
+        return [np.concatenate([r.array for r in requests])] * len(requests)
+    if isinstance(first, plans.Alltoall):
+        cuts = [np.split(r.array, np.cumsum(r.splits)[:-1]) for r in requests]
+        received = [[cuts[s][d] for s in range(len(requests))] for d in range(len(requests))]
+        return [(np.concatenate(parts), [p.size for p in parts]) for parts in received]
+    raise RuntimeError(f"{type(first).__name__} has no simulation: the reference runs the "
+                       "codec's allgather plan in place of its custom collective")
+
+
+class Lockstep:
+    """One plan per simulated rank, advanced collective by collective.
+
+    Args:
+        ranks: the plans in rank order, not yet started.
+
+    Attributes:
+        payload_bytes: per rank, the codec payload bytes its requests carried.
+    """
+
+    def __init__(self, ranks: Sequence[plans.Plan]) -> None:
+        self.ranks = list(ranks)
+        self.payload_bytes = [0] * len(self.ranks)
+        self.results: list[Any] = [None] * len(self.ranks)
+        self._requests = self._resume([None] * len(self.ranks))
+
+    def _resume(self, values: list[Any]) -> list[plans.Request] | None:
+        requests = []
+        for r, (plan, value) in enumerate(zip(self.ranks, values)):
+            try:
+                request = plan.send(value)
+            except StopIteration as stop:
+                self.results[r] = stop.value
+                continue
+            self.payload_bytes[r] += request.payload_bytes
+            requests.append(request)
+        if requests and len(requests) != len(self.ranks):
+            raise RuntimeError("the ranks' plans diverged: some ended, others yielded")
+        return requests or None
+
+    def finish(self) -> list[Any]:
+        """Run every rank's plan to its end; returns their results in rank order."""
+        while self._requests is not None:
+            self._requests = self._resume(_simulate(self._requests))
+        return self.results
+
+
+def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allgather",
+                  pipeline_elems: int | None = None) -> tuple[np.ndarray, int]:
+    """The n-worker mean that the distributed exchange computes, simulated in one process.
+
+    Runs the codec's exchange plan (:mod:`~.plans`) for n simulated ranks, rank ``r``
+    encoding ``xs[r]`` with ``worker_seed(seed, r)``; a custom codec's reduction runs on every
+    rank (the allgather plan). A real n-rank run with the same inputs, seed, schedule and
+    pieces gives bit-identical numbers.
+
+    Args:
+        codec: a codec from :func:`get_codec`.
+        xs: n 1-D arrays of equal length, one per worker.
+        seed: the exchange seed.
+        gather: schedule for gather codecs: "allgather", "sra" or "auto"
+            (:func:`~.plans.resolve_gather`).
+        pipeline_elems: piece length of a pipelined exchange (:mod:`~.plans`); None (default)
+            exchanges the vectors whole. Pass the :class:`~horovod_quant.exchange.Exchange`'s
+            value (default :data:`~.plans.DEFAULT_PIPELINE_ELEMS`) to reproduce it on longer
+            vectors.
+
+    Returns:
+        ``(estimate, wire_bytes)``: the float32 mean estimate and the largest number of payload
+        bytes one worker sends (per piece, summed over pieces; frame headers, the norm
+        statistics and outage counts are not counted).
+    """
+    vecs = [as_vector(x) for x in xs]
+    if not vecs:
+        raise ValueError("mean_estimate needs at least one worker's vector")
+    if len({v.size for v in vecs}) != 1:
+        raise ValueError(f"all workers' vectors must have one length, got {[v.size for v in vecs]}")
+    n, size = len(vecs), vecs[0].size
+    if codec.needs_world_size and n != codec.world_size:
+        raise ValueError(f"got {n} workers' vectors for a codec built with "
+                         f"world_size={codec.world_size}; pass world_size={n}")
+    bounds = plans.pipeline_bounds(size, plans.check_pipeline_elems(pipeline_elems))
+    kind = plans.plan_kind(codec, n, gather)
+    norm = None
+    if codec.needs_norm:
+        norm = Lockstep([plans.norm_plan(codec, [v]) for v in vecs]).finish()[0]
+    outs = [np.empty(size, np.float32) for _ in vecs]
+    pieces = [Lockstep([plans.PLANS[kind](plans.Piece(
+        codec, v[lo:hi], plans.pipeline_seed(seed, k, len(bounds)), r, n, norm, wire.NO_TAG,
+        out[lo:hi])) for r, (v, out) in enumerate(zip(vecs, outs))])
+        for k, (lo, hi) in enumerate(bounds)]  # every piece encoded before any is combined
+    for piece in pieces:
+        piece.finish()
+    return outs[0], sum(max(piece.payload_bytes) for piece in pieces)

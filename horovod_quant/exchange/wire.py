@@ -1,0 +1,129 @@
+"""What goes on the wire besides the codecs' payloads: frames, tags and the norm statistics.
+
+A frame (:func:`frame`) prefixes a payload with its byte length and the exchange's :data:`Tag`,
+so that gathered payloads of any length split again without an extra round
+(:func:`unframe`) and every rank can check that all ranks sent the same tensor
+(:func:`check_tags`). The global norm's statistics travel as float64 words with the tag
+(:func:`norm_wire`). The plans (:mod:`horovod_quant.exchange.plans`) use these.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence, Tuple
+
+import numpy as np
+
+from .. import gpu
+from ..core.base import Codec, array_module, as_vector
+from ..core.payload import Payload
+from ..core.rng import name_key
+
+#: what the ranks exchange under one collective name: (elements of the whole tensor, 64-bit key
+#: of its name and shape); every rank's must be equal, or different tensors would be combined
+Tag = Tuple[int, int]
+NO_TAG: Tag = (0, 0)
+
+_HEADER = np.dtype("<u8")
+HEADER_WORDS = 3  # byte length, tag numel, tag key
+FRAME_HEADER_BYTES = HEADER_WORDS * _HEADER.itemsize
+
+
+def exchange_tag(key: str, shape: Sequence[int]) -> Tag:
+    """The :data:`Tag` of a tensor called ``key`` (any name the ranks share) of ``shape``."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel, name_key(f"{key}|{tuple(int(d) for d in shape)}")
+
+
+def frame(payload: Payload, tag: Tag = NO_TAG) -> np.ndarray:
+    """``[uint64 byte length][uint64 numel][uint64 key][payload bytes]`` (little-endian) as one
+    uint8 array: gathered payloads of any length (Elias, unequal chunks) split again without an
+    extra round, and each says which tensor it belongs to (:func:`check_tags`).
+    The frame lives where the payload does (host or device)."""
+    xp = array_module(payload.data)
+    body = payload.data.reshape(-1).view(np.uint8)
+    out = xp.empty(FRAME_HEADER_BYTES + body.size, np.uint8)
+    header = np.array([body.size, tag[0], tag[1]], _HEADER).view(np.uint8)
+    out[:FRAME_HEADER_BYTES] = xp.asarray(header)
+    out[FRAME_HEADER_BYTES:] = body
+    return out
+
+
+def unframe(buf: np.ndarray) -> tuple[list[np.ndarray], list[Tag]]:
+    """Split a concatenation of :func:`frame` outputs back into payload byte arrays (views,
+    on the device of ``buf``; only the headers are read on the host) and their tags.
+
+    Raises:
+        ValueError: a header or a payload runs past the end of ``buf``.
+    """
+    xp = array_module(buf)
+    buf = xp.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    parts, tags, o = [], [], 0
+    while o < buf.size:
+        if buf.size - o < FRAME_HEADER_BYTES:
+            raise ValueError(f"damaged exchange: {buf.size - o} bytes at offset {o} are too "
+                             f"few for a {FRAME_HEADER_BYTES}-byte frame header")
+        length, numel, key = (int(v) for v in
+                              gpu.to_host(buf[o:o + FRAME_HEADER_BYTES]).view(_HEADER))
+        o += FRAME_HEADER_BYTES
+        if length > buf.size - o:
+            raise ValueError(f"damaged exchange: frame {len(parts)} declares {length} bytes, "
+                             f"{buf.size - o} remain")
+        parts.append(buf[o:o + length])
+        tags.append((numel, key))
+        o += length
+    return parts, tags
+
+
+def unframe_all(buf: Any, n: int, what: str, name: str = "") -> list[Any]:
+    """The n payloads of a concatenation of n ranks' frames (rank order); raises ValueError
+    (naming ``what`` and the exchange ``name``) unless they are n with equal tags."""
+    parts, tags = unframe(buf)
+    if len(parts) != n:
+        raise ValueError(f"damaged exchange {name!r}: expected {n} {what}, got {len(parts)}")
+    check_tags(tags, name)
+    return parts
+
+
+def check_tags(tags: Sequence[Tag], name: str = "") -> None:
+    """Raise ValueError when the ranks' tags differ. Every rank holds every tag, so every
+    rank raises (or none does).
+
+    Args:
+        tags: one per rank, in rank order (the senders' tags).
+        name: the exchange's collective name, for the message.
+    """
+    if any(tuple(t) != tuple(tags[0]) for t in tags):
+        lines = "\n".join(f"  rank {r}: {int(t[0])} elements (key {int(t[1]):016x})"
+                          for r, t in enumerate(tags))
+        raise ValueError(
+            f"horovod_quant: the ranks sent different tensors to exchange {name!r} (a layer of "
+            "another shape or name on some rank, or ranks that call the compressor in a "
+            f"different order); nothing was combined:\n{lines}")
+
+
+# -- global norm -------------------------------------------------------------------------------
+NORM_WIRE_WORDS = 1 + len(NO_TAG)
+
+
+def norm_wire(codec: Codec, xs: list[Any], tag: Tag = NO_TAG) -> np.ndarray:
+    """This rank's part of the global norm over the vectors ``xs``: one float64 statistic
+    (max or sum over the vectors, as ``codec.norm_op``) and the exchange's tag (its bits in
+    two float64 words), :data:`NORM_WIRE_WORDS` float64 to be allgathered. The norm is the
+    first collective of a global-norm exchange, so the tag check happens before anything
+    else (the exponent allreduce included) pairs the ranks' data."""
+    stats = [codec.norm_statistic(as_vector(x)) for x in xs]
+    local = (max(stats) if codec.norm_op == "max" else sum(stats)) if stats else 0.0
+    if any(np.isnan(t) for t in stats):  # max() may drop a NaN operand
+        local = float("nan")
+    wire = np.array([local, 0.0, 0.0], np.float64)
+    wire[1:].view(_HEADER)[:] = tag
+    return wire
+
+
+def norm_from_gathered(codec: Codec, gathered: np.ndarray, name: str = "") -> np.float32:
+    """The float32 global norm from the allgathered ``norm_wire`` words (rank order), after
+    :func:`check_tags` on the ranks' tags."""
+    words = np.ascontiguousarray(gathered, np.float64).reshape(-1, NORM_WIRE_WORDS)
+    check_tags([tuple(int(v) for v in row[1:].view(_HEADER)) for row in words], name)
+    return codec.norm_from_statistics([float(t) for t in words[:, 0]])
