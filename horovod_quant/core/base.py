@@ -295,13 +295,6 @@ class Codec(abc.ABC):
                                    len(payloads))
         return self.combine_gathered(payloads, seed)
 
-    def reference_mean(self, xs: Sequence[np.ndarray], seed: int) -> tuple[np.ndarray, int]:
-        """Single-process simulation of the n-worker exchange (allgather schedule for gather
-        codecs): :func:`horovod_quant.mean_estimate`, which runs the exchange plans."""
-        from ..exchange.reference import mean_estimate  # the exchange layer builds on core
-
-        return mean_estimate(self, xs, seed)
-
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"{type(self).__name__}({args})"

@@ -624,7 +624,7 @@ def test_call_errors():
     with pytest.raises(ValueError, match="norm=-1"):
         codec.encode(x, norm=-1.0)
     with pytest.raises(ValueError, match="world_size=3"):
-        codec.reference_mean([x, x, x], 0)
+        mean_estimate(codec, [x, x, x], 0)
     with pytest.raises(ValueError, match="meta has no 'norm'"):
         codec.decode(Payload(codec.encode(x).data, 5))
     with pytest.raises(ValueError, match="not summed"):
