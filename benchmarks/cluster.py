@@ -39,11 +39,12 @@ import re
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -56,8 +57,6 @@ TRANSPORTS = ("hvd_allgather", "hvd_allgather_concurrent", "hvd_grouped_allgathe
               "hvd_alltoall", "hvd_allreduce_int32", "hvd_allreduce_fp32_same_bytes",
               "torch_dist_all_gather", "torch_dist_all_gather_concurrent", "mpi4py_iallgather")
 MB = 1 << 20
-sys.path.insert(0, ROOT)
-from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS  # noqa: E402
 
 CODECS = ("qsgd", "nuqsgd", "natural", "natural_dithering", "standard_dithering",
           "global_qsgd-lin", "global_qsgd-exp", "dithered")

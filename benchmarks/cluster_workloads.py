@@ -28,27 +28,23 @@ import json
 import os
 import resource
 import statistics
-import sys
 import time
 import traceback
 
+import horovod.torch as hvd
 import numpy as np
+import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import horovod.torch as hvd  # noqa: E402
-import torch  # noqa: E402
-
-from horovod_quant.exchange.driver import Exchange  # noqa: E402
-from horovod_quant.core import get_codec  # noqa: E402
-from horovod_quant.torch.collectives import HorovodTorchCollectives  # noqa: E402
+from horovod_quant.core.registry import codec_class, get_codec
+from horovod_quant.exchange import Exchange
+from horovod_quant.torch.collectives import HorovodTorchCollectives
 
 MB = 1 << 20
 
 
 def build_codec(cfg: dict):
     params = dict(cfg.get("params", {}))
-    if cfg["codec"] in ("global_qsgd", "nested_dithered"):
+    if codec_class(cfg["codec"]).needs_world_size:
         params.setdefault("world_size", hvd.size())
     return get_codec(cfg["codec"], **params)
 

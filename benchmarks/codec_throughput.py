@@ -35,9 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import horovod_quant as hq  # noqa: E402
+import horovod_quant as hq
 
 
 def parse_size(text: str) -> int:

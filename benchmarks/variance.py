@@ -43,8 +43,6 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 import horovod_quant as hq
 from horovod_quant.core import get_codec
 
