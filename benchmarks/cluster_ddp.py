@@ -10,7 +10,8 @@ The two hosts are those of ``benchmarks/cluster.py`` (its ``Cluster``: namespace
 docs/cluster.md), removed in a ``finally`` block whatever happens. One rank runs in each
 namespace (``torch.distributed`` gloo over the veth, ``GLOO_SOCKET_IFNAME``), and trains the same
 communication-bound MLP on scikit-learn's digits (64 -> 3 x 2048 -> 10, 8.5M parameters, 34 MB
-of float32 gradients per step, batch 32 per rank) once per configuration, in one launch:
+of float32 gradients per step in one DDP bucket, see ``BUCKET_MB``, batch 32 per rank) once
+per configuration, in one launch:
 
 * ``fp32``: DDP without a hook (its float32 allreduce);
 * ``fp16``: DDP's ``fp16_compress_hook``;
@@ -46,6 +47,10 @@ sys.path.insert(0, ROOT)
 DEFAULT_CONFIGS = "fp32,fp16,powersgd-1,powersgd-4,qsgd:8,qsgd:4,global_qsgd:8"
 HIDDEN = 2048
 PORT = 29517
+#: one DDP bucket for the whole model (first bucket included): DDP's PowerSGD hook issues its
+#: second allreduce from a future callback, so with several buckets under gloo the ranks can
+#: order their collectives differently; it hung at the default 25 MB buckets here
+BUCKET_MB = 64
 
 
 # -- one rank ---------------------------------------------------------------------------------
@@ -118,14 +123,14 @@ def worker(args) -> None:
         return time.perf_counter() - t
 
     rows = []
-    local = DDP(_model())
+    local = DDP(_model(), bucket_cap_mb=BUCKET_MB)
     opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(args.rank)
     with local.no_sync():
         local_s = statistics.median(step(local, opt, gen) for _ in range(args.steps // 2 + 2))
     numel = sum(p.numel() for p in local.parameters())
     for spec in args.configs.split(","):
-        model = DDP(_model())
+        model = DDP(_model(), bucket_cap_mb=BUCKET_MB)
         state = _hook(spec, model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         gen = torch.Generator().manual_seed(args.rank)

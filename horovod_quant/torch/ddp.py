@@ -45,7 +45,7 @@ from ..core.base import Codec
 from ..core.rng import derive_key
 from ..core.schedules import DEFAULT_PIPELINE_ELEMS, check_pipeline_elems
 from .collectives import as_array, as_tensor
-from .compression import QuantizedCompressor, flat_array, on_gpu, stream_of
+from .compression import QuantizedCompressor, flat_array, stream_of
 from .distributed import collectives_for
 
 __all__ = ["QuantizationState", "quantization_hook"]
@@ -135,9 +135,10 @@ class QuantizationState(CompressorSettings):
 
     def exchange_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Start ``bucket``'s exchange; the last bucket's call finishes the step (module doc)."""
-        if self._exchange is None:
-            self._check = ConfigCheck(self._comm, self.shared_config())
-            self._check.wait()
+        if self._exchange is None:  # the first bucket: nothing is combined before the check
+            if self._check is None:
+                self._check = ConfigCheck(self._comm, self.shared_config())
+            self._check.wait()  # a mismatch raises here, at this and every later call
             self._exchange = Exchange(self.codec, self._comm, gather=self.gather,
                                       pipeline_elems=self.pipeline_elems)
         grad, index = bucket.buffer(), bucket.index()

@@ -155,6 +155,7 @@ class PointToPoint:
     """
 
     _ROUND_TAGS = 1 << 12
+    _GATHER_TAG = _ROUND_TAGS - 1  # the closing Allgatherv; rounds take the tags below
     _REDUCTIONS = 256
 
     def __init__(self, group: Any, rank: int, size: int, channel: int) -> None:
@@ -175,8 +176,9 @@ class PointToPoint:
         return self._size
 
     def _tag(self, round_tag: int) -> int:
-        if not 0 <= round_tag < self._ROUND_TAGS - 1:
-            raise ValueError(f"round tag {round_tag} out of range")
+        if not 0 <= round_tag <= self._GATHER_TAG:
+            raise ValueError(f"exponent allreduce: round {round_tag} exceeds the "
+                             f"{self._GATHER_TAG} rounds a tag range holds")
         reduction = self._reductions % self._REDUCTIONS
         return (self._channel << 20) + reduction * self._ROUND_TAGS + round_tag
 
@@ -194,10 +196,12 @@ class PointToPoint:
 
     def Irecv(self, buf: Any, source: int, tag: int) -> _Request:  # noqa: N802
         tensor, staged = self._wire(buf)
-        land = (lambda: buf.__setitem__(slice(None), gpu.to_device(tensor.numpy(), buf))
-                ) if staged else None
+
+        def land() -> None:
+            buf[:] = gpu.to_device(tensor.numpy(), buf)
+
         return _Request(dist.irecv(tensor, self._ranks[source], group=self.group,
-                                   tag=self._tag(tag)), land)
+                                   tag=self._tag(tag)), land if staged else None)
 
     def Allgatherv(self, sendbuf: Any, recv: list) -> None:  # noqa: N802
         """``recv = [out, (counts, displs)]``: rank r's ``counts[r]`` elements land at
@@ -208,10 +212,10 @@ class PointToPoint:
             if r == self._rank:
                 continue
             if counts[self._rank]:
-                requests.append(self.Isend(sendbuf, r, self._ROUND_TAGS - 2))
+                requests.append(self.Isend(sendbuf, r, self._GATHER_TAG))
             if counts[r]:
                 requests.append(self.Irecv(out[displs[r]:displs[r] + counts[r]], r,
-                                           self._ROUND_TAGS - 2))
+                                           self._GATHER_TAG))
         if counts[self._rank]:
             out[displs[self._rank]:displs[self._rank] + counts[self._rank]] = sendbuf
         for request in requests:
