@@ -6,8 +6,13 @@ collectives in the same order on every rank (the DDP door does: one thread, buck
 Every exchange still carries its tag in its data, so a rank that pairs another tensor raises.
 
 * allreduce: ``all_reduce`` on a copy (int64 sums wrap exactly, on gloo and NCCL);
-* allgather of arrays whose lengths differ (framed payloads): one ``all_gather`` of the
-  lengths, then one of the arrays padded to the longest; the padding is cut off again;
+* allgather of arrays whose lengths may differ (framed payloads): one ``all_gather`` of
+  ``[int64 byte length][the bytes, padded to a bound]``, the bound being the longest array
+  of the previous allgather under the same name (the same on every rank: all saw it). Payloads
+  of a fixed layout fit from the second step on, so the gather is one collective started at
+  once and the exchange's pipeline keeps encoding while it moves; what does not fit (the
+  first call, a payload that grew) follows in a second ``all_gather`` when it is waited for,
+  on every rank, since every rank sees every length;
 * alltoall: one ``all_to_all_single`` of the split sizes, then one of the data;
 * the exponent allreduce of Global-QSGD (:mod:`horovod_quant.comm.mpi_exp`) over
   point-to-point ``isend``/``irecv`` (:class:`PointToPoint`), on the exchange's worker thread.
@@ -31,6 +36,7 @@ from ..comm.staging import HostStaged
 from .collectives import as_array, as_tensor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_LENGTH_BYTES = 8  # the int64 byte count before each rank's part of an allgather
 
 
 def group_ranks(group: Any) -> list[int]:
@@ -44,15 +50,20 @@ def takes_device_arrays(group: Any) -> bool:
 
 
 class _WorkHandle(Handle):
-    """A torch.distributed work in flight and the function that reads its result."""
+    """A torch.distributed work in flight and the function that reads its result (called
+    once: it may run a collective of its own)."""
 
     def __init__(self, work: Any, result: Callable[[], Any]) -> None:
         self._work = work
         self._result = result
+        self._value: Any = None
+        self._read = False
 
     def wait(self) -> Any:
-        self._work.wait()
-        return self._result()
+        if not self._read:
+            self._work.wait()
+            self._value, self._read = self._result(), True
+        return self._value
 
     def done(self) -> bool:
         return self._work.is_completed()
@@ -74,6 +85,7 @@ class ProcessGroupCollectives(Collectives):
         self._device = (torch.device("cuda", torch.cuda.current_device())
                         if takes_device_arrays(group) else torch.device("cpu"))
         self._p2p_channels = itertools.count()
+        self._bounds: dict[str, int] = {}  # collective name -> longest bytes last gathered
 
     def _tensor(self, arr: Any) -> torch.Tensor:
         """A copy of ``arr`` as a tensor on the group's device (collectives write in place)."""
@@ -96,16 +108,31 @@ class ProcessGroupCollectives(Collectives):
 
     def allgather_async(self, arr: Any, name: str) -> Handle:
         tensor = self._tensor(arr).reshape(-1)
-        lengths = [self._sizes([0]) for _ in range(self.size)]
-        dist.all_gather(lengths, self._sizes([tensor.numel()]), group=self.group)
-        lengths = [int(n) for n in torch.cat(lengths).tolist()]
-        longest = max(lengths)
-        padded = torch.zeros(longest, dtype=tensor.dtype, device=self._device)
-        padded[:tensor.numel()] = tensor
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
-        work = dist.all_gather(parts, padded, group=self.group, async_op=True)
-        return _WorkHandle(work, lambda: self._like(
-            torch.cat([p[:n] for p, n in zip(parts, lengths)]), arr))
+        data = (tensor.view(torch.uint8) if tensor.numel()  # (an empty one has stride 0)
+                else torch.empty(0, dtype=torch.uint8, device=self._device))
+        bound = self._bounds.get(name, 0)
+        send = torch.zeros(_LENGTH_BYTES + bound, dtype=torch.uint8, device=self._device)
+        send[:_LENGTH_BYTES] = self._sizes([data.numel()]).view(torch.uint8)
+        send[_LENGTH_BYTES:_LENGTH_BYTES + min(bound, data.numel())] = data[:bound]
+        parts = [torch.empty_like(send) for _ in range(self.size)]
+        work = dist.all_gather(parts, send, group=self.group, async_op=True)
+
+        def result() -> Any:
+            lengths = torch.stack([p[:_LENGTH_BYTES] for p in parts]).view(torch.int64)
+            lengths = [int(n) for n in lengths.reshape(-1).tolist()]
+            chunks = [p[_LENGTH_BYTES:_LENGTH_BYTES + min(n, bound)]
+                      for p, n in zip(parts, lengths)]
+            self._bounds[name] = longest = max(lengths)
+            if longest > bound:  # the rest of what did not fit: every rank sees it is needed
+                rest = torch.zeros(longest - bound, dtype=torch.uint8, device=self._device)
+                rest[:max(0, data.numel() - bound)] = data[bound:]
+                tails = [torch.empty_like(rest) for _ in range(self.size)]
+                dist.all_gather(tails, rest, group=self.group)
+                chunks = [torch.cat([c, t[:max(0, n - bound)]])
+                          for c, t, n in zip(chunks, tails, lengths)]
+            return self._like(torch.cat(chunks).view(tensor.dtype), arr)
+
+        return _WorkHandle(work, result)
 
     def alltoall_async(self, arr: Any, splits: list[int], name: str) -> Handle:
         tensor = self._tensor(arr).reshape(-1)

@@ -141,3 +141,17 @@ def test_custom_process_groups(name):
         want, _ = hq.mean_estimate(state.codec, rows, seed, pipeline_elems=state.pipeline_elems)
         assert np.array_equal(fut.wait().numpy(), want)
         assert same_everywhere(fut.wait(), group)
+
+
+def test_allgather_of_unequal_and_changing_lengths():
+    """One name, lengths that differ between ranks and grow and shrink between calls (the
+    bound of the padded gather is the last call's longest): every rank's bytes, in rank order."""
+    comm = ProcessGroupCollectives()
+    n, rank = comm.size, comm.rank
+    for call, base in enumerate([5, 5, 40, 3, 0, 17]):
+        def part(r):
+            return np.arange(base + r * (call % 3), dtype=np.float64) + 100 * r
+
+        got = comm.allgather_async(part(rank), "x").wait()
+        assert got.dtype == np.float64
+        assert np.array_equal(got, np.concatenate([part(r) for r in range(n)])), call
