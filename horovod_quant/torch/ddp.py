@@ -54,7 +54,7 @@ __all__ = ["QuantizationState", "quantization_hook"]
 class _BucketJob:
     """One bucket's exchange of this step, from its hook to its future's result."""
 
-    __slots__ = ("bucket", "pending", "future")
+    __slots__ = ("bucket", "future", "pending")
 
     def __init__(self, bucket: torch.Tensor, pending: Pending) -> None:
         self.bucket, self.pending = bucket, pending

@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -82,16 +81,17 @@ class ProcessGroupCollectives(Collectives):
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.group_id = "torch:" + ",".join(map(str, group_ranks(group)))
-        self._device = (torch.device("cuda", torch.cuda.current_device())
-                        if takes_device_arrays(group) else torch.device("cpu"))
+        #: where the group's collectives take tensors
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if takes_device_arrays(group) else torch.device("cpu"))
         self._p2p_channels = itertools.count()
         self._bounds: dict[str, int] = {}  # collective name -> longest bytes last gathered
 
     def _tensor(self, arr: Any) -> torch.Tensor:
         """A copy of ``arr`` as a tensor on the group's device (collectives write in place)."""
-        return as_tensor(arr).to(self._device, copy=True)
+        return as_tensor(arr).to(self.device, copy=True)
 
-    def _like(self, tensor: torch.Tensor, arr: Any) -> Any:
+    def like(self, tensor: torch.Tensor, arr: Any) -> Any:
         """``tensor`` as an array where ``arr`` lives (host or device)."""
         if gpu.is_device_array(arr) == (tensor.device.type == "cuda"):
             return as_array(tensor)
@@ -99,19 +99,19 @@ class ProcessGroupCollectives(Collectives):
             as_array(tensor), arr)
 
     def _sizes(self, counts: list[int]) -> torch.Tensor:
-        return torch.tensor(counts, dtype=torch.int64, device=self._device)
+        return torch.tensor(counts, dtype=torch.int64, device=self.device)
 
     def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
         tensor = self._tensor(arr)
         work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
-        return _WorkHandle(work, lambda: self._like(tensor, arr))
+        return _WorkHandle(work, lambda: self.like(tensor, arr))
 
     def allgather_async(self, arr: Any, name: str) -> Handle:
         tensor = self._tensor(arr).reshape(-1)
         data = (tensor.view(torch.uint8) if tensor.numel()  # (an empty one has stride 0)
-                else torch.empty(0, dtype=torch.uint8, device=self._device))
+                else torch.empty(0, dtype=torch.uint8, device=self.device))
         bound = self._bounds.get(name, 0)
-        send = torch.zeros(_LENGTH_BYTES + bound, dtype=torch.uint8, device=self._device)
+        send = torch.zeros(_LENGTH_BYTES + bound, dtype=torch.uint8, device=self.device)
         send[:_LENGTH_BYTES] = self._sizes([data.numel()]).view(torch.uint8)
         send[_LENGTH_BYTES:_LENGTH_BYTES + min(bound, data.numel())] = data[:bound]
         parts = [torch.empty_like(send) for _ in range(self.size)]
@@ -124,13 +124,13 @@ class ProcessGroupCollectives(Collectives):
                       for p, n in zip(parts, lengths)]
             self._bounds[name] = longest = max(lengths)
             if longest > bound:  # the rest of what did not fit: every rank sees it is needed
-                rest = torch.zeros(longest - bound, dtype=torch.uint8, device=self._device)
+                rest = torch.zeros(longest - bound, dtype=torch.uint8, device=self.device)
                 rest[:max(0, data.numel() - bound)] = data[bound:]
                 tails = [torch.empty_like(rest) for _ in range(self.size)]
                 dist.all_gather(tails, rest, group=self.group)
                 chunks = [torch.cat([c, t[:max(0, n - bound)]])
                           for c, t, n in zip(chunks, tails, lengths)]
-            return self._like(torch.cat(chunks).view(tensor.dtype), arr)
+            return self.like(torch.cat(chunks).view(tensor.dtype), arr)
 
         return _WorkHandle(work, result)
 
@@ -139,26 +139,26 @@ class ProcessGroupCollectives(Collectives):
         received = self._sizes([0] * self.size)
         dist.all_to_all_single(received, self._sizes(splits), group=self.group)
         received = [int(n) for n in received.tolist()]
-        out = torch.empty(sum(received), dtype=tensor.dtype, device=self._device)
+        out = torch.empty(sum(received), dtype=tensor.dtype, device=self.device)
         work = dist.all_to_all_single(out, tensor, received, list(splits), group=self.group,
                                       async_op=True)
-        return _WorkHandle(work, lambda: (self._like(out, arr), received))
+        return _WorkHandle(work, lambda: (self.like(out, arr), received))
 
     def mpi_communicator(self) -> PointToPoint:
         """Not MPI: the point-to-point messages of this group in the subset of mpi4py's
         communicator that the exponent allreduce calls (a new channel per call)."""
-        return PointToPoint(self.group, self.rank, self.size, next(self._p2p_channels))
+        return PointToPoint(self, next(self._p2p_channels))
 
 
 class _Request:
-    """An ``isend``/``irecv`` in flight, as an mpi4py request (``Wait``); a received device
-    buffer staged through the host is copied into place on ``Wait``."""
+    """An ``isend``/``irecv`` in flight, as an mpi4py request (``Wait``); a buffer received
+    through a staging copy on the group's device is copied into place on ``Wait``."""
 
     def __init__(self, work: Any, land: Callable[[], None] | None = None) -> None:
         self._work = work
         self._land = land
 
-    def Wait(self) -> None:  # noqa: N802 (mpi4py's name)
+    def Wait(self) -> None:  # mpi4py's method names
         self._work.wait()
         if self._land is not None:
             self._land()
@@ -176,8 +176,7 @@ class PointToPoint:
     one channel never share one.
 
     Args:
-        group: the process group.
-        rank, size: this rank and the group's size.
+        comm: the group's collectives (its group, ranks and device).
         channel: this communicator's number in the group.
     """
 
@@ -185,21 +184,21 @@ class PointToPoint:
     _GATHER_TAG = _ROUND_TAGS - 1  # the closing Allgatherv; rounds take the tags below
     _REDUCTIONS = 256
 
-    def __init__(self, group: Any, rank: int, size: int, channel: int) -> None:
+    def __init__(self, comm: ProcessGroupCollectives, channel: int) -> None:
         if channel >= 1 << 10:
             raise ValueError(f"too many exponent-allreduce channels ({channel}) in one process "
                              "group: build fewer DDP states or exchanges on it")
-        self.group = group
-        self._rank, self._size = rank, size
-        self._ranks = group_ranks(group)
-        self._device_p2p = takes_device_arrays(group)
+        self._comm = comm
+        self.group = comm.group
+        self._rank, self._size = comm.rank, comm.size
+        self._ranks = group_ranks(comm.group)
         self._channel = channel
         self._reductions = 0
 
-    def Get_rank(self) -> int:  # noqa: N802
+    def Get_rank(self) -> int:
         return self._rank
 
-    def Get_size(self) -> int:  # noqa: N802
+    def Get_size(self) -> int:
         return self._size
 
     def _tag(self, round_tag: int) -> int:
@@ -210,27 +209,28 @@ class PointToPoint:
         return (self._channel << 20) + reduction * self._ROUND_TAGS + round_tag
 
     def _wire(self, buf: Any) -> tuple[torch.Tensor, bool]:
-        """``buf`` as a tensor sharing its memory, or a host copy (staged) when the group
-        cannot move device buffers."""
-        if gpu.is_device_array(buf) and not self._device_p2p:
-            return torch.from_numpy(np.ascontiguousarray(gpu.to_host(buf))), True
-        return as_tensor(buf), False
+        """``buf`` as a tensor sharing its memory, or a copy on the group's device (staged)
+        where ``buf`` lives elsewhere (a device buffer on gloo, a host one on NCCL)."""
+        tensor = as_tensor(buf)
+        if tensor.device.type == self._comm.device.type:
+            return tensor, False
+        return tensor.to(self._comm.device), True
 
-    def Isend(self, buf: Any, dest: int, tag: int) -> _Request:  # noqa: N802
+    def Isend(self, buf: Any, dest: int, tag: int) -> _Request:
         tensor, _ = self._wire(buf)
         return _Request(dist.isend(tensor, self._ranks[dest], group=self.group,
                                    tag=self._tag(tag)))
 
-    def Irecv(self, buf: Any, source: int, tag: int) -> _Request:  # noqa: N802
+    def Irecv(self, buf: Any, source: int, tag: int) -> _Request:
         tensor, staged = self._wire(buf)
 
         def land() -> None:
-            buf[:] = gpu.to_device(tensor.numpy(), buf)
+            buf[:] = self._comm.like(tensor, buf)
 
         return _Request(dist.irecv(tensor, self._ranks[source], group=self.group,
                                    tag=self._tag(tag)), land if staged else None)
 
-    def Allgatherv(self, sendbuf: Any, recv: list) -> None:  # noqa: N802
+    def Allgatherv(self, sendbuf: Any, recv: list) -> None:
         """``recv = [out, (counts, displs)]``: rank r's ``counts[r]`` elements land at
         ``out[displs[r]:]``; each rank sends its part to every other rank."""
         out, (counts, displs) = recv

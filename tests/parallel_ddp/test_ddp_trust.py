@@ -149,7 +149,7 @@ def test_allgather_of_unequal_and_changing_lengths():
     comm = ProcessGroupCollectives()
     n, rank = comm.size, comm.rank
     for call, base in enumerate([5, 5, 40, 3, 0, 17]):
-        def part(r):
+        def part(r, base=base, call=call):
             return np.arange(base + r * (call % 3), dtype=np.float64) + 100 * r
 
         got = comm.allgather_async(part(rank), "x").wait()
