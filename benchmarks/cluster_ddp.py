@@ -11,7 +11,8 @@ docs/cluster.md), removed in a ``finally`` block whatever happens. One rank runs
 namespace (``torch.distributed`` gloo over the veth, ``GLOO_SOCKET_IFNAME``), and trains the same
 communication-bound MLP on scikit-learn's digits (64 -> 3 x 2048 -> 10, 8.5M parameters, 34 MB
 of float32 gradients per step in one DDP bucket, see ``BUCKET_MB``, batch 32 per rank) once
-per configuration, in one launch:
+per configuration, in one launch, the configurations interleaved (step k of each in turn, so a
+load change on the shared machine hits all of them alike):
 
 * ``fp32``: DDP without a hook (its float32 allreduce);
 * ``fp16``: DDP's ``fp16_compress_hook``;
@@ -122,43 +123,47 @@ def worker(args) -> None:
         opt.step()
         return time.perf_counter() - t
 
-    rows = []
     local = DDP(_model(), bucket_cap_mb=BUCKET_MB)
     opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(args.rank)
     with local.no_sync():
         local_s = statistics.median(step(local, opt, gen) for _ in range(args.steps // 2 + 2))
     numel = sum(p.numel() for p in local.parameters())
+    del local, opt
+    runs = []  # every configuration's model, trained side by side: step k of each in turn
     for spec in args.configs.split(","):
         model = DDP(_model(), bucket_cap_mb=BUCKET_MB)
-        state = _hook(spec, model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        gen = torch.Generator().manual_seed(args.rank)
-        for _ in range(args.warmup_steps):
-            step(model, opt, gen)
-        counted[0] = 0
-        if state is not None:
-            state.stats.reset()
-        times = [step(model, opt, gen) for _ in range(args.steps)]
-        if state is not None:
-            sent = state.stats.bytes_sent
-        elif spec == "fp32":
-            sent = numel * 4 * args.steps
-        else:
-            sent = counted[0]
+        runs.append({"spec": spec, "model": model, "state": _hook(spec, model),
+                     "opt": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                     "gen": torch.Generator().manual_seed(args.rank), "times": [], "sent": 0})
+    for k in range(args.warmup_steps + args.steps):
+        for run in runs:
+            counted[0] = 0
+            if run["state"] is not None:
+                run["state"].stats.reset()
+            t = step(run["model"], run["opt"], run["gen"])
+            if k < args.warmup_steps:
+                continue
+            run["times"].append(t)
+            if run["state"] is not None:
+                run["sent"] += run["state"].stats.bytes_sent
+            else:
+                run["sent"] += numel * 4 if run["spec"] == "fp32" else counted[0]
+    rows = []
+    for run in runs:
         with torch.no_grad():
-            logits = model.module(x_test)
+            logits = run["model"].module(x_test)
             loss = torch.nn.functional.cross_entropy(logits, y_test).item()
             acc = (logits.argmax(1) == y_test).float().mean().item()
-        step_s = statistics.median(times)
-        mine = torch.tensor([step_s], dtype=torch.float64)
+        mine = torch.tensor([statistics.median(run["times"])], dtype=torch.float64)
         everyone = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
         dist.all_gather(everyone, mine)
         step_s = max(float(t) for t in everyone)  # the slower rank
-        rows.append({"config": spec, "step_ms": step_s * 1e3,
+        rows.append({"config": run["spec"], "step_ms": step_s * 1e3,
                      "exchange_ms": max(0.0, step_s - local_s) * 1e3,
                      "samples_per_s": 2 * args.batch / step_s,
-                     "bytes_per_step": sent / args.steps, "ratio": numel * 4 * args.steps / sent,
+                     "bytes_per_step": run["sent"] / args.steps,
+                     "ratio": numel * 4 * args.steps / run["sent"],
                      "test_accuracy": acc, "test_loss": loss})
         if args.rank == 0:
             print(json.dumps(rows[-1]), flush=True)
