@@ -187,3 +187,19 @@ def test_unused_parameters_keep_ranks_identical(static_graph):
         opt.step()
     for p in model.parameters():
         assert same_everywhere(p.data)
+
+
+def test_gradients_as_bucket_views():
+    codec = hq.get_codec("natural", bits=4)
+    model = _model(gradient_as_bucket_view=True)
+    state = ddp.QuantizationState(codec, seed=2)
+    rec = Recorder(state)
+    model.register_comm_hook(state, rec.hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(3):
+        opt.zero_grad()
+        model(_batch(step)).sum().backward()
+        rec.check(codec)
+        for p in model.parameters():
+            assert same_everywhere(p.grad)
+        opt.step()
