@@ -15,6 +15,7 @@ test: install
 	$(PYTHON) scripts/check_docs.py
 	bash tests/parallel/run.sh
 	bash tests/parallel_tf/run.sh
+	bash tests/parallel_ddp/run.sh
 	bash tests/kernels/compile.sh
 	$(PYTHON) -m pytest -q tests/kernels tests/gpu
 
@@ -25,17 +26,21 @@ unit:
 parallel:
 	bash tests/parallel/run.sh
 	bash tests/parallel_tf/run.sh
+	bash tests/parallel_ddp/run.sh
 
 kernels:
 	bash tests/kernels/compile.sh
 
 # The main job: every codec on real gradients (bits, variance vs bound, throughput), then a
-# 2-rank horovodrun training of an MLP on digits once per codec plus fp32/fp16 baselines.
+# 2-rank horovodrun training of an MLP on digits once per codec plus fp32/fp16 baselines, and
+# the same MLP under torchrun with DDP and the horovod_quant comm hook.
 demo: install
 	$(PYTHON) -m horovod_quant.demo
 	mkdir -p bench_out
 	OMP_NUM_THREADS=1 horovodrun -np 2 -H localhost:2 --gloo \
 	  $(PYTHON) examples/pytorch_digits.py --json bench_out/demo_training.json
+	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node 2 \
+	  examples/ddp_train.py --json bench_out/demo_ddp.json
 
 bench:
 	$(PYTHON) benchmarks/codec_throughput.py

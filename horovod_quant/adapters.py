@@ -119,11 +119,38 @@ def check_same_config(comm: Collectives, config: dict) -> str:
     return ConfigCheck(comm, config).wait()
 
 
+class CodecRequest:
+    """A codec asked for by name (``Compression.<name>(**params)``), kept so that a door that
+    knows its own group of ranks (the DDP door: a torch.distributed process group) can build
+    it for that group's size.
+
+    Args:
+        name: the codec's registered name.
+        params: the parameters the user gave (``world_size`` may be missing).
+    """
+
+    def __init__(self, name: str, params: dict) -> None:
+        self.name = name
+        self.params = dict(params)
+
+    @property
+    def needs_world_size(self) -> bool:
+        """The codec needs ``world_size`` and the user gave none."""
+        return codec_class(self.name).needs_world_size and "world_size" not in self.params
+
+    def build(self, world_size: Callable[[], int]) -> Codec:
+        """The codec; ``world_size()`` fills ``world_size`` when :attr:`needs_world_size`."""
+        extra = {"world_size": world_size()} if self.needs_world_size else {}
+        return get_codec(self.name, **self.params, **extra)
+
+
 class CompressorSettings:
     """The settings both adapters' ``QuantizedCompressor`` hold (validated here).
 
     Args:
-        codec: the codec (see :func:`horovod_quant.get_codec`).
+        codec: the codec (see :func:`horovod_quant.get_codec`), or a :class:`CodecRequest`
+            and the function giving its world size, built when first used (a world-sized
+            codec asked for before Horovod is initialized).
         seed: base seed of every random draw (an integer).
         gather: schedule for gather codecs: "auto", "allgather" or "sra".
         policy: which tensors are compressed, and with which codec (default
@@ -133,22 +160,44 @@ class CompressorSettings:
 
     Attributes:
         stats: :class:`~horovod_quant.stats.StepStats` since the last ``stats.reset()``.
+        codec_request: how ``Compression.<name>(...)`` asked for the codec, or None.
     """
 
-    def __init__(self, codec: Codec, seed: int = 0, gather: str = "auto",
-                 policy: LayerPolicy | None = None, process_set: Any = None) -> None:
+    def __init__(self, codec: Codec | tuple[CodecRequest, Callable[[], int]], seed: int = 0,
+                 gather: str = "auto", policy: LayerPolicy | None = None,
+                 process_set: Any = None) -> None:
         resolve_gather(gather, 1)  # validates the name
-        self.codec = codec
+        self.codec_request: CodecRequest | None = None
+        self._world_size: Callable[[], int] | None = None
+        if isinstance(codec, tuple):
+            (self.codec_request, self._world_size), codec = codec, None
+        self._codec = codec
         self.seed = check_seed(seed)
         self.gather = gather
         self.policy = policy if policy is not None else LayerPolicy()
         self.process_set = process_set
         self.stats = StepStats()
 
+    @property
+    def codec(self) -> Codec:
+        """The codec (a requested one is built at the first use)."""
+        if self._codec is None:
+            self._codec = self.codec_request.build(self._world_size)
+        return self._codec
+
     def shared_config(self) -> dict:
         """What must agree across ranks (see :class:`ConfigCheck`)."""
         return {"door": "compressor", **self.codec.config(), "seed": self.seed,
                 "gather": self.gather, "policy": describe(self.policy)}
+
+
+def _initialized(size: Callable[[], int]) -> bool:
+    """Whether a Horovod process set's ``size`` answers (Horovod is initialized)."""
+    try:
+        size()
+    except ValueError:
+        return False
+    return True
 
 
 class CompressionNamespace:
@@ -175,10 +224,18 @@ class CompressionNamespace:
 
         def make(seed: int = 0, gather: str = "auto", policy: Any = None,
                  process_set: Any = None, **params: Any) -> Any:
-            if codec_class(name).needs_world_size and "world_size" not in params:
-                params["world_size"] = (process_set if process_set is not None else self._global).size()
-            return self._cls(get_codec(name, **params), seed=seed, gather=gather,
-                             policy=policy, process_set=process_set)
+            request = CodecRequest(name, params)
+            size = (process_set if process_set is not None else self._global).size
+            try:
+                codec = request.build(size)
+            except ValueError:
+                if not request.needs_world_size or _initialized(size):
+                    raise
+                codec = (request, size)  # Horovod not initialized: built at the first use
+            compressor = self._cls(codec, seed=seed, gather=gather, policy=policy,
+                                   process_set=process_set)
+            compressor.codec_request = request
+            return compressor
 
         make.__name__ = name
         make.__doc__ = (f"A Horovod {self._framework} Compressor running the ``{name}`` codec.\n\n"

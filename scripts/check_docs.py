@@ -10,7 +10,8 @@ plus inline code spans that run one of this repository's scripts, and:
    that every flag the command passes is one that the script's `--help` lists (argparse). Flags
    are compared exactly: an abbreviation that argparse would accept still fails, so the docs
    keep the full names. The flags given to `horovodrun` are checked against
-   `horovodrun --help` the same way, and `make <target>` against the Makefile's targets.
+   `horovodrun --help` the same way (`torchrun`'s against `torchrun --help`, and the script it
+   runs against the script's), and `make <target>` against the Makefile's targets.
    `bash <file>` needs the file to exist. A script whose `--help` fails on a missing module
    (e.g. TensorFlow, with `HQ_WITH_TENSORFLOW=0`) is named and skipped, not failed.
 2. **Quick commands.** A fenced block whose previous non-blank line is the HTML comment
@@ -65,7 +66,7 @@ class Block:
 class Invocation:
     where: str
     command: str
-    kind: str  # "script", "module", "horovodrun", "make", "file"
+    kind: str  # "script", "module", "horovodrun", "torchrun", "make", "file"
     target: str  # script path, module, Makefile target or file
     flags: list = field(default_factory=list)
     env: dict = field(default_factory=dict)
@@ -110,7 +111,7 @@ def read_blocks(path: str) -> list[Block]:
     line_of = [n for n, line in prose for _ in range(len(line) + 1)]
     for m in re.finditer(r"`([^`]+)`", text):
         span = m.group(1).replace("\n", " ")
-        if re.search(r"(^|\s)(python[0-9.]*|horovodrun|make)\s", span) and \
+        if re.search(r"(^|\s)(python[0-9.]*|horovodrun|torchrun|make)\s", span) and \
                 re.search(r"\.py\b|horovod_quant|horovodrun|^make\s", span):
             blocks.append(Block(path, line_of[min(m.start(), len(line_of) - 1)], "bash", span,
                                 inline=True))
@@ -190,18 +191,31 @@ def invocations(block: Block) -> list[Invocation]:
     return out
 
 
+#: launchers whose own flags are checked against their --help (torchrun also runs the script)
+LAUNCHERS = ("horovodrun", "torchrun")
+
+
 def _invocations_of(where: str, command: str, cmd: list[str], env: dict) -> list[Invocation]:
     out = []
     names = [os.path.basename(t) for t in cmd]
-    if "horovodrun" in names:
-        i = names.index("horovodrun")
+    for launcher in LAUNCHERS:
+        if launcher not in names:
+            continue
+        i = names.index(launcher)
         flags = []
-        for t in cmd[i + 1:]:
+        for j, t in enumerate(cmd[i + 1:], i + 1):
+            if t.endswith(".py") and launcher == "torchrun":  # torchrun runs the script itself
+                script = t.removeprefix("./")
+                if script.startswith(SCRIPT_DIRS):
+                    out.append(Invocation(where, command, "script", script,
+                                          [flag_name(a) for a in _flags_until_end(cmd[j + 1:])],
+                                          env))
+                break
             if PYTHON.match(os.path.basename(t)) or t.endswith(".py") or t in ("bash", "sh"):
                 break
             if is_flag(t):
                 flags.append(flag_name(t))
-        out.append(Invocation(where, command, "horovodrun", "horovodrun", flags, env))
+        out.append(Invocation(where, command, launcher, launcher, flags, env))
     if names and names[0] == "make":
         for t in cmd[1:]:
             if not is_flag(t) and "=" not in t:
@@ -253,8 +267,8 @@ def _uses_argparse(path: str) -> bool:
 
 def help_flags(inv: Invocation) -> tuple[set | None, str]:
     """The flags the script's --help lists; None when the script does not use argparse."""
-    if inv.kind == "horovodrun":
-        argv = ["horovodrun", "--help"]
+    if inv.kind in LAUNCHERS:
+        argv = [inv.kind, "--help"]
     elif inv.kind == "module":
         path = os.path.join(ROOT, *inv.target.split(".")) + ".py"
         if not os.path.exists(path):
@@ -380,7 +394,7 @@ def main(argv=None) -> int:
     marked = [b for b in blocks if b.run and not args.no_run]
     # --help runs and marked blocks are independent: run them side by side
     keys = sorted({(i.kind, i.target) for i in invs if i.kind in ("script", "module",
-                                                                   "horovodrun")})
+                                                                   *LAUNCHERS)})
     with cf.ThreadPoolExecutor(max_workers=4) as pool:
         ran = [pool.submit(run_block, b) for b in marked]
         futs = {k: pool.submit(help_flags, next(i for i in invs if (i.kind, i.target) == k))

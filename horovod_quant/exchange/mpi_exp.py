@@ -75,7 +75,9 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
     """Reduce every rank's packed exponent codes; every rank returns the same reduced bytes.
 
     Args:
-        comm: an mpi4py communicator.
+        comm: an mpi4py communicator, or an object with the same ``Get_rank``, ``Get_size``,
+            ``Isend``/``Irecv`` (requests with ``Wait``) and ``Allgatherv(buf, [out, (counts,
+            displs)])`` (the DDP door's, over a torch.distributed process group).
         data: this rank's packed codes (uint8), host or device (then the MPI must be
             CUDA-aware).
         size: elements per payload.
@@ -83,8 +85,6 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
         seed: the exchange seed (round keys: :func:`~horovod_quant.core.exp_reduce.round_key`).
         reduction: "tree" or "ring".
     """
-    from mpi4py import MPI
-
     xp = array_module(data)
     if xp is np:
         combine, settle = exp_combine, (lambda: None)
@@ -107,7 +107,8 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
                 buf = xp.empty(hi - lo, np.uint8)
                 requests.append(comm.Irecv(buf, source=c.partner, tag=c.round))
                 received.append((c, buf, i0, i1, lo, hi))
-        MPI.Request.Waitall(requests)
+        for request in requests:  # all posted: waiting for each in turn is a Waitall
+            request.Wait()
         for c, buf, i0, i1, lo, hi in received:
             k0, k1 = round_key(seed, c.round, c.rank)
             own = work[lo:hi]
@@ -119,7 +120,7 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
     settle()
     out = xp.empty_like(work)
     mine = work[displs[rank]:displs[rank] + counts[rank]]
-    comm.Allgatherv(mine, [out, counts, displs, MPI.BYTE])
+    comm.Allgatherv(mine, [out, (counts, displs)])  # uint8 buffers: the datatype is bytes
     return out
 
 

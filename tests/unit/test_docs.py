@@ -46,6 +46,16 @@ def test_invocations_find_scripts_behind_launchers():
     ]
 
 
+def test_torchrun_flags_and_its_script_are_checked():
+    got = [(i.kind, i.target, i.flags) for i in _invs(
+        "torchrun --standalone --nproc_per_node 2 examples/ddp_train.py --codec qsgd:8\n"
+        "python3 -m torch.distributed.run --standalone examples/ddp_train.py --steps 3\n")]
+    assert got == [
+        ("script", "examples/ddp_train.py", ["--codec"]),
+        ("torchrun", "torchrun", ["--standalone", "--nproc_per_node"]),
+    ]
+
+
 def test_parse_help_reads_usage_and_option_lines():
     text = ("usage: x.py [-h] [--worlds WORLDS] [--first-seed FIRST_SEED]\n"
             "            [--launcher {horovodrun,mpirun}]\n\n"

@@ -1,0 +1,259 @@
+""":class:`Collectives` over a ``torch.distributed`` process group (the DDP door's transport).
+
+``torch.distributed`` matches collectives by call order per process group, not by name: the
+names an :class:`~horovod_quant.comm.Exchange` passes are not sent, and the callers issue their
+collectives in the same order on every rank (the DDP door does: one thread, bucket order).
+Every exchange still carries its tag in its data, so a rank that pairs another tensor raises.
+
+* allreduce: ``all_reduce`` on a copy (int64 sums wrap exactly, on gloo and NCCL);
+* allgather of arrays whose lengths may differ (framed payloads): one ``all_gather`` of
+  ``[int64 byte length][the bytes, padded to a bound]``, the bound being the longest array
+  of the previous allgather under the same name (the same on every rank: all saw it). Payloads
+  of a fixed layout fit from the second step on, so the gather is one collective started at
+  once and the exchange's pipeline keeps encoding while it moves; what does not fit (the
+  first call, a payload that grew) follows in a second ``all_gather`` when it is waited for,
+  on every rank, since every rank sees every length;
+* alltoall: one ``all_to_all_single`` of the split sizes, then one of the data;
+* the exponent allreduce of Global-QSGD (:mod:`horovod_quant.comm.mpi_exp`) over
+  point-to-point ``isend``/``irecv`` (:class:`PointToPoint`), on the exchange's worker thread.
+
+NCCL groups move device (CuPy) arrays as CUDA tensors, and host arrays through the device;
+the others take host arrays (device payloads are staged through host memory by
+:class:`~horovod_quant.comm.staging.HostStaged`, :func:`collectives_for`).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import gpu
+from ..comm.backend import Collectives, Handle
+from ..comm.staging import HostStaged
+from .collectives import as_array, as_tensor
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_LENGTH_BYTES = 8  # the int64 byte count before each rank's part of an allgather
+
+
+def group_ranks(group: Any) -> list[int]:
+    """The global ranks of ``group`` (None: the default group), in group rank order."""
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def takes_device_arrays(group: Any) -> bool:
+    """Whether ``group``'s collectives take CUDA tensors (an NCCL backend)."""
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+class _WorkHandle(Handle):
+    """A torch.distributed work in flight and the function that reads its result (called
+    once: it may run a collective of its own)."""
+
+    def __init__(self, work: Any, result: Callable[[], Any]) -> None:
+        self._work = work
+        self._result = result
+        self._value: Any = None
+        self._read = False
+
+    def wait(self) -> Any:
+        if not self._read:
+            self._work.wait()
+            self._value, self._read = self._result(), True
+        return self._value
+
+    def done(self) -> bool:
+        return self._work.is_completed()
+
+
+class ProcessGroupCollectives(Collectives):
+    """The collectives of a torch.distributed process group on NumPy arrays (and CuPy arrays
+    when the group is NCCL's).
+
+    Args:
+        group: the process group (None: the default group).
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.group_id = "torch:" + ",".join(map(str, group_ranks(group)))
+        #: where the group's collectives take tensors
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if takes_device_arrays(group) else torch.device("cpu"))
+        self._p2p_channels = itertools.count()
+        self._bounds: dict[str, int] = {}  # collective name -> longest bytes last gathered
+
+    def _tensor(self, arr: Any) -> torch.Tensor:
+        """A copy of ``arr`` as a tensor on the group's device (collectives write in place)."""
+        return as_tensor(arr).to(self.device, copy=True)
+
+    def like(self, tensor: torch.Tensor, arr: Any) -> Any:
+        """``tensor`` as an array where ``arr`` lives (host or device)."""
+        if gpu.is_device_array(arr) == (tensor.device.type == "cuda"):
+            return as_array(tensor)
+        return as_array(tensor.cpu()) if tensor.device.type == "cuda" else gpu.to_device(
+            as_array(tensor), arr)
+
+    def _sizes(self, counts: list[int]) -> torch.Tensor:
+        return torch.tensor(counts, dtype=torch.int64, device=self.device)
+
+    def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
+        tensor = self._tensor(arr)
+        work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
+        return _WorkHandle(work, lambda: self.like(tensor, arr))
+
+    def allgather_async(self, arr: Any, name: str) -> Handle:
+        tensor = self._tensor(arr).reshape(-1)
+        data = (tensor.view(torch.uint8) if tensor.numel()  # (an empty one has stride 0)
+                else torch.empty(0, dtype=torch.uint8, device=self.device))
+        bound = self._bounds.get(name, 0)
+        send = torch.zeros(_LENGTH_BYTES + bound, dtype=torch.uint8, device=self.device)
+        send[:_LENGTH_BYTES] = self._sizes([data.numel()]).view(torch.uint8)
+        send[_LENGTH_BYTES:_LENGTH_BYTES + min(bound, data.numel())] = data[:bound]
+        parts = [torch.empty_like(send) for _ in range(self.size)]
+        work = dist.all_gather(parts, send, group=self.group, async_op=True)
+
+        def result() -> Any:
+            lengths = torch.stack([p[:_LENGTH_BYTES] for p in parts]).view(torch.int64)
+            lengths = [int(n) for n in lengths.reshape(-1).tolist()]
+            chunks = [p[_LENGTH_BYTES:_LENGTH_BYTES + min(n, bound)]
+                      for p, n in zip(parts, lengths)]
+            self._bounds[name] = longest = max(lengths)
+            if longest > bound:  # the rest of what did not fit: every rank sees it is needed
+                rest = torch.zeros(longest - bound, dtype=torch.uint8, device=self.device)
+                rest[:max(0, data.numel() - bound)] = data[bound:]
+                tails = [torch.empty_like(rest) for _ in range(self.size)]
+                dist.all_gather(tails, rest, group=self.group)
+                chunks = [torch.cat([c, t[:max(0, n - bound)]])
+                          for c, t, n in zip(chunks, tails, lengths)]
+            return self.like(torch.cat(chunks).view(tensor.dtype), arr)
+
+        return _WorkHandle(work, result)
+
+    def alltoall_async(self, arr: Any, splits: list[int], name: str) -> Handle:
+        tensor = self._tensor(arr).reshape(-1)
+        received = self._sizes([0] * self.size)
+        dist.all_to_all_single(received, self._sizes(splits), group=self.group)
+        received = [int(n) for n in received.tolist()]
+        out = torch.empty(sum(received), dtype=tensor.dtype, device=self.device)
+        work = dist.all_to_all_single(out, tensor, received, list(splits), group=self.group,
+                                      async_op=True)
+        return _WorkHandle(work, lambda: (self.like(out, arr), received))
+
+    def mpi_communicator(self) -> PointToPoint:
+        """Not MPI: the point-to-point messages of this group in the subset of mpi4py's
+        communicator that the exponent allreduce calls (a new channel per call)."""
+        return PointToPoint(self, next(self._p2p_channels))
+
+
+class _Request:
+    """An ``isend``/``irecv`` in flight, as an mpi4py request (``Wait``); a buffer received
+    through a staging copy on the group's device is copied into place on ``Wait``."""
+
+    def __init__(self, work: Any, land: Callable[[], None] | None = None) -> None:
+        self._work = work
+        self._land = land
+
+    def Wait(self) -> None:  # mpi4py's method names
+        self._work.wait()
+        if self._land is not None:
+            self._land()
+
+
+class PointToPoint:
+    """The mpi4py communicator calls of :func:`~horovod_quant.comm.mpi_exp.
+    allreduce_exponent_codes` (``Get_rank``, ``Get_size``, ``Isend``, ``Irecv``, ``Allgatherv``)
+    over ``isend``/``irecv`` of a torch.distributed process group.
+
+    The reduction runs on a worker thread beside the collectives of the hook's thread: point-
+    to-point messages are matched by sender and tag, not by call order, so they cannot pair with
+    those collectives. Tags are ``channel * 2^20 + (reduction % 256) * 2^12 + round``: channels
+    (one per exchange, numbered in the same order on every rank) and consecutive reductions of
+    one channel never share one.
+
+    Args:
+        comm: the group's collectives (its group, ranks and device).
+        channel: this communicator's number in the group.
+    """
+
+    _ROUND_TAGS = 1 << 12
+    _GATHER_TAG = _ROUND_TAGS - 1  # the closing Allgatherv; rounds take the tags below
+    _REDUCTIONS = 256
+
+    def __init__(self, comm: ProcessGroupCollectives, channel: int) -> None:
+        if channel >= 1 << 10:
+            raise ValueError(f"too many exponent-allreduce channels ({channel}) in one process "
+                             "group: build fewer DDP states or exchanges on it")
+        self._comm = comm
+        self.group = comm.group
+        self._rank, self._size = comm.rank, comm.size
+        self._ranks = group_ranks(comm.group)
+        self._channel = channel
+        self._reductions = 0
+
+    def Get_rank(self) -> int:
+        return self._rank
+
+    def Get_size(self) -> int:
+        return self._size
+
+    def _tag(self, round_tag: int) -> int:
+        if not 0 <= round_tag <= self._GATHER_TAG:
+            raise ValueError(f"exponent allreduce: round {round_tag} exceeds the "
+                             f"{self._GATHER_TAG} rounds a tag range holds")
+        reduction = self._reductions % self._REDUCTIONS
+        return (self._channel << 20) + reduction * self._ROUND_TAGS + round_tag
+
+    def _wire(self, buf: Any) -> tuple[torch.Tensor, bool]:
+        """``buf`` as a tensor sharing its memory, or a copy on the group's device (staged)
+        where ``buf`` lives elsewhere (a device buffer on gloo, a host one on NCCL)."""
+        tensor = as_tensor(buf)
+        if tensor.device.type == self._comm.device.type:
+            return tensor, False
+        return tensor.to(self._comm.device), True
+
+    def Isend(self, buf: Any, dest: int, tag: int) -> _Request:
+        tensor, _ = self._wire(buf)
+        return _Request(dist.isend(tensor, self._ranks[dest], group=self.group,
+                                   tag=self._tag(tag)))
+
+    def Irecv(self, buf: Any, source: int, tag: int) -> _Request:
+        tensor, staged = self._wire(buf)
+
+        def land() -> None:
+            buf[:] = self._comm.like(tensor, buf)
+
+        return _Request(dist.irecv(tensor, self._ranks[source], group=self.group,
+                                   tag=self._tag(tag)), land if staged else None)
+
+    def Allgatherv(self, sendbuf: Any, recv: list) -> None:
+        """``recv = [out, (counts, displs)]``: rank r's ``counts[r]`` elements land at
+        ``out[displs[r]:]``; each rank sends its part to every other rank."""
+        out, (counts, displs) = recv
+        requests = []
+        for r in range(self._size):
+            if r == self._rank:
+                continue
+            if counts[self._rank]:
+                requests.append(self.Isend(sendbuf, r, self._GATHER_TAG))
+            if counts[r]:
+                requests.append(self.Irecv(out[displs[r]:displs[r] + counts[r]], r,
+                                           self._GATHER_TAG))
+        if counts[self._rank]:
+            out[displs[self._rank]:displs[self._rank] + counts[self._rank]] = sendbuf
+        for request in requests:
+            request.Wait()
+        self._reductions += 1
+
+
+def collectives_for(group: Any = None) -> Collectives:
+    """The collectives of ``group``'s exchanges: device payloads staged through host memory
+    (:class:`~horovod_quant.comm.staging.HostStaged`) unless the group is NCCL's."""
+    comm = ProcessGroupCollectives(group)
+    if torch.cuda.is_available() and gpu.available() and not takes_device_arrays(group):
+        return HostStaged(comm)
+    return comm

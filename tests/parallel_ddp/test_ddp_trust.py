@@ -1,0 +1,157 @@
+"""The DDP door under the trust issue's cases: every rank ends with the bit-identical result or
+the same clear error, never a silent difference or a hang."""
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import horovod_quant as hq
+import horovod_quant.torch as hqt
+from horovod_quant.comm import Exchange
+from horovod_quant.torch import ddp
+from horovod_quant.torch.distributed import PointToPoint, ProcessGroupCollectives
+
+from conftest import codec_params, gather_rows, same_everywhere
+from test_ddp_exact import Net, Recorder, _batch, _model
+
+MULTI = pytest.mark.usefixtures("several_ranks")
+
+
+def _backward(model, step=0):
+    model(_batch(step)).square().mean().backward()
+
+
+@MULTI
+@pytest.mark.parametrize("what", ["seed", "codec", "bits"])
+def test_config_mismatch_raises_on_every_rank(what):
+    rank = dist.get_rank()
+    codec = {"seed": hq.get_codec("qsgd"),
+             "codec": hq.get_codec("qsgd" if rank == 0 else "natural"),
+             "bits": hq.get_codec("qsgd", bits=8 if rank == 0 else 4)}[what]
+    state = ddp.QuantizationState(codec, seed=rank if what == "seed" else 0)
+    model = _model()
+    model.register_comm_hook(state, ddp.quantization_hook)
+    with pytest.raises(Exception, match="configuration differs between ranks"):
+        _backward(model)
+
+
+@MULTI
+def test_ranks_that_send_other_tensors_raise_on_every_rank():
+    comm = ProcessGroupCollectives()
+    exchange = Exchange(hq.get_codec("qsgd"), comm)
+    x = np.ones(100 + dist.get_rank(), np.float32)
+    with pytest.raises(ValueError, match="the ranks sent different tensors"):
+        exchange.start(x, 1, "t").wait()
+
+
+@pytest.mark.parametrize("name", ["qsgd", "global_qsgd", "nested_dithered", "bf16"])
+def test_nonfinite_gradients_stay_nonfinite(name):
+    codec = hq.get_codec(name, **codec_params(name))
+    model = _model()
+    state = ddp.QuantizationState(codec)
+    rec = Recorder(state)
+    model.register_comm_hook(state, rec.hook)
+    bad = torch.zeros_like(model.module.b.weight)
+    bad[3, 7] = float("inf") if dist.get_rank() == 0 else 0.0
+    model.module.b.weight.register_hook(lambda g: g + bad)
+    _backward(model)
+    assert not torch.isfinite(model.module.b.weight.grad).all()
+    rec.check(codec)
+    assert same_everywhere(model.module.b.weight.grad)
+
+
+def test_compression_objects_and_world_size():
+    """``Compression.<name>(...)`` without Horovod initialized: a world-sized codec takes the
+    process group's size; seed and schedule come along; a wrong world_size is refused."""
+    n = dist.get_world_size()
+    state = ddp.QuantizationState(hqt.Compression.global_qsgd(bits=8, seed=4))
+    assert state.codec.params["world_size"] == n and state.seed == 4
+    state = ddp.QuantizationState(hqt.Compression.qsgd(bits=4, gather="sra", seed=2))
+    assert state.codec.params["bits"] == 4 and (state.gather, state.seed) == ("sra", 2)
+    assert ddp.QuantizationState("nested_dithered").codec.params["world_size"] == n
+    with pytest.raises(ValueError, match=f"pass world_size={n}"):
+        ddp.QuantizationState(hq.get_codec("global_qsgd", world_size=n + 1))
+    with pytest.raises(ValueError, match="not understood"):
+        ddp.QuantizationState(3)
+
+
+def test_compression_object_trains_like_the_codec():
+    model = _model()
+    state = ddp.QuantizationState(hqt.Compression.global_qsgd(bits=8, seed=4))
+    rec = Recorder(state)
+    model.register_comm_hook(state, rec.hook)
+    for step in range(2):
+        model.zero_grad()
+        _backward(model, step)
+        rec.check(state.codec)
+
+
+def test_exponent_reduce_runs_point_to_point(monkeypatch):
+    sends = []
+    isend = PointToPoint.Isend
+    monkeypatch.setattr(PointToPoint, "Isend",
+                        lambda self, *a, **k: sends.append(1) or isend(self, *a, **k))
+    codec = hq.get_codec("global_qsgd", **codec_params("global_qsgd"))
+    model = _model()
+    state = ddp.QuantizationState(codec)
+    rec = Recorder(state)
+    model.register_comm_hook(state, rec.hook)
+    _backward(model)
+    rec.check(codec)
+    assert (len(sends) > 0) == (dist.get_world_size() > 1)
+
+
+def test_configs_travel_as_json_not_pickle(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("peer data must not be unpickled")
+
+    monkeypatch.setattr(dist, "all_gather_object", refuse)
+    monkeypatch.setattr(dist, "broadcast_object_list", refuse)
+    model = _model()
+    state = ddp.QuantizationState(hq.get_codec("qsgd"))
+    model.register_comm_hook(state, ddp.quantization_hook)
+    _backward(model)
+
+
+@pytest.mark.parametrize("name", ["global_qsgd", "qsgd"])
+def test_custom_process_groups(name):
+    """DDP on halves of the world (one-rank halves for two ranks): each half exchanges among
+    its own ranks, with the seeds and exponent reduction of its own group."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    half = max(1, n // 2)
+    groups = [dist.new_group(list(range(lo, min(lo + half, n)))) for lo in range(0, n, half)]
+    group = groups[rank // half]
+    torch.manual_seed(0)
+    model = DDP(Net(), process_group=group, bucket_cap_mb=0.25)
+    state = ddp.QuantizationState(hqt.Compression.__getattr__(name)(), process_group=group)
+    assert state.codec.params.get("world_size", dist.get_world_size(group)) == \
+        dist.get_world_size(group)
+    calls = []
+
+    def hook(state, bucket):
+        calls.append((bucket.buffer().clone(), state.seed_of(state.step, bucket.index()),
+                      ddp.quantization_hook(state, bucket)))
+        return calls[-1][2]
+
+    model.register_comm_hook(state, hook)
+    _backward(model)
+    for inp, seed, fut in calls:
+        rows = [r.numpy() for r in gather_rows(inp, group)]
+        want, _ = hq.mean_estimate(state.codec, rows, seed, pipeline_elems=state.pipeline_elems)
+        assert np.array_equal(fut.wait().numpy(), want)
+        assert same_everywhere(fut.wait(), group)
+
+
+def test_allgather_of_unequal_and_changing_lengths():
+    """One name, lengths that differ between ranks and grow and shrink between calls (the
+    bound of the padded gather is the last call's longest): every rank's bytes, in rank order."""
+    comm = ProcessGroupCollectives()
+    n, rank = comm.size, comm.rank
+    for call, base in enumerate([5, 5, 40, 3, 0, 17]):
+        def part(r, base=base, call=call):
+            return np.arange(base + r * (call % 3), dtype=np.float64) + 100 * r
+
+        got = comm.allgather_async(part(rank), "x").wait()
+        assert got.dtype == np.float64
+        assert np.array_equal(got, np.concatenate([part(r) for r in range(n)])), call
