@@ -9,7 +9,7 @@
 
 DDP hands the hook its gradient buckets in bucket order on every rank (a bucket's hook runs
 once every bucket before it has been launched). The hook starts the bucket's exchange
-(:class:`~horovod_quant.comm.Exchange` over the process group's collectives,
+(:class:`~horovod_quant.exchange.Exchange` over the process group's collectives,
 :mod:`horovod_quant.torch.distributed`) and returns a ``torch.futures.Future``; the hook of the
 last bucket finishes every exchange of the step in bucket order, writes each mean into its
 bucket and completes the futures. So the transfers overlap the rest of the backward pass, and
@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from ..adapters import CodecRequest, CompressorSettings, ConfigCheck
-from ..comm.exchange import Exchange, Pending
-from ..comm.steps import exchange_tag
+from ..exchange.driver import Exchange, Pending
+from ..exchange.wire import exchange_tag
 from ..core.base import Codec
 from ..core.rng import derive_key
 from ..core.schedules import DEFAULT_PIPELINE_ELEMS, check_pipeline_elems
@@ -74,7 +74,7 @@ class QuantizationState(CompressorSettings):
         gather: schedule for gather codecs, "auto", "allgather" or "sra" (default: the
             compressor's, else "auto").
         pipeline_elems: buckets longer than this are exchanged in pieces of this many elements
-            (see :class:`horovod_quant.comm.Exchange`); None sends every bucket whole.
+            (see :class:`horovod_quant.exchange.Exchange`); None sends every bucket whole.
 
     Attributes:
         stats: the :class:`~horovod_quant.stats.StepStats` of the exchanges since the last

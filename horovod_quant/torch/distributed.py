@@ -1,7 +1,7 @@
 """:class:`Collectives` over a ``torch.distributed`` process group (the DDP door's transport).
 
 ``torch.distributed`` matches collectives by call order per process group, not by name: the
-names an :class:`~horovod_quant.comm.Exchange` passes are not sent, and the callers issue their
+names an :class:`~horovod_quant.exchange.Exchange` passes are not sent, and the callers issue their
 collectives in the same order on every rank (the DDP door does: one thread, bucket order).
 Every exchange still carries its tag in its data, so a rank that pairs another tensor raises.
 
@@ -14,12 +14,12 @@ Every exchange still carries its tag in its data, so a rank that pairs another t
   first call, a payload that grew) follows in a second ``all_gather`` when it is waited for,
   on every rank, since every rank sees every length;
 * alltoall: one ``all_to_all_single`` of the split sizes, then one of the data;
-* the exponent allreduce of Global-QSGD (:mod:`horovod_quant.comm.mpi_exp`) over
+* the exponent allreduce of Global-QSGD (:mod:`horovod_quant.exchange.mpi_exp`) over
   point-to-point ``isend``/``irecv`` (:class:`PointToPoint`), on the exchange's worker thread.
 
 NCCL groups move device (CuPy) arrays as CUDA tensors, and host arrays through the device;
 the others take host arrays (device payloads are staged through host memory by
-:class:`~horovod_quant.comm.staging.HostStaged`, :func:`collectives_for`).
+:class:`~horovod_quant.exchange.staging.HostStaged`, :func:`collectives_for`).
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from .. import gpu
-from ..comm.backend import Collectives, Handle
-from ..comm.staging import HostStaged
+from ..exchange.collectives import Collectives, Handle
+from ..exchange.staging import HostStaged
 from .collectives import as_array, as_tensor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -165,7 +165,7 @@ class _Request:
 
 
 class PointToPoint:
-    """The mpi4py communicator calls of :func:`~horovod_quant.comm.mpi_exp.
+    """The mpi4py communicator calls of :func:`~horovod_quant.exchange.mpi_exp.
     allreduce_exponent_codes` (``Get_rank``, ``Get_size``, ``Isend``, ``Irecv``, ``Allgatherv``)
     over ``isend``/``irecv`` of a torch.distributed process group.
 
@@ -252,7 +252,7 @@ class PointToPoint:
 
 def collectives_for(group: Any = None) -> Collectives:
     """The collectives of ``group``'s exchanges: device payloads staged through host memory
-    (:class:`~horovod_quant.comm.staging.HostStaged`) unless the group is NCCL's."""
+    (:class:`~horovod_quant.exchange.staging.HostStaged`) unless the group is NCCL's."""
     comm = ProcessGroupCollectives(group)
     if torch.cuda.is_available() and gpu.available() and not takes_device_arrays(group):
         return HostStaged(comm)

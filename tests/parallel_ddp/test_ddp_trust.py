@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt
-from horovod_quant.comm import Exchange
+from horovod_quant.exchange import Exchange
 from horovod_quant.torch import ddp
 from horovod_quant.torch.distributed import PointToPoint, ProcessGroupCollectives
 

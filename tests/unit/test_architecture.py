@@ -29,7 +29,7 @@ PACKAGE = "horovod_quant"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("backends", ("horovod_quant.backends",)),
     ("codecs", ("horovod_quant.core",)),
-    ("exchange", ("horovod_quant.exchange", "horovod_quant.comm")),
+    ("exchange", ("horovod_quant.exchange",)),
     ("doors", ("horovod_quant.torch", "horovod_quant.tensorflow")),
 ]
 

@@ -77,5 +77,5 @@ def test_backends_import_no_codec():
                 mod = ",".join(alias.name for alias in node.names)
             else:
                 continue
-            assert "horovod_quant.core" not in mod and "horovod_quant.comm" not in mod, \
+            assert "horovod_quant.core" not in mod and "horovod_quant.exchange" not in mod, \
                 (path, mod)
