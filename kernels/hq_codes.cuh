@@ -3,9 +3,9 @@
 // (level quantizers, Global-QSGD exponential / sparse codes, DQSG / NDQSG).
 //
 // Mirrors, bit for bit:
-//   core/kernels_cpu.py   _round_uniform, _round_geometric, encode_levels, decode_levels
-//   core/global_qsgd.py   _linear_level, _exp_code, _codes_block, encode_exp, decode_packed
-//   core/dithered.py      _fine_index, _nested_index, encode_dithered, decode_dithered,
+//   backends/numba/levels.py _round_uniform, _round_geometric, encode_levels, decode_levels
+//   backends/numba/global_qsgd.py _linear_level, _exp_code, _codes_block, encode_exp, decode_packed
+//   backends/numba/dithered.py _fine_index, _nested_index, encode_dithered, decode_dithered,
 //                         decode_nested
 // Element i always draws hash32(i, k0, k1) (global element index), which is what the CPU's
 // per-block block_key + 32-bit counters compute.
@@ -22,7 +22,7 @@
 #define HQ_MODE_NESTED 4      // NDQSG P2: code (q + h) mod k
 #define HQ_MODE_LINEAR_SM 5   // global_qsgd linear levels as sign-magnitude codes (sparse)
 
-// kernels_cpu._TINY_SCALE / _TINY_BOOST
+// backends/numba/levels.py _TINY_SCALE / _TINY_BOOST
 #define HQ_TINY_SCALE 7.888609052210118e-31f  // 2^-100
 #define HQ_TINY_BOOST 18446744073709551616.0f // 2^64
 

@@ -47,7 +47,7 @@ typedef unsigned long long hq_u64;
 #define HQ_WORD_BLOCK 1024          // global_qsgd.WORD_BLOCK
 #define HQ_LANES 8                  // interleaved float64 lanes of the norms
 
-// kernels_cpu.py
+// backends/numba/levels.py
 #define HQ_NORM_L2 0
 #define HQ_NORM_MAX 1
 #define HQ_NORM_P 2
@@ -326,9 +326,9 @@ struct HqHostEx {
 };
 
 // ------------------------------------------------------------------------------------------
-// bucket scales (kernels_cpu._bucket_scale)
+// bucket scales (backends/numba/levels.py _bucket_scale)
 // ------------------------------------------------------------------------------------------
-// Smallest power of two >= m for finite m >= 0 (kernels_cpu._pow2_ceil)
+// Smallest power of two >= m for finite m >= 0 (backends/numba/levels.py _pow2_ceil)
 HQ_HD float hq_pow2_ceil(float m) {
   if (m > 0.0f) {
     hq_u32 b = hq_f2u(m);
@@ -342,7 +342,7 @@ HQ_HD float hq_pow2_ceil(float m) {
   return m;
 }
 
-// |v| ** p in float64 (kernels_cpu._abs_pow)
+// |v| ** p in float64 (backends/numba/levels.py _abs_pow)
 HQ_HD double hq_abs_pow(double v, double p) {
   double a = v < 0 ? -v : v;
   return p == 1.0 ? a : pow(a, p);

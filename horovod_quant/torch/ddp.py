@@ -43,7 +43,7 @@ from ..exchange.driver import Exchange, Pending
 from ..exchange.wire import exchange_tag
 from ..core.base import Codec
 from ..core.rng import derive_key
-from ..core.schedules import DEFAULT_PIPELINE_ELEMS, check_pipeline_elems
+from ..exchange.plans import DEFAULT_PIPELINE_ELEMS, check_pipeline_elems
 from .collectives import as_array, as_tensor
 from .compression import QuantizedCompressor, flat_array, stream_of
 from .distributed import collectives_for
