@@ -1,6 +1,6 @@
 // dithered.cu: DQSG / NDQSG decoding (CuPy RawModule entry points). Encoding is hq_encode of
 // levels.cu (modes HQ_MODE_DITHER / HQ_MODE_NESTED); the receiver regenerates each sender's
-// dither from its key in the kernel (core/dithered.py).
+// dither from its key in the kernel (backends/numba/dithered.py).
 //
 //   hq_decode_dither   x_hat of n P1 payloads summed in payload order (decode / decode_add)
 //   hq_decode_nested   out += x_hat of one P2 payload with side information y; writes the

@@ -3,9 +3,10 @@
 // NVRTC) and on the CPU (nvcc host compilation in tests/kernels, compared against numba).
 //
 // Mirrors, bit for bit:
-//   horovod_quant/core/rng.py      splitmix64 / derive_key, hash32 (keyed lowbias32), block_key,
-//                                  u24_float
-//   horovod_quant/core/packing.py  PACK_BLOCK, bit planes of width 1/2/4/8, segment-strided
+//   horovod_quant/core/rng.py            splitmix64 / derive_key
+//   horovod_quant/backends/numba/rng.py  hash32 (keyed lowbias32), block_key, u24_float
+//   horovod_quant/backends/numba/packing.py  PACK_BLOCK, bit planes of width 1/2/4/8,
+//                                        segment-strided
 //
 // Floating point: every float operation whose rounding matters goes through hq_fmul / hq_fadd /
 // ... which are the _rn intrinsics on the device (never contracted into an FMA) and plain

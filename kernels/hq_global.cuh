@@ -1,7 +1,7 @@
 // hq_global.cuh: Global-QSGD pieces that are not plain packed codes.
 //
 // Mirrors, bit for bit:
-//   core/global_qsgd.py  encode_linear / decode_linear (summable uint64 words, WORD_BLOCK),
+//   backends/numba/global_qsgd.py  encode_linear / decode_linear (summable uint64 words, WORD_BLOCK),
 //                        _max_abs, _sum_squares (the norm statistics)
 //   core/exp_reduce.py   _combine_lanes, _up_exact, exp_combine (Algorithm 2 on packed codes)
 #ifndef HQ_GLOBAL_CUH
