@@ -16,8 +16,8 @@ test: install
 	bash tests/parallel/run.sh
 	bash tests/parallel_tf/run.sh
 	bash tests/parallel_ddp/run.sh
-	bash tests/kernels/compile.sh
-	$(PYTHON) -m pytest -q tests/kernels tests/gpu
+	bash tests/cuda_parity/compile.sh
+	$(PYTHON) -m pytest -q tests/cuda_parity tests/gpu
 
 # The pieces of `test` on their own, without the install step.
 unit:
@@ -29,7 +29,7 @@ parallel:
 	bash tests/parallel_ddp/run.sh
 
 kernels:
-	bash tests/kernels/compile.sh
+	bash tests/cuda_parity/compile.sh
 
 # The main job: every codec on real gradients (bits, variance vs bound, throughput), then a
 # 2-rank horovodrun training of an MLP on digits once per codec plus fp32/fp16 baselines, and

@@ -1,7 +1,7 @@
 """horovod_quant: unbiased gradient quantizers for Horovod (QSGD, NUQSGD, natural compression
 and dithering, Global-QSGD, nested dithered quantization).
 
-Framework adapters live in ``horovod_quant.torch`` and ``horovod_quant.tensorflow``; the math
+The framework doors live in ``horovod_quant.torch`` and ``horovod_quant.tensorflow``; the math
 is in ``horovod_quant.core``.
 """
 import os

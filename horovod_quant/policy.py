@@ -1,4 +1,4 @@
-"""Which tensors get compressed: the per-layer policy shared by the torch and TF adapters."""
+"""Which tensors get compressed: the per-layer policy shared by the framework doors."""
 from __future__ import annotations
 
 import re

@@ -1,6 +1,6 @@
 // hq_common.cuh: the pieces every horovod_quant kernel shares, written once as
 // __host__ __device__ functions so that the same source runs on the GPU (CuPy RawModule /
-// NVRTC) and on the CPU (nvcc host compilation in tests/kernels, compared against numba).
+// NVRTC) and on the CPU (nvcc host compilation in tests/cuda_parity, compared against numba).
 //
 // Mirrors, bit for bit:
 //   horovod_quant/core/rng.py            splitmix64 / derive_key

@@ -8,7 +8,7 @@ entry points of :class:`Backend` on the backend of its arrays, ``be = backend_of
   ``kernels/*.cu``);
 * :class:`horovod_quant.backends.cuda.CudaBackend` for CuPy arrays and CUDA torch tensors: the
   CUDA kernels of ``kernels/*.cu``, launched by a *kernel launcher* (CuPy on a GPU; the test
-  suite's host build of the same block programs, ``tests/kernels``, on the CPU).
+  suite's host build of the same block programs, ``tests/cuda_parity``, on the CPU).
 
 Both produce the same payload bytes and decoded bit patterns for the same seed. Imports run one
 way: backends <- codecs (``core``) <- exchanges (``comm``) <- framework doors; nothing here
@@ -74,7 +74,7 @@ def backend_of(obj: Any) -> Backend:
 @contextlib.contextmanager
 def use_backend(backend: Backend) -> Iterator[Backend]:
     """Run codec methods on host (NumPy) arrays with ``backend`` inside the block, e.g. the
-    host-replayed CUDA backend of ``tests/kernels``."""
+    host-replayed CUDA backend of ``tests/cuda_parity``."""
     token = _FORCED.set(backend)
     try:
         yield backend

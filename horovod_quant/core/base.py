@@ -20,7 +20,7 @@ def as_vector(x: Any) -> Any:
     CUDA torch tensors).
 
     float16, bfloat16 (``ml_dtypes``/torch-converted) and float64 inputs are accepted; codecs
-    compute in float32 and decode to float32, as the adapters cast back to the tensor's dtype.
+    compute in float32 and decode to float32, as the framework doors cast back to the tensor's dtype.
     """
     return backend_of(x).vector(x)
 

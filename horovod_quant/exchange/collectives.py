@@ -146,7 +146,7 @@ class LocalCollectives(Collectives):
 
 
 class ProcessSetCollectives(Collectives):
-    """Base of the framework adapters' collectives: the ranks of a Horovod process set.
+    """Base of the framework doors' collectives: the ranks of a Horovod process set.
 
     Args:
         process_set: the Horovod process set to run in (default: all ranks).

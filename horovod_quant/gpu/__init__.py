@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from ..backends import backend_of, is_device_array
 from ..backends.cuda.arrays import as_cupy, device_scope, to_device, to_host
-from .mpi import cuda_aware_mpi, horovod_device_collectives
+from .device_collectives import cuda_aware_mpi, horovod_device_collectives
 
 __all__ = [
     "as_cupy", "available", "compile_kernels", "cuda_aware_mpi", "device_scope", "exp_combine",

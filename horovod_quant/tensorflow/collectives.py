@@ -7,7 +7,7 @@ allreduce) its MPI communicator.
 
 Each collective runs on its own daemon thread, so the caller can stop waiting: a Horovod op
 that a peer never joins blocks its thread forever, and
-:func:`~horovod_quant.adapters.wait_for_peers` gives up after ``HQ_CONFIG_TIMEOUT`` seconds by
+:func:`~horovod_quant.doors.wait_for_peers` gives up after ``HQ_CONFIG_TIMEOUT`` seconds by
 polling :meth:`Handle.done` instead of blocking in it. A thread left behind that way is a
 daemon: it does not keep the process alive, and it finishes if the peer joins later.
 """
@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..exchange.collectives import Handle, ProcessSetCollectives, Then
-from ..exchange.mpi_exp import world_communicator
+from ..exchange.exponent_allreduce import world_communicator
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
 

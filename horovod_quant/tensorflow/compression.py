@@ -38,7 +38,7 @@ went apart) raise the same ValueError on every rank at the exchange's first coll
 different tensors are never combined.
 
 Before its first exchange a compressor checks that every rank built the same configuration
-(:class:`~horovod_quant.adapters.ConfigCheck`, eagerly, even while a ``tf.function`` is
+(:class:`~horovod_quant.doors.ConfigCheck`, eagerly, even while a ``tf.function`` is
 traced: every rank traces its first step); a rank whose peers never join gives up after
 ``HQ_CONFIG_TIMEOUT`` seconds with a RuntimeError.
 """
@@ -56,7 +56,7 @@ import numpy as np
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
-from ..adapters import CompressionNamespace, CompressorSettings, ConfigCheck
+from ..doors import CompressionNamespace, CompressorSettings, ConfigCheck
 from ..exchange import plans, wire
 from ..exchange.driver import custom_collective
 from ..core.base import Codec
@@ -172,7 +172,7 @@ class _Ctx(NamedTuple):
 class QuantizedCompressor(CompressorSettings, Compressor):
     """A ``horovod.tensorflow.compression.Compressor`` running a horovod_quant codec.
 
-    Args: see :class:`~horovod_quant.adapters.CompressorSettings`. Here the k-th tensor
+    Args: see :class:`~horovod_quant.doors.CompressorSettings`. Here the k-th tensor
     compressed (from 0) uses seed ``derive_key(seed, k)`` (module doc), the policy's name rules
     see the variable names (``dense/kernel:0``) or the ``name=`` of ``hvd.allreduce``, tensors
     whose static shape is not fully known travel uncompressed too, and integer and boolean

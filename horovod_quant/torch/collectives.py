@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..exchange.collectives import Collectives, Handle, ProcessSetCollectives
-from ..exchange.mpi_exp import world_communicator
+from ..exchange.exponent_allreduce import world_communicator
 from ..exchange.staging import HostStaged
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}

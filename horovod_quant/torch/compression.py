@@ -47,7 +47,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
-from ..adapters import CompressionNamespace, CompressorSettings, ConfigCheck
+from ..doors import CompressionNamespace, CompressorSettings, ConfigCheck
 from ..exchange.driver import Exchange
 from ..exchange.wire import exchange_tag
 from ..core.base import Codec
@@ -153,7 +153,7 @@ class _Job:
 class QuantizedCompressor(CompressorSettings, Compressor):
     """A ``horovod.torch.compression.Compressor`` running a horovod_quant codec.
 
-    Args: see :class:`~horovod_quant.adapters.CompressorSettings` (codec, seed, gather,
+    Args: see :class:`~horovod_quant.doors.CompressorSettings` (codec, seed, gather,
     policy, process_set; ``stats`` holds the :class:`~horovod_quant.stats.StepStats`). The
     policy's name rules apply to tensors Horovod names (module doc). Integer, boolean and
     sparse tensors pass to Horovod unchanged (exact), never quantized.

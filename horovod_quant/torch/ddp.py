@@ -27,7 +27,7 @@ the gradients' readiness, decided by rank 0); a rank whose bucket differs raises
 tag, on every rank. Global-norm codecs (Global-QSGD) take the norm of each bucket (one
 allgather before its exchange).
 
-The first hook runs the cross-rank configuration check (:class:`~horovod_quant.adapters.
+The first hook runs the cross-rank configuration check (:class:`~horovod_quant.doors.
 ConfigCheck`): a rank with another codec, seed or schedule raises the same ValueError on every
 rank before anything is combined.
 """
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..adapters import CodecRequest, CompressorSettings, ConfigCheck
+from ..doors import CodecRequest, CompressorSettings, ConfigCheck
 from ..exchange.driver import Exchange, Pending
 from ..exchange.wire import exchange_tag
 from ..core.base import Codec

@@ -37,7 +37,7 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from ..adapters import check_same_config, check_seed
+from ..doors import check_same_config, check_seed
 from ..exchange.driver import Exchange, global_norm
 from ..exchange.wire import NORM_WIRE_WORDS, exchange_tag
 from ..core.registry import get_codec, horovod_equivalent

@@ -11,7 +11,7 @@ import horovod.torch as hvd
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt
-from horovod_quant.adapters import CHECKS, ConfigCheck
+from horovod_quant.doors import CHECKS, ConfigCheck
 from horovod_quant.core.rng import derive_key, name_key
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 

@@ -18,7 +18,7 @@ from conftest import codec_params, linear_loss, rank_gradients, reference, same_
 
 import horovod_quant as hq
 import horovod_quant.tensorflow as hqtf
-from horovod_quant.adapters import CHECKS, ConfigCheck
+from horovod_quant.doors import CHECKS, ConfigCheck
 from horovod_quant.tensorflow.collectives import HorovodTFCollectives
 
 EVERYTHING = hqtf.LayerPolicy.everything()

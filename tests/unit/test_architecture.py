@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("backends", ("horovod_quant.backends",)),
     ("codecs", ("horovod_quant.core",)),
     ("exchange", ("horovod_quant.exchange",)),
-    ("doors", ("horovod_quant.torch", "horovod_quant.tensorflow")),
+    ("doors", ("horovod_quant.doors", "horovod_quant.torch", "horovod_quant.tensorflow")),
 ]
 
 #: Modules that may name codecs besides the modules that define them: the registry and the

@@ -1,5 +1,5 @@
 """The backend interface: which backend an array gets, the import direction, and missing
-kernels as errors (the bytes themselves: tests/kernels, tests/gpu)."""
+kernels as errors (the bytes themselves: tests/cuda_parity, tests/gpu)."""
 import ast
 import pathlib
 import subprocess

@@ -8,7 +8,7 @@ import pytest
 
 import horovod_quant.gpu as G
 from horovod_quant.exchange import HostStaged
-from horovod_quant.gpu import mpi as gpu_mpi
+from horovod_quant.gpu import device_collectives
 
 from threaded_comm import run_ranks
 
@@ -113,6 +113,6 @@ def test_cuda_aware_mpi_override_and_ompi_info(monkeypatch):
     monkeypatch.setenv("HQ_CUDA_AWARE_MPI", "off")
     assert G.cuda_aware_mpi() is False
     text = "mca:mpi:base:param:mpi_built_with_cuda_support:value:{}\n"
-    assert gpu_mpi.parse_ompi_info(text.format("true")) is True
-    assert gpu_mpi.parse_ompi_info(text.format("false")) is False
-    assert gpu_mpi.parse_ompi_info("nothing here") is None
+    assert device_collectives.parse_ompi_info(text.format("true")) is True
+    assert device_collectives.parse_ompi_info(text.format("false")) is False
+    assert device_collectives.parse_ompi_info("nothing here") is None

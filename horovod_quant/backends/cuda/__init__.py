@@ -4,7 +4,7 @@
 arguments; one module per ``kernels/*.cu`` file, twins of the numba backend's kernel modules:
 ``levels``, ``global_qsgd``, ``dithered``) and hands each launch to a *kernel launcher*:
 :class:`.kernels.CupyKernels` on a GPU (CuPy RawModules, NVRTC-compiled), or the host build of
-the same block programs that ``tests/kernels`` replays on NumPy arrays. So everything here runs
+the same block programs that ``tests/cuda_parity`` replays on NumPy arrays. So everything here runs
 on machines without a GPU too. Launcher interface (one method per kernel of ``kernels/*.cu``;
 arrays are ``xp`` arrays, views where a kernel writes into part of a buffer):
 

@@ -27,7 +27,7 @@ KERNEL_FILES = ("levels.cu", "global_qsgd.cu", "dithered.cu")
 
 #: NVRTC options: no FMA contraction, no flush-to-zero, IEEE division / square root, so that
 #: every float operation rounds exactly as on the CPU (the sources also use the _rn
-#: intrinsics, which are never contracted). tests/kernels checks the PTX for .ftz and f32 fma.
+#: intrinsics, which are never contracted). tests/cuda_parity checks the PTX for .ftz and f32 fma.
 NVRTC_OPTIONS = ("-std=c++17", "-fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
 
 

@@ -1,5 +1,5 @@
-"""What the torch and TensorFlow adapters share: the compressors' settings, the cross-rank
-configuration check and the ``Compression.<codec>(...)`` namespace."""
+"""What the framework doors (Horovod torch, Horovod TensorFlow, DDP) share: the compressors'
+settings, the cross-rank configuration check and the ``Compression.<codec>(...)`` namespace."""
 from __future__ import annotations
 
 import logging
@@ -145,7 +145,7 @@ class CodecRequest:
 
 
 class CompressorSettings:
-    """The settings both adapters' ``QuantizedCompressor`` hold (validated here).
+    """The settings both Horovod doors' ``QuantizedCompressor`` hold (validated here).
 
     Args:
         codec: the codec (see :func:`horovod_quant.get_codec`), or a :class:`CodecRequest`

@@ -1,4 +1,4 @@
-// Host build of the kernels' block programs, for tests/kernels/test_host_parity.py.
+// Host build of the kernels' block programs, for tests/cuda_parity/test_host_parity.py.
 //
 // Compiled by nvcc as host code (the __host__ __device__ functions of kernels/*.cuh) into a
 // shared library loaded with ctypes. Each hqh_* function replays one CUDA kernel of

@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
 # Compile every kernels/*.cu with nvcc for sm_80 and sm_90 (-fmad=false, warnings are errors),
-# plus the host build of the block programs used by tests/kernels/test_host_parity.py.
+# plus the host build of the block programs used by tests/cuda_parity/test_host_parity.py.
 # Fails on any error. No GPU needed. About 30 s on 2 cores.
 #
-#   bash tests/kernels/compile.sh            # compile check (part of `make test`)
-#   bash tests/kernels/compile.sh --parity   # also run the CPU parity tests (pytest tests/kernels)
+#   bash tests/cuda_parity/compile.sh            # compile check (part of `make test`)
+#   bash tests/cuda_parity/compile.sh --parity   # also run the CPU parity tests (pytest tests/cuda_parity)
 #
 # NVCC=/path/to/nvcc overrides the compiler; HQ_SKIP_NVCC=1 skips the check (prints why).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 if [ "${HQ_SKIP_NVCC:-0}" = "1" ]; then
-    echo "tests/kernels/compile.sh: skipped (HQ_SKIP_NVCC=1)"
+    echo "tests/cuda_parity/compile.sh: skipped (HQ_SKIP_NVCC=1)"
     exit 0
 fi
 NVCC="${NVCC:-$(command -v nvcc || true)}"
 if [ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ]; then NVCC=/usr/local/cuda/bin/nvcc; fi
 if [ -z "$NVCC" ]; then
-    echo "tests/kernels/compile.sh: nvcc not found (install the CUDA toolkit, set NVCC=..., or" \
+    echo "tests/cuda_parity/compile.sh: nvcc not found (install the CUDA toolkit, set NVCC=..., or" \
          "HQ_SKIP_NVCC=1 to skip)" >&2
     exit 1
 fi
@@ -29,7 +29,7 @@ flags=(-std=c++17 -fmad=false -Werror all-warnings
 shopt -s nullglob
 sources=(kernels/*.cu)
 if [ ${#sources[@]} -eq 0 ]; then
-    echo "tests/kernels/compile.sh: no kernels/*.cu" >&2
+    echo "tests/cuda_parity/compile.sh: no kernels/*.cu" >&2
     exit 1
 fi
 echo "== nvcc $("$NVCC" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'): ${sources[*]} + host build"
@@ -43,18 +43,18 @@ for src in "${sources[@]}"; do
 done
 ( "$NVCC" -x cu -shared -std=c++17 -O2 -fmad=false -Werror all-warnings \
       -Xcompiler -fPIC -Xcompiler -ffp-contract=off \
-      tests/kernels/host_parity.cu -o "$out/libhq_host.so" > "$out/host.log" 2>&1 \
-  || { echo "FAILED: tests/kernels/host_parity.cu (host build)"; cat "$out/host.log"; exit 1; } ) &
+      tests/cuda_parity/host_parity.cu -o "$out/libhq_host.so" > "$out/host.log" 2>&1 \
+  || { echo "FAILED: tests/cuda_parity/host_parity.cu (host build)"; cat "$out/host.log"; exit 1; } ) &
 jobs+=($!)
 
 status=0
 for j in "${jobs[@]}"; do wait "$j" || status=1; done
 if [ $status -ne 0 ]; then
-    echo "tests/kernels/compile.sh: FAILED" >&2
+    echo "tests/cuda_parity/compile.sh: FAILED" >&2
     exit 1
 fi
-echo "tests/kernels/compile.sh: ${#sources[@]} kernel files compile (sm_80, sm_90), host build OK"
+echo "tests/cuda_parity/compile.sh: ${#sources[@]} kernel files compile (sm_80, sm_90), host build OK"
 
 if [ "${1:-}" = "--parity" ]; then
-    "${PYTHON:-python3}" -m pytest -q tests/kernels
+    "${PYTHON:-python3}" -m pytest -q tests/cuda_parity
 fi

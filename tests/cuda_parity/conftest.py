@@ -1,4 +1,4 @@
-"""Host build of the CUDA block programs (tests/kernels/host_parity.cu) for the parity tests.
+"""Host build of the CUDA block programs (tests/cuda_parity/host_parity.cu) for the parity tests.
 
 ``nvcc`` compiles the __host__ __device__ code of ``kernels/*.cuh`` for the CPU into a shared
 library (once per session); :class:`HostBackend` exposes it as the kernel launcher of
@@ -63,7 +63,7 @@ _SIGS = {
 
 
 def build_hostlib(out_dir: Path) -> ctypes.CDLL:
-    """Compile tests/kernels/host_parity.cu (+ kernels/*.cuh) with nvcc for the host."""
+    """Compile tests/cuda_parity/host_parity.cu (+ kernels/*.cuh) with nvcc for the host."""
     lib_path = out_dir / "libhq_host.so"
     cmd = [NVCC, *HOST_FLAGS, str(HERE / "host_parity.cu"), "-o", str(lib_path)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
