@@ -129,7 +129,7 @@ def bench_one(codec, x, repeat: int, backend, world_size: int, threads: int = 1)
     t_dec = best_time(lambda: codec.decode(payload, out), repeat, backend.sync)
     t_dec_alloc = best_time(lambda: codec.decode(payload), repeat, backend.sync)
     combine = None
-    if codec.exchange == "gather":
+    if codec.combine == "gather":
         payloads = [codec.encode(x, seed=r) for r in range(world_size)]
         codec.combine_gathered(payloads, 0, out=out)
         combine = world_size * gb / best_time(lambda: codec.combine_gathered(payloads, 0, out=out),

@@ -11,7 +11,7 @@ from ..backends import backend_of
 from .payload import Payload
 from .rng import derive_key
 
-EXCHANGES = ("sum", "gather", "custom")
+COMBINES = ("sum", "gather", "custom")
 
 
 def as_vector(x: Any) -> Any:
@@ -120,7 +120,7 @@ class Codec(abc.ABC):
     backend interface, and backends give the same bytes.
 
     Subclasses validate their parameters in ``__init__`` and implement :meth:`encode` and
-    :meth:`decode`. ``exchange`` says how payloads of n workers combine:
+    :meth:`decode`. ``combine`` says how payloads of n workers combine:
 
     * ``"sum"``: payload arrays add up elementwise under a plain allreduce and
       :meth:`decode_sum` turns the sum into the mean estimate;
@@ -130,7 +130,7 @@ class Codec(abc.ABC):
     """
 
     name: ClassVar[str]
-    exchange: ClassVar[str]
+    combine: ClassVar[str]
     #: Horovod's own allreduce carries this codec's tensors in the framework doors (no payload
     #: exchange of ours, and Horovod fuses them): None (the codec's exchange), ``"keep"`` (the
     #: tensor as it is) or the dtype name it is cast to and back (``"float16"``, as Horovod's
@@ -168,8 +168,8 @@ class Codec(abc.ABC):
         return out
 
     def decode_sum(self, payload: Payload, n: int, out: np.ndarray | None = None) -> np.ndarray:
-        """For ``exchange == "sum"``: the mean estimate from the elementwise sum of n payloads."""
-        raise NotImplementedError(f"{self.name} payloads do not sum; exchange={self.exchange}")
+        """For ``combine == "sum"``: the mean estimate from the elementwise sum of n payloads."""
+        raise NotImplementedError(f"{self.name} payloads do not sum; combine={self.combine}")
 
     def payload_from_wire(self, data: np.ndarray, size: int, **meta: Any) -> Payload:
         """Rebuild a payload from the bytes a collective delivered.
@@ -282,7 +282,7 @@ class Codec(abc.ABC):
         """The mean estimate from every worker's payload (rank order) as the exchange combines
         them: the elementwise sum of the words then :meth:`decode_sum` for ``"sum"`` codecs,
         :meth:`combine_gathered` otherwise."""
-        if self.exchange == "sum":
+        if self.combine == "sum":
             self.check_payloads(payloads)
 
             def words(p: Payload) -> np.ndarray:

@@ -42,9 +42,9 @@ def _store(values: Any, out: Any | None) -> Any:
 
 
 class _FloatBaseline(Codec):
-    """A float cast; payloads add up under allreduce (exchange "sum")."""
+    """A float cast; payloads add up under allreduce (combine "sum")."""
 
-    exchange: ClassVar[str] = "sum"
+    combine: ClassVar[str] = "sum"
 
     def __init__(self) -> None:
         super().__init__()
@@ -103,7 +103,7 @@ class BF16(Codec):
     """
 
     name = "bf16"
-    exchange: ClassVar[str] = "gather"
+    combine: ClassVar[str] = "gather"
 
     def __init__(self) -> None:
         super().__init__()

@@ -153,7 +153,7 @@ class DitheredQuantizer(Codec):
     """
 
     name = "dithered"
-    exchange: ClassVar[str] = "gather"
+    combine: ClassVar[str] = "gather"
 
     def __init__(self, bits: int = 4, bucket_size: int | None = DEFAULT_BUCKET) -> None:
         bits = _check_bits(bits)
@@ -276,7 +276,7 @@ class NestedDitheredQuantizer(Codec):
     """
 
     name = "nested_dithered"
-    exchange: ClassVar[str] = "custom"
+    combine: ClassVar[str] = "custom"
     needs_world_size = True
     counts_outage = True
 

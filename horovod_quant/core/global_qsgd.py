@@ -7,13 +7,13 @@ their codes can be combined without side information:
 * ``levels="linear"`` (Global-L_s): levels j/s; worker values ``v in [-s, s]`` are stored as
   ``v + s`` in fields of ``bits`` bits, ``F = 64 // bits`` per uint64 word. The default
   ``s = floor((2^bits - 1) / (2n))`` leaves the headroom that makes a plain integer SUM of n
-  workers' words exact (``exchange = "sum"``), on the 64-bit words of any allreduce (an int64
+  workers' words exact (``combine = "sum"``), on the 64-bit words of any allreduce (an int64
   two's-complement sum wraps, and the fields guarantee the true sum fits).
 * ``levels="exponential"`` (Global-E_s): levels {0} U {2^-j, j < s}; after the division by
   ``2^c >= 2n`` a value is ``sign * 2^-e`` with ``e = j + c``, sent as ``sign << (bits-1) | e``
   and summed by the stochastic exponent reduction of :mod:`.exp_reduce`
-  (``exchange = "custom"``).
-* ``mode="sparse"``: only the nonzero codes and their positions travel (``exchange = "gather"``).
+  (``combine = "custom"``).
+* ``mode="sparse"``: only the nonzero codes and their positions travel (``combine = "gather"``).
 
 Linear word layout. Words are cut into blocks of ``WORD_BLOCK`` = 1024 words
 (:mod:`horovod_quant.backends.numba.global_qsgd`) (``WORD_BLOCK * F``
@@ -109,7 +109,7 @@ class GlobalQSGD(Codec):
 
     name = "global_qsgd"
     #: of the default configuration; each instance sets its own from ``levels`` and ``mode``
-    exchange = "custom"
+    combine = "custom"
     needs_world_size = True
     #: the mpi4py exponent allreduce (dense exponential levels; it declines the other modes)
     custom_collective = "exponent_allreduce"
@@ -153,7 +153,7 @@ class GlobalQSGD(Codec):
             self.s = most if num_levels is None else check_int(
                 "num_levels", num_levels, 1, most,
                 hint=f"{bits} bits hold at most {most} levels with the sign; raise bits.")
-        self.exchange = ("sum" if linear else "custom") if dense else "gather"
+        self.combine = ("sum" if linear else "custom") if dense else "gather"
         self.head_nbytes = 0 if dense else 4  # sparse: the uint32 count decides the length
         self.wire_dtype = np.dtype(np.uint64) if dense and linear else np.dtype(np.uint8)
         self.norm_op = "max" if norm == "max" else "sum"

@@ -103,7 +103,7 @@ def geometric_grid_omega(d: int, s: int, p: float = 2.0, scale_slack: float = 1.
 class LevelQuantizer(Codec):
     """Shared implementation; subclasses fix the grid and how parameters map to it."""
 
-    exchange: ClassVar[str] = "gather"
+    combine: ClassVar[str] = "gather"
     #: the level grid, as the backends' encode mode (``MODE_UNIFORM``: j/s; ``MODE_GEOMETRIC``:
     #: 0, 2^(1-s), ..., 1/2, 1); a new grid needs its own mode in every backend
     grid: ClassVar[int]

@@ -106,7 +106,7 @@ def custom_collective(codec: Codec, comm: Collectives) -> Any:
     """The runner of the codec's custom collective over ``comm`` (:data:`CUSTOM_COLLECTIVES`),
     or None: the allgather plan then reduces on every rank. Collective: call it at the same
     point on every rank (it may set up a communicator)."""
-    factory = CUSTOM_COLLECTIVES.get(codec.custom_collective if codec.exchange == "custom" else "")
+    factory = CUSTOM_COLLECTIVES.get(codec.custom_collective if codec.combine == "custom" else "")
     return factory(codec, comm) if factory is not None else None
 
 

@@ -232,9 +232,9 @@ def resolve_gather(schedule: str, n: int, codec: Codec | None = None) -> str:
 def plan_kind(codec: Codec, n: int, gather: str = "auto", custom: bool = False) -> str:
     """The plan (module doc) an exchange of ``codec`` between ``n`` ranks runs; ``custom``:
     the runner has the codec's custom collective."""
-    if codec.exchange == "sum":
+    if codec.combine == "sum":
         return "sum"
-    if codec.exchange == "custom":
+    if codec.combine == "custom":
         return "custom" if custom else "allgather"
     return "sra" if resolve_gather(gather, n, codec) == "sra" else "allgather"
 

@@ -21,7 +21,7 @@ def _x(n=5000, seed=0):
 def test_contract(name):
     codec = hq.get_codec(name)
     # fp16/float32 payloads add up under allreduce; bf16 bit patterns travel by gather
-    assert codec.exchange == ("gather" if name == "bf16" else "sum")
+    assert codec.combine == ("gather" if name == "bf16" else "sum")
     x = _x()
     pl = codec.encode(x, seed=3)
     assert pl.size == x.size

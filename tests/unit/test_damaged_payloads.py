@@ -189,7 +189,7 @@ def entry_points(codec, payloads, victim, pd, seed, xs):
         ("combine_payloads", lambda: codec.combine_payloads(bad, seed)),
     ]
     n = len(payloads)
-    if codec.exchange == "sum" or (codec.name == "global_qsgd" and codec.mode == "dense"):
+    if codec.combine == "sum" or (codec.name == "global_qsgd" and codec.mode == "dense"):
         calls.append(("decode_sum", lambda: codec.decode_sum(pd, n)))
     if codec.name == "global_qsgd" and codec.mode == "dense":
         calls.append(("reduce", lambda: codec.decode_sum(codec.reduce(bad, seed), n)))

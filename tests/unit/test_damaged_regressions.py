@@ -73,7 +73,7 @@ def decoders(codec, p):
         # rebuilt from bytes, then decoded (an Elias stream is checked as it is decoded)
         "payload_from_wire": lambda: codec.decode(codec.payload_from_wire(raw, n, **p.meta)),
     }
-    if codec.exchange == "sum" or getattr(codec, "mode", "") == "dense":
+    if codec.combine == "sum" or getattr(codec, "mode", "") == "dense":
         calls["decode_sum"] = lambda: codec.decode_sum(p, 1)
     if codec.name == "nested_dithered":
         calls["payload_from_wire"] = lambda: codec.payload_from_wire(raw, n, **p.meta)
@@ -152,7 +152,7 @@ def test_float_baselines_check_the_size(name, size):
     for call in decoders(codec, with_data(p, p.data, size)).values():
         with pytest.raises(ValueError, match=f"^{name}: "):
             call()
-    if codec.exchange == "sum":
+    if codec.combine == "sum":
         with pytest.raises(ValueError, match=f"^{name}: "):
             codec.decode_sum(with_data(p, p.data, size), 2)
 

@@ -36,7 +36,7 @@ def _codec(name, n):
 @pytest.mark.parametrize("gather", ["allgather", "sra"])
 def test_exchange_matches_reference(name, n, gather):
     codec = _codec(name, n)
-    if codec.exchange != "gather" and gather == "sra":
+    if codec.combine != "gather" and gather == "sra":
         pytest.skip("schedule applies to gather codecs only")
     xs = _inputs(n, 3001)
     results = _distributed(codec, xs, seed=11, gather=gather)

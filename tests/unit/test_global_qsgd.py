@@ -744,7 +744,7 @@ def test_encode_uses_the_given_global_norm():
 def test_mean_estimate_through_registry(levels, mode):
     n = 4
     codec = get_codec("global_qsgd", world_size=n, levels=levels, mode=mode)
-    assert codec.exchange == {"dense": "sum" if levels == "linear" else "custom",
+    assert codec.combine == {"dense": "sum" if levels == "linear" else "custom",
                               "sparse": "gather"}[mode]
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal(3000).astype(np.float32) for _ in range(n)]

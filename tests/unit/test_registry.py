@@ -6,7 +6,7 @@ import math
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.core.base import EXCHANGES, Codec
+from horovod_quant.core.base import COMBINES, Codec
 from horovod_quant.core.registry import register
 
 CORE = ["none", "fp16", "bf16", "qsgd", "nuqsgd", "natural", "natural_dithering",
@@ -30,7 +30,7 @@ def test_available_codecs():
 def test_every_codec_builds_and_round_trips_config(name):
     codec = _build(name)
     assert codec.name == name
-    assert codec.exchange in EXCHANGES
+    assert codec.combine in COMBINES
     cfg = codec.config()
     assert cfg["codec"] == name
     params = {k: v for k, v in cfg.items() if k != "codec"}
@@ -125,7 +125,7 @@ def test_levels_limited_by_bits(name, bits, most):
 def test_register_rejects_a_second_class_under_a_taken_name():
     class Fake(Codec):
         name = "qsgd"
-        exchange = "gather"
+        combine = "gather"
 
         def encode(self, x, seed=0):
             raise NotImplementedError
