@@ -142,6 +142,11 @@ class QuantizationState(CompressorSettings):
             self._exchange = Exchange(self.codec, self._comm, gather=self.gather,
                                       pipeline_elems=self.pipeline_elems)
         grad, index = bucket.buffer(), bucket.index()
+        if grad.is_sparse:
+            future = self._average_sparse(grad)
+            if bucket.is_last():
+                self._finish_step()
+            return future
         name = f"{self._check.prefix}.b{index}"
         with stream_of(grad):
             flat = flat_array(grad)
@@ -153,6 +158,16 @@ class QuantizationState(CompressorSettings):
         if bucket.is_last():
             self._finish_step()
         return job.future
+
+    def _average_sparse(self, grad: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """The exact mean of a sparse gradient (``nn.Embedding(sparse=True)``), as DDP's own
+        reducer computes it: an allreduce of the sparse tensor. The codecs quantize dense
+        vectors; the rows a sparse gradient sends are already few."""
+        nbytes = grad._values().numel() * grad.element_size() + grad._indices().numel() * 8
+        self.stats.add_raw(nbytes)
+        work = dist.all_reduce(grad, group=self.process_group, async_op=True)
+        size = self._comm.size
+        return work.get_future().then(lambda fut: fut.value()[0].div_(size))
 
     def _finish_step(self) -> None:
         """Finish every open exchange in bucket order and complete its future with the
