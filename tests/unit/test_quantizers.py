@@ -470,6 +470,17 @@ def test_input_dtypes(name):
     assert a.data.tobytes() == codec.encode(xbf, seed=3).data.tobytes()
 
 
+
+def test_cpu_torch_tensors_of_every_float_dtype_encode_like_float32():
+    torch = pytest.importorskip("torch")
+    codec = hq.get_codec("qsgd", bits=4)
+    x = torch.from_numpy(gradient_like(3000, 4))
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        xd = x.to(dt)
+        want = codec.encode(xd.float().numpy(), seed=3).data.tobytes()
+        assert codec.encode(xd, seed=3).data.tobytes() == want, dt
+
+
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_layouts_and_bad_dtypes(name):
     codec = hq.get_codec(name)

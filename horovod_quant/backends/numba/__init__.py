@@ -39,6 +39,8 @@ class NumbaBackend(Backend):
 
     # -- arrays ------------------------------------------------------------------------------
     def vector(self, x: Any) -> np.ndarray:
+        if str(getattr(x, "dtype", "")) == "torch.bfloat16":  # NumPy has no bfloat16: widen
+            x = x.detach().float()  # exactly (a bf16 value is the top half of a float32)
         arr = np.asarray(x)
         if arr.dtype.kind not in "fV" and arr.dtype.name != "bfloat16":
             raise TypeError(f"expected a floating-point array, got dtype {arr.dtype}")
