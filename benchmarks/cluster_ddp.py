@@ -42,8 +42,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)  # the sibling benchmark module cluster.py
 
 DEFAULT_CONFIGS = "fp32,fp16,powersgd-1,powersgd-4,qsgd:8,qsgd:4,global_qsgd:8"
 HIDDEN = 2048

@@ -6,6 +6,7 @@ examples:
   python3 benchmarks/codec_throughput.py --sizes 1M --json bench_out/cpu.json --plot bench_out/cpu.png
   python3 benchmarks/codec_throughput.py --from-json bench_out/cpu.json --plot bench_out/cpu.png
   python3 benchmarks/codec_throughput.py --device cuda                      # the CUDA backend
+  python3 benchmarks/codec_throughput.py --device cuda --torch-ref          # + plain PyTorch
 
 Throughput is GB/s of float32 input (4 bytes per element), best of --repeat runs after one
 warm-up call (which also compiles the numba kernels). Columns:
@@ -15,6 +16,8 @@ warm-up call (which also compiles the numba kernels). Columns:
   dec+alloc     codec.decode(payload), allocating the output each time
   combine       gather codecs: --world-size payloads into one mean (what every rank runs
                 after an allgather), GB/s of the float32 the payloads stand for
+  torch enc/dec with --torch-ref, level quantizers: the same quantizer written in plain
+                PyTorch (benchmarks/torch_ref.py) on a torch tensor of the same device
 
 --clock cpu times with the process's CPU time instead of the wall clock: on a machine shared
 with other jobs it leaves out the time the process waits for a core (it still pays for their
@@ -112,6 +115,24 @@ def best_time(fn, repeat: int, sync) -> float:
         sync()
         best = min(best, CLOCK() - t0)
     return best
+
+
+def bench_torch_ref(codec, x, repeat: int, backend) -> tuple[float | None, float | None]:
+    """GB/s of encode and decode of the plain-PyTorch version of a level quantizer
+    (benchmarks/torch_ref.py) on a torch tensor on x's device; (None, None) for other codecs."""
+    import torch
+
+    from torch_ref import torch_reference_decode, torch_reference_encode
+
+    t = torch.from_dlpack(x) if backend.name == "cuda" else torch.from_numpy(x)
+    try:
+        enc = torch_reference_encode(codec, t)
+    except NotImplementedError:
+        return None, None
+    torch_reference_decode(codec, enc)
+    gb = x.size * 4 / 1e9
+    return (gb / best_time(lambda: torch_reference_encode(codec, t), repeat, backend.sync),
+            gb / best_time(lambda: torch_reference_decode(codec, enc), repeat, backend.sync))
 
 
 def bench_one(codec, x, repeat: int, backend, world_size: int, threads: int = 1) -> dict:
@@ -219,6 +240,9 @@ def main(argv=None) -> int:
                     help="cpu: NumPy arrays (numba backend); cuda: CuPy arrays (CUDA backend)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall clock, or process CPU time (for shared machines; cpu device only)")
+    ap.add_argument("--torch-ref", action="store_true",
+                    help="also time the plain-PyTorch version of the level quantizers "
+                         "(benchmarks/torch_ref.py) on the same device")
     ap.add_argument("--threads", type=int, default=1,
                     help="also encode on this many threads at once (cpu device, wall clock): "
                          "the kernels release the GIL")
@@ -268,6 +292,7 @@ def main(argv=None) -> int:
     header = f"{'codec':<20} {'bits':>4} {'elements':>10} {'wire b/el':>9} {'encode':>8} " \
              f"{'decode':>8} {'dec+alloc':>9} {'combine':>8}" \
              + (f" {'enc x' + str(args.threads):>8}" if args.threads > 1 else "") \
+             + (f" {'torch enc':>9} {'torch dec':>9}" if args.torch_ref else "") \
              + "   (GB/s of float32 input; combine: --world-size payloads into one mean)"
     print(header)
     print("-" * len(header))
@@ -292,12 +317,18 @@ def main(argv=None) -> int:
                     print(f"{name:<20} {bits!s:>4} skipped on cuda: {type(exc).__name__}: {exc}")
                     continue
                 r.update({"codec": name, "bits": bits, "elements": n, "params": codec.params})
+                if args.torch_ref:
+                    r["torch_ref_encode_gbps"], r["torch_ref_decode_gbps"] = bench_torch_ref(
+                        codec, x, args.repeat, backend)
                 results.append(r)
                 combine = "-" if r["combine_gbps"] is None else f"{r['combine_gbps']:.2f}"
                 print(f"{name:<20} {bits if bits else '-':>4} {n:>10} "
                       f"{r['bits_per_element']:>9.3f} {r['encode_gbps']:>8.2f} "
                       f"{r['decode_gbps']:>8.2f} {r['decode_alloc_gbps']:>9.2f} {combine:>8}"
-                      + (f" {r['encode_threads_gbps']:>8.2f}" if args.threads > 1 else ""),
+                      + (f" {r['encode_threads_gbps']:>8.2f}" if args.threads > 1 else "")
+                      + ("".join(f" {'-' if v is None else f'{v:.2f}':>9}" for v in
+                                 (r["torch_ref_encode_gbps"], r["torch_ref_decode_gbps"]))
+                         if args.torch_ref else ""),
                       flush=True)
         del x
     if args.json:

@@ -83,10 +83,3 @@ def torch_reference_decode(codec: Any, enc: dict[str, Any], out: Any = None) -> 
     out.copy_(res)
     return out
 
-
-def reference_bytes_moved(codec: Any, n: int) -> dict[str, int]:
-    """Minimum DRAM bytes of an encode / decode of n elements (float32 in, packed payload out),
-    the numerator of the bandwidth figure in docs/gpu.md."""
-    payload = codec.payload_nbytes(n)
-    return {"encode": 4 * n + payload, "decode": payload + 4 * n,
-            "payload": payload}

@@ -45,6 +45,7 @@ import numpy as np
 
 import horovod_quant as hq
 from horovod_quant.core import get_codec
+from horovod_quant.core.registry import codec_class
 
 INF = float("inf")
 P_VALUES = (1.0, 2.0, INF)
@@ -511,7 +512,7 @@ def part_summary(args) -> dict:
         row = {"label": label, "codec": name, "params": params}
         for n in (2, 4):
             p = dict(params)
-            if name in ("global_qsgd", "nested_dithered"):
+            if codec_class(name).needs_world_size:
                 p["world_size"] = n
             try:
                 codec = get_codec(name, **p)
@@ -536,7 +537,7 @@ def part_summary(args) -> dict:
                 n1 = codec.n1
                 mean_bits = (n1 * codec.bits + (n - n1) * st.get("bits_p2", codec.bits)) / n
                 row[f"wire_bits_mean_{n}"] = mean_bits + 32 / (codec.bucket_size or d)
-        if name not in ("global_qsgd", "nested_dithered"):
+        if not codec_class(name).needs_world_size:
             codec = get_codec(name, **params)
             w = [omega_hat(codec, g[0], seed=43 * i) for i, g in enumerate(cache[1])]
             row["omega_1"] = box(w)

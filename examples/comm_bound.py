@@ -29,7 +29,7 @@ import time
 import horovod.torch as hvd
 import torch
 
-import horovod_quant.torch as hq  # horovod_quant: the PyTorch adapter
+import horovod_quant.torch as hq  # horovod_quant: the PyTorch door
 from horovod_quant.stats import progress_bar
 
 

@@ -23,7 +23,7 @@ import horovod.torch as hvd
 import torch
 from sklearn.datasets import load_digits
 
-import horovod_quant.torch as hq  # horovod_quant: the PyTorch adapter
+import horovod_quant.torch as hq  # horovod_quant: the PyTorch door
 from horovod_quant.stats import progress_bar
 
 DEFAULT_CODECS = ("none fp16 qsgd:8 qsgd:4 nuqsgd:8 nuqsgd:4 natural:8 natural:4 "

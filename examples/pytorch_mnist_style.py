@@ -23,7 +23,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
 
-import horovod_quant.torch as hq  # horovod_quant: the PyTorch adapter
+import horovod_quant.torch as hq  # horovod_quant: the PyTorch door
 
 
 class Net(nn.Module):

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 from sklearn.datasets import load_digits
 
-import horovod_quant.tensorflow as hq  # horovod_quant: the TensorFlow adapter
+import horovod_quant.tensorflow as hq  # horovod_quant: the TensorFlow door
 
 
 def build_compression(spec: str):

@@ -205,7 +205,7 @@ class CompressionNamespace:
     ``hvd.Compression`` (whose members are used without a call).
 
     Args:
-        compressor_cls: the adapter's compressor class, built as
+        compressor_cls: the door's compressor class, built as
             ``compressor_cls(codec, seed=, gather=, policy=, process_set=)``.
         global_process_set: the framework's ``hvd.global_process_set`` (fills ``world_size``).
         framework: named in the generated docstrings.

@@ -11,7 +11,7 @@ entry points of :class:`Backend` on the backend of its arrays, ``be = backend_of
   suite's host build of the same block programs, ``tests/cuda_parity``, on the CPU).
 
 Both produce the same payload bytes and decoded bit patterns for the same seed. Imports run one
-way: backends <- codecs (``core``) <- exchanges (``comm``) <- framework doors; nothing here
+way: backends <- codecs (``core``) <- exchanges (``exchange``) <- framework doors; nothing here
 imports a codec or knows a codec's name. What a kernel needs to know about a codec arrives as a
 parameter: an encode ``mode`` (which code the element gets), a norm kind, a level table.
 

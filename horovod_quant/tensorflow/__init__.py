@@ -1,4 +1,4 @@
-"""TensorFlow adapter: ``Compression.<codec>(...)`` for ``hvd.DistributedGradientTape`` and the
+"""TensorFlow door: ``Compression.<codec>(...)`` for ``hvd.DistributedGradientTape`` and the
 Keras ``hvd.DistributedOptimizer`` (horovod.tensorflow.keras), eager and inside ``tf.function``.
 
     import horovod.tensorflow as hvd

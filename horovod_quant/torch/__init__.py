@@ -1,4 +1,4 @@
-"""PyTorch adapter: ``Compression.<codec>(...)`` for ``hvd.DistributedOptimizer`` and a drop-in
+"""PyTorch door: ``Compression.<codec>(...)`` for ``hvd.DistributedOptimizer`` and a drop-in
 ``DistributedOptimizer`` with fusion, grouped norms and a per-layer policy.
 
     import horovod.torch as hvd

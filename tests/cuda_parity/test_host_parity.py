@@ -625,10 +625,15 @@ def test_device_arrays_pick_the_cuda_backend(host_cuda, monkeypatch):
                   hq.get_codec("dithered", bits=3),
                   hq.get_codec("global_qsgd", world_size=2, bits=8)):
         ref = codec.encode(x, seed=3)
+        calls.clear()
         got = codec.encode(FakeDeviceArray(x), seed=3)
+        assert calls, f"{codec.name}: encode of a device array did not ask for the CUDA backend"
         assert same(got.data, ref.data), codec.name
         dev = hq.Payload(FakeDeviceArray(got.data), got.size, dict(got.meta))
-        assert same(codec.decode(dev), codec.decode(ref)), codec.name
+        calls.clear()
+        got_mean = codec.decode(dev)
+        assert calls, f"{codec.name}: decode of a device payload did not ask for the CUDA backend"
+        assert same(got_mean, codec.decode(ref)), codec.name
     codec = hq.get_codec("qsgd", bits=4, norm="l2")
     ref = [codec.encode(gen("normal", 100, r), worker_seed(1, r)) for r in range(3)]
     dev = [hq.Payload(FakeDeviceArray(p.data), p.size, dict(p.meta)) for p in ref]

@@ -15,6 +15,7 @@ import pytest
 
 import horovod_quant as hq
 from horovod_quant.exchange import Exchange, HostStaged
+from horovod_quant.core.registry import codec_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
 from threaded_comm import run_ranks  # noqa: E402
@@ -25,7 +26,7 @@ CODECS = [c for c in hq.available_codecs() if c != "none"]
 
 
 def _codec(name: str, n: int):
-    params = {"world_size": n} if name in ("global_qsgd", "nested_dithered") else {}
+    params = {"world_size": n} if codec_class(name).needs_world_size else {}
     return hq.get_codec(name, **params)
 
 

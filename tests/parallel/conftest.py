@@ -6,6 +6,8 @@ import os
 import numpy as np
 import pytest
 
+from horovod_quant.core.registry import codec_class
+
 hvd = pytest.importorskip("horovod.torch")
 torch = pytest.importorskip("torch")
 
@@ -37,7 +39,7 @@ class Linear(torch.nn.Module):
 
 def codec_params(name):
     """Parameters that make every codec valid in this world."""
-    if name in ("global_qsgd", "nested_dithered"):
+    if codec_class(name).needs_world_size:
         return {"world_size": hvd.size()}
     return {}
 

@@ -7,6 +7,8 @@ import socket
 import numpy as np
 import pytest
 
+from horovod_quant.core.registry import codec_class
+
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
@@ -34,7 +36,7 @@ def several_ranks(process_group):
 
 def codec_params(name):
     """Parameters that make every codec valid in this world."""
-    if name in ("global_qsgd", "nested_dithered"):
+    if codec_class(name).needs_world_size:
         return {"world_size": dist.get_world_size()}
     return {}
 

@@ -19,6 +19,7 @@ hvd = pytest.importorskip("horovod.tensorflow")
 
 import horovod_quant as hq
 from horovod_quant.core.rng import derive_key
+from horovod_quant.core.registry import codec_class
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,7 +43,7 @@ def linear_loss(variables, grads):
 
 def codec_params(name):
     """Parameters that make every codec valid in this world."""
-    if name in ("global_qsgd", "nested_dithered"):
+    if codec_class(name).needs_world_size:
         return {"world_size": hvd.size()}
     return {}
 

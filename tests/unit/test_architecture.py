@@ -27,10 +27,13 @@ PACKAGE = "horovod_quant"
 #: later one. The first prefix that matches a module decides its layer (the most specific
 #: prefixes first); modules no prefix matches are unconstrained.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("environment", ("horovod_quant.env",)),
     ("backends", ("horovod_quant.backends",)),
     ("codecs", ("horovod_quant.core",)),
+    ("gpu helpers", ("horovod_quant.gpu",)),
     ("exchange", ("horovod_quant.exchange",)),
-    ("doors", ("horovod_quant.doors", "horovod_quant.torch", "horovod_quant.tensorflow")),
+    ("doors", ("horovod_quant.doors", "horovod_quant.policy", "horovod_quant.stats",
+               "horovod_quant.torch", "horovod_quant.tensorflow")),
 ]
 
 #: Modules that may name codecs besides the modules that define them: the registry and the

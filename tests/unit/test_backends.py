@@ -1,7 +1,5 @@
-"""The backend interface: which backend an array gets, the import direction, and missing
-kernels as errors (the bytes themselves: tests/cuda_parity, tests/gpu)."""
-import ast
-import pathlib
+"""The backend interface: which backend an array gets, and missing kernels as errors (the
+bytes themselves: tests/cuda_parity, tests/gpu; the import direction: test_architecture.py)."""
 import subprocess
 import sys
 
@@ -12,8 +10,6 @@ import horovod_quant as hq
 from horovod_quant import backends as B
 from horovod_quant.backends.cuda import CudaBackend
 from horovod_quant.backends.numba import NumbaBackend
-
-PKG = pathlib.Path(hq.__file__).parent
 
 
 class _Launcher:
@@ -64,18 +60,3 @@ def test_unknown_mode_is_rejected(backend):
     with pytest.raises(ValueError, match="unknown mode 9"):
         backend.encode(x, np.zeros(64, np.uint8), 0, 10, 9, 4, (1, 2))
 
-
-def test_backends_import_no_codec():
-    """Imports run one way: backends <- codecs (core) <- comm <- doors."""
-    for path in (PKG / "backends").rglob("*.py"):
-        package = list(path.relative_to(PKG.parent).parts[:-1])  # what "." refers to
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                base = package[: len(package) - node.level + 1] if node.level else []
-                mod = ".".join(base + ([node.module] if node.module else []))
-            elif isinstance(node, ast.Import):
-                mod = ",".join(alias.name for alias in node.names)
-            else:
-                continue
-            assert "horovod_quant.core" not in mod and "horovod_quant.exchange" not in mod, \
-                (path, mod)

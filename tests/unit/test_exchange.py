@@ -6,6 +6,7 @@ import horovod_quant as hq
 from horovod_quant.exchange import Exchange, LocalCollectives
 from horovod_quant.exchange.plans import pipeline_seed
 from horovod_quant.exchange.wire import frame, unframe
+from horovod_quant.core.registry import codec_class
 from horovod_quant.core.payload import Payload
 
 from threaded_comm import run_ranks
@@ -27,7 +28,7 @@ def _distributed(codec, xs, seed, gather):
 
 
 def _codec(name, n):
-    params = {"world_size": n} if name in ("global_qsgd", "nested_dithered") else {}
+    params = {"world_size": n} if codec_class(name).needs_world_size else {}
     return hq.get_codec(name, **params)
 
 

@@ -81,7 +81,7 @@ def test_objects_from_peers_are_json_never_pickle():
 
 def test_exchange_tags_catch_other_tensors_on_every_rank():
     """Rank 1 sends a tensor of another length under the same name: every rank raises before
-    anything is combined (gather and sra schedules, and the norm of Global-QSGD)."""
+    anything is combined (allgather and sra plans, and the norm of Global-QSGD)."""
     for name, params in [("qsgd", {}), ("natural", {}), ("global_qsgd", {"world_size": 3}),
                          ("global_qsgd", {"world_size": 3, "levels": "linear"})]:
         for gather in ("allgather", "sra"):
