@@ -40,25 +40,29 @@ class Net(torch.nn.Module):
 
 
 class Recorder:
-    """Wraps the hook: keeps each bucket's input and seed, and its future, of the last step."""
+    """Wraps the hook: keeps each bucket's input (on the host) and seed, and its future, of the
+    last step; ``group``: the process group the ranks compare over (None: the default)."""
 
-    def __init__(self, state):
-        self.state = state
+    def __init__(self, state, group=None):
+        self.state, self.group = state, group
         self.calls = []
 
     def hook(self, state, bucket):
-        inp = bucket.buffer().detach().clone()
+        inp = bucket.buffer().detach().cpu().clone()
         seed = state.seed_of(state.step, bucket.index())
         fut = ddp.quantization_hook(state, bucket)
         self.calls.append((bucket.index(), inp, seed, fut))
         return fut
 
     def check(self, codec):
-        """Every recorded bucket's result equals mean_estimate over the ranks' inputs."""
+        """Every recorded bucket's result equals mean_estimate over the ranks' inputs; returns
+        the results (on the buckets' device)."""
         assert self.calls, "the hook never ran"
+        results = []
         for index, inp, seed, fut in self.calls:
-            got = fut.wait()
-            rows = [r.numpy() for r in gather_rows(inp)]
+            results.append(fut.wait())
+            got = results[-1].cpu()
+            rows = [r.numpy() for r in gather_rows(inp, self.group)]
             want, _ = hq.mean_estimate(codec, rows, seed, gather=self.state.gather,
                                        pipeline_elems=self.state.pipeline_elems)
             if codec.horovod_allreduce is None or len(rows) <= 2:
@@ -68,8 +72,9 @@ class Recorder:
                                          else np.float32).eps)
                 assert np.allclose(got.numpy(), want, rtol=eps,
                                    atol=eps * float(np.abs(want).max())), (codec, index)
-            assert same_everywhere(got)
+            assert same_everywhere(got, self.group)
         self.calls = []
+        return results
 
 
 def _model(bucket_cap_mb=0.25, **kw):

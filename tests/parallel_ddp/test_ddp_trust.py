@@ -12,7 +12,7 @@ from horovod_quant.exchange import Exchange
 from horovod_quant.torch import ddp
 from horovod_quant.torch.distributed import PointToPoint, ProcessGroupCollectives
 
-from conftest import codec_params, gather_rows, same_everywhere
+from conftest import codec_params, same_everywhere
 from test_ddp_exact import Net, Recorder, _batch, _model
 
 MULTI = pytest.mark.usefixtures("several_ranks")
@@ -127,20 +127,10 @@ def test_custom_process_groups(name):
     state = ddp.QuantizationState(hqt.Compression.__getattr__(name)(), process_group=group)
     assert state.codec.params.get("world_size", dist.get_world_size(group)) == \
         dist.get_world_size(group)
-    calls = []
-
-    def hook(state, bucket):
-        calls.append((bucket.buffer().clone(), state.seed_of(state.step, bucket.index()),
-                      ddp.quantization_hook(state, bucket)))
-        return calls[-1][2]
-
-    model.register_comm_hook(state, hook)
+    rec = Recorder(state, group)
+    model.register_comm_hook(state, rec.hook)
     _backward(model)
-    for inp, seed, fut in calls:
-        rows = [r.numpy() for r in gather_rows(inp, group)]
-        want, _ = hq.mean_estimate(state.codec, rows, seed, pipeline_elems=state.pipeline_elems)
-        assert np.array_equal(fut.wait().numpy(), want)
-        assert same_everywhere(fut.wait(), group)
+    rec.check(state.codec)
 
 
 def test_allgather_of_unequal_and_changing_lengths():
