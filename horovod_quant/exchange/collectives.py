@@ -1,7 +1,8 @@
 """The collectives an exchange needs, on NumPy arrays, independent of the framework.
 
-Adapters implement :class:`Collectives` over their Horovod module (``horovod.torch``,
-``horovod.tensorflow``); tests and the single-process path use :class:`LocalCollectives`.
+The framework doors implement :class:`Collectives` over Horovod (``horovod.torch``,
+``horovod.tensorflow``) or a torch.distributed process group (the DDP door); tests use
+:class:`LocalCollectives` and threaded ranks.
 Every call names its collective, because Horovod matches operations across ranks by name.
 """
 from __future__ import annotations

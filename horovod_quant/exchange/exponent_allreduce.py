@@ -5,14 +5,16 @@ values combine into one unbiased C_nat rounding of their sum (Global-QSGD, Appen
 module runs exactly the schedule of :func:`horovod_quant.core.exp_reduce.schedule` between
 real ranks: per round every rank posts its sends (its current bytes of the ranges its partners
 combine) and receives, waits, then combines what it received into its own bytes with
-:func:`~horovod_quant.core.exp_reduce.exp_combine` and the round's key. "tree" folds the ranks
+:func:`horovod_quant.gpu.exp_combine` (the kernel of the buffers' backend) and the round's key. "tree" folds the ranks
 beyond the largest power of two, reduce-scatters by recursive halving (ceil(log2 n) roundings
 per element at ring-like bandwidth); "ring" is the n - 1 round alternative. The owned ranges
 are then allgathered (``Allgatherv``, bytes copied), so every rank holds the same codes, equal
 to the single-process :func:`~horovod_quant.core.exp_reduce.reduce_packed`.
 
-The communicator is a duplicate of ``MPI.COMM_WORLD`` (so nothing collides with Horovod's own
-traffic). It is used only when Horovod itself runs on MPI with ``MPI_THREAD_MULTIPLE`` (the
+Under the Horovod doors the communicator is a duplicate of ``MPI.COMM_WORLD`` (so nothing
+collides with Horovod's own traffic); the DDP door passes an object with mpi4py's method names
+over its process group's ``isend``/``irecv`` (:class:`horovod_quant.torch.distributed.
+PointToPoint`). The Horovod doors use MPI only when Horovod itself runs on MPI with ``MPI_THREAD_MULTIPLE`` (the
 reduction runs on a worker thread to overlap with backward, beside Horovod's background
 thread); otherwise, e.g. under gloo, the runners (``Exchange``, the TensorFlow compressor) fall
 back to the allgather plan: the payloads gathered and reduced locally with the same schedule
@@ -31,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from .. import gpu
-from ..backends.numba.global_qsgd import exp_combine
 from ..backends.numba.packing import PACK_BLOCK
 from ..env import env_flag
 from ..core.base import array_module
@@ -86,10 +87,9 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
         reduction: "tree" or "ring".
     """
     xp = array_module(data)
-    if xp is np:
-        combine, settle = exp_combine, (lambda: None)
-    else:  # MPI reads device buffers directly: the kernels before a send must have finished
-        combine, settle = gpu.exp_combine, xp.cuda.get_current_stream().synchronize
+    combine = gpu.exp_combine  # the kernel of the buffers' backend
+    # MPI reads device buffers directly: the kernels before a send must have finished
+    settle = (lambda: None) if xp is np else xp.cuda.get_current_stream().synchronize
     rank, n = comm.Get_rank(), comm.Get_size()
     work = xp.array(data, dtype=np.uint8, copy=True)
     rounds, owners = schedule(n, -(-size // PACK_BLOCK), reduction)

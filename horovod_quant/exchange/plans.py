@@ -121,12 +121,18 @@ def norm_plan(codec: Codec, xs: Sequence[Any], tag: wire.Tag = wire.NO_TAG,
     return wire.norm_from_gathered(codec, gathered, label)
 
 
+def _sum_dtype(codec: Codec) -> np.dtype:
+    """The dtype a sum codec's words are allreduced as: uint64 words as int64 (collectives have
+    no uint64 sum; two's complement wraps the same), others as they are."""
+    dt = np.dtype(codec.wire_dtype)
+    return np.dtype(np.int64) if dt == np.uint64 else dt
+
+
 def sum_plan(p: Piece) -> Plan:
     codec = p.codec
     payload = codec.encode_worker(as_vector(p.x), p.seed, p.rank, p.norm)
     words = payload.data.reshape(-1)
-    total = yield Allreduce(words.view(np.int64) if words.dtype == np.uint64 else words,
-                            payload_bytes=payload.nbytes)
+    total = yield Allreduce(words.view(_sum_dtype(codec)), payload_bytes=payload.nbytes)
     total = array_module(total).ascontiguousarray(total).reshape(-1).view(codec.wire_dtype)
     return codec.decode_sum(Payload(total, p.x.size, dict(payload.meta)), p.n, p.out)
 
@@ -188,8 +194,7 @@ def signature(kind: str, codec: Codec) -> list[tuple[type, np.dtype | None]]:
     if kind == "norm":
         return [(Allgather, np.dtype(np.float64))]
     if kind == "sum":
-        dt = np.dtype(codec.wire_dtype)
-        return [(Allreduce, np.dtype(np.int64) if dt == np.uint64 else dt)]
+        return [(Allreduce, _sum_dtype(codec))]
     if kind == "allgather":
         outage = [(Allreduce, np.dtype(np.int64))] if codec.counts_outage else []
         return [(Allgather, np.dtype(np.uint8))] + outage

@@ -40,7 +40,6 @@ import torch.distributed as dist
 
 from ..doors import CodecRequest, CompressorSettings, ConfigCheck
 from ..exchange.driver import Exchange, Pending
-from ..exchange.wire import exchange_tag
 from ..core.base import Codec
 from ..core.rng import derive_key
 from ..exchange.plans import DEFAULT_PIPELINE_ELEMS, check_pipeline_elems
@@ -151,8 +150,7 @@ class QuantizationState(CompressorSettings):
         with stream_of(grad):
             flat = flat_array(grad)
             pending = self._exchange.start(flat, self.seed_of(self.step, index), name,
-                                           out=self._mean_buffer(index, flat),
-                                           tag=exchange_tag(name, (grad.numel(),)))
+                                           out=self._mean_buffer(index, flat))
         job = _BucketJob(grad, pending)
         self._open.append(job)
         if bucket.is_last():

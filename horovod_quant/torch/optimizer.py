@@ -306,8 +306,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         name = f"{self._prefix}.b{bucket.index}"  # the same every step: Horovod caches it
         with stream_of(bucket.params[0]):
             bucket.pending = self._exchange_of(bucket).start(
-                self._flat(bucket), seed, name, norm=norm, out=bucket.mean,
-                tag=exchange_tag(name, (bucket.numel,)))
+                self._flat(bucket), seed, name, norm=norm, out=bucket.mean)
 
     def _start_waiting_buckets(self) -> None:
         """Start, in bucket order, the buckets whose exchanges wait for peers (one global norm
