@@ -4,7 +4,7 @@
 //   hq_linear_encode   summable uint64 words (global_qsgd.encode_linear), one thread per word
 //   hq_linear_decode   (field - offset) * scale, optional accumulate (decode_linear)
 //   hq_exp_combine     Algorithm 2 on two packed exponent-code ranges, one block per packing
-//                      block, randomness drawn in the kernel (exp_reduce.exp_combine)
+//                      block, randomness drawn in the kernel (global_qsgd.exp_combine)
 //   hq_max_abs_bits    max |x| bit pattern (atomicMax; _max_abs, NaN when >= 0x7F800000)
 //   hq_decode_sparse   out[pos] += table[code] * scale for each entry of a sparse payload
 //   hq_sum_squares     sum x^2 in 8 float64 lanes combined in lane order (_sum_squares); the

@@ -3,7 +3,8 @@
 // Mirrors, bit for bit:
 //   backends/numba/global_qsgd.py  encode_linear / decode_linear (summable uint64 words, WORD_BLOCK),
 //                        _max_abs, _sum_squares (the norm statistics)
-//   core/exp_reduce.py   _combine_lanes, _up_exact, exp_combine (Algorithm 2 on packed codes)
+//   backends/numba/global_qsgd.py  _combine_lanes, _up_exact, exp_combine (Algorithm 2 on
+//                        packed codes)
 #ifndef HQ_GLOBAL_CUH
 #define HQ_GLOBAL_CUH
 
@@ -58,7 +59,7 @@ HQ_HD float hq_linear_value(const hq_u64* words, hq_i64 n, int bits, hq_i32 offs
 }
 
 // ------------------------------------------------------------------------------------------
-// exponent combination (exp_reduce.py)
+// exponent combination (backends/numba/global_qsgd.py)
 // ------------------------------------------------------------------------------------------
 #define HQ_ZERO_KEY (1 << 20)
 #define HQ_EXT0 0x632BE5ABu

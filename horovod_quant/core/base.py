@@ -34,7 +34,7 @@ def array_module(x: Any) -> Any:
 def worker_seed(seed: int, rank: int) -> int:
     """The seed worker ``rank`` encodes with when the exchange's seed is ``seed``.
 
-    Adapters derive ``seed`` itself from (user seed, step, tensor); every rank can compute
+    The framework doors derive ``seed`` itself from (user seed, step, tensor); every rank can compute
     every other rank's seed, which DQSG/NDQSG receivers need to regenerate dithers.
     """
     return derive_key(seed, 0x7A4B, rank)

@@ -20,7 +20,7 @@ Linear word layout. Words are cut into blocks of ``WORD_BLOCK`` = 1024 words
 elements, the last block may be shorter). In a block of m elements with ``L = ceil(m / F)``
 words, word j holds elements ``j, j + L, ..., j + (F - 1) L`` of the block in fields 0..F-1
 (field f at bits ``f * bits``), so d elements take exactly ``ceil(d / F)`` words and the
-kernels read and write contiguous runs (the segment-strided layout of :mod:`.packing`).
+kernels read and write contiguous runs (the segment-strided layout of :mod:`horovod_quant.backends.numba.packing`).
 
 Rounding draws come from the element's counter-based hash (:mod:`.rng`). Given the float32
 ratio |x| s / norm (or |x| / norm) they are exact between two nonzero levels; between zero and

@@ -230,7 +230,7 @@ class QSGD(LevelQuantizer):
         bucket_size: elements per bucket (one float32 scale each); None = whole tensor.
         norm: "max" (QSGDinf, default) or "l2" (Lemma 3.1).
         levels: s, to use fewer levels than ``bits`` can hold.
-        elias: send the codes Elias-coded (Section 3.2, :mod:`.elias`): payload
+        elias: send the codes Elias-coded (Section 3.2, :mod:`horovod_quant.backends.numba.elias`): payload
             ``[float32 scale per bucket][Elias bit stream]`` of data-dependent length, smaller
             than ``bits`` bits per element in the sparse regime (small s, large buckets).
     """

@@ -12,6 +12,7 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from ..protocol import SPARSE_BAD_POSITIONS, SPARSE_OK, SPARSE_SHORT
+from .levels import _sumsq_lanes
 from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
 from .rng import block_key, hash32_lo, u24_float
 
@@ -29,14 +30,12 @@ _TINY_BOOST = np.float32(2.0 ** 64)
 # -- norm ------------------------------------------------------------------------------------
 @numba.njit(cache=True, nogil=True)
 def _sum_squares(x):
-    """sum x^2 in float64, in 8 interleaved lanes combined in lane order (fixed order)."""
+    """sum x^2 in float64, in 8 interleaved lanes combined in lane order (fixed order); the
+    lanes as vector operations (:func:`.levels._sumsq_lanes`, the bucket norms' loop)."""
     n = x.size
     n8 = n // _LANES * _LANES
     lanes = np.zeros(_LANES, np.float64)
-    for i in range(0, n8, _LANES):
-        for j in range(_LANES):
-            v = np.float64(x[i + j])
-            lanes[j] += v * v
+    _sumsq_lanes(x, 0, n8, lanes)
     for i in range(n8, n):
         v = np.float64(x[i])
         lanes[i - n8] += v * v
