@@ -51,11 +51,13 @@ ROOT = os.path.dirname(HERE)
 PREFIX = "hqcl"
 #: what the overlap probe posts (config id prefix -> transport; cluster_workloads.py)
 OVERLAP_TRANSPORTS = {"": "Horovod's fp32 allreduce",
-                      "torch-": "4 concurrent torch.distributed gloo all_gathers of uint8"}
+                      "torch-": "4 concurrent torch.distributed gloo all_gathers of uint8",
+                      "p2p-": "the package's transport='gloo' allgather of uint8 (point-to-point)"}
 #: the transports of the probe (benchmarks/cluster_workloads.transports; mpi4py under MPI only)
 TRANSPORTS = ("hvd_allgather", "hvd_allgather_concurrent", "hvd_grouped_allgather",
               "hvd_alltoall", "hvd_allreduce_int32", "hvd_allreduce_fp32_same_bytes",
-              "torch_dist_all_gather", "torch_dist_all_gather_concurrent", "mpi4py_iallgather")
+              "torch_dist_all_gather", "torch_dist_all_gather_concurrent", "hq_gloo_p2p",
+              "hq_gloo_p2p_concurrent", "hq_gloo_p2p_allreduce_int32", "mpi4py_iallgather")
 MB = 1 << 20
 
 CODECS = ("qsgd", "nuqsgd", "natural", "natural_dithering", "standard_dithering",
@@ -347,7 +349,7 @@ def build_plan(args, first_rate: bool, rendezvous: str) -> list[dict]:
             items.append({"kind": "exchange", "id": f"x-{size:g}MB", "size_mb": size,
                           "configs": [config(s) for s in args.exchange_specs], "warmup": 1,
                           "repeats": args.repeats_large if size >= 128 else args.repeats,
-                          "pipeline_elems": args.pipeline_elems})
+                          "pipeline_elems": args.pipeline_elems, "transport": args.transport})
     if not args.no_training:
         models = args.models if first_rate else args.models_other_rates
         for model in models:
@@ -355,7 +357,8 @@ def build_plan(args, first_rate: bool, rendezvous: str) -> list[dict]:
                 items.append({"kind": "train", "id": f"t-{model}-{spec}", "model": model,
                               "config": config(spec), "batch": args.batch[model],
                               "warmup": args.warmup_steps, "steps": args.steps,
-                              "pipeline_elems": args.pipeline_elems})
+                              "pipeline_elems": args.pipeline_elems,
+                              "transport": args.transport})
     return items
 
 
@@ -568,7 +571,8 @@ def render_markdown(data: dict, prefix: str) -> str:
              "cores kept busy by anything but the two ranks while that row ran (other jobs, "
              "kernel threads; from /proc/stat minus the ranks' own CPU time), out of "
              f"{data['machine']['cpus']}.\n")
-    L.append(f"Horovod controller and CPU collectives: **{data.get('controller', 'mpi')}**.\n")
+    L.append(f"Horovod controller and CPU collectives: **{data.get('controller', 'mpi')}**; "
+             f"the codecs' transport: **{data.get('transport', 'horovod')}**.\n")
     L.append("## Links\n")
     L.append("| link | tc | delay | TCP a->b measured | TCP RTT |")
     L.append("|---|---|---|---|---|")
@@ -920,6 +924,9 @@ def parse_args(argv=None):
     ap.add_argument("--pipeline-elems", type=int, default=DEFAULT_PIPELINE_ELEMS,
                     help="piece length of the codecs' pipelined exchanges in elements "
                          f"(default {DEFAULT_PIPELINE_ELEMS}, as Exchange); 0: whole vectors")
+    ap.add_argument("--transport", choices=("auto", "gloo", "horovod"), default="auto",
+                    help="what carries the codecs' payloads (DistributedOptimizer's transport=; "
+                         "default auto: a gloo group beside Horovod for CPU gradients)")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "cluster"),
                     help="output prefix (PREFIX.json, .md, _*.png)")
     args = ap.parse_args(argv)
@@ -1014,7 +1021,8 @@ def main(argv=None) -> int:
     data = {"command": "python3 benchmarks/cluster.py " + " ".join(
                 shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": machine_info(), "controller": args.controller, "links": [],
+            "machine": machine_info(), "controller": args.controller,
+            "transport": args.transport, "links": [],
             "notes": []}
     bar = tqdm(total=sum(ticks(it) for p in plans for it in p), unit="step",
                dynamic_ncols=True, mininterval=1.0)

@@ -37,7 +37,7 @@ import torch
 
 from horovod_quant.core.registry import codec_class, get_codec
 from horovod_quant.exchange import Exchange
-from horovod_quant.torch.collectives import HorovodTorchCollectives
+from horovod_quant.torch.transport import collectives_for
 
 MB = 1 << 20
 
@@ -126,7 +126,7 @@ def run_exchange(item: dict, emit) -> None:
     """All configurations of one size, interleaved: round r runs every configuration once, so
     load changes on a shared machine hit every configuration alike."""
     n = int(item["size_mb"] * MB) // 4
-    comm = HorovodTorchCollectives()
+    comm = collectives_for(transport=item.get("transport", "horovod"))
     x = gradient(n)
     state = {}
     for cfg in item["configs"]:
@@ -148,7 +148,8 @@ def run_exchange(item: dict, emit) -> None:
                     st["buf"][:] = x
                 barrier()
                 t = time.perf_counter()
-                pending = st["ex"].start(x, seed=r, name=f"hqcl.x.{cfg['id']}.{r}",
+                # one name per configuration, as the optimizer names a bucket every step
+                pending = st["ex"].start(x, seed=r, name=f"hqcl.x.{cfg['id']}",
                                          out=st["buf"])
                 out = pending.wait()
                 wall = time.perf_counter() - t
@@ -230,7 +231,8 @@ def run_train(item: dict) -> dict:
     else:
         opt = hq.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                       compression=build_codec(cfg),
-                                      pipeline_elems=item.get("pipeline_elems"))
+                                      pipeline_elems=item.get("pipeline_elems"),
+                                      transport=item.get("transport", "horovod"))
         horovod_path = False
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     batch = item["batch"]
@@ -296,10 +298,12 @@ def foreign_load(before, after) -> float:
 
 
 OVERLAP_MODES = ("idle", "sleep", "compute")
-#: what the overlap probe posts: Horovod's fp32 allreduce (config ids ``idle`` ...), and four
+#: what the overlap probe posts: Horovod's fp32 allreduce (config ids ``idle`` ...), four
 #: concurrent torch.distributed gloo all_gathers of a uint8 payload of the same size on a group
-#: beside Horovod (``torch-idle`` ...)
-OVERLAP_TRANSPORTS = {"": "hvd_allreduce", "torch-": "torch_dist_all_gather_concurrent"}
+#: beside Horovod (``torch-idle`` ...), and the package's transport="gloo" allgather of it
+#: (``p2p-idle`` ...)
+OVERLAP_TRANSPORTS = {"": "hvd_allreduce", "torch-": "torch_dist_all_gather_concurrent",
+                      "p2p-": "hq_gloo_p2p"}
 
 
 def _post(transport: str, buf: torch.Tensor, payload: torch.Tensor, name: str, item: dict):
@@ -307,6 +311,9 @@ def _post(transport: str, buf: torch.Tensor, payload: torch.Tensor, name: str, i
     if transport == "hvd_allreduce":
         handle = hvd.allreduce_async_(buf, name=name, op=hvd.Average)
         return lambda: hvd.synchronize(handle)
+    if transport == "hq_gloo_p2p":  # one name: its bound is known from the warm-up round on
+        handle = _peers().allgather_async(payload.numpy(), "hqcl.o.p2p")
+        return handle.wait
     dist = _torch_group(item)
     works = []
     for piece in torch.chunk(payload, TRANSPORT_PIECES):
@@ -358,17 +365,19 @@ TRANSPORT_PIECES = 4
 
 
 def _torch_group(item: dict):
-    """A torch.distributed gloo group beside Horovod, on this rank's veth (the only interface
-    of the namespace besides lo), rendezvous at rank 0's address from the plan."""
+    """A torch.distributed gloo group beside Horovod, on this rank's veth (``main`` names it in
+    GLOO_SOCKET_IFNAME), rendezvous at rank 0's address from the plan."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        ifaces = [i for i in os.listdir("/sys/class/net") if i != "lo"]
-        if len(ifaces) == 1:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", ifaces[0])
         dist.init_process_group("gloo", init_method=f"tcp://{item['rendezvous']}",
                                 rank=hvd.rank(), world_size=hvd.size())
     return dist
+
+
+def _peers():
+    """The package's gloo group beside Horovod (``transport="gloo"``; built once)."""
+    return collectives_for(transport="gloo")
 
 
 def _mpi_comm():
@@ -430,6 +439,21 @@ def transports(item: dict) -> dict:
         for w in works:
             w.wait()
 
+    def hq_gloo_p2p(t, name):  # the package's transport="gloo" (PeerCollectives)
+        peers = _peers()
+        peers.allgather_async(t.numpy(), name.rsplit(".", 1)[0]).wait()
+
+    def hq_gloo_p2p_concurrent(t, name):
+        peers = _peers()
+        handles = [peers.allgather_async(p.numpy(), f"{name.rsplit('.', 1)[0]}.{i}")
+                   for i, p in enumerate(pieces(t))]
+        for h in handles:
+            h.wait()
+
+    def hq_gloo_p2p_allreduce_int32(t, name):  # the same bytes summed, as transport="gloo"
+        peers = _peers()
+        peers.allreduce_async(t.numpy().view(np.int32), name.rsplit(".", 1)[0]).wait()
+
     def mpi4py_iallgather(t, name):
         comm = _mpi_comm()
         a = t.numpy()
@@ -441,7 +465,8 @@ def transports(item: dict) -> dict:
     table = {f.__name__: f for f in (
         hvd_allgather, hvd_allgather_concurrent, hvd_grouped_allgather, hvd_alltoall,
         hvd_allreduce_int32, hvd_allreduce_fp32_same_bytes, torch_dist_all_gather,
-        torch_dist_all_gather_concurrent, mpi4py_iallgather)}
+        torch_dist_all_gather_concurrent, hq_gloo_p2p, hq_gloo_p2p_concurrent,
+        hq_gloo_p2p_allreduce_int32, mpi4py_iallgather)}
     if _mpi_comm() is None:
         table.pop("mpi4py_iallgather")
     return table
@@ -480,6 +505,12 @@ def main() -> None:
     ap.add_argument("--plan", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    # the veth is the namespace's only interface besides lo: gloo groups beside Horovod (the
+    # package's transport, the probe's torch.distributed group) bind to it, as a user sets
+    # GLOO_SOCKET_IFNAME to the cluster network's interface
+    ifaces = [i for i in os.listdir("/sys/class/net") if i != "lo"]
+    if len(ifaces) == 1:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifaces[0])
     hvd.init()
     torch.set_num_threads(1)
     with open(args.plan) as f:

@@ -2,7 +2,8 @@
 
 NumPy arrays travel as CPU tensors. CuPy arrays (payloads of CUDA gradients) travel as CUDA
 tensors through DLPack when Horovod's collectives take device buffers, else through
-:class:`~horovod_quant.exchange.staging.HostStaged` (:func:`collectives_for` decides).
+:class:`~horovod_quant.exchange.staging.HostStaged`
+(:func:`horovod_quant.torch.transport.collectives_for` decides).
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import torch
 
 from ..exchange.collectives import Collectives, Handle, ProcessSetCollectives
 from ..exchange.exponent_allreduce import world_communicator
-from ..exchange.staging import HostStaged
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
 
@@ -75,15 +75,3 @@ class HorovodTorchCollectives(ProcessSetCollectives):
             return None
         return world_communicator(hvd)
 
-
-def collectives_for(process_set: Any = None) -> Collectives:
-    """The collectives an exchange of this process set runs on: Horovod's, wrapped in
-    :class:`~horovod_quant.exchange.staging.HostStaged` when CuPy is there to encode CUDA gradients
-    on the GPU but Horovod cannot move device buffers
-    (:func:`horovod_quant.gpu.horovod_device_collectives`)."""
-    comm = HorovodTorchCollectives(process_set)
-    from .. import gpu
-
-    if torch.cuda.is_available() and gpu.available() and not gpu.horovod_device_collectives(hvd)[0]:
-        return HostStaged(comm)
-    return comm

@@ -32,7 +32,7 @@ scatter-reduce-allgather), and Horovod calls ``decompress`` in each rank's own o
 
 CUDA gradients are encoded and decoded on their GPU by the CUDA kernels (``horovod_quant.gpu``,
 needs CuPy) on torch's current stream; only payloads move, through Horovod's GPU collectives or
-staged through host memory (:func:`~.collectives.collectives_for`). Without CuPy they are copied
+staged through host memory (:func:`~.transport.collectives_for`). Without CuPy they are copied
 to host memory and encoded there.
 """
 from __future__ import annotations
@@ -53,7 +53,8 @@ from ..exchange.wire import exchange_tag
 from ..core.base import Codec
 from ..core.rng import derive_key, name_key
 from ..policy import LayerPolicy
-from .collectives import as_array, as_tensor, collectives_for
+from .collectives import HorovodTorchCollectives, as_array, as_tensor
+from .transport import collectives_for, resolve_transport
 
 
 def on_gpu(tensor: torch.Tensor) -> bool:
@@ -171,6 +172,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._deferred: list[_Job] = []  # not started yet
         self._open: list[_Job] = []  # not finished yet
 
+    def shared_config(self) -> dict:
+        return {**super().shared_config(), "transport": resolve_transport()}
+
     def _finish_step(self) -> None:
         """Wait for the configuration check (the first time), build every exchange the policy
         can use in the policy's order (their collective set-up, e.g. the MPI communicator, then
@@ -178,6 +182,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         job, each in key order."""
         if not self._exchanges:
             self._check.wait()
+            # the transport (HQ_TRANSPORT, default "auto") is built once the ranks agree
+            self._comm = collectives_for(self.process_set)
             self._exchanges = {c.config_key(): Exchange(c, self._comm, gather=self.gather)
                                for c in self.policy.codecs(self.codec)}
         by_key = lambda j: j.key  # noqa: E731
@@ -205,7 +211,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         use = self._uses.get(name, 0)
         self._uses[name] = use + 1
         if self._check is None:  # the first compressed tensor: the check starts, unawaited
-            self._comm = collectives_for(self.process_set)
+            self._comm = HorovodTorchCollectives(self.process_set)
             self._check = ConfigCheck(self._comm, self.shared_config())
         job = _Job(name, codec, flat_array(tensor), derive_key(self.seed, use, name_key(name)),
                    f"{self._check.prefix}.{name}", exchange_tag(name, tensor.shape), tensor)

@@ -1,4 +1,6 @@
-""":class:`Collectives` over a ``torch.distributed`` process group (the DDP door's transport).
+""":class:`Collectives` over a ``torch.distributed`` process group: the DDP door's transport
+(:class:`ProcessGroupCollectives`), and the Horovod door's gloo transport beside Horovod
+(:class:`PeerCollectives`, point-to-point messages paired by name).
 
 ``torch.distributed`` matches collectives by call order per process group, not by name: the
 names an :class:`~horovod_quant.exchange.Exchange` passes are not sent, and the callers issue their
@@ -24,6 +26,10 @@ the others take host arrays (device payloads are staged through host memory by
 from __future__ import annotations
 
 import itertools
+import queue
+import threading
+import zlib
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -80,7 +86,8 @@ class ProcessGroupCollectives(Collectives):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.group_id = "torch:" + ",".join(map(str, group_ranks(group)))
+        self._ranks = group_ranks(group)
+        self.group_id = "torch:" + ",".join(map(str, self._ranks))
         #: where the group's collectives take tensors
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if takes_device_arrays(group) else torch.device("cpu"))
@@ -101,6 +108,21 @@ class ProcessGroupCollectives(Collectives):
     def _sizes(self, counts: list[int]) -> torch.Tensor:
         return torch.tensor(counts, dtype=torch.int64, device=self.device)
 
+    def _gather_parts(self, parts: list[torch.Tensor], send: torch.Tensor, name: str,
+                      round_: int) -> Any:
+        """Start gathering every rank's ``send`` (equal sizes) into ``parts``; returns the
+        work. ``round_`` (0: the bounded part, 1: what did not fit) and ``name`` are unused
+        here: the group pairs collectives by call order."""
+        return dist.all_gather(parts, send, group=self.group, async_op=True)
+
+    def send_async(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        """Start sending ``tensor`` to group rank ``peer`` under ``tag``; returns the work."""
+        return dist.isend(tensor, self._ranks[peer], group=self.group, tag=tag)
+
+    def recv_async(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        """Start receiving into ``tensor`` from group rank ``peer`` under ``tag``."""
+        return dist.irecv(tensor, self._ranks[peer], group=self.group, tag=tag)
+
     def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
         tensor = self._tensor(arr)
         work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
@@ -115,7 +137,7 @@ class ProcessGroupCollectives(Collectives):
         send[:_LENGTH_BYTES] = self._sizes([data.numel()]).view(torch.uint8)
         send[_LENGTH_BYTES:_LENGTH_BYTES + min(bound, data.numel())] = data[:bound]
         parts = [torch.empty_like(send) for _ in range(self.size)]
-        work = dist.all_gather(parts, send, group=self.group, async_op=True)
+        work = self._gather_parts(parts, send, name, 0)
 
         def result() -> Any:
             lengths = torch.stack([p[:_LENGTH_BYTES] for p in parts]).view(torch.int64)
@@ -127,7 +149,7 @@ class ProcessGroupCollectives(Collectives):
                 rest = torch.zeros(longest - bound, dtype=torch.uint8, device=self.device)
                 rest[:max(0, data.numel() - bound)] = data[bound:]
                 tails = [torch.empty_like(rest) for _ in range(self.size)]
-                dist.all_gather(tails, rest, group=self.group)
+                self._gather_parts(tails, rest, name, 1).wait()
                 chunks = [torch.cat([c, t[:max(0, n - bound)]])
                           for c, t, n in zip(chunks, tails, lengths)]
             return self.like(torch.cat(chunks).view(tensor.dtype), arr)
@@ -189,9 +211,7 @@ class PointToPoint:
             raise ValueError(f"too many exponent-allreduce channels ({channel}) in one process "
                              "group: build fewer DDP states or exchanges on it")
         self._comm = comm
-        self.group = comm.group
         self._rank, self._size = comm.rank, comm.size
-        self._ranks = group_ranks(comm.group)
         self._channel = channel
         self._reductions = 0
 
@@ -218,8 +238,7 @@ class PointToPoint:
 
     def Isend(self, buf: Any, dest: int, tag: int) -> _Request:
         tensor, _ = self._wire(buf)
-        return _Request(dist.isend(tensor, self._ranks[dest], group=self.group,
-                                   tag=self._tag(tag)))
+        return _Request(self._comm.send_async(tensor, dest, self._tag(tag)))
 
     def Irecv(self, buf: Any, source: int, tag: int) -> _Request:
         tensor, staged = self._wire(buf)
@@ -227,8 +246,8 @@ class PointToPoint:
         def land() -> None:
             buf[:] = self._comm.like(tensor, buf)
 
-        return _Request(dist.irecv(tensor, self._ranks[source], group=self.group,
-                                   tag=self._tag(tag)), land if staged else None)
+        return _Request(self._comm.recv_async(tensor, source, self._tag(tag)),
+                        land if staged else None)
 
     def Allgatherv(self, sendbuf: Any, recv: list) -> None:
         """``recv = [out, (counts, displs)]``: rank r's ``counts[r]`` elements land at
@@ -248,6 +267,182 @@ class PointToPoint:
         for request in requests:
             request.Wait()
         self._reductions += 1
+
+
+class _Completion:
+    """Point-to-point works in flight as one work. Gloo marks such a work complete only when
+    something waits for it, so the group's waiter thread (:meth:`PeerCollectives._track`)
+    waits for each in turn; :meth:`is_completed` then tells without blocking, which the
+    doors' polling (configuration checks, pipelines advanced from backward hooks) needs."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        self.finished.wait()
+        if self.error is not None:
+            raise self.error
+
+    def is_completed(self) -> bool:
+        return self.finished.is_set()
+
+
+class PeerCollectives(ProcessGroupCollectives):
+    """Collectives built from point-to-point messages of a process group, paired by the
+    collective's name like Horovod's, not by call order: exchanges may start in any order on
+    each rank (the Horovod door starts them from backward hooks).
+
+    Each message's tag is derived from the collective's name (:meth:`name_tag`); a name is
+    reused only after its previous messages were received (the doors finish every exchange of
+    a step before the next), and messages of one tag between two ranks arrive in order.
+
+    * allgather: every rank sends its framed part to every other (volume (n - 1) x the part,
+      as a ring allgather), in one message per peer; lengths and bounds as
+      :class:`ProcessGroupCollectives`;
+    * allreduce between two ranks: each sends its array to the other and both add the two in
+      rank order (integers wrap; the same bits on both ranks). With more ranks an exchange-all
+      would send more than a ring, so ``reduce_with`` (Horovod's collectives) runs it;
+    * alltoall: ``reduce_with``;
+    * :meth:`mpi_communicator`: :class:`PointToPoint` over the same messages (the exponent
+      allreduce of Global-QSGD without MPI's busy-polling progress).
+
+    Args:
+        group: a ``torch.distributed`` ProcessGroup object (need not be registered with the
+            default group: :func:`horovod_quant.torch.transport.gloo_group_beside_horovod`
+            builds one beside Horovod) over host tensors.
+        reduce_with: the collectives of the same ranks, in the same rank order, for what is
+            not sent point-to-point.
+        timeout: how long a wait for a peer may take before it raises.
+    """
+
+    _NAME_TAG = 1 << 30  # above every PointToPoint tag (channel < 2^10, shifted by 20)
+    #: bytes per point-to-point message (:meth:`_post`; 256 KiB filled the emulated 1 Gbit/s
+    #: link best of 256 KiB, 1 and 4 MiB)
+    CHUNK_BYTES = 1 << 18
+
+    def __init__(self, group: Any, reduce_with: Collectives,
+                 timeout: timedelta = timedelta(minutes=30)) -> None:
+        if (group.rank(), group.size()) != (reduce_with.rank, reduce_with.size):
+            raise ValueError(f"the point-to-point group (rank {group.rank()} of "
+                             f"{group.size()}) and reduce_with (rank {reduce_with.rank} of "
+                             f"{reduce_with.size}) must number the ranks alike")
+        self.group = group
+        self.rank, self.size = group.rank(), group.size()
+        self.group_id = reduce_with.group_id
+        self.device = torch.device("cpu")
+        self.reduce_with = reduce_with
+        self.timeout = timeout
+        self._p2p_channels = itertools.count()
+        self._bounds: dict[str, int] = {}
+        self._posted: queue.SimpleQueue[_Completion] = queue.SimpleQueue()
+        threading.Thread(target=self._wait_in_turn, name="hq-peer-waiter", daemon=True).start()
+
+    def _wait_in_turn(self) -> None:
+        """The waiter thread: waits for each posted completion's works, in posting order."""
+        while True:
+            done = self._posted.get()
+            try:
+                for work in done.works:
+                    work.wait(self.timeout)
+            except BaseException as exc:  # raised to whoever waits for this collective
+                done.error = exc
+            done.finished.set()
+
+    def _track(self, works: list[Any]) -> _Completion:
+        done = _Completion(works)
+        self._posted.put(done)
+        return done
+
+    @classmethod
+    def name_tag(cls, name: str, round_: int) -> int:
+        """The tag of round ``round_`` (0 or 1) of the collective called ``name``: 29 bits of
+        its CRC-32 above the round bit, in a range no :class:`PointToPoint` tag reaches."""
+        return cls._NAME_TAG | ((zlib.crc32(name.encode()) & ((1 << 29) - 1)) << 1) | round_
+
+    def send_async(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        return self._track([self.group.send([tensor], peer, tag)])
+
+    def recv_async(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        return self._track([self.group.recv([tensor], peer, tag)])
+
+    def _post(self, tensor: torch.Tensor, peer: int, tag: int, receive: bool) -> list[Any]:
+        """Send ``tensor`` to ``peer`` (or receive into it) as chunks of :data:`CHUNK_BYTES`:
+        many messages in flight fill the link where one large one does not (measured:
+        docs/cluster.md). Chunks of one tag arrive in the order they were sent, into the
+        receives in the order they were posted."""
+        op = self.group.recv if receive else self.group.send
+        step = max(1, self.CHUNK_BYTES // tensor.element_size())
+        return [op([tensor[lo:lo + step]], peer, tag)
+                for lo in range(0, max(1, tensor.numel()), step)]
+
+    def _gather_parts(self, parts: list[torch.Tensor], send: torch.Tensor, name: str,
+                      round_: int) -> Any:
+        tag = self.name_tag(name, round_)
+        works = []
+        for peer in range(self.size):
+            if peer == self.rank:
+                parts[peer].copy_(send)
+            else:
+                works += self._post(send, peer, tag, receive=False)
+                works += self._post(parts[peer], peer, tag, receive=True)
+        return self._track(works)
+
+    def allgather_async(self, arr: Any, name: str) -> Handle:
+        """As :meth:`ProcessGroupCollectives.allgather_async`, without its copies where a
+        payload keeps its length: the bytes are sent from ``arr`` itself (plans do not change
+        a sent array) and received into their place in the result."""
+        flat = as_tensor(arr).reshape(-1)
+        data = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+        bound, tag = self._bounds.get(name, 0), self.name_tag(name, 0)
+        body = (data[:bound] if data.numel() >= bound
+                else torch.cat([data, data.new_zeros(bound - data.numel())]))
+        heads = self._sizes([data.numel()] * self.size).view(torch.uint8).reshape(self.size, -1)
+        out = torch.empty(self.size * bound, dtype=torch.uint8)
+        works = []
+        for peer in range(self.size):
+            if peer == self.rank:
+                out[peer * bound:(peer + 1) * bound] = body
+                continue
+            works += self._post(heads[self.rank], peer, tag, receive=False)
+            works += self._post(body, peer, tag, receive=False)
+            works += self._post(heads[peer], peer, tag, receive=True)
+            works += self._post(out[peer * bound:(peer + 1) * bound], peer, tag, receive=True)
+
+        def result() -> Any:
+            lengths = [int(n) for n in heads.view(torch.int64).reshape(-1).tolist()]
+            self._bounds[name] = longest = max(lengths)
+            if all(n == bound for n in lengths):
+                return self.like(out.view(flat.dtype), arr)
+            chunks = [out[r * bound:r * bound + min(n, bound)] for r, n in enumerate(lengths)]
+            if longest > bound:  # what did not fit: every rank sees it is needed
+                rest = data.new_zeros(longest - bound)
+                rest[:max(0, data.numel() - bound)] = data[bound:]
+                tails = [torch.empty_like(rest) for _ in range(self.size)]
+                self._gather_parts(tails, rest, name, 1).wait()
+                chunks = [torch.cat([c, t[:max(0, n - bound)]])
+                          for c, t, n in zip(chunks, tails, lengths)]
+            return self.like(torch.cat(chunks).view(flat.dtype), arr)
+
+        return _WorkHandle(self._track(works), result)
+
+    def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
+        if self.size != 2 or op != "sum":
+            return self.reduce_with.allreduce_async(arr, name, op)
+        tensor = as_tensor(arr).reshape(-1)  # sent as it is: plans do not change a sent array
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        work = self._gather_parts(parts, tensor, name, 0)
+
+        def result() -> Any:
+            total = as_array(parts[0])
+            total += as_array(parts[1])  # NumPy: integers wrap, floats add alike on both ranks
+            return self.like(parts[0], arr)
+
+        return _WorkHandle(work, result)
+
+    def alltoall_async(self, arr: Any, splits: list[int], name: str) -> Handle:
+        return self.reduce_with.alltoall_async(arr, splits, name)
 
 
 def collectives_for(group: Any = None) -> Collectives:

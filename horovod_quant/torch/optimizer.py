@@ -46,8 +46,9 @@ from ..core.rng import derive_key
 from ..exchange.plans import DEFAULT_PIPELINE_ELEMS
 from ..policy import LayerPolicy, describe
 from ..stats import StepStats
-from .collectives import as_array, as_tensor, collectives_for
+from .collectives import HorovodTorchCollectives, as_array, as_tensor
 from .compression import QuantizedCompressor, flat_array, horovod_dtype, on_gpu, stream_of
+from .transport import collectives_for, resolve_transport, transport_of
 
 DEFAULT_FUSION_BYTES = 32 << 20
 
@@ -102,7 +103,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, codec: Codec, backward_passes_per_step: int,
                  op, gradient_predivide_factor: float, groups, sparse_as_dense: bool,
                  process_set, fusion_bytes: int, policy: LayerPolicy, seed: int, gather: str,
-                 pipeline_elems: int | None,
+                 pipeline_elems: int | None, transport: str,
                  on_step: Callable[[StepStats], None] | None) -> None:
         super(self.__class__, self).__init__(params)
         if op not in (hvd.Average, hvd.Sum):
@@ -153,10 +154,15 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._hooked: set[int] = set()
         self._synchronized = False
         self._should_synchronize = True
-        self._comm = collectives_for(process_set)
+        self._comm = HorovodTorchCollectives(process_set)
         self._layout()
-        # the check comes before anything that can wait for a peer (the exchanges' set-up)
+        # the check comes before anything that can wait for a peer (the transport's and the
+        # exchanges' set-up), over Horovod's collectives
+        self._transport = transport
         self._prefix = self._check_layout()
+        self._comm = collectives_for(process_set, transport)
+        #: what carries the payloads: "gloo" (a group beside Horovod) or "horovod"
+        self.transport = transport_of(self._comm)
         self._exchanges = {c.config_key(): Exchange(c, self._comm, gather=gather,
                                                         pipeline_elems=pipeline_elems)
                            for c in policy.codecs(codec)}
@@ -192,6 +198,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         which names this optimizer's collectives."""
         return check_same_config(self._comm, {
             "door": "optimizer", **self.codec.config(), "seed": self.seed,
+            "transport": self._transport,
             "gather": self.gather, "policy": describe(self.policy),
             "fusion_bytes": self._fusion_bytes, "sparse": sorted(self._names[k] for k in self._sparse),
             "buckets": [[b.codec.config(), [[self._names[id(p)], list(p.shape)] for p in b.params]]
@@ -416,6 +423,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          policy: LayerPolicy | None = None, seed: int | None = None,
                          gather: str | None = None,
                          pipeline_elems: int | None = DEFAULT_PIPELINE_ELEMS,
+                         transport: str | None = None,
                          on_step: Callable[[StepStats], None] | None = None):
     """Wrap ``optimizer`` so gradients are averaged across ranks through a horovod_quant codec.
 
@@ -431,6 +439,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             each piece on the wire while the next is encoded and the previous decoded (see
             :class:`horovod_quant.exchange.Exchange`; default ``1 << 21``); None sends every bucket
             whole.
+        transport: what carries the payloads (:mod:`horovod_quant.torch.transport`): "auto"
+            (default, or the ``HQ_TRANSPORT`` environment variable: point-to-point messages of
+            a gloo group beside Horovod for CPU gradients, else Horovod's collectives),
+            "gloo" or "horovod". The choice is logged once and kept in ``opt.transport``.
         on_step: called with each step's :class:`StepStats` (also at ``.last_stats``).
 
     Returns:
@@ -446,6 +458,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
               policy if policy is not None else settings.get("policy", LayerPolicy()),
               seed if seed is not None else settings.get("seed", 0),
               gather if gather is not None else settings.get("gather", "auto"), pipeline_elems,
-              on_step)
+              resolve_transport(transport), on_step)
     opt.load_state_dict(optimizer.state_dict())
     return opt

@@ -1,0 +1,180 @@
+"""Which transport carries the Horovod door's payloads: Horovod's collectives, or point-to-point
+messages of a gloo group built beside Horovod.
+
+Measured on two emulated hosts behind a 1 Gbit/s link (``benchmarks/cluster.py
+--transport-probe``, docs/cluster.md "Which transport moves a payload fastest"): Horovod's
+allgather moves a payload at about half the link rate under its gloo controller, and under its
+MPI controller a transfer stalls while the rank computes (Open MPI's progress busy-polls), so
+encoding and decoding add to the wire time. A gloo group's point-to-point messages fill the
+link under either controller, and gloo's threads sleep while they wait. So ``"auto"`` sends the
+payloads of CPU gradients over such a group (:class:`~.distributed.PeerCollectives`: messages
+paired by name, so exchanges may start in any order, as Horovod's), and keeps Horovod's
+collectives for CUDA gradients (NCCL moves device buffers), or when the group cannot be built
+(the reason is logged once).
+
+The group is built once per Horovod process set, collectively (the first optimizer or
+compressor of every rank builds it at the same point): rank 0 opens a ``TCPStore`` on a free
+port at its address (:func:`reachable_address`), tells the others through Horovod, and every
+rank connects a ``ProcessGroupGloo`` through it; the default ``torch.distributed`` group is
+left alone.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+import struct
+from datetime import timedelta
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+import torch.distributed as dist
+
+from .. import gpu
+from ..exchange.collectives import Collectives
+from ..exchange.staging import HostStaged
+from .collectives import HorovodTorchCollectives
+from .distributed import PeerCollectives
+
+log = logging.getLogger("horovod_quant")
+
+#: what ``transport=`` takes
+TRANSPORTS = ("auto", "horovod", "gloo")
+#: how long building the group may wait for a peer (a peer that cannot be reached fails here)
+CONNECT_TIMEOUT = timedelta(seconds=60)
+#: environment variables that name the address (``HQ_PEER_ADDR``) or network interface the
+#: group uses, in order of precedence; horovodrun sets ``HOROVOD_GLOO_IFACE`` under gloo
+ADDRESS_ENV = "HQ_PEER_ADDR"
+INTERFACE_ENVS = ("GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE")
+
+_groups: dict[str, PeerCollectives | str] = {}  # process set id -> group, or why none
+
+
+#: environment variable that sets the transport where no ``transport=`` is given (the
+#: compressor door has no argument for it)
+TRANSPORT_ENV = "HQ_TRANSPORT"
+
+
+def resolve_transport(transport: str | None = None) -> str:
+    """The transport for a ``transport=`` argument: itself, validated, or when None the
+    ``HQ_TRANSPORT`` environment variable's, else "auto"."""
+    if transport is None:
+        transport = os.environ.get(TRANSPORT_ENV) or "auto"
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r} is not valid: choose one of {list(TRANSPORTS)}"
+                         " ('auto': a gloo group beside Horovod for CPU gradients)")
+    return transport
+
+
+def _interface_address(interface: str) -> str:
+    """The IPv4 address of a network interface (Linux ``SIOCGIFADDR``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface[:15].encode()))
+    return socket.inet_ntoa(packed[20:24])
+
+
+def reachable_address() -> tuple[str, str | None]:
+    """(address the other ranks reach this one at, its interface or None): ``HQ_PEER_ADDR``,
+    else the first interface of ``GLOO_SOCKET_IFNAME`` / ``HOROVOD_GLOO_IFACE``, else what
+    this host's name resolves to (as gloo itself would)."""
+    interface = next((os.environ[k].split(",")[0] for k in INTERFACE_ENVS if os.environ.get(k)),
+                     None)
+    if os.environ.get(ADDRESS_ENV):
+        return os.environ[ADDRESS_ENV], interface
+    if interface is not None:
+        return _interface_address(interface), interface
+    return socket.gethostbyname(socket.gethostname()), None
+
+
+def gloo_group_beside_horovod(comm: Collectives) -> PeerCollectives:
+    """Build a gloo process group over ``comm``'s ranks (same rank order) and return its
+    point-to-point collectives; ``comm`` (Horovod's) carries the rendezvous and the
+    collectives the group does not.
+
+    Collective: every rank of ``comm`` calls it at the same point.
+
+    Raises:
+        RuntimeError: on every rank, when a rank cannot reach rank 0's store (the message names
+            the rank and the address); errors while gloo connects surface after
+            :data:`CONNECT_TIMEOUT`.
+    """
+    name = f"hq.transport.{comm.group_id}"
+    address, interface = reachable_address()
+    store, error = None, None
+    if comm.rank == 0:
+        try:
+            store = dist.TCPStore(address, 0, comm.size, True, timeout=CONNECT_TIMEOUT,
+                                  wait_for_workers=False)
+        except (RuntimeError, OSError) as exc:
+            error = f"rank 0 could not open a store at {address}: {exc}"
+    host = comm.allgather_object({"address": address, "port": store.port if store else 0,
+                                  "error": error}, name + ".addr")[0]
+    if comm.rank != 0 and host["error"] is None:
+        try:
+            store = dist.TCPStore(host["address"], host["port"], comm.size, False,
+                                  timeout=CONNECT_TIMEOUT)
+        except (RuntimeError, OSError) as exc:
+            error = (f"rank {comm.rank} could not reach rank 0's store at "
+                     f"{host['address']}:{host['port']}: {exc}")
+    errors = [e for e in comm.allgather_object(error, name + ".check") if e]
+    if errors:
+        raise RuntimeError("; ".join(errors) + f" (set {ADDRESS_ENV} or GLOO_SOCKET_IFNAME to "
+                           "an address/interface the ranks reach each other at)")
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)
+                        if interface else dist.ProcessGroupGloo.create_default_device()]
+    options._timeout = CONNECT_TIMEOUT
+    group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), comm.rank, comm.size, options)
+    peers = PeerCollectives(group, comm)
+    peers.allgather_object(comm.rank, name + ".hello")  # every pair connected, names pair
+    return peers
+
+
+def collectives_for(process_set: Any = None, transport: str | None = None) -> Collectives:
+    """The collectives the exchanges of ``process_set`` run on (collective on first use).
+
+    Args:
+        process_set: Horovod process set (default: all ranks).
+        transport: "horovod" (Horovod's collectives), "gloo" (allgathers, and the allreduce
+            of two ranks, as point-to-point messages of a gloo group beside Horovod; raises if
+            it cannot be built), or "auto" (gloo where gradients live on the host and the
+            group can be built, else Horovod's; the choice is logged once); None:
+            :func:`resolve_transport`'s.
+
+    Returns:
+        The collectives; device payloads are staged through host memory when Horovod cannot
+        move device buffers (:class:`~horovod_quant.exchange.staging.HostStaged`).
+    """
+    transport = resolve_transport(transport)
+    comm = HorovodTorchCollectives(process_set)
+    on_gpu = torch.cuda.is_available() and gpu.available()
+    if on_gpu and not gpu.horovod_device_collectives(hvd)[0]:
+        return HostStaged(comm)
+    if transport == "horovod" or comm.size == 1 or (transport == "auto" and on_gpu):
+        return comm
+    peers = _groups.get(comm.group_id)
+    if peers is None:
+        try:
+            peers = gloo_group_beside_horovod(comm)
+            log.info("horovod_quant: payloads of process set %s travel over a gloo group beside "
+                     "Horovod (point-to-point, %d ranks); transport='horovod' keeps Horovod's "
+                     "collectives", comm.group_id, comm.size)
+        except RuntimeError as exc:
+            if transport == "gloo":
+                raise
+            peers = str(exc)
+            log.warning("horovod_quant: no gloo group beside Horovod (%s); Horovod's "
+                        "collectives carry the payloads", exc)
+        _groups[comm.group_id] = peers
+    if isinstance(peers, str):
+        if transport == "gloo":
+            raise RuntimeError(f"transport='gloo': {peers}")
+        return comm
+    return peers
+
+
+def transport_of(comm: Collectives) -> str:
+    """Which transport ``comm`` is: "gloo" or "horovod"."""
+    return "gloo" if isinstance(comm, PeerCollectives) else "horovod"

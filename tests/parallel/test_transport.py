@@ -1,0 +1,130 @@
+"""The Horovod door's transports: point-to-point messages of a gloo group beside Horovod
+(``transport="gloo"``, what "auto" picks for CPU gradients) against Horovod's collectives."""
+import numpy as np
+import pytest
+import torch
+import horovod.torch as hvd
+
+import horovod_quant as hq
+import horovod_quant.torch as hqt
+from horovod_quant.core.rng import derive_key
+from horovod_quant.exchange import Exchange, mean_estimate
+from horovod_quant.torch.collectives import HorovodTorchCollectives
+from horovod_quant.torch.distributed import PeerCollectives
+from horovod_quant.torch.transport import collectives_for, resolve_transport
+
+from conftest import Linear, codec_params, rank_gradients
+
+EVERYTHING = hqt.LayerPolicy.everything()
+
+
+def _peers():
+    comm = collectives_for(transport="gloo")
+    assert isinstance(comm, PeerCollectives) == (hvd.size() > 1)
+    return comm
+
+
+def test_transport_argument_is_validated_and_reported(monkeypatch):
+    with pytest.raises(ValueError, match="transport='tcp' is not valid"):
+        resolve_transport("tcp")
+    monkeypatch.setenv("HQ_TRANSPORT", "horovod")
+    assert resolve_transport() == "horovod"
+    monkeypatch.delenv("HQ_TRANSPORT")
+    assert resolve_transport() == "auto"
+    model = Linear([(8, 8)])
+    for transport, want in (("auto", "gloo"), ("horovod", "horovod"), ("gloo", "gloo")):
+        opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression=hqt.Compression.qsgd(), transport=transport)
+        assert opt.transport == (want if hvd.size() > 1 else "horovod")
+
+
+def test_allgather_of_lengths_that_change_between_calls():
+    """Fixed layouts reuse the last bound (one round); a payload that grows or shrinks, or is
+    empty, takes the second round: every case equals Horovod's allgather."""
+    peers, horovod = _peers(), HorovodTorchCollectives()
+    r = hvd.rank()
+    for step, length in enumerate([5, 5, 9 + r, 9 + r, 3 * r, 0, PeerCollectives.CHUNK_BYTES * 2 + 7 * r + 1]):
+        arr = (np.arange(length, dtype=np.int64) * 7 + r * 1000 + step).astype(np.uint8)
+        got = peers.allgather_async(arr, "t.len").wait()
+        want = horovod.allgather_async(arr, f"t.len.ref.{step}").wait()
+        assert got.dtype == np.uint8 and np.array_equal(got, want), step
+
+
+def test_allreduce_is_exact_and_the_same_on_every_rank():
+    """Integer sums wrap as Horovod's do; float sums are the same bits on every rank."""
+    peers, horovod = _peers(), HorovodTorchCollectives()
+    r = hvd.rank()
+    ints = np.array([np.iinfo(np.int64).max, -5, 3], np.int64) * (r + 1)
+    got = peers.allreduce_async(ints, "t.int").wait()
+    assert np.array_equal(got, horovod.allreduce_async(ints, "t.int.ref").wait())
+    floats = np.random.default_rng(r).standard_normal(PeerCollectives.CHUNK_BYTES // 4 + 3)
+    got = peers.allreduce_async(floats.astype(np.float32), "t.float").wait()
+    everyone = horovod.allgather_async(got, "t.float.all").wait().reshape(hvd.size(), -1)
+    assert all(np.array_equal(everyone[0], row) for row in everyone)
+    np.testing.assert_allclose(got, sum(np.random.default_rng(q).standard_normal(floats.size)
+                                        for q in range(hvd.size())), rtol=1e-5, atol=1e-5)
+
+
+def test_collectives_pair_by_name_not_by_call_order():
+    """Rank r starts the exchanges in an order of its own (as backward hooks may): each result
+    is still the one its name pairs."""
+    peers = _peers()
+    names = [f"t.order.{k}" for k in range(6)]
+    order = list(np.random.default_rng(hvd.rank()).permutation(len(names)))
+    handles = {k: peers.allgather_async(np.full(100 + k, hvd.rank() * 10 + k, np.uint8),
+                                        names[k]) for k in order}
+    for k in range(len(names)):
+        want = np.concatenate([np.full(100 + k, q * 10 + k, np.uint8) for q in range(hvd.size())])
+        assert np.array_equal(handles[k].wait(), want), k
+
+
+@pytest.mark.parametrize("name", ["qsgd", "natural", "global_qsgd", "nested_dithered"])
+def test_optimizer_transports_give_the_same_bits(name):
+    """The transport moves bytes, it does not change them: both give mean_estimate's result,
+    bucket by bucket, with pieces in flight together."""
+    shapes = [(300, 70), (40, 50)]
+    results = {}
+    for transport in ("gloo", "horovod"):
+        model = Linear(shapes)
+        opt = hqt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters(),
+            compression=hqt.Compression.__getattr__(name)(seed=3, policy=EVERYTHING,
+                                                          **codec_params(name)),
+            transport=transport, pipeline_elems=4096, fusion_bytes=1 << 30)
+        opt.zero_grad()
+        model.loss(rank_gradients(shapes, 0, hvd.rank())).backward()
+        opt.step()
+        results[transport] = np.concatenate([p.grad.reshape(-1).numpy()
+                                             for p in reversed(list(model.ps))])
+    assert np.array_equal(results["gloo"], results["horovod"], equal_nan=True)
+    if hvd.size() > 1:
+        codec = hq.get_codec(name, **codec_params(name))
+        flats = [np.concatenate([g.reshape(-1) for g in reversed(rank_gradients(shapes, 0, q))])
+                 for q in range(hvd.size())]
+        want, _ = mean_estimate(codec, flats, seed=derive_key(3, 0, 0), pipeline_elems=4096)
+        assert np.array_equal(results["gloo"], want, equal_nan=True)
+
+
+def test_exponent_allreduce_over_the_gloo_group():
+    """Exponential Global-QSGD's own reduction runs over the group's point-to-point messages
+    under either controller (no mpi4py needed) and gives mean_estimate's bits."""
+    codec = hq.get_codec("global_qsgd", bits=4, levels="exponential", world_size=hvd.size())
+    xs = [np.random.default_rng(q).standard_normal(5000).astype(np.float32)
+          for q in range(hvd.size())]
+    exchange = Exchange(codec, _peers())
+    assert (exchange.kind == "custom") == (hvd.size() > 1)
+    got = exchange.start(xs[hvd.rank()], 11, "t.exp").wait()
+    want, _ = mean_estimate(codec, xs, seed=11)
+    assert np.array_equal(got, want)
+
+
+def test_ranks_that_ask_for_different_transports_fail_alike():
+    if hvd.size() == 1:
+        pytest.skip("needs two ranks")
+    model = Linear([(8, 8)])
+    with pytest.raises(ValueError, match="differs between ranks"):
+        hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(),
+                                 compression=hqt.Compression.qsgd(),
+                                 transport="gloo" if hvd.rank() == 0 else "horovod")
