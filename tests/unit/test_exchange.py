@@ -148,6 +148,7 @@ def test_global_norm_start_does_not_wait_for_peers(pipeline_elems):
 
     def rank_fn(comm):
         ex = Exchange(_global_qsgd(2), comm, pipeline_elems=pipeline_elems)
+        assert not ex.blocks_on_peers  # its norm is matched by name and waited for later
         if comm.rank == 1:
             assert rank0_started.wait(10)
             return ex.start(xs[1], 3, "g").wait()
