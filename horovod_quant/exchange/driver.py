@@ -4,7 +4,10 @@
 :func:`horovod_quant.mean_estimate` with the same ``gather`` and ``pipeline_elems``, on every
 rank. Pieces of a pipelined exchange are all started (run to their first collective) before
 :meth:`Pending.wait` finishes them in order, so Horovod (or a custom collective's thread) moves
-piece k while this thread encodes k + 1 and decodes k - 1. Device (CuPy) vectors are encoded
+piece k while this thread encodes k + 1 and decodes k - 1. A global-norm codec's exchange
+starts with the norm's small allgather alone and returns at once; its pieces start when
+:meth:`Pending.advance` finds the norm arrived (the torch optimizer calls it from its backward
+hooks), so the norm never holds the caller up while its peers catch up. Device (CuPy) vectors are encoded
 and decoded on their device; their payloads go to collectives that take device arrays, or
 through :class:`~horovod_quant.exchange.staging.HostStaged`.
 """
@@ -40,16 +43,45 @@ class ExchangeStats:
 
 
 class Pending:
-    """An exchange in flight; :meth:`wait` returns the float32 mean estimate."""
+    """An exchange in flight; :meth:`wait` returns the float32 mean estimate.
 
-    def __init__(self, finish: Callable[[], np.ndarray], stats: ExchangeStats) -> None:
+    Args:
+        finish: runs the exchange to its end (blocking) and returns the mean estimate.
+        stats: the exchange's bytes and seconds, filled as it runs.
+        advance: ``advance(block)`` issues what the exchange has not issued yet (see
+            :meth:`advance`) and returns whether everything is issued; None: everything was
+            issued at the start.
+    """
+
+    def __init__(self, finish: Callable[[], np.ndarray], stats: ExchangeStats,
+                 advance: Callable[[bool], bool] | None = None) -> None:
         self._finish = finish
+        self._advance = advance
         self.stats = stats
         self._result: np.ndarray | None = None
+        self._issued = advance is None
+
+    @property
+    def issued(self) -> bool:
+        """Whether every collective the exchange can start before :meth:`wait` has started
+        (for a global-norm codec: the norm has arrived and the pieces are on their way)."""
+        return self._issued
+
+    def advance(self, block: bool = False) -> None:
+        """Move the exchange forward: once the global norm has arrived, encode the pieces and
+        start their collectives. ``block=False`` never waits for a peer (it checks whether
+        the norm's collective is done); ``block=True`` waits for the norm.
+
+        It may issue collectives: over a transport that pairs collectives by call order
+        rather than by name, call it at the same points on every rank.
+        """
+        if not self._issued and self._result is None:
+            self._issued = self._advance(block)
 
     def wait(self) -> np.ndarray:
         if self._result is None:
             self._result = self._finish()
+            self._issued = True
         return self._result
 
 
@@ -80,14 +112,61 @@ class _Running:
         self.stats.bytes_sent += request.array.nbytes
         self.handle = issue(self.comm, request, self.name + request.suffix, self.custom)
 
+    def _resume(self) -> None:
+        """Wait for the current collective and resume the plan with its result."""
+        t = time.perf_counter()
+        value = self.handle.wait()
+        self.stats.exchange_s += time.perf_counter() - t
+        self._step(value)
+
+    def advance(self) -> bool:
+        """Resume the plan past the collectives that are done, without waiting for one;
+        returns whether the plan has finished."""
+        while self.handle is not None and self.handle.done():
+            self._resume()
+        return self.handle is None
+
     def finish(self) -> Any:
         """Run the plan to its end; returns its result."""
         while self.handle is not None:
-            t = time.perf_counter()
-            value = self.handle.wait()
-            self.stats.exchange_s += time.perf_counter() - t
-            self._step(value)
+            self._resume()
         return self.result
+
+
+class _NormThenPieces:
+    """One exchange on one rank whose pieces wait for its global norm: until the norm's
+    allgather has arrived only that is in flight, so starting it never waits for a peer.
+
+    Args:
+        norm: the running norm plan.
+        start_pieces: ``start_pieces(norm)`` starts the pieces' plans.
+        out: the buffer the pieces write the mean estimate to.
+    """
+
+    def __init__(self, norm: _Running, start_pieces: Callable[[float], list[_Running]],
+                 out: Any) -> None:
+        self._norm = norm
+        self._start_pieces = start_pieces
+        self._out = out
+        self._pieces: list[_Running] | None = None
+
+    def advance(self, block: bool) -> bool:
+        """Start the pieces once the norm has arrived (``block``: wait for it); returns
+        whether they have started."""
+        if self._pieces is None and (block or self._norm.advance()):
+            self._pieces = self._start_pieces(self._norm.finish())
+        return self._pieces is not None
+
+    def finish(self) -> Any:
+        self.advance(block=True)
+        return _finish_pieces(self._pieces, self._out)
+
+
+def _finish_pieces(pieces: list[_Running], out: Any) -> Any:
+    """Run the pieces to their ends in order; returns ``out``, which they filled."""
+    for piece in pieces:
+        piece.finish()
+    return out
 
 
 def issue(comm: Collectives, request: plans.Request, name: str, custom: Any = None) -> Handle:
@@ -143,15 +222,19 @@ class Exchange:
 
     @property
     def needs_norm(self) -> bool:
-        """Whether the codec encodes with a global norm (:func:`global_norm` first)."""
+        """Whether the codec encodes with a global norm (the norm plan's allgather first,
+        unless the caller gives the norm)."""
         return self.codec.needs_norm
 
     @property
     def blocks_on_peers(self) -> bool:
-        """Whether :meth:`start` waits for the other ranks (the global norm) or pairs its data
-        with theirs by call order rather than by name (a custom collective): such exchanges
-        must be started in the same order on every rank; the others only need the same names."""
-        return self.needs_norm or self._custom is not None
+        """Whether the exchanges pair their data with the other ranks' by call order rather
+        than by name (a custom collective): they must be started, advanced
+        (:meth:`Pending.advance` with ``block=True`` only: when a norm arrives depends on the
+        peers) and waited for in the same order on every rank. The others only need the same
+        names: nothing in :meth:`start` waits for a peer (a global norm is waited for later,
+        see :meth:`start`)."""
+        return self._custom is not None
 
     def start(self, x: np.ndarray, seed: int, name: str, norm: float | None = None,
               out: np.ndarray | None = None, tag: wire.Tag | None = None) -> Pending:
@@ -159,12 +242,19 @@ class Exchange:
         (pieces add ``.p<k>``). Exchanges that :attr:`blocks_on_peers` must be started in the
         same order on every rank.
 
+        A global-norm codec given no ``norm`` starts only the norm's allgather (under
+        ``name + ".norm"``, with ``tag``) and returns without waiting for a peer: its pieces
+        are encoded and started by the :meth:`Pending.advance` that finds the norm arrived,
+        or by :meth:`Pending.wait`. The norm is that of all of ``x`` over every rank, as in
+        :func:`~horovod_quant.exchange.reference.mean_estimate`.
+
         Args:
             x: this rank's vector; read again when the exchange finishes (NDQSG), so it must
                 not change before :meth:`Pending.wait` returns.
             seed: the exchange seed (the same on every rank).
             name: collective name (the same on every rank).
-            norm: the global norm, for global-norm codecs whose caller computed it.
+            norm: the global norm, for global-norm codecs whose caller computed it (the
+                pieces then start at once).
             out: float32 buffer of ``x.size`` the mean is written to (reusing one buffer
                 across steps avoids the page faults of a fresh allocation); None: a new array.
             tag: what the ranks must agree this exchange carries (:func:`~.wire.exchange_tag`;
@@ -179,21 +269,21 @@ class Exchange:
             tag = wire.exchange_tag(name, (x.size,))
         if out is None:
             out = array_module(x).empty(x.size, np.float32)
-        if self.needs_norm and norm is None:
-            norm = _Running(plans.norm_plan(self.codec, [x], tag, name + ".norm"), self.comm,
-                            name + ".norm", None, stats).finish()
         bounds = plans.pipeline_bounds(x.size, self.pipeline_elems)
         plan, rank, n = plans.PLANS[self.kind], self.comm.rank, self.comm.size
-        running = [_Running(plan(plans.Piece(self.codec, x[lo:hi],
-                                             plans.pipeline_seed(seed, k, len(bounds)), rank, n,
-                                             norm, tag, out[lo:hi], name)),
-                            self.comm, plans.piece_name(name, k, len(bounds)), self._custom,
-                            stats)
-                   for k, (lo, hi) in enumerate(bounds)]
 
-        def finish() -> np.ndarray:
-            for piece in running:
-                piece.finish()
-            return out
+        def start_pieces(norm: float | None) -> list[_Running]:
+            return [_Running(plan(plans.Piece(self.codec, x[lo:hi],
+                                              plans.pipeline_seed(seed, k, len(bounds)), rank,
+                                              n, norm, tag, out[lo:hi], name)),
+                             self.comm, plans.piece_name(name, k, len(bounds)), self._custom,
+                             stats)
+                    for k, (lo, hi) in enumerate(bounds)]
 
-        return Pending(finish, stats)
+        if self.needs_norm and norm is None:
+            exchange = _NormThenPieces(
+                _Running(plans.norm_plan(self.codec, [x], tag, name + ".norm"), self.comm,
+                         name + ".norm", None, stats), start_pieces, out)
+            return Pending(exchange.finish, stats, exchange.advance)
+        pieces = start_pieces(norm)
+        return Pending(lambda: _finish_pieces(pieces, out), stats)

@@ -24,11 +24,13 @@ another order) raise the same ValueError, so different tensors are never combine
 
 Nothing that waits for a peer runs before the ranks' configurations are known to agree: the
 first step's exchanges start at its first ``decompress``, after the configuration check, and
-exchanges that wait for peers or pair data by call order (Global-QSGD's global norm, the MPI
-exponent allreduce) always start there, in key order, which is the same on every rank. The
-first ``decompress`` of a step also finishes every exchange of the step in key order: some
-finish with a collective of their own (NDQSG's outage count, the second round of
-scatter-reduce-allgather), and Horovod calls ``decompress`` in each rank's own order.
+exchanges that pair data by call order (the MPI exponent allreduce) always start there, in key
+order, which is the same on every rank. Global-QSGD's exchanges start in ``compress`` with
+their norm's allgather, which does not wait for a peer. The first ``decompress`` of a step
+puts every exchange's pieces on the wire (waiting for the global norms), then finishes every
+exchange, each in key order: some finish with a collective of their own (NDQSG's outage
+count, the second round of scatter-reduce-allgather), and Horovod calls ``decompress`` in each
+rank's own order.
 
 CUDA gradients are encoded and decoded on their GPU by the CUDA kernels (``horovod_quant.gpu``,
 needs CuPy) on torch's current stream; only payloads move, through Horovod's GPU collectives or
@@ -178,8 +180,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
     def _finish_step(self) -> None:
         """Wait for the configuration check (the first time), build every exchange the policy
         can use in the policy's order (their collective set-up, e.g. the MPI communicator, then
-        runs in the same order on every rank), start the deferred jobs and finish every open
-        job, each in key order."""
+        runs in the same order on every rank), start the deferred jobs, start the pieces of
+        every open job (so no job's transfer waits for the job before it to finish) and finish
+        them, each in key order."""
         if not self._exchanges:
             self._check.wait()
             # the transport (HQ_TRANSPORT, default "auto") is built once the ranks agree
@@ -191,6 +194,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         for job in jobs:
             job.start(self._exchanges[job.codec.config_key()])
         jobs, self._open = sorted(self._open, key=by_key), []
+        for job in jobs:
+            with stream_of(job.grad):
+                job.pending.advance(block=True)
         for job in jobs:
             with stream_of(job.grad):
                 job.pending.wait()

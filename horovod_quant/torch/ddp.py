@@ -25,7 +25,8 @@ pipeline_elems=state.pipeline_elems)`` reproduces the result exactly. DDP gives 
 same buckets, also after it rebuilds them following the first step (their order then follows
 the gradients' readiness, decided by rank 0); a rank whose bucket differs raises, through the
 tag, on every rank. Global-norm codecs (Global-QSGD) take the norm of each bucket (one
-allgather before its exchange).
+allgather before its exchange, waited for in the bucket's hook: the pieces' collectives that
+follow it must be issued at the same point on every rank).
 
 The first hook runs the cross-rank configuration check (:class:`~horovod_quant.doors.
 ConfigCheck`): a rank with another codec, seed or schedule raises the same ValueError on every
@@ -151,6 +152,7 @@ class QuantizationState(CompressorSettings):
             flat = flat_array(grad)
             pending = self._exchange.start(flat, self.seed_of(self.step, index), name,
                                            out=self._mean_buffer(index, flat))
+            pending.advance(block=True)  # when a norm arrives differs between ranks
         job = _BucketJob(grad, pending)
         self._open.append(job)
         if bucket.is_last():

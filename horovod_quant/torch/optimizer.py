@@ -5,9 +5,13 @@ What it adds over ``hvd.DistributedOptimizer(compression=...)``:
 * Fusion: compressed gradients are packed into fixed buckets of about ``fusion_bytes`` (formed
   once, in reverse parameter order, so early-ready gradients of the last layers go first); a
   bucket's exchange starts from the backward hook of its last gradient, so communication
-  overlaps the rest of backward, and many small tensors cost one collective.
-* Global norm: codecs that normalize by the norm of the whole step (Global-QSGD) get it from one
-  allreduce over all buckets at ``synchronize()`` (their buckets start there).
+  overlaps the rest of backward, and many small tensors cost one collective. Buckets whose
+  collective pairs the ranks by call order rather than by name (Global-QSGD's exponent
+  allreduce under MPI) start at ``synchronize()``, in bucket order.
+* Per-bucket norm: codecs that normalize by a global norm (Global-QSGD) take each bucket's own,
+  over that bucket's vector on every rank. Its small allgather starts from the bucket's
+  backward hook without waiting for peers, and the bucket's pieces are encoded and sent from
+  the first later hook that finds the norm arrived, so neither waits for the end of backward.
 * Per-layer policy: small, 1-D and sparse gradients travel uncompressed through Horovod's own
   allreduce (fused by Horovod); name rules choose another codec (or none) per parameter
   (:class:`LayerPolicy`), and buckets hold the parameters of one codec.
@@ -15,7 +19,7 @@ What it adds over ``hvd.DistributedOptimizer(compression=...)``:
 Bucket ``i`` of step ``t`` is exchanged with seed ``derive_key(seed, t, i)``; its flat vector is
 the concatenation of its gradients in bucket order, so ``mean_estimate(codec, [that vector on
 each rank], derive_key(seed, t, i), pipeline_elems=opt.pipeline_elems)`` reproduces the result
-exactly (for a global-norm codec, when the step has one bucket of that codec).
+exactly, for every bucket (global-norm codecs included: the norm is the bucket's).
 
 As in Horovod, every parameter gets the averaged gradient on every rank, also where a rank did
 not use it (its gradient counts as zeros), so the ranks' weights stay identical. The ranks check
@@ -29,7 +33,6 @@ the codec runs there (see :mod:`horovod_quant.torch.compression`).
 """
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable
 
@@ -38,8 +41,7 @@ import numpy as np
 import torch
 
 from ..doors import check_same_config, check_seed
-from ..exchange.driver import Exchange, global_norm
-from ..exchange.wire import NORM_WIRE_WORDS, exchange_tag
+from ..exchange.driver import Exchange
 from ..core.registry import get_codec, horovod_equivalent
 from ..core.base import Codec
 from ..core.rng import derive_key
@@ -242,6 +244,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             if self._delay[key] == 0:
                 self._hooked.add(key)
                 self._ready(p)
+                self._advance_buckets()
         return hook
 
     def _ready(self, p: torch.nn.Parameter) -> None:
@@ -257,7 +260,17 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                 return
         bucket.ready += 1
         if bucket.ready == len(bucket.params) and not self._exchange_of(bucket).blocks_on_peers:
-            self._start_bucket(bucket, None)
+            self._start_bucket(bucket)
+
+    def _advance_buckets(self) -> None:
+        """Start the pieces of the started buckets whose global norm has arrived, so that they
+        are encoded and sent during the rest of backward (for the others, a check that their
+        norm's collective is not done yet). Called from the hooks, when a rank's progress
+        decides what it finds; buckets that pair by call order start after the last hook."""
+        for b in self._buckets:
+            if b.pending is not None and not b.pending.issued:
+                with stream_of(b.params[0]):
+                    b.pending.advance()
 
     def _exchange_of(self, bucket: _Bucket) -> Exchange:
         return self._exchanges[bucket.codec.config_key()]
@@ -308,35 +321,24 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             offset += p.numel()
         return bucket.flat
 
-    def _start_bucket(self, bucket: _Bucket, norm: float | None) -> None:
+    def _start_bucket(self, bucket: _Bucket) -> None:
         seed = derive_key(self.seed, self._step, bucket.index)
         name = f"{self._prefix}.b{bucket.index}"  # the same every step: Horovod caches it
         with stream_of(bucket.params[0]):
             bucket.pending = self._exchange_of(bucket).start(
-                self._flat(bucket), seed, name, norm=norm, out=bucket.mean)
+                self._flat(bucket), seed, name, out=bucket.mean)
 
     def _start_waiting_buckets(self) -> None:
-        """Start, in bucket order, the buckets whose exchanges wait for peers (one global norm
-        per codec over its buckets) and any bucket not started yet."""
-        waiting = [b for b in self._buckets if b.pending is None]
-        norms: dict[str, float | None] = {}
-        for b in waiting:
-            key = b.codec.config_key()
-            if key in norms or not self._exchange_of(b).needs_norm:
-                continue
-            t = time.perf_counter()
-            flats = []
-            for o in waiting:
-                if o.codec.config_key() == key:
-                    with stream_of(o.params[0]):
-                        flats.append(self._flat(o))
-            name = f"{self._prefix}.norm{b.index}"
-            norms[key] = global_norm(b.codec, flats, self._comm, name,
-                                     exchange_tag(name, (sum(f.size for f in flats),)))
-            self.stats.exchange_s += time.perf_counter() - t
-            self.stats.bytes_sent += NORM_WIRE_WORDS * 8
-        for b in waiting:
-            self._start_bucket(b, norms.get(b.codec.config_key()))
+        """Start, in bucket order, the buckets not started yet (those whose exchanges pair by
+        call order, and those a rank did not use), then put every bucket's pieces on the wire
+        in bucket order (waiting for the global norms that have not arrived), so that no
+        bucket's transfer waits for the bucket before it to finish."""
+        for b in self._buckets:
+            if b.pending is None:
+                self._start_bucket(b)
+        for b in self._buckets:
+            with stream_of(b.params[0]):
+                b.pending.advance(block=True)
 
     # -- synchronize / step -------------------------------------------------------------
     def synchronize(self) -> None:

@@ -134,3 +134,45 @@ def test_wire_bytes_measured_at_the_collective(monkeypatch):
         assert sent == [budget + FRAME_HEADER_BYTES]  # plus the frame header
         assert opt.last_stats.bytes_raw == d * 4
         assert opt.last_stats.compression_ratio > 7.5
+
+
+@pytest.mark.parametrize("levels", ["linear", "exponential"])
+def test_global_qsgd_buckets_take_their_own_norm(levels):
+    """Several buckets of one Global-QSGD codec: each bucket's result is mean_estimate of that
+    bucket's vectors alone (its own norm), pipelined in pieces, and the weights stay identical
+    on every rank. Buckets start from the backward hooks, except where the exchange pairs by
+    call order (the exponent allreduce under MPI): those start at synchronize()."""
+    shapes = [(33, 40), (50,), (7, 9), (64,), (20, 30)]
+    scales = [1.0, 100.0, 0.01, 10.0, 1.0]  # buckets of very different norms
+    model = Linear(shapes)
+    params = {"bits": 4, "levels": levels, **codec_params("global_qsgd")}
+    opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hqt.Compression.global_qsgd(
+                                       seed=8, policy=EVERYTHING, **params),
+                                   fusion_bytes=600, pipeline_elems=500)
+    assert len(opt._buckets) >= 3
+    position = {id(p): i for i, p in enumerate(model.ps)}
+
+    def grads(step, rank):
+        return [g * np.float32(s) for g, s in zip(rank_gradients(shapes, step, rank), scales)]
+
+    for step in range(2):
+        opt.zero_grad()
+        model.loss(grads(step, hvd.rank())).backward()
+        if hvd.size() > 1:
+            for b in opt._buckets:
+                assert (b.pending is not None) == (not opt._exchange_of(b).blocks_on_peers)
+        opt.step()
+        if hvd.size() == 1:
+            continue
+        per_rank = [grads(step, r) for r in range(hvd.size())]
+        for b in opt._buckets:
+            flats = [np.concatenate([gs[position[id(p)]].reshape(-1) for p in b.params])
+                     for gs in per_rank]
+            want, _ = hq.mean_estimate(hq.get_codec("global_qsgd", **params), flats,
+                                       seed=derive_key(8, step, b.index), pipeline_elems=500)
+            got = np.concatenate([p.grad.reshape(-1).numpy() for p in b.params])
+            assert np.array_equal(got, want), (levels, step, b.index)
+    for p in model.ps:
+        assert _all_equal_across_ranks(p.data)

@@ -91,11 +91,16 @@ def test_layer_unused_on_some_ranks_keeps_ranks_identical(door, name, params):
 
 
 @MULTI
+@pytest.mark.parametrize("name,params", [("qsgd", {"bits": 8}),
+                                         ("global_qsgd", {"levels": "linear"}),
+                                         ("global_qsgd", {})])
 @pytest.mark.parametrize("door", ["horovod", "quant"])
-def test_unused_parameter_gets_the_mean_of_the_ranks_that_used_it(door):
-    """Exact oracle: rank 0 alone uses `extra`; the others contribute zeros, as in Horovod."""
+def test_unused_parameter_gets_the_mean_of_the_ranks_that_used_it(door, name, params):
+    """Exact oracle: rank 0 alone uses `extra`; the others contribute zeros, as in Horovod.
+    Global-QSGD: the buckets of the ranks that skip `extra` start in another order, each with
+    its own norm, and nothing waits for another rank's bucket."""
     model = _synced_model()
-    comp = hqt.Compression.qsgd(bits=8, seed=4, policy=EVERYTHING)
+    comp = _compressor(name, params, seed=4, policy=EVERYTHING)
     opt = _wrap(door, model, comp, **({"fusion_bytes": 1} if door == "quant" else {}))
     _train(opt, model, steps=1, pattern=lambda step, rank: rank == 0)
     assert _same_everywhere(model.extra.weight.grad)
@@ -105,7 +110,7 @@ def test_unused_parameter_gets_the_mean_of_the_ranks_that_used_it(door):
     ref(x, True).square().mean().backward()
     g0 = ref.extra.weight.grad.reshape(-1).numpy()
     flats = [g0] + [np.zeros_like(g0)] * (hvd.size() - 1)
-    codec = hq.get_codec("qsgd", bits=8)
+    codec = hq.get_codec(name, **params, **codec_params(name))
     if door == "horovod":
         seed = derive_key(4, 0, name_key("extra.weight"))
         want, _ = hq.mean_estimate(codec, flats, seed=seed)

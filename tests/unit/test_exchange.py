@@ -1,11 +1,14 @@
 """Exchanges over an in-process threaded world equal mean_estimate bit for bit."""
+import threading
+import time
+
 import numpy as np
 import pytest
 
 import horovod_quant as hq
 from horovod_quant.exchange import Exchange, LocalCollectives
 from horovod_quant.exchange.plans import pipeline_seed
-from horovod_quant.exchange.wire import frame, unframe
+from horovod_quant.exchange.wire import frame, norm_wire, unframe
 from horovod_quant.core.registry import codec_class
 from horovod_quant.core.payload import Payload
 
@@ -129,3 +132,97 @@ def test_nested_outage_share_exact_in_a_distributed_exchange(n):
     for stats in run_ranks(n, rank_fn):
         assert stats["outside_share"] == want
         assert stats["p2_values"] == ref.last_stats["p2_values"]
+
+
+def _global_qsgd(n):
+    return hq.get_codec("global_qsgd", world_size=n, bits=4)
+
+
+@pytest.mark.parametrize("pipeline_elems", [None, 700])
+def test_global_norm_start_does_not_wait_for_peers(pipeline_elems):
+    """Rank 0 starts a global-norm exchange before rank 1 has issued anything: start returns,
+    advance() does not wait, and once rank 1 joins an advance() starts the pieces. Both ranks
+    get mean_estimate's bits (pipelined: the same pieces, one norm over the whole vector)."""
+    xs = _inputs(2, 3001, seed=6)
+    rank0_started = threading.Event()
+
+    def rank_fn(comm):
+        ex = Exchange(_global_qsgd(2), comm, pipeline_elems=pipeline_elems)
+        assert not ex.blocks_on_peers  # its norm is matched by name and waited for later
+        if comm.rank == 1:
+            assert rank0_started.wait(10)
+            return ex.start(xs[1], 3, "g").wait()
+        pending = ex.start(xs[0], 3, "g")
+        pending.advance()
+        assert not pending.issued  # the norm cannot have arrived: rank 1 has not started
+        rank0_started.set()
+        deadline = time.monotonic() + 10
+        while not pending.issued and time.monotonic() < deadline:
+            pending.advance()
+            time.sleep(0.001)
+        assert pending.issued  # the pieces started before wait()
+        return pending.wait()
+
+    results = run_ranks(2, rank_fn, asynchronous=True)
+    ref, _ = hq.mean_estimate(_global_qsgd(2), xs, seed=3, pipeline_elems=pipeline_elems)
+    for r in results:
+        assert np.array_equal(r, ref, equal_nan=True)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_global_norm_exchanges_started_in_any_order(n):
+    """Ranks start two global-norm exchanges in opposite orders (as ranks reaching buckets in
+    different orders would) and advance them without blocking: nothing waits for a peer before
+    wait(), and each result is mean_estimate of its own vectors with its own norm."""
+    xa, xb = _inputs(n, 2500, seed=7), _inputs(n, 1200, seed=8)
+
+    def rank_fn(comm):
+        ex = Exchange(_global_qsgd(n), comm, pipeline_elems=1000)
+        jobs = [("a", xa[comm.rank], 1), ("b", xb[comm.rank], 2)]
+        if comm.rank % 2:
+            jobs.reverse()
+        pending = {name: ex.start(x, seed, name) for name, x, seed in jobs}
+        for p in pending.values():
+            p.advance()
+        return {name: pending[name].wait() for name in ("a", "b")}
+
+    results = run_ranks(n, rank_fn, asynchronous=True)
+    ref_a, _ = hq.mean_estimate(_global_qsgd(n), xa, seed=1, pipeline_elems=1000)
+    ref_b, _ = hq.mean_estimate(_global_qsgd(n), xb, seed=2, pipeline_elems=1000)
+    for r in results:
+        assert np.array_equal(r["a"], ref_a) and np.array_equal(r["b"], ref_b)
+
+
+def test_advance_block_starts_the_pieces_and_counts_the_norm():
+    """advance(block=True) waits for the norm and starts the pieces; the exchange's bytes
+    include the norm's allgather, and an exchange given its norm starts issued."""
+    n, x_size = 2, 2000
+    xs = _inputs(n, x_size, seed=9)
+    codec = _global_qsgd(n)
+    norm = codec.global_norm(xs)
+
+    def rank_fn(comm):
+        ex = Exchange(_global_qsgd(n), comm, pipeline_elems=500)
+        pending = ex.start(xs[comm.rank], 4, "v")
+        pending.advance(block=True)
+        assert pending.issued
+        given = ex.start(xs[comm.rank], 4, "w", norm=norm)
+        assert given.issued
+        return pending.wait(), pending.stats.bytes_sent, given.wait(), given.stats.bytes_sent
+
+    norm_bytes = norm_wire(codec, [xs[0]]).nbytes
+    ref, _ = hq.mean_estimate(_global_qsgd(n), xs, seed=4, pipeline_elems=500)
+    for mean, sent, mean_given, sent_given in run_ranks(n, rank_fn, asynchronous=True):
+        assert np.array_equal(mean, ref) and np.array_equal(mean_given, ref)
+        assert sent == sent_given + norm_bytes
+
+
+def test_advance_is_a_no_op_for_exchanges_without_a_norm():
+    def rank_fn(comm):
+        pending = Exchange(hq.get_codec("qsgd"), comm).start(_inputs(2, 100)[comm.rank], 1, "q")
+        assert pending.issued
+        pending.advance()
+        return pending.wait()
+
+    a, b = run_ranks(2, rank_fn, asynchronous=True)
+    assert np.array_equal(a, b)
