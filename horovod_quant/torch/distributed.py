@@ -26,7 +26,6 @@ the others take host arrays (device payloads are staged through host memory by
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import zlib
 from datetime import timedelta
@@ -270,23 +269,49 @@ class PointToPoint:
 
 
 class _Completion:
-    """Point-to-point works in flight as one work. Gloo marks such a work complete only when
-    something waits for it, so the group's waiter thread (:meth:`PeerCollectives._track`)
-    waits for each in turn; :meth:`is_completed` then tells without blocking, which the
-    doors' polling (configuration checks, pipelines advanced from backward hooks) needs."""
+    """Point-to-point works in flight as one work.
 
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-        self.finished = threading.Event()
-        self.error: BaseException | None = None
+    Gloo marks such a work complete only when something waits for it, and only one thread may
+    wait for it. So the first :meth:`wait` waits for the works itself, and the first
+    :meth:`is_completed` (the doors poll configuration checks, and pipelines advanced from
+    backward hooks) starts a thread of its own that waits for them; a caller that comes second
+    waits for that one. No completion waits behind another's, which could pair the ranks'
+    collectives by order after all."""
+
+    def __init__(self, works: list[Any], timeout: timedelta) -> None:
+        self._works = works
+        self._timeout = timeout
+        self._claimed = False
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+
+    def _claim(self) -> bool:
+        with self._lock:
+            claimed, self._claimed = not self._claimed, True
+        return claimed
+
+    def _wait_for_works(self) -> None:
+        try:
+            for work in self._works:
+                work.wait(self._timeout)
+        except BaseException as exc:  # raised to whoever waits for this collective
+            self._error = exc
+        finally:
+            self._finished.set()
 
     def wait(self) -> None:
-        self.finished.wait()
-        if self.error is not None:
-            raise self.error
+        if self._claim():
+            self._wait_for_works()
+        self._finished.wait()
+        if self._error is not None:
+            raise self._error
 
     def is_completed(self) -> bool:
-        return self.finished.is_set()
+        if self._claim():
+            threading.Thread(target=self._wait_for_works, name="hq-peer-wait",
+                             daemon=True).start()
+        return self._finished.is_set()
 
 
 class PeerCollectives(ProcessGroupCollectives):
@@ -336,24 +361,9 @@ class PeerCollectives(ProcessGroupCollectives):
         self.timeout = timeout
         self._p2p_channels = itertools.count()
         self._bounds: dict[str, int] = {}
-        self._posted: queue.SimpleQueue[_Completion] = queue.SimpleQueue()
-        threading.Thread(target=self._wait_in_turn, name="hq-peer-waiter", daemon=True).start()
-
-    def _wait_in_turn(self) -> None:
-        """The waiter thread: waits for each posted completion's works, in posting order."""
-        while True:
-            done = self._posted.get()
-            try:
-                for work in done.works:
-                    work.wait(self.timeout)
-            except BaseException as exc:  # raised to whoever waits for this collective
-                done.error = exc
-            done.finished.set()
 
     def _track(self, works: list[Any]) -> _Completion:
-        done = _Completion(works)
-        self._posted.put(done)
-        return done
+        return _Completion(works, self.timeout)
 
     @classmethod
     def name_tag(cls, name: str, round_: int) -> int:
