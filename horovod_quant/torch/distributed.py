@@ -31,6 +31,7 @@ import zlib
 from datetime import timedelta
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -107,13 +108,6 @@ class ProcessGroupCollectives(Collectives):
     def _sizes(self, counts: list[int]) -> torch.Tensor:
         return torch.tensor(counts, dtype=torch.int64, device=self.device)
 
-    def _gather_parts(self, parts: list[torch.Tensor], send: torch.Tensor, name: str,
-                      round_: int) -> Any:
-        """Start gathering every rank's ``send`` (equal sizes) into ``parts``; returns the
-        work. ``round_`` (0: the bounded part, 1: what did not fit) and ``name`` are unused
-        here: the group pairs collectives by call order."""
-        return dist.all_gather(parts, send, group=self.group, async_op=True)
-
     def send_async(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         """Start sending ``tensor`` to group rank ``peer`` under ``tag``; returns the work."""
         return dist.isend(tensor, self._ranks[peer], group=self.group, tag=tag)
@@ -136,7 +130,7 @@ class ProcessGroupCollectives(Collectives):
         send[:_LENGTH_BYTES] = self._sizes([data.numel()]).view(torch.uint8)
         send[_LENGTH_BYTES:_LENGTH_BYTES + min(bound, data.numel())] = data[:bound]
         parts = [torch.empty_like(send) for _ in range(self.size)]
-        work = self._gather_parts(parts, send, name, 0)
+        work = dist.all_gather(parts, send, group=self.group, async_op=True)
 
         def result() -> Any:
             lengths = torch.stack([p[:_LENGTH_BYTES] for p in parts]).view(torch.int64)
@@ -148,7 +142,7 @@ class ProcessGroupCollectives(Collectives):
                 rest = torch.zeros(longest - bound, dtype=torch.uint8, device=self.device)
                 rest[:max(0, data.numel() - bound)] = data[bound:]
                 tails = [torch.empty_like(rest) for _ in range(self.size)]
-                self._gather_parts(tails, rest, name, 1).wait()
+                dist.all_gather(tails, rest, group=self.group)
                 chunks = [torch.cat([c, t[:max(0, n - bound)]])
                           for c, t, n in zip(chunks, tails, lengths)]
             return self.like(torch.cat(chunks).view(tensor.dtype), arr)
@@ -314,6 +308,33 @@ class _Completion:
         return self._finished.is_set()
 
 
+class _Receiving:
+    """A collective whose receiving side runs on a thread of its own (started at once):
+    ``receive()`` posts receives as it learns their sizes and waits for everything."""
+
+    def __init__(self, receive: Callable[[], None]) -> None:
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                receive()
+            except BaseException as exc:  # raised to whoever waits for this collective
+                self._error = exc
+            finally:
+                self._finished.set()
+
+        threading.Thread(target=run, name="hq-peer-gather", daemon=True).start()
+
+    def wait(self) -> None:
+        self._finished.wait()
+        if self._error is not None:
+            raise self._error
+
+    def is_completed(self) -> bool:
+        return self._finished.is_set()
+
+
 class PeerCollectives(ProcessGroupCollectives):
     """Collectives built from point-to-point messages of a process group, paired by the
     collective's name like Horovod's, not by call order: exchanges may start in any order on
@@ -323,9 +344,11 @@ class PeerCollectives(ProcessGroupCollectives):
     reused only after its previous messages were received (the doors finish every exchange of
     a step before the next), and messages of one tag between two ranks arrive in order.
 
-    * allgather: every rank sends its framed part to every other (volume (n - 1) x the part,
-      as a ring allgather), in one message per peer; lengths and bounds as
-      :class:`ProcessGroupCollectives`;
+    * allgather: every rank sends its part's length and then the part to every other rank
+      (volume (n - 1) x the part, as a ring allgather); a thread of the collective receives
+      each length and then posts the receive of that many bytes, so nothing waits for the
+      caller (a second round at ``wait()`` would pair the ranks by the order they wait in).
+      Parts of the lengths the last call under the same name had are received in place;
     * allreduce between two ranks: each sends its array to the other and both add the two in
       rank order (integers wrap; the same bits on both ranks). With more ranks an exchange-all
       would send more than a ring, so ``reduce_with`` (Horovod's collectives) runs it;
@@ -360,16 +383,16 @@ class PeerCollectives(ProcessGroupCollectives):
         self.reduce_with = reduce_with
         self.timeout = timeout
         self._p2p_channels = itertools.count()
-        self._bounds: dict[str, int] = {}
+        self._bounds: dict[str, list[int]] = {}  # name -> every rank's bytes last gathered
 
     def _track(self, works: list[Any]) -> _Completion:
         return _Completion(works, self.timeout)
 
     @classmethod
-    def name_tag(cls, name: str, round_: int) -> int:
-        """The tag of round ``round_`` (0 or 1) of the collective called ``name``: 29 bits of
-        its CRC-32 above the round bit, in a range no :class:`PointToPoint` tag reaches."""
-        return cls._NAME_TAG | ((zlib.crc32(name.encode()) & ((1 << 29) - 1)) << 1) | round_
+    def name_tag(cls, name: str) -> int:
+        """The tag of the collective called ``name``: 30 bits of its CRC-32, in a range no
+        :class:`PointToPoint` tag reaches."""
+        return cls._NAME_TAG | (zlib.crc32(name.encode()) & (cls._NAME_TAG - 1))
 
     def send_async(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         return self._track([self.group.send([tensor], peer, tag)])
@@ -387,67 +410,58 @@ class PeerCollectives(ProcessGroupCollectives):
         return [op([tensor[lo:lo + step]], peer, tag)
                 for lo in range(0, max(1, tensor.numel()), step)]
 
-    def _gather_parts(self, parts: list[torch.Tensor], send: torch.Tensor, name: str,
-                      round_: int) -> Any:
-        tag = self.name_tag(name, round_)
-        works = []
-        for peer in range(self.size):
-            if peer == self.rank:
-                parts[peer].copy_(send)
-            else:
-                works += self._post(send, peer, tag, receive=False)
-                works += self._post(parts[peer], peer, tag, receive=True)
-        return self._track(works)
-
     def allgather_async(self, arr: Any, name: str) -> Handle:
-        """As :meth:`ProcessGroupCollectives.allgather_async`, without its copies where a
-        payload keeps its length: the bytes are sent from ``arr`` itself (plans do not change
-        a sent array) and received into their place in the result."""
-        flat = as_tensor(arr).reshape(-1)
+        flat = as_tensor(arr).reshape(-1)  # sent as it is: plans do not change a sent array
         data = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-        bound, tag = self._bounds.get(name, 0), self.name_tag(name, 0)
-        body = (data[:bound] if data.numel() >= bound
-                else torch.cat([data, data.new_zeros(bound - data.numel())]))
+        tag, peers = self.name_tag(name), [p for p in range(self.size) if p != self.rank]
         heads = self._sizes([data.numel()] * self.size).view(torch.uint8).reshape(self.size, -1)
-        out = torch.empty(self.size * bound, dtype=torch.uint8)
-        works = []
-        for peer in range(self.size):
-            if peer == self.rank:
-                out[peer * bound:(peer + 1) * bound] = body
-                continue
-            works += self._post(heads[self.rank], peer, tag, receive=False)
-            works += self._post(body, peer, tag, receive=False)
-            works += self._post(heads[peer], peer, tag, receive=True)
-            works += self._post(out[peer * bound:(peer + 1) * bound], peer, tag, receive=True)
+        sends = []
+        for peer in peers:
+            sends += self._post(heads[self.rank], peer, tag, receive=False)
+            sends += self._post(data, peer, tag, receive=False)
+        head_recvs = {peer: self._post(heads[peer], peer, tag, receive=True) for peer in peers}
+        expected = self._bounds.get(name) or [data.numel()] * self.size
+        offsets = np.concatenate([[0], np.cumsum(expected)]).tolist()
+        out = torch.empty(offsets[-1], dtype=torch.uint8)
+        parts = [out[offsets[r]:offsets[r + 1]] for r in range(self.size)]
+        if data.numel() == expected[self.rank]:
+            parts[self.rank].copy_(data)
+        else:
+            parts[self.rank] = data
+
+        def receive() -> None:
+            bodies = []
+            for peer in peers:
+                for work in head_recvs[peer]:
+                    work.wait(self.timeout)
+                length = int(heads[peer].view(torch.int64))
+                if length != expected[peer]:
+                    parts[peer] = torch.empty(length, dtype=torch.uint8)
+                bodies += self._post(parts[peer], peer, tag, receive=True)
+            for work in bodies + sends:
+                work.wait(self.timeout)
 
         def result() -> Any:
-            lengths = [int(n) for n in heads.view(torch.int64).reshape(-1).tolist()]
-            self._bounds[name] = longest = max(lengths)
-            if all(n == bound for n in lengths):
-                return self.like(out.view(flat.dtype), arr)
-            chunks = [out[r * bound:r * bound + min(n, bound)] for r, n in enumerate(lengths)]
-            if longest > bound:  # what did not fit: every rank sees it is needed
-                rest = data.new_zeros(longest - bound)
-                rest[:max(0, data.numel() - bound)] = data[bound:]
-                tails = [torch.empty_like(rest) for _ in range(self.size)]
-                self._gather_parts(tails, rest, name, 1).wait()
-                chunks = [torch.cat([c, t[:max(0, n - bound)]])
-                          for c, t, n in zip(chunks, tails, lengths)]
-            return self.like(torch.cat(chunks).view(flat.dtype), arr)
+            lengths = [part.numel() for part in parts]
+            self._bounds[name] = lengths
+            whole = out if lengths == expected else torch.cat(parts)
+            return self.like(whole.view(flat.dtype), arr)
 
-        return _WorkHandle(self._track(works), result)
+        return _WorkHandle(_Receiving(receive), result)
 
     def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
         if self.size != 2 or op != "sum":
             return self.reduce_with.allreduce_async(arr, name, op)
         tensor = as_tensor(arr).reshape(-1)  # sent as it is: plans do not change a sent array
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        work = self._gather_parts(parts, tensor, name, 0)
+        peer, tag = 1 - self.rank, self.name_tag(name)
+        parts = [tensor, torch.empty_like(tensor)] if self.rank == 0 else \
+            [torch.empty_like(tensor), tensor]
+        work = self._track(self._post(tensor, peer, tag, receive=False)
+                           + self._post(parts[peer], peer, tag, receive=True))
 
         def result() -> Any:
-            total = as_array(parts[0])
-            total += as_array(parts[1])  # NumPy: integers wrap, floats add alike on both ranks
-            return self.like(parts[0], arr)
+            # NumPy: integers wrap, floats add in rank order, alike on both ranks
+            return as_array(parts[0]) + as_array(parts[1])
 
         return _WorkHandle(work, result)
 

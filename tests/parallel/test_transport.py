@@ -67,15 +67,17 @@ def test_allreduce_is_exact_and_the_same_on_every_rank():
 
 
 def test_collectives_pair_by_name_not_by_call_order():
-    """Rank r starts the exchanges in an order of its own (as backward hooks may): each result
-    is still the one its name pairs."""
+    """Rank r starts the exchanges in an order of its own (as backward hooks may) and waits
+    for them in another (first calls under these names: the lengths are unknown): each result
+    is still the one its name pairs, and nothing waits for the peer to wait."""
     peers = _peers()
     names = [f"t.order.{k}" for k in range(6)]
     order = list(np.random.default_rng(hvd.rank()).permutation(len(names)))
-    handles = {k: peers.allgather_async(np.full(100 + k, hvd.rank() * 10 + k, np.uint8),
-                                        names[k]) for k in order}
-    for k in range(len(names)):
-        want = np.concatenate([np.full(100 + k, q * 10 + k, np.uint8) for q in range(hvd.size())])
+    handles = {k: peers.allgather_async(np.full(100 + k + hvd.rank(), hvd.rank() * 10 + k,
+                                                np.uint8), names[k]) for k in order}
+    for k in order[::-1] if hvd.rank() % 2 else order:
+        want = np.concatenate([np.full(100 + k + q, q * 10 + k, np.uint8)
+                               for q in range(hvd.size())])
         assert np.array_equal(handles[k].wait(), want), k
 
 
