@@ -9,6 +9,8 @@ anything else raises ValueError naming the variable, so a typo never silently me
 | ``HQ_CUDA_AWARE_MPI`` | bool, unset = detect | MPI takes device buffers |
 | ``HQ_DEVICE_COLLECTIVES`` | bool, unset = detect | Horovod's collectives take device buffers |
 | ``HQ_CONFIG_TIMEOUT`` | seconds, default 600 | how long a rank waits for the others' configuration |
+| ``HQ_TRANSPORT`` | auto/gloo/horovod, default auto | what carries the torch Horovod door's payloads |
+| ``HQ_PEER_ADDR`` | address, unset = detect | where rank 0 of the gloo transport is reached |
 """
 from __future__ import annotations
 
@@ -52,3 +54,22 @@ def env_seconds(name: str, default: float) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name}={os.environ[name]!r} must be a positive number of seconds")
     return value
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """One of ``choices`` from environment variable ``name``; ``default`` when unset or empty.
+
+    Raises:
+        ValueError: the value is not one of ``choices``.
+    """
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if value not in choices:
+        raise ValueError(f"{name}={os.environ[name]!r} is not valid: choose one of {list(choices)}")
+    return value
+
+
+def env_text(name: str) -> str | None:
+    """The text of environment variable ``name``, blanks stripped; None when unset or empty."""
+    return os.environ.get(name, "").strip() or None

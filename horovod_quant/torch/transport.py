@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .. import gpu
+from ..env import env_choice, env_text
 from ..exchange.collectives import Collectives
 from ..exchange.staging import HostStaged
 from .collectives import HorovodTorchCollectives
@@ -49,19 +50,22 @@ CONNECT_TIMEOUT = timedelta(seconds=60)
 ADDRESS_ENV = "HQ_PEER_ADDR"
 INTERFACE_ENVS = ("GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE")
 
-_groups: dict[str, PeerCollectives | str] = {}  # process set id -> group, or why none
-
-
 #: environment variable that sets the transport where no ``transport=`` is given (the
 #: compressor door has no argument for it)
 TRANSPORT_ENV = "HQ_TRANSPORT"
 
+_groups: dict[str, PeerCollectives | str] = {}  # process set id -> group, or why none
+
 
 def resolve_transport(transport: str | None = None) -> str:
     """The transport for a ``transport=`` argument: itself, validated, or when None the
-    ``HQ_TRANSPORT`` environment variable's, else "auto"."""
+    ``HQ_TRANSPORT`` environment variable's, else "auto".
+
+    Raises:
+        ValueError: not one of :data:`TRANSPORTS`.
+    """
     if transport is None:
-        transport = os.environ.get(TRANSPORT_ENV) or "auto"
+        return env_choice(TRANSPORT_ENV, TRANSPORTS, "auto")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r} is not valid: choose one of {list(TRANSPORTS)}"
                          " ('auto': a gloo group beside Horovod for CPU gradients)")
@@ -81,8 +85,8 @@ def reachable_address() -> tuple[str, str | None]:
     this host's name resolves to (as gloo itself would)."""
     interface = next((os.environ[k].split(",")[0] for k in INTERFACE_ENVS if os.environ.get(k)),
                      None)
-    if os.environ.get(ADDRESS_ENV):
-        return os.environ[ADDRESS_ENV], interface
+    if env_text(ADDRESS_ENV):
+        return env_text(ADDRESS_ENV), interface
     if interface is not None:
         return _interface_address(interface), interface
     return socket.gethostbyname(socket.gethostname()), None

@@ -15,7 +15,7 @@ from horovod_quant.exchange.exponent_allreduce import world_communicator
 from horovod_quant.exchange.wire import (check_tags, exchange_tag, frame, norm_from_gathered,
                                       norm_wire)
 from horovod_quant.core.payload import Payload
-from horovod_quant.env import env_flag, env_seconds
+from horovod_quant.env import env_choice, env_flag, env_seconds, env_text
 from horovod_quant.policy import LayerPolicy
 
 from threaded_comm import run_ranks
@@ -143,6 +143,20 @@ def test_seconds_environment_variables(monkeypatch):
         monkeypatch.setenv("HQ_CONFIG_TIMEOUT", bad)
         with pytest.raises(ValueError, match="HQ_CONFIG_TIMEOUT"):
             env_seconds("HQ_CONFIG_TIMEOUT", 600)
+
+
+def test_choice_and_text_environment_variables(monkeypatch):
+    monkeypatch.setenv("HQ_TRANSPORT", " gloo ")
+    assert env_choice("HQ_TRANSPORT", ("auto", "gloo"), "auto") == "gloo"
+    monkeypatch.setenv("HQ_TRANSPORT", "")
+    assert env_choice("HQ_TRANSPORT", ("auto", "gloo"), "auto") == "auto"
+    monkeypatch.setenv("HQ_TRANSPORT", "tcp")
+    with pytest.raises(ValueError, match="HQ_TRANSPORT='tcp' is not valid"):
+        env_choice("HQ_TRANSPORT", ("auto", "gloo"), "auto")
+    monkeypatch.setenv("HQ_PEER_ADDR", "  10.0.0.1 ")
+    assert env_text("HQ_PEER_ADDR") == "10.0.0.1"
+    monkeypatch.setenv("HQ_PEER_ADDR", " ")
+    assert env_text("HQ_PEER_ADDR") is None
 
 
 @pytest.mark.parametrize("seed", [7.9, 7.0, "7", True, None])
