@@ -28,11 +28,20 @@ names and shapes), before anything else waits for a peer. A sparse gradient trav
 Horovod's sparse path (``sparse_as_dense=True``: its dense form is compressed); its parameter
 leaves its bucket from the next step on.
 
+Fallback (``fallback="auto"``, the default): at the end of step
+:data:`~horovod_quant.exchange.fallback.FALLBACK_STEP` each bucket's codec exchange and Horovod's
+float32 allreduce of the same vector are timed in isolation; the ranks agree on the slowest
+rank's times, and a bucket whose codec was slower than the allreduce has its parameters carried
+by Horovod's allreduce (float32, the configured ``op``) from the next step on, like a sparse
+parameter, with one warning in the ``horovod_quant`` log (rank 0). ``opt.fallback_decisions``
+holds every bucket's measurement and decision (:mod:`horovod_quant.exchange.fallback`).
+
 CUDA parameters: buckets hold parameters of one device, their buffers live on that device, and
 the codec runs there (see :mod:`horovod_quant.torch.compression`).
 """
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable
 
@@ -42,6 +51,8 @@ import torch
 
 from ..doors import check_same_config, check_seed
 from ..exchange.driver import Exchange
+from ..exchange.fallback import (FALLBACK_STEP, BucketTrial, FallbackDecision, check_fallback,
+                                 measure_and_decide)
 from ..core.registry import get_codec, horovod_equivalent
 from ..core.base import Codec
 from ..core.rng import derive_key
@@ -53,6 +64,8 @@ from .compression import QuantizedCompressor, flat_array, horovod_dtype, on_gpu,
 from .transport import collectives_for, resolve_transport, transport_of
 
 DEFAULT_FUSION_BYTES = 32 << 20
+
+log = logging.getLogger("horovod_quant")
 
 
 def _resolve_codec(compression: Any) -> tuple[Codec, dict]:
@@ -106,7 +119,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                  op, gradient_predivide_factor: float, groups, sparse_as_dense: bool,
                  process_set, fusion_bytes: int, policy: LayerPolicy, seed: int, gather: str,
                  pipeline_elems: int | None, transport: str,
-                 on_step: Callable[[StepStats], None] | None) -> None:
+                 on_step: Callable[[StepStats], None] | None, fallback: str) -> None:
         super(self.__class__, self).__init__(params)
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("horovod_quant optimizers support op=hvd.Average or hvd.Sum; "
@@ -126,6 +139,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self.gather = gather
         self.pipeline_elems = pipeline_elems
         self.on_step = on_step
+        self.fallback = check_fallback(fallback)
+        self.fallback_decisions: list[FallbackDecision] = []
         self.stats = StepStats()
         self.last_stats: StepStats | None = None
         self._step = 0
@@ -151,6 +166,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._groups, self._fusion_bytes = groups, fusion_bytes
         self._sparse: set[int] = set()  # parameters whose gradients came sparse
         self._densified: set[int] = set()  # sparse this step, exchanged dense (sparse_as_dense)
+        self._fallen_back: set[int] = set()  # parameters of buckets whose codec did not pay
         self._delay = {id(p): backward_passes_per_step for p in all_params}
         self._raw_handles: dict[int, Any] = {}
         self._hooked: set[int] = set()
@@ -180,7 +196,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         buckets of the others, one codec per bucket."""
         self._raw, self._cast, by_codec = [], {}, {}
         for p in self._all_params:
-            c = (None if id(p) in self._sparse else
+            c = (None if id(p) in self._sparse or id(p) in self._fallen_back else
                  self.policy.codec_for(self.codec, p.shape, self._names[id(p)]))
             wire = horovod_dtype(c, p)
             if wire is not None:
@@ -203,6 +219,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             "transport": self._transport,
             "gather": self.gather, "policy": describe(self.policy),
             "fusion_bytes": self._fusion_bytes, "sparse": sorted(self._names[k] for k in self._sparse),
+            "fallback": [self.fallback, sorted(self._names[k] for k in self._fallen_back)],
             "buckets": [[b.codec.config(), [[self._names[id(p)], list(p.shape)] for p in b.params]]
                         for b in self._buckets]})
 
@@ -287,15 +304,16 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                                                 process_set=self.process_set)
         else:
             wire = wire.to(self._cast.get(id(p), wire.dtype))
-            handle = hvd.allreduce_async_(wire, name=name, op=self.op,
-                                          prescale_factor=1.0 / self.gradient_predivide_factor
-                                          if self.op == hvd.Average else 1.0,
-                                          postscale_factor=self.gradient_predivide_factor
-                                          if self.op == hvd.Average else 1.0,
-                                          process_set=self.process_set)
+            handle = self._allreduce_async_(wire, name)
         self.stats.add_raw(wire.numel() * wire.element_size(),
                            p.grad.numel() * p.grad.element_size())
         self._raw_handles[id(p)] = (p, handle)
+
+    def _allreduce_async_(self, tensor: torch.Tensor, name: str) -> Any:
+        """Horovod's in-place allreduce of ``tensor`` with the configured op and factors."""
+        scale = self.gradient_predivide_factor if self.op == hvd.Average else 1.0
+        return hvd.allreduce_async_(tensor, name=name, op=self.op, prescale_factor=1.0 / scale,
+                                    postscale_factor=scale, process_set=self.process_set)
 
     def _travels_in_bucket(self, p: torch.nn.Parameter) -> bool:
         return id(p) not in self._raw_handles
@@ -378,10 +396,65 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             if id(p) in self._densified:
                 p.grad = p.grad.to_sparse()
         self._densified.clear()
-        if any(id(p) in self._bucket_of for p in self._all_params if id(p) in self._sparse):
-            self._layout()  # sparse parameters leave their buckets; the ranks check again
+        relayout = any(id(p) in self._bucket_of for p in self._all_params if id(p) in self._sparse)
+        if self._step == FALLBACK_STEP and self.fallback == "auto":
+            relayout |= self._measure_fallbacks()
+        if relayout:  # sparse and fallen-back parameters leave their buckets; the ranks check again
+            self._layout()
             self._check_layout()
         self._finish_step()
+
+    def _measure_fallbacks(self) -> bool:
+        """Time each bucket's codec exchange and Horovod's float32 allreduce of the same vector
+        (:func:`~horovod_quant.exchange.fallback.measure_and_decide`), record the decisions in
+        :attr:`fallback_decisions`, log each fallback once (rank 0: every rank decides the same)
+        and mark the fallen-back buckets' parameters for Horovod's allreduce.
+
+        The trials read the step's means (``bucket.mean``, already copied into the gradients)
+        and write into scratch buffers, so they change no gradient.
+
+        Returns:
+            Whether any bucket falls back (the layout must be formed again).
+        """
+        largest: dict[torch.device, _Bucket] = {}
+        for b in self._buckets:
+            device = b.params[0].device
+            if device not in largest or b.numel > largest[device].numel:
+                largest[device] = b
+        scratch = {device: b.buffer() for device, b in largest.items()}
+        trials = [self._trial(b, scratch[b.params[0].device][:b.numel]) for b in self._buckets]
+        self.fallback_decisions = measure_and_decide(self._comm, trials, self._step,
+                                                     f"{self._prefix}.fallback")
+        for b, decision in zip(self._buckets, self.fallback_decisions):
+            if decision.fallback:
+                self._fallen_back.update(id(p) for p in b.params)
+                if self._comm.rank == 0:
+                    log.warning(decision.message())
+        return any(d.fallback for d in self.fallback_decisions)
+
+    def _trial(self, bucket: _Bucket, out: Any) -> BucketTrial:
+        """The two blocking runs that measure ``bucket``, both writing into ``out``."""
+        first = bucket.params[0]
+        exchange = self._exchange_of(bucket)
+        seed = derive_key(self.seed, self._step, bucket.index)  # its estimate is discarded
+        name = f"{self._prefix}.fallback.b{bucket.index}"
+
+        def settle() -> None:  # device work is queued: the time must include it
+            if on_gpu(first):
+                torch.cuda.synchronize(first.device)
+
+        def run_codec() -> None:
+            with stream_of(first):
+                exchange.start(bucket.mean, seed, name, out=out).wait()
+                settle()
+
+        def run_fp32() -> None:
+            with stream_of(first):
+                hvd.synchronize(self._allreduce_async_(as_tensor(out), f"{name}.fp32"))
+                settle()
+
+        return BucketTrial(bucket.index, repr(bucket.codec), bucket.numel * 4, run_codec,
+                           run_fp32)
 
     def _finish_step(self) -> None:
         self._hooked.clear()
@@ -426,7 +499,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          gather: str | None = None,
                          pipeline_elems: int | None = DEFAULT_PIPELINE_ELEMS,
                          transport: str | None = None,
-                         on_step: Callable[[StepStats], None] | None = None):
+                         on_step: Callable[[StepStats], None] | None = None,
+                         fallback: str = "auto"):
     """Wrap ``optimizer`` so gradients are averaged across ranks through a horovod_quant codec.
 
     Same arguments as ``horovod.torch.DistributedOptimizer`` (``num_groups``/``groups`` define
@@ -446,9 +520,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             a gloo group beside Horovod for CPU gradients, else Horovod's collectives),
             "gloo" or "horovod". The choice is logged once and kept in ``opt.transport``.
         on_step: called with each step's :class:`StepStats` (also at ``.last_stats``).
+        fallback: "auto" (default): at the end of the second step (index
+            :data:`~horovod_quant.exchange.fallback.FALLBACK_STEP`), time each bucket's codec
+            exchange against Horovod's float32 allreduce of the same vector (the slowest rank's
+            best of two runs each) and let Horovod's allreduce carry, from the next step on,
+            the buckets whose codec was slower, with one warning per bucket in the
+            ``horovod_quant`` log; "never": always the codec (no measurement). A one-rank world
+            never measures.
 
     Returns:
-        An optimizer of a subclass of ``type(optimizer)``.
+        An optimizer of a subclass of ``type(optimizer)``; its ``fallback_decisions`` lists
+        the :class:`~horovod_quant.exchange.fallback.FallbackDecision` of every bucket once
+        measured (empty before, and with ``fallback="never"``).
+
+    Raises:
+        ValueError: an argument is invalid (``fallback`` not "auto" or "never", ...).
     """
     codec, settings = _resolve_codec(compression)
     if num_groups and groups is None:
@@ -460,6 +546,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
               policy if policy is not None else settings.get("policy", LayerPolicy()),
               seed if seed is not None else settings.get("seed", 0),
               gather if gather is not None else settings.get("gather", "auto"), pipeline_elems,
-              resolve_transport(transport), on_step)
+              resolve_transport(transport), on_step, fallback)
     opt.load_state_dict(optimizer.state_dict())
     return opt
