@@ -29,7 +29,8 @@ def _train(compression):
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
                                    named_parameters=model.named_parameters(),
-                                   compression=compression)
+                                   compression=compression,
+                                   fallback="never")  # train with the codec, whatever it costs
     x, y, x_all, y_all = _data()
     gen = torch.Generator().manual_seed(hvd.rank())
     for _ in range(STEPS):

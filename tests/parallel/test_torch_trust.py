@@ -179,7 +179,7 @@ def test_sparse_embeddings_train_and_stay_identical(sparse_as_dense):
     opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
                                    named_parameters=model.named_parameters(),
                                    compression=hqt.Compression.qsgd(bits=8),
-                                   sparse_as_dense=sparse_as_dense)
+                                   sparse_as_dense=sparse_as_dense, fallback="never")
     gen = torch.Generator().manual_seed(7 + hvd.rank())
     for _ in range(3):
         opt.zero_grad()
