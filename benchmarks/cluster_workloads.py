@@ -232,7 +232,8 @@ def run_train(item: dict) -> dict:
         opt = hq.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                       compression=build_codec(cfg),
                                       pipeline_elems=item.get("pipeline_elems"),
-                                      transport=item.get("transport", "horovod"))
+                                      transport=item.get("transport", "horovod"),
+                                      fallback="never")  # time the codec, not the fallback
         horovod_path = False
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     batch = item["batch"]

@@ -114,7 +114,7 @@ def train_one(label: str, seed: int, args, data) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=args.lr * size * lr_scale, momentum=0.9)
     compression = getattr(hq.Compression, name)(seed=1000 + seed, **params)
     opt = hq.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                  compression=compression)
+                                  compression=compression, fallback="never")  # the codec's own
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(10_000 * seed + rank)
     lossf = torch.nn.functional.cross_entropy

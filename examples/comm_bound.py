@@ -54,7 +54,8 @@ def run(spec, args, x, y, bar):
                                 torch.nn.Linear(args.hidden, 10))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
     opt = hq.DistributedOptimizer(opt, named_parameters=model.named_parameters(),  # horovod_quant
-                                  compression=build_compression(spec))            # horovod_quant
+                                  compression=build_compression(spec),            # horovod_quant
+                                  fallback=args.fallback)                         # horovod_quant
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(hvd.rank())
     xs, ys = x[hvd.rank()::hvd.size()], y[hvd.rank()::hvd.size()]
@@ -99,6 +100,11 @@ def main():
     ap.add_argument("--steps", type=int, default=15, help="timed steps per codec")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     ap.add_argument("--lr", type=float, default=0.01, help="per rank (scaled by the world size)")
+    ap.add_argument("--fallback", choices=("auto", "never"), default="never",
+                    help="hq.DistributedOptimizer's fallback: 'never' trains every listed codec "
+                         "(this script compares them); 'auto' lets Horovod's float32 "
+                         "allreduce carry the buckets whose codec was slower at step 1 "
+                         "(default: %(default)s)")
     ap.add_argument("--link-gbps", type=float, default=10.0,
                     help="bandwidth for the estimated payload transfer time column")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

@@ -38,7 +38,7 @@ def build_compression(spec: str):
     return getattr(hq.Compression, name)(**params)  # horovod_quant: pick a codec
 
 
-def train(spec: str, steps: int, batch: int, lr: float, bar=None):
+def train(spec: str, steps: int, batch: int, lr: float, fallback: str, bar=None):
     torch.manual_seed(0)
     x, y = load_digits(return_X_y=True)
     x = torch.tensor(x / 16.0, dtype=torch.float32)
@@ -51,7 +51,8 @@ def train(spec: str, steps: int, batch: int, lr: float, bar=None):
                                 torch.nn.Linear(256, 10))
     opt = torch.optim.SGD(model.parameters(), lr=lr * hvd.size(), momentum=0.9)
     opt = hq.DistributedOptimizer(opt, named_parameters=model.named_parameters(),  # horovod_quant
-                                  compression=build_compression(spec))            # horovod_quant
+                                  compression=build_compression(spec),            # horovod_quant
+                                  fallback=fallback)                              # horovod_quant
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(hvd.rank())
     sent = raw = 0
@@ -89,6 +90,11 @@ def main():
     ap.add_argument("--batch", type=int, default=32, help="batch per rank (default: %(default)s)")
     ap.add_argument("--lr", type=float, default=0.05,
                     help="learning rate per rank, scaled by the world size (default: %(default)s)")
+    ap.add_argument("--fallback", choices=("auto", "never"), default="never",
+                    help="hq.DistributedOptimizer's fallback: 'never' trains every listed codec "
+                         "(this script compares them); 'auto' lets Horovod's float32 "
+                         "allreduce carry the buckets whose codec was slower at step 1 "
+                         "(default: %(default)s)")
     ap.add_argument("--json", default=None, help="rank 0 writes the table's rows to this file")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                     help="progress bar on rank 0's stderr (default: only when it is a terminal)")
@@ -107,7 +113,7 @@ def main():
     rows = []
     for s in specs:
         bar.set_postfix_str(s, refresh=False)
-        rows.append(train(s, args.steps, args.batch, args.lr, bar))
+        rows.append(train(s, args.steps, args.batch, args.lr, args.fallback, bar))
     bar.close()
     if hvd.rank() == 0:
         print(f"\n{hvd.size()} ranks, {args.steps} steps of batch {args.batch} per rank, "
