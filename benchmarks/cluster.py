@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 
+from horovod_quant.exchange.fallback import FALLBACK_STEP
 from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,12 +53,12 @@ PREFIX = "hqcl"
 #: what the overlap probe posts (config id prefix -> transport; cluster_workloads.py)
 OVERLAP_TRANSPORTS = {"": "Horovod's fp32 allreduce",
                       "torch-": "4 concurrent torch.distributed gloo all_gathers of uint8",
-                      "p2p-": "the package's transport='gloo' allgather of uint8 (point-to-point)"}
+                      "hq-": "the package's transport='gloo' allgather of uint8 (a gloo group beside Horovod)"}
 #: the transports of the probe (benchmarks/cluster_workloads.transports; mpi4py under MPI only)
 TRANSPORTS = ("hvd_allgather", "hvd_allgather_concurrent", "hvd_grouped_allgather",
               "hvd_alltoall", "hvd_allreduce_int32", "hvd_allreduce_fp32_same_bytes",
-              "torch_dist_all_gather", "torch_dist_all_gather_concurrent", "hq_gloo_p2p",
-              "hq_gloo_p2p_concurrent", "hq_gloo_p2p_allreduce_int32", "mpi4py_iallgather")
+              "torch_dist_all_gather", "torch_dist_all_gather_concurrent", "hq_gloo_group",
+              "hq_gloo_group_concurrent", "hq_gloo_group_allreduce_int32", "mpi4py_iallgather")
 MB = 1 << 20
 
 CODECS = ("qsgd", "nuqsgd", "natural", "natural_dithering", "standard_dithering",
@@ -349,7 +350,8 @@ def build_plan(args, first_rate: bool, rendezvous: str) -> list[dict]:
             items.append({"kind": "exchange", "id": f"x-{size:g}MB", "size_mb": size,
                           "configs": [config(s) for s in args.exchange_specs], "warmup": 1,
                           "repeats": args.repeats_large if size >= 128 else args.repeats,
-                          "pipeline_elems": args.pipeline_elems, "transport": args.transport})
+                          "pipeline_elems": args.pipeline_elems, "transport": args.transport,
+                          "fallback": args.fallback})
     if not args.no_training:
         models = args.models if first_rate else args.models_other_rates
         for model in models:
@@ -358,7 +360,7 @@ def build_plan(args, first_rate: bool, rendezvous: str) -> list[dict]:
                               "config": config(spec), "batch": args.batch[model],
                               "warmup": args.warmup_steps, "steps": args.steps,
                               "pipeline_elems": args.pipeline_elems,
-                              "transport": args.transport})
+                              "transport": args.transport, "fallback": args.fallback})
     return items
 
 
@@ -650,7 +652,9 @@ def render_markdown(data: dict, prefix: str) -> str:
         by = {(r["size_mb"], r["config_id"]): r for r in rows}
         L.append(f"## Exchange alone, {lab}\n")
         L.append("Median wall time of one exchange (encode + collective + decode, slowest rank),"
-                 " speedup vs Horovod fp32 allreduce in brackets.\n")
+                 " speedup vs Horovod fp32 allreduce in brackets; *fp32 fallback*: the package's"
+                 " rule (``fallback='auto'``) measured the codec slower than Horovod's float32 "
+                 "allreduce after the warm-up round, which then carried it.\n")
         L.append("| config | ratio | " + " | ".join(f"{z:g} MB ms" for z in sizes) +
                  f" | x fp16 ({sizes[-1]:g} MB) |")
         L.append("|---|---|" + "---|" * len(sizes) + "---|")
@@ -664,7 +668,8 @@ def render_markdown(data: dict, prefix: str) -> str:
                     continue
                 ratio = f"{r['bytes_raw'] / r['bytes_sent']:.2f}"
                 sp = s["exchange"][lab][str(z)][cid]["speedup_vs_fp32"]
-                cells.append(f"{_fmt_ms(r['wall_s'])} ({_x(sp)})")
+                cells.append(f"{_fmt_ms(r['wall_s'])} ({_x(sp)})"
+                             + (" fp32 fallback" if r.get("fallback") else ""))
             last = s["exchange"][lab].get(str(sizes[-1]), {}).get(cid, {})
             L.append(f"| {cid} | {ratio} | " + " | ".join(cells) +
                      f" | {_x(last.get('speedup_vs_fp16'))} |")
@@ -717,7 +722,9 @@ def render_markdown(data: dict, prefix: str) -> str:
                     L.append(f"| {r['config_id']} | error | | | | | | | | |")
                     continue
                 sp = s["training"][lab][model][r["config_id"]]
-                L.append(f"| {r['config_id']} | {r['samples_per_s']:.1f} | "
+                fell = (f" ({r['fallback_buckets']} buckets fell back to fp32)"
+                        if r.get("fallback_buckets") else "")
+                L.append(f"| {r['config_id']}{fell} | {r['samples_per_s']:.1f} | "
                          f"{_x(sp['speedup_vs_fp32'])} | {_x(sp['speedup_vs_fp16'])} | "
                          f"{_fmt_ms(r['step_s'])} | {_fmt_ms(r['compute_s'])} | "
                          f"{_fmt_ms(r['encode_s'])} | {_fmt_ms(r['exchange_s'])} | "
@@ -927,6 +934,11 @@ def parse_args(argv=None):
     ap.add_argument("--transport", choices=("auto", "gloo", "horovod"), default="auto",
                     help="what carries the codecs' payloads (DistributedOptimizer's transport=; "
                          "default auto: a gloo group beside Horovod for CPU gradients)")
+    ap.add_argument("--fallback", choices=("auto", "never"), default="auto",
+                    help="DistributedOptimizer's fallback= (default auto: a bucket whose codec "
+                         "exchange is slower than Horovod's float32 allreduce, measured at step "
+                         "1, falls back to it); exchange rows apply the same rule after their "
+                         "warm-up round")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "cluster"),
                     help="output prefix (PREFIX.json, .md, _*.png)")
     args = ap.parse_args(argv)
@@ -952,7 +964,10 @@ def parse_args(argv=None):
     args.models_other_rates = [m for m in (args.models_other_rates or "mlp").split(",") if m]
     args.repeats = args.repeats or (3 if q else 4)
     args.repeats_large = args.repeats_large or (2 if q else 3)
-    args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else 1
+    # with fallback="auto" the optimizer measures its buckets at the end of step
+    # FALLBACK_STEP: that step is warm-up, not a training step to time
+    args.warmup_steps = (args.warmup_steps if args.warmup_steps is not None else
+                         1 + (FALLBACK_STEP + 1 if args.fallback == "auto" else 0))
     args.steps = args.steps or (2 if q else 3)
     args.batch = {"mlp": 32, "cnn": 16}
     if args.quick and args.out == os.path.join(ROOT, "docs", "results", "cluster"):
@@ -1022,7 +1037,7 @@ def main(argv=None) -> int:
                 shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": machine_info(), "controller": args.controller,
-            "transport": args.transport, "links": [],
+            "transport": args.transport, "fallback": args.fallback, "links": [],
             "notes": []}
     bar = tqdm(total=sum(ticks(it) for p in plans for it in p), unit="step",
                dynamic_ncols=True, mininterval=1.0)

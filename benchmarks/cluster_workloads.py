@@ -37,6 +37,7 @@ import torch
 
 from horovod_quant.core.registry import codec_class, get_codec
 from horovod_quant.exchange import Exchange
+from horovod_quant.torch.collectives import HorovodTorchCollectives
 from horovod_quant.torch.transport import collectives_for
 
 MB = 1 << 20
@@ -122,6 +123,34 @@ def make_exchange(cfg: dict, comm, pipeline_elems):
     return Exchange(build_codec(cfg), comm, pipeline_elems=pipeline_elems)
 
 
+def choose_fallbacks(item: dict, state: dict, x: np.ndarray) -> None:
+    """What ``hq.DistributedOptimizer(fallback="auto")`` does for a bucket of this size, with
+    the package's own rule (``exchange.fallback.measure_and_decide``: best of two blocking
+    runs of the codec exchange and of Horovod's float32 allreduce of the same vector, slowest
+    rank): the configurations whose codec was slower run Horovod's float32 allreduce from
+    here on, and their rows say so."""
+    from horovod_quant.exchange.fallback import BucketTrial, measure_and_decide
+
+    buf = torch.from_numpy(x.copy())
+    trials, ids = [], []
+    for cfg in item["configs"]:
+        st = state[cfg["id"]]
+        if st["error"] or isinstance(st["ex"], HorovodAllreduce):
+            continue
+        name = f"hqcl.fb.{item['id']}.{cfg['id']}"
+        trials.append(BucketTrial(
+            len(trials), cfg["id"], x.nbytes,
+            lambda ex=st["ex"], nm=name, out=st["buf"]: ex.start(x, seed=0, name=nm,
+                                                                 out=out).wait(),
+            lambda nm=name: hvd.allreduce_(buf, name=nm + ".fp32", op=hvd.Average)))
+        ids.append(cfg["id"])
+    for cfg_id, decision in zip(ids, measure_and_decide(
+            HorovodTorchCollectives(), trials, 1, f"hqcl.fb.{item['id']}")):
+        state[cfg_id]["fallback"] = decision
+        if decision.fallback:
+            state[cfg_id]["ex"] = HorovodAllreduce("none")
+
+
 def run_exchange(item: dict, emit) -> None:
     """All configurations of one size, interleaved: round r runs every configuration once, so
     load changes on a shared machine hit every configuration alike."""
@@ -137,6 +166,8 @@ def run_exchange(item: dict, emit) -> None:
             state[cfg["id"]] = {"error": f"{type(exc).__name__}: {exc}"}
     rounds = item["warmup"] + item["repeats"]
     for r in range(rounds):
+        if r == item["warmup"] and item.get("fallback") == "auto":
+            choose_fallbacks(item, state, x)
         for cfg in item["configs"]:
             st = state[cfg["id"]]
             if st["error"]:
@@ -180,7 +211,11 @@ def run_exchange(item: dict, emit) -> None:
             return statistics.median(statistics.fmean(pr[i][key] for pr in per_rank)
                                      for i in range(len(reps)))
 
+        decision = st.get("fallback")
         emit({"type": "result", "id": row_id, "error": None,
+              "fallback": decision is not None and decision.fallback,
+              "fallback_codec_s": decision.codec_s if decision else None,
+              "fallback_fp32_s": decision.fp32_s if decision else None,
               "wall_s": statistics.median(walls), "wall_all_s": walls,
               "wall_min_s": min(walls), "encode_s": med("encode_s"),
               "exchange_s": med("exchange_s"), "decode_s": med("decode_s"),
@@ -233,7 +268,7 @@ def run_train(item: dict) -> dict:
                                       compression=build_codec(cfg),
                                       pipeline_elems=item.get("pipeline_elems"),
                                       transport=item.get("transport", "horovod"),
-                                      fallback="never")  # time the codec, not the fallback
+                                      fallback=item.get("fallback", "never"))
         horovod_path = False
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     batch = item["batch"]
@@ -261,6 +296,7 @@ def run_train(item: dict) -> dict:
                        bytes_raw=nparams * 4)
         else:
             st = opt.last_stats
+            row["fallback_buckets"] = sum(d.fallback for d in opt.fallback_decisions)
             row.update(encode_s=st.encode_s, exchange_s=st.exchange_s, decode_s=st.decode_s,
                        bytes_sent=st.bytes_sent, bytes_raw=st.bytes_raw)
         row["compute_s"] = row["step_s"] - row["encode_s"] - row["exchange_s"] - row["decode_s"]
@@ -276,6 +312,7 @@ def run_train(item: dict) -> dict:
     out["step_median_s"] = statistics.median(
         max(pr[i]["step_s"] for pr in per_rank) for i in range(len(steps)))
     out["bytes_sent"] = steps[-1]["bytes_sent"]
+    out["fallback_buckets"] = steps[-1].get("fallback_buckets", 0)
     out["bytes_raw"] = steps[-1]["bytes_raw"]
     out["model_params"] = nparams
     out["final_loss"] = float(loss.detach())
@@ -304,7 +341,7 @@ OVERLAP_MODES = ("idle", "sleep", "compute")
 #: beside Horovod (``torch-idle`` ...), and the package's transport="gloo" allgather of it
 #: (``p2p-idle`` ...)
 OVERLAP_TRANSPORTS = {"": "hvd_allreduce", "torch-": "torch_dist_all_gather_concurrent",
-                      "p2p-": "hq_gloo_p2p"}
+                      "hq-": "hq_gloo_group"}
 
 
 def _post(transport: str, buf: torch.Tensor, payload: torch.Tensor, name: str, item: dict):
@@ -312,8 +349,8 @@ def _post(transport: str, buf: torch.Tensor, payload: torch.Tensor, name: str, i
     if transport == "hvd_allreduce":
         handle = hvd.allreduce_async_(buf, name=name, op=hvd.Average)
         return lambda: hvd.synchronize(handle)
-    if transport == "hq_gloo_p2p":  # one name: its bound is known from the warm-up round on
-        handle = _peers().allgather_async(payload.numpy(), "hqcl.o.p2p")
+    if transport == "hq_gloo_group":  # one name: its bound is known from the warm-up round on
+        handle = _peers().allgather_async(payload.numpy(), "hqcl.o.hq")
         return handle.wait
     dist = _torch_group(item)
     works = []
@@ -440,18 +477,18 @@ def transports(item: dict) -> dict:
         for w in works:
             w.wait()
 
-    def hq_gloo_p2p(t, name):  # the package's transport="gloo" (PeerCollectives)
+    def hq_gloo_group(t, name):  # the package's transport="gloo" (StandaloneGroupCollectives)
         peers = _peers()
         peers.allgather_async(t.numpy(), name.rsplit(".", 1)[0]).wait()
 
-    def hq_gloo_p2p_concurrent(t, name):
+    def hq_gloo_group_concurrent(t, name):
         peers = _peers()
         handles = [peers.allgather_async(p.numpy(), f"{name.rsplit('.', 1)[0]}.{i}")
                    for i, p in enumerate(pieces(t))]
         for h in handles:
             h.wait()
 
-    def hq_gloo_p2p_allreduce_int32(t, name):  # the same bytes summed, as transport="gloo"
+    def hq_gloo_group_allreduce_int32(t, name):  # the same bytes summed, as transport="gloo"
         peers = _peers()
         peers.allreduce_async(t.numpy().view(np.int32), name.rsplit(".", 1)[0]).wait()
 
@@ -466,8 +503,8 @@ def transports(item: dict) -> dict:
     table = {f.__name__: f for f in (
         hvd_allgather, hvd_allgather_concurrent, hvd_grouped_allgather, hvd_alltoall,
         hvd_allreduce_int32, hvd_allreduce_fp32_same_bytes, torch_dist_all_gather,
-        torch_dist_all_gather_concurrent, hq_gloo_p2p, hq_gloo_p2p_concurrent,
-        hq_gloo_p2p_allreduce_int32, mpi4py_iallgather)}
+        torch_dist_all_gather_concurrent, hq_gloo_group, hq_gloo_group_concurrent,
+        hq_gloo_group_allreduce_int32, mpi4py_iallgather)}
     if _mpi_comm() is None:
         table.pop("mpi4py_iallgather")
     return table

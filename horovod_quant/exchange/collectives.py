@@ -94,11 +94,15 @@ class Collectives(abc.ABC):
         rank: this process's rank in the group.
         size: number of ranks.
         group_id: names the group of ranks, the same on each of them (the process set's id).
+        pairs_by_order: see below.
     """
 
     rank: int
     size: int
     group_id: str = "0"
+    #: whether the ranks' collectives pair by the order they are called in (torch.distributed)
+    #: rather than by their names (Horovod): then every rank must issue them in one order
+    pairs_by_order: bool = False
 
     @abc.abstractmethod
     def allreduce_async(self, arr: np.ndarray, name: str, op: str = "sum") -> Handle:

@@ -56,7 +56,7 @@ from ..core.base import Codec
 from ..core.rng import derive_key, name_key
 from ..policy import LayerPolicy
 from .collectives import HorovodTorchCollectives, as_array, as_tensor
-from .transport import collectives_for, resolve_transport
+from .transport import collectives_for
 
 
 def on_gpu(tensor: torch.Tensor) -> bool:
@@ -174,9 +174,6 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._deferred: list[_Job] = []  # not started yet
         self._open: list[_Job] = []  # not finished yet
 
-    def shared_config(self) -> dict:
-        return {**super().shared_config(), "transport": resolve_transport()}
-
     def _finish_step(self) -> None:
         """Wait for the configuration check (the first time), build every exchange the policy
         can use in the policy's order (their collective set-up, e.g. the MPI communicator, then
@@ -185,8 +182,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         them, each in key order."""
         if not self._exchanges:
             self._check.wait()
-            # the transport (HQ_TRANSPORT, default "auto") is built once the ranks agree
-            self._comm = collectives_for(self.process_set)
+            # Horovod's collectives: a transport that pairs by call order would need the
+            # jobs started in one order, and Horovod calls compress in each rank's hook order
+            self._comm = collectives_for(self.process_set, "horovod")
             self._exchanges = {c.config_key(): Exchange(c, self._comm, gather=self.gather)
                                for c in self.policy.codecs(self.codec)}
         by_key = lambda j: j.key  # noqa: E731

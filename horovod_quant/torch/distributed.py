@@ -1,6 +1,6 @@
 """:class:`Collectives` over a ``torch.distributed`` process group: the DDP door's transport
-(:class:`ProcessGroupCollectives`), and the Horovod door's gloo transport beside Horovod
-(:class:`PeerCollectives`, point-to-point messages paired by name).
+(:class:`ProcessGroupCollectives`), and the Horovod optimizer's gloo transport beside Horovod
+(:class:`StandaloneGroupCollectives`).
 
 ``torch.distributed`` matches collectives by call order per process group, not by name: the
 names an :class:`~horovod_quant.exchange.Exchange` passes are not sent, and the callers issue their
@@ -26,12 +26,8 @@ the others take host arrays (device payloads are staged through host memory by
 from __future__ import annotations
 
 import itertools
-import threading
-import zlib
-from datetime import timedelta
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -76,11 +72,13 @@ class _WorkHandle(Handle):
 
 class ProcessGroupCollectives(Collectives):
     """The collectives of a torch.distributed process group on NumPy arrays (and CuPy arrays
-    when the group is NCCL's).
+    when the group is NCCL's), paired by call order (:attr:`pairs_by_order`).
 
     Args:
         group: the process group (None: the default group).
     """
+
+    pairs_by_order = True
 
     def __init__(self, group: Any = None) -> None:
         self.group = group
@@ -108,6 +106,19 @@ class ProcessGroupCollectives(Collectives):
     def _sizes(self, counts: list[int]) -> torch.Tensor:
         return torch.tensor(counts, dtype=torch.int64, device=self.device)
 
+    # the group's primitives (each returns the work in flight): the registered group's
+    # torch.distributed calls here, the ProcessGroup object's own methods in StandaloneGroup
+    def _all_gather(self, parts: list[torch.Tensor], send: torch.Tensor) -> Any:
+        return dist.all_gather(parts, send, group=self.group, async_op=True)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> Any:
+        return dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
+
+    def _all_to_all(self, out: torch.Tensor, send: torch.Tensor, out_splits: list[int],
+                    send_splits: list[int]) -> Any:
+        return dist.all_to_all_single(out, send, out_splits, send_splits, group=self.group,
+                                      async_op=True)
+
     def send_async(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         """Start sending ``tensor`` to group rank ``peer`` under ``tag``; returns the work."""
         return dist.isend(tensor, self._ranks[peer], group=self.group, tag=tag)
@@ -118,8 +129,7 @@ class ProcessGroupCollectives(Collectives):
 
     def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
         tensor = self._tensor(arr)
-        work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
-        return _WorkHandle(work, lambda: self.like(tensor, arr))
+        return _WorkHandle(self._all_reduce(tensor, op), lambda: self.like(tensor, arr))
 
     def allgather_async(self, arr: Any, name: str) -> Handle:
         tensor = self._tensor(arr).reshape(-1)
@@ -130,7 +140,7 @@ class ProcessGroupCollectives(Collectives):
         send[:_LENGTH_BYTES] = self._sizes([data.numel()]).view(torch.uint8)
         send[_LENGTH_BYTES:_LENGTH_BYTES + min(bound, data.numel())] = data[:bound]
         parts = [torch.empty_like(send) for _ in range(self.size)]
-        work = dist.all_gather(parts, send, group=self.group, async_op=True)
+        work = self._all_gather(parts, send)
 
         def result() -> Any:
             lengths = torch.stack([p[:_LENGTH_BYTES] for p in parts]).view(torch.int64)
@@ -142,7 +152,7 @@ class ProcessGroupCollectives(Collectives):
                 rest = torch.zeros(longest - bound, dtype=torch.uint8, device=self.device)
                 rest[:max(0, data.numel() - bound)] = data[bound:]
                 tails = [torch.empty_like(rest) for _ in range(self.size)]
-                dist.all_gather(tails, rest, group=self.group)
+                self._all_gather(tails, rest).wait()
                 chunks = [torch.cat([c, t[:max(0, n - bound)]])
                           for c, t, n in zip(chunks, tails, lengths)]
             return self.like(torch.cat(chunks).view(tensor.dtype), arr)
@@ -152,11 +162,11 @@ class ProcessGroupCollectives(Collectives):
     def alltoall_async(self, arr: Any, splits: list[int], name: str) -> Handle:
         tensor = self._tensor(arr).reshape(-1)
         received = self._sizes([0] * self.size)
-        dist.all_to_all_single(received, self._sizes(splits), group=self.group)
+        ones = [1] * self.size
+        self._all_to_all(received, self._sizes(splits), ones, ones).wait()
         received = [int(n) for n in received.tolist()]
         out = torch.empty(sum(received), dtype=tensor.dtype, device=self.device)
-        work = dist.all_to_all_single(out, tensor, received, list(splits), group=self.group,
-                                      async_op=True)
+        work = self._all_to_all(out, tensor, received, list(splits))
         return _WorkHandle(work, lambda: (self.like(out, arr), received))
 
     def mpi_communicator(self) -> PointToPoint:
@@ -262,211 +272,44 @@ class PointToPoint:
         self._reductions += 1
 
 
-class _Completion:
-    """Point-to-point works in flight as one work.
-
-    Gloo marks such a work complete only when something waits for it, and only one thread may
-    wait for it. So the first :meth:`wait` waits for the works itself, and the first
-    :meth:`is_completed` (the doors poll configuration checks, and pipelines advanced from
-    backward hooks) starts a thread of its own that waits for them; a caller that comes second
-    waits for that one. No completion waits behind another's, which could pair the ranks'
-    collectives by order after all."""
-
-    def __init__(self, works: list[Any], timeout: timedelta) -> None:
-        self._works = works
-        self._timeout = timeout
-        self._claimed = False
-        self._lock = threading.Lock()
-        self._finished = threading.Event()
-        self._error: BaseException | None = None
-
-    def _claim(self) -> bool:
-        with self._lock:
-            claimed, self._claimed = not self._claimed, True
-        return claimed
-
-    def _wait_for_works(self) -> None:
-        try:
-            for work in self._works:
-                work.wait(self._timeout)
-        except BaseException as exc:  # raised to whoever waits for this collective
-            self._error = exc
-        finally:
-            self._finished.set()
-
-    def wait(self) -> None:
-        if self._claim():
-            self._wait_for_works()
-        self._finished.wait()
-        if self._error is not None:
-            raise self._error
-
-    def is_completed(self) -> bool:
-        if self._claim():
-            threading.Thread(target=self._wait_for_works, name="hq-peer-wait",
-                             daemon=True).start()
-        return self._finished.is_set()
-
-
-class _Receiving:
-    """A collective whose receiving side runs on a thread of its own (started at once):
-    ``receive()`` posts receives as it learns their sizes and waits for everything."""
-
-    def __init__(self, receive: Callable[[], None]) -> None:
-        self._finished = threading.Event()
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                receive()
-            except BaseException as exc:  # raised to whoever waits for this collective
-                self._error = exc
-            finally:
-                self._finished.set()
-
-        threading.Thread(target=run, name="hq-peer-gather", daemon=True).start()
-
-    def wait(self) -> None:
-        self._finished.wait()
-        if self._error is not None:
-            raise self._error
-
-    def is_completed(self) -> bool:
-        return self._finished.is_set()
-
-
-class PeerCollectives(ProcessGroupCollectives):
-    """Collectives built from point-to-point messages of a process group, paired by the
-    collective's name like Horovod's, not by call order: exchanges may start in any order on
-    each rank (the Horovod door starts them from backward hooks).
-
-    Each message's tag is derived from the collective's name (:meth:`name_tag`); a name is
-    reused only after its previous messages were received (the doors finish every exchange of
-    a step before the next), and messages of one tag between two ranks arrive in order.
-
-    * allgather: every rank sends its part's length and then the part to every other rank
-      (volume (n - 1) x the part, as a ring allgather); a thread of the collective receives
-      each length and then posts the receive of that many bytes, so nothing waits for the
-      caller (a second round at ``wait()`` would pair the ranks by the order they wait in).
-      Parts of the lengths the last call under the same name had are received in place;
-    * allreduce between two ranks: each sends its array to the other and both add the two in
-      rank order (integers wrap; the same bits on both ranks). With more ranks an exchange-all
-      would send more than a ring, so ``reduce_with`` (Horovod's collectives) runs it;
-    * alltoall: ``reduce_with``;
-    * :meth:`mpi_communicator`: :class:`PointToPoint` over the same messages (the exponent
-      allreduce of Global-QSGD without MPI's busy-polling progress).
+class StandaloneGroupCollectives(ProcessGroupCollectives):
+    """:class:`ProcessGroupCollectives` of a ``ProcessGroup`` object that is not registered
+    with ``torch.distributed`` (its own methods are called, with group ranks), so a library
+    can build one without touching the default group the user may initialize
+    (:func:`horovod_quant.torch.transport.gloo_group_beside_horovod`).
 
     Args:
-        group: a ``torch.distributed`` ProcessGroup object (need not be registered with the
-            default group: :func:`horovod_quant.torch.transport.gloo_group_beside_horovod`
-            builds one beside Horovod) over host tensors.
-        reduce_with: the collectives of the same ranks, in the same rank order, for what is
-            not sent point-to-point.
-        timeout: how long a wait for a peer may take before it raises.
+        group: the ProcessGroup object (gloo: host tensors).
+        group_id: names the group's ranks, the same on each of them.
     """
 
-    _NAME_TAG = 1 << 30  # above every PointToPoint tag (channel < 2^10, shifted by 20)
-    #: bytes per point-to-point message (:meth:`_post`; 256 KiB filled the emulated 1 Gbit/s
-    #: link best of 256 KiB, 1 and 4 MiB)
-    CHUNK_BYTES = 1 << 18
-
-    def __init__(self, group: Any, reduce_with: Collectives,
-                 timeout: timedelta = timedelta(minutes=30)) -> None:
-        if (group.rank(), group.size()) != (reduce_with.rank, reduce_with.size):
-            raise ValueError(f"the point-to-point group (rank {group.rank()} of "
-                             f"{group.size()}) and reduce_with (rank {reduce_with.rank} of "
-                             f"{reduce_with.size}) must number the ranks alike")
+    def __init__(self, group: Any, group_id: str) -> None:
         self.group = group
         self.rank, self.size = group.rank(), group.size()
-        self.group_id = reduce_with.group_id
+        self._ranks = list(range(self.size))
+        self.group_id = group_id
         self.device = torch.device("cpu")
-        self.reduce_with = reduce_with
-        self.timeout = timeout
         self._p2p_channels = itertools.count()
-        self._bounds: dict[str, list[int]] = {}  # name -> every rank's bytes last gathered
+        self._bounds = {}
 
-    def _track(self, works: list[Any]) -> _Completion:
-        return _Completion(works, self.timeout)
+    def _all_gather(self, parts: list[torch.Tensor], send: torch.Tensor) -> Any:
+        return self.group.allgather([parts], [send])
 
-    @classmethod
-    def name_tag(cls, name: str) -> int:
-        """The tag of the collective called ``name``: 30 bits of its CRC-32, in a range no
-        :class:`PointToPoint` tag reaches."""
-        return cls._NAME_TAG | (zlib.crc32(name.encode()) & (cls._NAME_TAG - 1))
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> Any:
+        options = dist.AllreduceOptions()
+        options.reduceOp = _OPS[op]
+        return self.group.allreduce([tensor], options)
+
+    def _all_to_all(self, out: torch.Tensor, send: torch.Tensor, out_splits: list[int],
+                    send_splits: list[int]) -> Any:
+        return self.group.alltoall_base(out, send, out_splits, send_splits,
+                                        dist.AllToAllOptions())
 
     def send_async(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        return self._track([self.group.send([tensor], peer, tag)])
+        return self.group.send([tensor], peer, tag)
 
     def recv_async(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        return self._track([self.group.recv([tensor], peer, tag)])
-
-    def _post(self, tensor: torch.Tensor, peer: int, tag: int, receive: bool) -> list[Any]:
-        """Send ``tensor`` to ``peer`` (or receive into it) as chunks of :data:`CHUNK_BYTES`:
-        many messages in flight fill the link where one large one does not (measured:
-        docs/cluster.md). Chunks of one tag arrive in the order they were sent, into the
-        receives in the order they were posted."""
-        op = self.group.recv if receive else self.group.send
-        step = max(1, self.CHUNK_BYTES // tensor.element_size())
-        return [op([tensor[lo:lo + step]], peer, tag)
-                for lo in range(0, max(1, tensor.numel()), step)]
-
-    def allgather_async(self, arr: Any, name: str) -> Handle:
-        flat = as_tensor(arr).reshape(-1)  # sent as it is: plans do not change a sent array
-        data = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-        tag, peers = self.name_tag(name), [p for p in range(self.size) if p != self.rank]
-        heads = self._sizes([data.numel()] * self.size).view(torch.uint8).reshape(self.size, -1)
-        sends = []
-        for peer in peers:
-            sends += self._post(heads[self.rank], peer, tag, receive=False)
-            sends += self._post(data, peer, tag, receive=False)
-        head_recvs = {peer: self._post(heads[peer], peer, tag, receive=True) for peer in peers}
-        expected = self._bounds.get(name) or [data.numel()] * self.size
-        offsets = np.concatenate([[0], np.cumsum(expected)]).tolist()
-        out = torch.empty(offsets[-1], dtype=torch.uint8)
-        parts = [out[offsets[r]:offsets[r + 1]] for r in range(self.size)]
-        if data.numel() == expected[self.rank]:
-            parts[self.rank].copy_(data)
-        else:
-            parts[self.rank] = data
-
-        def receive() -> None:
-            bodies = []
-            for peer in peers:
-                for work in head_recvs[peer]:
-                    work.wait(self.timeout)
-                length = int(heads[peer].view(torch.int64))
-                if length != expected[peer]:
-                    parts[peer] = torch.empty(length, dtype=torch.uint8)
-                bodies += self._post(parts[peer], peer, tag, receive=True)
-            for work in bodies + sends:
-                work.wait(self.timeout)
-
-        def result() -> Any:
-            lengths = [part.numel() for part in parts]
-            self._bounds[name] = lengths
-            whole = out if lengths == expected else torch.cat(parts)
-            return self.like(whole.view(flat.dtype), arr)
-
-        return _WorkHandle(_Receiving(receive), result)
-
-    def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
-        if self.size != 2 or op != "sum":
-            return self.reduce_with.allreduce_async(arr, name, op)
-        tensor = as_tensor(arr).reshape(-1)  # sent as it is: plans do not change a sent array
-        peer, tag = 1 - self.rank, self.name_tag(name)
-        parts = [tensor, torch.empty_like(tensor)] if self.rank == 0 else \
-            [torch.empty_like(tensor), tensor]
-        work = self._track(self._post(tensor, peer, tag, receive=False)
-                           + self._post(parts[peer], peer, tag, receive=True))
-
-        def result() -> Any:
-            # NumPy: integers wrap, floats add in rank order, alike on both ranks
-            return as_array(parts[0]) + as_array(parts[1])
-
-        return _WorkHandle(work, result)
-
-    def alltoall_async(self, arr: Any, splits: list[int], name: str) -> Handle:
-        return self.reduce_with.alltoall_async(arr, splits, name)
+        return self.group.recv([tensor], peer, tag)
 
 
 def collectives_for(group: Any = None) -> Collectives:

@@ -210,6 +210,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             self._buckets += self._make_buckets(params, c, self._groups, self._fusion_bytes,
                                                 len(self._buckets))
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._next_bucket = 0  # the gloo transport starts buckets in order from this one
 
     def _check_layout(self) -> str:
         """Every rank must agree on the codecs, policy and buckets; returns the check's prefix,
@@ -276,8 +277,26 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             if bucket is None:
                 return
         bucket.ready += 1
-        if bucket.ready == len(bucket.params) and not self._exchange_of(bucket).blocks_on_peers:
+        if self._comm.pairs_by_order:
+            self._start_buckets_in_order()
+        elif bucket.ready == len(bucket.params) and not self._exchange_of(bucket).blocks_on_peers:
             self._start_bucket(bucket)
+
+    def _start_buckets_in_order(self) -> None:
+        """Over collectives that pair by call order (the gloo transport): start each bucket
+        whose gradients are all here once the buckets before it have started, and put its
+        pieces on the wire at once (waiting for its norm), so that every rank issues the same
+        collectives in the same order whatever order its hooks ran in, as DDP's reducer does.
+        Buckets fill in bucket order in the common case (they are formed in reverse parameter
+        order, backward's order), so this rarely holds one back."""
+        while self._next_bucket < len(self._buckets):
+            bucket = self._buckets[self._next_bucket]
+            if bucket.ready < len(bucket.params):
+                return
+            self._start_bucket(bucket)
+            with stream_of(bucket.params[0]):
+                bucket.pending.advance(block=True)
+            self._next_bucket += 1
 
     def _advance_buckets(self) -> None:
         """Start the pieces of the started buckets whose global norm has arrived, so that they
@@ -385,6 +404,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                 offset += n
             b.pending = None
             b.ready = 0
+        self._next_bucket = 0
         for p, handle in self._raw_handles.values():
             out = handle() if callable(handle) else hvd.synchronize(handle)  # sparse: callable
             if p.grad.is_sparse:

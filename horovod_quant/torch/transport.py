@@ -1,22 +1,22 @@
-"""Which transport carries the Horovod door's payloads: Horovod's collectives, or point-to-point
-messages of a gloo group built beside Horovod.
+"""Which transport carries the payloads of ``hq.torch.DistributedOptimizer``: Horovod's
+collectives, or the collectives of a gloo process group built beside Horovod.
 
 Measured on two emulated hosts behind a 1 Gbit/s link (``benchmarks/cluster.py
---transport-probe``, docs/cluster.md "Which transport moves a payload fastest"): Horovod's
-allgather moves a payload at about half the link rate under its gloo controller, and under its
-MPI controller a transfer stalls while the rank computes (Open MPI's progress busy-polls), so
-encoding and decoding add to the wire time. A gloo group's point-to-point messages fill the
-link under either controller, and gloo's threads sleep while they wait. So ``"auto"`` sends the
-payloads of CPU gradients over such a group (:class:`~.distributed.PeerCollectives`: messages
-paired by name, so exchanges may start in any order, as Horovod's), and keeps Horovod's
-collectives for CUDA gradients (NCCL moves device buffers), or when the group cannot be built
-(the reason is logged once).
+--transport-probe --overlap-probe``, docs/cluster.md "Which transport moves a payload
+fastest"): Horovod's allgather moves a payload at about half the link rate under its gloo
+controller, and under its MPI controller a transfer stalls while the rank computes (Open MPI's
+progress busy-polls), so encoding and decoding add to the wire time; concurrent all_gathers of
+a torch.distributed gloo group filled 0.78-0.86 of the link under either controller and went
+on while the rank computed. So ``"auto"`` runs the optimizer's exchanges over such a group
+(:class:`~.distributed.StandaloneGroupCollectives`) for CPU gradients, and keeps Horovod's
+collectives for CUDA gradients (NCCL moves device buffers) or when the group cannot be built
+(the reason is logged once). Its collectives pair by call order, so the optimizer starts its
+buckets in bucket order, as DDP does.
 
-The group is built once per Horovod process set, collectively (the first optimizer or
-compressor of every rank builds it at the same point): rank 0 opens a ``TCPStore`` on a free
-port at its address (:func:`reachable_address`), tells the others through Horovod, and every
-rank connects a ``ProcessGroupGloo`` through it; the default ``torch.distributed`` group is
-left alone.
+The group is built once per Horovod process set, collectively (the first optimizer of every
+rank builds it at the same point): rank 0 opens a ``TCPStore`` on a free port at its address
+(:func:`reachable_address`), tells the others through Horovod, and every rank connects a
+``ProcessGroupGloo`` through it; the default ``torch.distributed`` group is left alone.
 """
 from __future__ import annotations
 
@@ -37,24 +37,26 @@ from ..env import env_choice, env_text
 from ..exchange.collectives import Collectives
 from ..exchange.staging import HostStaged
 from .collectives import HorovodTorchCollectives
-from .distributed import PeerCollectives
+from .distributed import StandaloneGroupCollectives
 
 log = logging.getLogger("horovod_quant")
 
 #: what ``transport=`` takes
 TRANSPORTS = ("auto", "horovod", "gloo")
-#: how long building the group may wait for a peer (a peer that cannot be reached fails here)
+#: how long reaching rank 0's store may take (a peer that cannot be reached fails here)
 CONNECT_TIMEOUT = timedelta(seconds=60)
+#: how long one of the group's collectives may wait for a peer before it raises (gloo needs a
+#: bound; torch.distributed's default)
+OPERATION_TIMEOUT = timedelta(minutes=30)
 #: environment variables that name the address (``HQ_PEER_ADDR``) or network interface the
 #: group uses, in order of precedence; horovodrun sets ``HOROVOD_GLOO_IFACE`` under gloo
 ADDRESS_ENV = "HQ_PEER_ADDR"
 INTERFACE_ENVS = ("GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE")
 
-#: environment variable that sets the transport where no ``transport=`` is given (the
-#: compressor door has no argument for it)
+#: environment variable that sets the optimizer's transport where no ``transport=`` is given
 TRANSPORT_ENV = "HQ_TRANSPORT"
 
-_groups: dict[str, PeerCollectives | str] = {}  # process set id -> group, or why none
+_groups: dict[str, StandaloneGroupCollectives | str] = {}  # process set id -> group, or why none
 
 
 def resolve_transport(transport: str | None = None) -> str:
@@ -92,10 +94,9 @@ def reachable_address() -> tuple[str, str | None]:
     return socket.gethostbyname(socket.gethostname()), None
 
 
-def gloo_group_beside_horovod(comm: Collectives) -> PeerCollectives:
+def gloo_group_beside_horovod(comm: Collectives) -> StandaloneGroupCollectives:
     """Build a gloo process group over ``comm``'s ranks (same rank order) and return its
-    point-to-point collectives; ``comm`` (Horovod's) carries the rendezvous and the
-    collectives the group does not.
+    collectives; ``comm`` (Horovod's) carries the rendezvous.
 
     Collective: every rank of ``comm`` calls it at the same point.
 
@@ -129,11 +130,11 @@ def gloo_group_beside_horovod(comm: Collectives) -> PeerCollectives:
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)
                         if interface else dist.ProcessGroupGloo.create_default_device()]
-    options._timeout = CONNECT_TIMEOUT
+    options._timeout = OPERATION_TIMEOUT
     group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), comm.rank, comm.size, options)
-    peers = PeerCollectives(group, comm)
-    peers.allgather_object(comm.rank, name + ".hello")  # every pair connected, names pair
-    return peers
+    collectives = StandaloneGroupCollectives(group, f"gloo:{comm.group_id}")
+    collectives.allgather_object(comm.rank, name + ".hello")  # every pair is connected
+    return collectives
 
 
 def collectives_for(process_set: Any = None, transport: str | None = None) -> Collectives:
@@ -141,11 +142,10 @@ def collectives_for(process_set: Any = None, transport: str | None = None) -> Co
 
     Args:
         process_set: Horovod process set (default: all ranks).
-        transport: "horovod" (Horovod's collectives), "gloo" (allgathers, and the allreduce
-            of two ranks, as point-to-point messages of a gloo group beside Horovod; raises if
-            it cannot be built), or "auto" (gloo where gradients live on the host and the
-            group can be built, else Horovod's; the choice is logged once); None:
-            :func:`resolve_transport`'s.
+        transport: "horovod" (Horovod's collectives), "gloo" (a gloo group beside Horovod,
+            whose collectives pair by call order; raises if it cannot be built), or "auto"
+            (gloo where gradients live on the host and the group can be built, else Horovod's;
+            the choice is logged once); None: :func:`resolve_transport`'s.
 
     Returns:
         The collectives; device payloads are staged through host memory when Horovod cannot
@@ -163,8 +163,8 @@ def collectives_for(process_set: Any = None, transport: str | None = None) -> Co
         try:
             peers = gloo_group_beside_horovod(comm)
             log.info("horovod_quant: payloads of process set %s travel over a gloo group beside "
-                     "Horovod (point-to-point, %d ranks); transport='horovod' keeps Horovod's "
-                     "collectives", comm.group_id, comm.size)
+                     "Horovod (%d ranks); transport='horovod' keeps Horovod's collectives",
+                     comm.group_id, comm.size)
         except RuntimeError as exc:
             if transport == "gloo":
                 raise
@@ -181,4 +181,4 @@ def collectives_for(process_set: Any = None, transport: str | None = None) -> Co
 
 def transport_of(comm: Collectives) -> str:
     """Which transport ``comm`` is: "gloo" or "horovod"."""
-    return "gloo" if isinstance(comm, PeerCollectives) else "horovod"
+    return "gloo" if isinstance(comm, StandaloneGroupCollectives) else "horovod"

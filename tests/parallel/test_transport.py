@@ -1,5 +1,5 @@
-"""The Horovod door's transports: point-to-point messages of a gloo group beside Horovod
-(``transport="gloo"``, what "auto" picks for CPU gradients) against Horovod's collectives."""
+"""The optimizer's transports: a gloo group beside Horovod (``transport="gloo"``, what "auto"
+picks for CPU gradients; its collectives pair by call order) against Horovod's collectives."""
 import numpy as np
 import pytest
 import torch
@@ -10,7 +10,7 @@ import horovod_quant.torch as hqt
 from horovod_quant.core.rng import derive_key
 from horovod_quant.exchange import Exchange, mean_estimate
 from horovod_quant.torch.collectives import HorovodTorchCollectives
-from horovod_quant.torch.distributed import PeerCollectives
+from horovod_quant.torch.distributed import StandaloneGroupCollectives
 from horovod_quant.torch.transport import collectives_for, resolve_transport
 
 from conftest import Linear, codec_params, rank_gradients
@@ -20,7 +20,7 @@ EVERYTHING = hqt.LayerPolicy.everything()
 
 def _peers():
     comm = collectives_for(transport="gloo")
-    assert isinstance(comm, PeerCollectives) == (hvd.size() > 1)
+    assert isinstance(comm, StandaloneGroupCollectives) == (hvd.size() > 1)
     return comm
 
 
@@ -44,7 +44,7 @@ def test_allgather_of_lengths_that_change_between_calls():
     empty, takes the second round: every case equals Horovod's allgather."""
     peers, horovod = _peers(), HorovodTorchCollectives()
     r = hvd.rank()
-    for step, length in enumerate([5, 5, 9 + r, 9 + r, 3 * r, 0, PeerCollectives.CHUNK_BYTES * 2 + 7 * r + 1]):
+    for step, length in enumerate([5, 5, 9 + r, 9 + r, 3 * r, 0, (1 << 19) + 7 * r + 1]):
         arr = (np.arange(length, dtype=np.int64) * 7 + r * 1000 + step).astype(np.uint8)
         got = peers.allgather_async(arr, "t.len").wait()
         want = horovod.allgather_async(arr, f"t.len.ref.{step}").wait()
@@ -58,7 +58,7 @@ def test_allreduce_is_exact_and_the_same_on_every_rank():
     ints = np.array([np.iinfo(np.int64).max, -5, 3], np.int64) * (r + 1)
     got = peers.allreduce_async(ints, "t.int").wait()
     assert np.array_equal(got, horovod.allreduce_async(ints, "t.int.ref").wait())
-    floats = np.random.default_rng(r).standard_normal(PeerCollectives.CHUNK_BYTES // 4 + 3)
+    floats = np.random.default_rng(r).standard_normal((1 << 16) + 3)
     got = peers.allreduce_async(floats.astype(np.float32), "t.float").wait()
     everyone = horovod.allgather_async(got, "t.float.all").wait().reshape(hvd.size(), -1)
     assert all(np.array_equal(everyone[0], row) for row in everyone)
@@ -66,19 +66,30 @@ def test_allreduce_is_exact_and_the_same_on_every_rank():
                                         for q in range(hvd.size())), rtol=1e-5, atol=1e-5)
 
 
-def test_collectives_pair_by_name_not_by_call_order():
-    """Rank r starts the exchanges in an order of its own (as backward hooks may) and waits
-    for them in another (first calls under these names: the lengths are unknown): each result
-    is still the one its name pairs, and nothing waits for the peer to wait."""
-    peers = _peers()
-    names = [f"t.order.{k}" for k in range(6)]
-    order = list(np.random.default_rng(hvd.rank()).permutation(len(names)))
-    handles = {k: peers.allgather_async(np.full(100 + k + hvd.rank(), hvd.rank() * 10 + k,
-                                                np.uint8), names[k]) for k in order}
-    for k in order[::-1] if hvd.rank() % 2 else order:
-        want = np.concatenate([np.full(100 + k + q, q * 10 + k, np.uint8)
-                               for q in range(hvd.size())])
-        assert np.array_equal(handles[k].wait(), want), k
+def test_buckets_start_in_bucket_order_whatever_order_the_hooks_run_in():
+    """The gloo transport pairs collectives by call order: a rank whose first buckets fill
+    last (it did not use their parameters) still issues every bucket's collectives in bucket
+    order, so the ranks' weights stay identical and equal to Horovod's transport."""
+    shapes = [(64, 64), (64, 64), (64, 64)]
+    results = {}
+    for transport in ("gloo", "horovod"):
+        model = Linear(shapes)
+        opt = hqt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters(),
+            compression=hqt.Compression.global_qsgd(world_size=hvd.size(), policy=EVERYTHING),
+            transport=transport, fusion_bytes=64 * 64 * 4, fallback="never")
+        grads = rank_gradients(shapes, 0, hvd.rank())
+        opt.zero_grad()
+        # buckets form in reverse parameter order: on odd ranks bucket 0 (the last parameter)
+        # fills at synchronize(), after buckets 1 and 2
+        used = [0, 1] if hvd.rank() % 2 else [0, 1, 2]
+        sum((model.ps[i] * torch.from_numpy(grads[i])).sum() for i in used).backward()
+        opt.step()
+        results[transport] = [p.grad.clone() for p in model.ps]
+    for a, b in zip(results["gloo"], results["horovod"]):
+        assert torch.equal(a, b)
+    everyone = hvd.allgather(torch.cat([g.reshape(1, -1) for g in results["gloo"]], 1))
+    assert all(torch.equal(everyone[0], row) for row in everyone)
 
 
 @pytest.mark.parametrize("name", ["qsgd", "natural", "global_qsgd", "nested_dithered"])
