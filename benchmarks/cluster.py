@@ -53,7 +53,8 @@ PREFIX = "hqcl"
 #: what the overlap probe posts (config id prefix -> transport; cluster_workloads.py)
 OVERLAP_TRANSPORTS = {"": "Horovod's fp32 allreduce",
                       "torch-": "4 concurrent torch.distributed gloo all_gathers of uint8",
-                      "hq-": "the package's transport='gloo' allgather of uint8 (a gloo group beside Horovod)"}
+                      "hq-": "the package's transport='gloo' allgather of uint8 "
+                             "(a gloo group beside Horovod)"}
 #: the transports of the probe (benchmarks/cluster_workloads.transports; mpi4py under MPI only)
 TRANSPORTS = ("hvd_allgather", "hvd_allgather_concurrent", "hvd_grouped_allgather",
               "hvd_alltoall", "hvd_allreduce_int32", "hvd_allreduce_fp32_same_bytes",

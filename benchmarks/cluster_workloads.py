@@ -339,7 +339,7 @@ OVERLAP_MODES = ("idle", "sleep", "compute")
 #: what the overlap probe posts: Horovod's fp32 allreduce (config ids ``idle`` ...), four
 #: concurrent torch.distributed gloo all_gathers of a uint8 payload of the same size on a group
 #: beside Horovod (``torch-idle`` ...), and the package's transport="gloo" allgather of it
-#: (``p2p-idle`` ...)
+#: (``hq-idle`` ...)
 OVERLAP_TRANSPORTS = {"": "hvd_allreduce", "torch-": "torch_dist_all_gather_concurrent",
                       "hq-": "hq_gloo_group"}
 

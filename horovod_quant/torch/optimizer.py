@@ -536,9 +536,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             :class:`horovod_quant.exchange.Exchange`; default ``1 << 21``); None sends every bucket
             whole.
         transport: what carries the payloads (:mod:`horovod_quant.torch.transport`): "auto"
-            (default, or the ``HQ_TRANSPORT`` environment variable: point-to-point messages of
-            a gloo group beside Horovod for CPU gradients, else Horovod's collectives),
-            "gloo" or "horovod". The choice is logged once and kept in ``opt.transport``.
+            (default, or the ``HQ_TRANSPORT`` environment variable: the collectives of a gloo
+            group beside Horovod for CPU gradients, buckets started in bucket order, else
+            Horovod's collectives), "gloo" or "horovod". The choice is logged once and kept
+            in ``opt.transport``.
         on_step: called with each step's :class:`StepStats` (also at ``.last_stats``).
         fallback: "auto" (default): at the end of the second step (index
             :data:`~horovod_quant.exchange.fallback.FALLBACK_STEP`), time each bucket's codec

@@ -76,7 +76,10 @@ def test_buckets_start_in_bucket_order_whatever_order_the_hooks_run_in():
         model = Linear(shapes)
         opt = hqt.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters(),
-            compression=hqt.Compression.global_qsgd(world_size=hvd.size(), policy=EVERYTHING),
+            # linear levels: their buckets start from the hooks (exponential ones, a custom
+            # collective, start at synchronize() under every transport)
+            compression=hqt.Compression.global_qsgd(world_size=hvd.size(), levels="linear",
+                                                    policy=EVERYTHING),
             transport=transport, fusion_bytes=64 * 64 * 4, fallback="never")
         grads = rank_gradients(shapes, 0, hvd.rank())
         opt.zero_grad()
