@@ -164,7 +164,10 @@ def test_global_qsgd_buckets_take_their_own_norm(levels):
         model.loss(grads(step, hvd.rank())).backward()
         if hvd.size() > 1:
             for b in opt._buckets:
-                assert (b.pending is not None) == (not opt._exchange_of(b).blocks_on_peers)
+                # over a transport that pairs by call order (gloo) every bucket starts in
+                # bucket order from the hooks; over Horovod's, custom collectives wait
+                assert (b.pending is not None) == (opt._comm.pairs_by_order
+                                                   or not opt._exchange_of(b).blocks_on_peers)
         opt.step()
         if hvd.size() == 1:
             continue
