@@ -31,6 +31,7 @@ class HostStaged(Collectives):
         self.rank = inner.rank
         self.size = inner.size
         self.group_id = inner.group_id
+        self.pairs_by_order = inner.pairs_by_order
 
     def _staged(self, arr: Any, start: Callable[[np.ndarray], Handle],
                 pick: Callable[[Any], Any] = lambda r: r,

@@ -55,7 +55,7 @@ from ..exchange.wire import exchange_tag
 from ..core.base import Codec
 from ..core.rng import derive_key, name_key
 from ..policy import LayerPolicy
-from .collectives import HorovodTorchCollectives, as_array, as_tensor
+from .collectives import as_array, as_tensor
 from .transport import collectives_for
 
 
@@ -182,9 +182,6 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         them, each in key order."""
         if not self._exchanges:
             self._check.wait()
-            # Horovod's collectives: a transport that pairs by call order would need the
-            # jobs started in one order, and Horovod calls compress in each rank's hook order
-            self._comm = collectives_for(self.process_set, "horovod")
             self._exchanges = {c.config_key(): Exchange(c, self._comm, gather=self.gather)
                                for c in self.policy.codecs(self.codec)}
         by_key = lambda j: j.key  # noqa: E731
@@ -215,7 +212,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         use = self._uses.get(name, 0)
         self._uses[name] = use + 1
         if self._check is None:  # the first compressed tensor: the check starts, unawaited
-            self._comm = HorovodTorchCollectives(self.process_set)
+            # Horovod's collectives: a transport that pairs by call order would need the jobs
+            # started in one order, and Horovod calls compress in each rank's hook order
+            self._comm = collectives_for(self.process_set, "horovod")
             self._check = ConfigCheck(self._comm, self.shared_config())
         job = _Job(name, codec, flat_array(tensor), derive_key(self.seed, use, name_key(name)),
                    f"{self._check.prefix}.{name}", exchange_tag(name, tensor.shape), tensor)

@@ -81,14 +81,20 @@ class ProcessGroupCollectives(Collectives):
     pairs_by_order = True
 
     def __init__(self, group: Any = None) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self._ranks = group_ranks(group)
-        self.group_id = "torch:" + ",".join(map(str, self._ranks))
+        ranks = group_ranks(group)
+        self._attach(group, dist.get_rank(group), ranks, "torch:" + ",".join(map(str, ranks)),
+                     torch.device("cuda", torch.cuda.current_device())
+                     if takes_device_arrays(group) else torch.device("cpu"))
+
+    def _attach(self, group: Any, rank: int, ranks: list[int], group_id: str,
+                device: torch.device) -> None:
+        """Set up the collectives of ``group``: this process's ``rank`` in it, the global
+        ranks of its members (``send_async`` addresses them), its name, and the device its
+        collectives take tensors on."""
+        self.group, self.rank, self.size, self._ranks = group, rank, len(ranks), ranks
+        self.group_id = group_id
         #: where the group's collectives take tensors
-        self.device = (torch.device("cuda", torch.cuda.current_device())
-                       if takes_device_arrays(group) else torch.device("cpu"))
+        self.device = device
         self._p2p_channels = itertools.count()
         self._bounds: dict[str, int] = {}  # collective name -> longest bytes last gathered
 
@@ -284,13 +290,9 @@ class StandaloneGroupCollectives(ProcessGroupCollectives):
     """
 
     def __init__(self, group: Any, group_id: str) -> None:
-        self.group = group
-        self.rank, self.size = group.rank(), group.size()
-        self._ranks = list(range(self.size))
-        self.group_id = group_id
-        self.device = torch.device("cpu")
-        self._p2p_channels = itertools.count()
-        self._bounds = {}
+        # its own methods take group ranks: member r is addressed as r
+        self._attach(group, group.rank(), list(range(group.size())), group_id,
+                     torch.device("cpu"))
 
     def _all_gather(self, parts: list[torch.Tensor], send: torch.Tensor) -> Any:
         return self.group.allgather([parts], [send])

@@ -5,9 +5,11 @@ What it adds over ``hvd.DistributedOptimizer(compression=...)``:
 * Fusion: compressed gradients are packed into fixed buckets of about ``fusion_bytes`` (formed
   once, in reverse parameter order, so early-ready gradients of the last layers go first); a
   bucket's exchange starts from the backward hook of its last gradient, so communication
-  overlaps the rest of backward, and many small tensors cost one collective. Buckets whose
-  collective pairs the ranks by call order rather than by name (Global-QSGD's exponent
-  allreduce under MPI) start at ``synchronize()``, in bucket order.
+  overlaps the rest of backward, and many small tensors cost one collective. Over a transport
+  that pairs collectives by call order (``transport="gloo"``, the default for CPU gradients)
+  buckets start in bucket order, each once the ones before it have; over Horovod's, a bucket
+  whose own collective pairs by call order (Global-QSGD's exponent allreduce) starts at
+  ``synchronize()``, in bucket order.
 * Per-bucket norm: codecs that normalize by a global norm (Global-QSGD) take each bucket's own,
   over that bucket's vector on every rank. Its small allgather starts from the bucket's
   backward hook without waiting for peers, and the bucket's pieces are encoded and sent from
@@ -302,7 +304,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         """Start the pieces of the started buckets whose global norm has arrived, so that they
         are encoded and sent during the rest of backward (for the others, a check that their
         norm's collective is not done yet). Called from the hooks, when a rank's progress
-        decides what it finds; buckets that pair by call order start after the last hook."""
+        decides what it finds; over a transport that pairs by call order every started bucket
+        is already on the wire (:meth:`_start_buckets_in_order`)."""
         for b in self._buckets:
             if b.pending is not None and not b.pending.issued:
                 with stream_of(b.params[0]):

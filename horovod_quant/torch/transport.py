@@ -148,37 +148,45 @@ def collectives_for(process_set: Any = None, transport: str | None = None) -> Co
             the choice is logged once); None: :func:`resolve_transport`'s.
 
     Returns:
-        The collectives; device payloads are staged through host memory when Horovod cannot
-        move device buffers (:class:`~horovod_quant.exchange.staging.HostStaged`).
+        The collectives; where CuPy encodes CUDA gradients, their payloads are staged through
+        host memory (:class:`~horovod_quant.exchange.staging.HostStaged`) unless the
+        collectives move device buffers (Horovod's with NCCL or CUDA-aware MPI).
     """
     transport = resolve_transport(transport)
-    comm = HorovodTorchCollectives(process_set)
+    horovod = HorovodTorchCollectives(process_set)
     on_gpu = torch.cuda.is_available() and gpu.available()
-    if on_gpu and not gpu.horovod_device_collectives(hvd)[0]:
+    comm: Collectives = horovod
+    if horovod.size > 1 and (transport == "gloo" or (transport == "auto" and not on_gpu)):
+        comm = _gloo_group(horovod, required=transport == "gloo") or horovod
+    if on_gpu and not (comm is horovod and gpu.horovod_device_collectives(hvd)[0]):
         return HostStaged(comm)
-    if transport == "horovod" or comm.size == 1 or (transport == "auto" and on_gpu):
-        return comm
-    peers = _groups.get(comm.group_id)
-    if peers is None:
+    return comm
+
+
+def _gloo_group(horovod: HorovodTorchCollectives,
+                required: bool) -> StandaloneGroupCollectives | None:
+    """The process set's gloo group, built on first use (logged); None when it cannot be built
+    (logged once), unless ``required`` (RuntimeError)."""
+    group = _groups.get(horovod.group_id)
+    if group is None:
         try:
-            peers = gloo_group_beside_horovod(comm)
+            group = gloo_group_beside_horovod(horovod)
             log.info("horovod_quant: payloads of process set %s travel over a gloo group beside "
                      "Horovod (%d ranks); transport='horovod' keeps Horovod's collectives",
-                     comm.group_id, comm.size)
+                     horovod.group_id, horovod.size)
         except RuntimeError as exc:
-            if transport == "gloo":
-                raise
-            peers = str(exc)
+            group = str(exc)
             log.warning("horovod_quant: no gloo group beside Horovod (%s); Horovod's "
                         "collectives carry the payloads", exc)
-        _groups[comm.group_id] = peers
-    if isinstance(peers, str):
-        if transport == "gloo":
-            raise RuntimeError(f"transport='gloo': {peers}")
-        return comm
-    return peers
+        _groups[horovod.group_id] = group
+    if isinstance(group, str):
+        if required:
+            raise RuntimeError(f"transport='gloo': {group}")
+        return None
+    return group
 
 
 def transport_of(comm: Collectives) -> str:
-    """Which transport ``comm`` is: "gloo" or "horovod"."""
-    return "gloo" if isinstance(comm, StandaloneGroupCollectives) else "horovod"
+    """Which transport ``comm`` (or the collectives it stages for) is: "gloo" or "horovod"."""
+    inner = comm.inner if isinstance(comm, HostStaged) else comm
+    return "gloo" if isinstance(inner, StandaloneGroupCollectives) else "horovod"

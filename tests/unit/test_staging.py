@@ -116,3 +116,15 @@ def test_cuda_aware_mpi_override_and_ompi_info(monkeypatch):
     assert device_collectives.parse_ompi_info(text.format("true")) is True
     assert device_collectives.parse_ompi_info(text.format("false")) is False
     assert device_collectives.parse_ompi_info("nothing here") is None
+
+
+def test_staging_keeps_how_the_inner_collectives_pair():
+    """A door asks the staged collectives whether to issue in one order: the answer is the
+    inner collectives' (a gloo group staged for CUDA payloads pairs by call order)."""
+    from horovod_quant.exchange import LocalCollectives
+
+    class ByOrder(LocalCollectives):
+        pairs_by_order = True
+
+    assert HostStaged(ByOrder()).pairs_by_order
+    assert not HostStaged(LocalCollectives()).pairs_by_order
