@@ -4,7 +4,7 @@ and :func:`mean_estimate` (:mod:`.reference`); the TensorFlow compressor is the 
 :mod:`.staging` carries device payloads over host-only collectives, :mod:`.exponent_allreduce` is the
 mpi4py exponent allreduce of Global-QSGD (docs/architecture.md)."""
 from .collectives import Collectives, Done, Handle, LocalCollectives
-from .driver import CUSTOM_COLLECTIVES, Exchange, ExchangeStats, Pending, global_norm
+from .driver import CUSTOM_COLLECTIVES, Exchange, ExchangeStats, Pending
 from .exponent_allreduce import mpi_exponent_factory
 from .reference import mean_estimate
 from .staging import HostStaged
@@ -13,5 +13,5 @@ CUSTOM_COLLECTIVES["exponent_allreduce"] = mpi_exponent_factory
 
 __all__ = [
     "CUSTOM_COLLECTIVES", "Collectives", "Done", "Exchange", "ExchangeStats", "Handle",
-    "HostStaged", "LocalCollectives", "Pending", "global_norm", "mean_estimate",
+    "HostStaged", "LocalCollectives", "Pending", "mean_estimate",
 ]

@@ -7,8 +7,8 @@ rank. Pieces of a pipelined exchange are all started (run to their first collect
 piece k while this thread encodes k + 1 and decodes k - 1. A global-norm codec's exchange
 starts with the norm's small allgather alone and returns at once; its pieces start when
 :meth:`Pending.advance` finds the norm arrived (the torch optimizer calls it from its backward
-hooks), so the norm never holds the caller up while its peers catch up. Device (CuPy) vectors are encoded
-and decoded on their device; their payloads go to collectives that take device arrays, or
+hooks), so the norm never holds the caller up while its peers catch up. Device (CuPy) vectors
+are encoded and decoded on their device; their payloads go to collectives that take device arrays, or
 through :class:`~horovod_quant.exchange.staging.HostStaged`.
 """
 from __future__ import annotations
@@ -187,14 +187,6 @@ def custom_collective(codec: Codec, comm: Collectives) -> Any:
     point on every rank (it may set up a communicator)."""
     factory = CUSTOM_COLLECTIVES.get(codec.custom_collective if codec.combine == "custom" else "")
     return factory(codec, comm) if factory is not None else None
-
-
-def global_norm(codec: Codec, xs_local: list[np.ndarray], comm: Collectives, name: str,
-                tag: wire.Tag = wire.NO_TAG) -> float:
-    """Global norm over every rank and every given vector (:func:`~.plans.norm_plan`: one
-    allgather of the float64 statistic and ``tag``, which every rank checks)."""
-    return _Running(plans.norm_plan(codec, xs_local, tag, name), comm, name, None,
-                    ExchangeStats(0)).finish()
 
 
 class Exchange:
