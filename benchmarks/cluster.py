@@ -44,7 +44,6 @@ import sys
 import tempfile
 import time
 
-from horovod_quant.exchange.fallback import FALLBACK_STEP
 from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -350,7 +349,8 @@ def build_plan(args, first_rate: bool, rendezvous: str) -> list[dict]:
         for size in args.sizes_mb:
             items.append({"kind": "exchange", "id": f"x-{size:g}MB", "size_mb": size,
                           "configs": [config(s) for s in args.exchange_specs], "warmup": 1,
-                          "repeats": args.repeats_large if size >= 128 else args.repeats,
+                          "repeats": (args.repeats_large if size >= 128 else
+                                      args.repeats * 3 if size < 16 else args.repeats),
                           "pipeline_elems": args.pipeline_elems, "transport": args.transport,
                           "fallback": args.fallback})
     if not args.no_training:
@@ -480,6 +480,73 @@ def _load(r):
     return "-" if v is None else f"{v:.1f}"
 
 
+def _target(target: str, values: dict, goal: float, higher: bool = True) -> dict:
+    """One target over the codecs' ``values`` ({config: value}): the best, the range, and how
+    many codecs meet ``goal`` (at least it when ``higher``, else at most)."""
+    vals = {c: v for c, v in values.items() if v is not None}
+    meets = sorted(c for c, v in vals.items() if (v >= goal if higher else v <= goal))
+    pick = max if higher else min
+    cid = pick(vals, key=vals.get) if vals else None
+    return {"target": target, "goal": goal, "best": vals.get(cid), "best_config": cid,
+            "range": [min(vals.values()), max(vals.values())] if vals else [None, None],
+            "meeting": meets, "failing": sorted(set(vals) - set(meets)),
+            "met": bool(vals) and len(meets) == len(vals)}
+
+
+def issue16_targets(data: dict, summary: dict) -> list[dict]:
+    """Issue 16's targets from the rows of a run: at 1 Gbit/s the largest exchange within 1.3x
+    of its payload's wire time (payload bytes / calibrated TCP rate), >= 3.3x fp32 at 8 bits,
+    >= 6x at 4 bits, >= 1.7x fp16 at 8 bits, MLP training >= 2.5x fp32 at 8 bits and >= 4x at
+    4 bits (one run here; the issue asks for the median of 3); at 10 Gbit/s no codec slower
+    than fp32, exchange or training. A target is met when every codec meets it."""
+    targets = []
+
+    def codecs(table, bits, key):
+        return {cid: v.get(key) for cid, v in table.items() if cid.endswith(f":{bits}")}
+
+    for link in data["links"]:
+        lab, rate = link["label"], link["rate_bps"]
+        ex = summary["exchange"].get(lab, {})
+        mlp = summary["training"].get(lab, {}).get("mlp", {})
+        if abs(rate - 1e9) < 1:
+            tcp = link.get("calibration", {}).get("tcp_gbit_s")
+            if ex:
+                size = max(ex, key=float)
+                rows = {r["config_id"]: r for r in link["results"]
+                        if r.get("kind") == "exchange" and not r.get("error")
+                        and str(r["size_mb"]) == size}
+                for bits in (8, 4):
+                    if tcp:
+                        targets.append(_target(
+                            f"exchange {float(size):g} MB, {bits} bits: wall / payload wire "
+                            f"time at {tcp:.2f} Gbit/s <= 1.3",
+                            {c: r["wall_s"] / (r["bytes_sent"] * 8 / (tcp * 1e9))
+                             for c, r in rows.items() if c.endswith(f":{bits}")}, 1.3, False))
+                    targets.append(_target(
+                        f"exchange {float(size):g} MB, {bits} bits vs fp32 >= "
+                        f"{3.3 if bits == 8 else 6:g}x",
+                        codecs(ex[size], bits, "speedup_vs_fp32"), 3.3 if bits == 8 else 6))
+                targets.append(_target(f"exchange {float(size):g} MB, 8 bits vs fp16 >= 1.7x",
+                                       codecs(ex[size], 8, "speedup_vs_fp16"), 1.7))
+            for bits, goal in ((8, 2.5), (4, 4)):
+                if mlp:
+                    targets.append(_target(
+                        f"training mlp, {bits} bits, samples/s vs fp32 >= {goal:g}x (one run)",
+                        codecs(mlp, bits, "speedup_vs_fp32"), goal))
+        elif abs(rate - 1e10) < 1:
+            for size, table in sorted(ex.items(), key=lambda kv: float(kv[0])):
+                targets.append(_target(
+                    f"10 Gbit/s exchange {float(size):g} MB: no codec slower than fp32",
+                    {c: v["speedup_vs_fp32"] for c, v in table.items()
+                     if c not in ("fp32", "fp16")}, 1.0))
+            if mlp:
+                targets.append(_target(
+                    "10 Gbit/s training mlp: no codec slower than fp32 (samples/s)",
+                    {c: v["speedup_vs_fp32"] for c, v in mlp.items()
+                     if c not in ("fp32", "fp16")}, 1.0))
+    return targets
+
+
 def analyse(data: dict) -> dict:
     """Speedups and the targets from the raw rows (added to the JSON under 'summary')."""
     summary = {"exchange": {}, "training": {}, "targets": [], "overlap": {}}
@@ -521,40 +588,8 @@ def analyse(data: dict) -> dict:
                            for cid, r in rows.items()}
         summary["training"][lab] = tout
 
-    def best(table, bits, key):
-        c = {cid: v[key] for cid, v in table.items()
-             if cid.endswith(f":{bits}") and v.get(key) is not None}
-        return max(c.items(), key=lambda kv: kv[1]) if c else (None, None)
-
-    def spread(table, bits, key):
-        vals = sorted(v[key] for cid, v in table.items()
-                      if cid.endswith(f":{bits}") and v.get(key) is not None)
-        return (vals[0], vals[-1]) if vals else (None, None)
-
-    one_g = [l["label"] for l in data["links"] if abs(l["rate_bps"] - 1e9) < 1]
-    if one_g:
-        lab = one_g[0]
-        ex = summary["exchange"].get(lab, {})
-        sizes = sorted(ex, key=float)
-        for size in [z for z in sizes if float(z) >= 64] or sizes[-1:]:
-            t = ex[size]
-            for bits, key, goal, limit in ((8, "speedup_vs_fp32", 3.5, 4), (4, "speedup_vs_fp32", 6, 8),
-                                           (8, "speedup_vs_fp16", 1.7, 2)):
-                cid, v = best(t, bits, key)
-                lo, hi = spread(t, bits, key)
-                summary["targets"].append({
-                    "target": f"exchange {float(size):g} MB, {bits} bits vs {key[11:]} >= {goal}x "
-                              f"(limit {limit}x)", "goal": goal, "best": v, "best_config": cid,
-                    "range": [lo, hi], "met": v is not None and v >= goal})
-        for model in ("mlp",):
-            t = summary["training"].get(lab, {}).get(model)
-            if t:
-                cid, v = best(t, 8, "speedup_vs_fp32")
-                lo, hi = spread(t, 8, "speedup_vs_fp32")
-                summary["targets"].append({
-                    "target": f"training {model} (communication-bound), 8 bits, samples/s vs "
-                              "fp32 >= 2.5x", "goal": 2.5, "best": v, "best_config": cid,
-                    "range": [lo, hi], "met": v is not None and v >= 2.5})
+    for target in issue16_targets(data, summary):
+        summary["targets"].append(target)
     return summary
 
 
@@ -635,13 +670,18 @@ def render_markdown(data: dict, prefix: str) -> str:
                          f"{r['wall_min_s'] * 1e3:.0f} | {r['gbit_s']:.2f} | {rel} |")
             L.append("")
     if s["targets"]:
-        L.append("## Targets (1 Gbit/s, 2 hosts)\n")
-        L.append("| target | best measured | 8/4-bit codecs range | met |")
+        L.append("## Targets (issue 16, 2 hosts; this run alone)\n")
+        L.append("Met: every codec meets it; else the codecs that do not are named.\n")
+        L.append("| target | best measured | codecs' range | met |")
         L.append("|---|---|---|---|")
         for t in s["targets"]:
             rng = t["range"]
+            failing = t.get("failing", [])
+            met = ("yes" if t["met"] else
+                   f"**no**: {len(failing)} of {len(failing) + len(t.get('meeting', []))} "
+                   f"({', '.join(failing)})")
             L.append(f"| {t['target']} | {_x(t['best'])} ({t['best_config']}) | "
-                     f"{_x(rng[0])} .. {_x(rng[1])} | {'yes' if t['met'] else '**no**'} |")
+                     f"{_x(rng[0])} .. {_x(rng[1])} | {met} |")
         L.append("")
     for link in data["links"]:
         lab = link["label"]
@@ -785,8 +825,9 @@ def render_plots(data: dict, prefix: str) -> list[str]:
             ax.axhline(1, color="k", lw=0.8)
             targets = []
             if abs(link["rate_bps"] - 1e9) < 1:
-                targets = ([(3.5, "--", "8-bit target 3.5x"), (6, "-.", "4-bit target 6x")]
-                           if kind == "exchange" else [(2.5, "--", "mlp 8-bit target 2.5x")])
+                targets = ([(3.3, "--", "8-bit target 3.3x"), (6, "-.", "4-bit target 6x")]
+                           if kind == "exchange" else [(2.5, "--", "mlp 8-bit target 2.5x"),
+                                                       (4, "-.", "mlp 4-bit target 4x")])
             for y, ls, txt in targets:
                 ax.axhline(y, color="r", ls=ls, lw=1.0, label=txt)
                 top = max(top, y)
@@ -909,10 +950,14 @@ def parse_args(argv=None):
     ap.add_argument("--models-other-rates", default=None,
                     help="training models at the other rates (default mlp: the cnn is "
                          "compute-bound already at 1 Gbit/s)")
-    ap.add_argument("--repeats", type=int, default=None, help="exchange repetitions (< 128 MB)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="exchange repetitions (< 128 MB; 3x that below 16 MB, where one "
+                         "exchange takes milliseconds)")
     ap.add_argument("--repeats-large", type=int, default=None, help="repetitions at >= 128 MB")
     ap.add_argument("--steps", type=int, default=None, help="measured training steps")
-    ap.add_argument("--warmup-steps", type=int, default=None)
+    ap.add_argument("--warmup-steps", type=int, default=None,
+                    help="untimed training steps once the optimizer's layout is final "
+                         "(default 1; the fallback's trial and step check come before)")
     ap.add_argument("--no-exchange", action="store_true")
     ap.add_argument("--no-training", action="store_true")
     ap.add_argument("--stall-timeout", type=float, default=300.0)
@@ -938,8 +983,8 @@ def parse_args(argv=None):
     ap.add_argument("--fallback", choices=("auto", "never"), default="auto",
                     help="DistributedOptimizer's fallback= (default auto: a bucket whose codec "
                          "exchange is slower than Horovod's float32 allreduce, measured at step "
-                         "1, falls back to it); exchange rows apply the same rule after their "
-                         "warm-up round")
+                         "1, falls back to it, and a narrow win is checked in training steps); "
+                         "exchange rows apply the trial's rule after their warm-up round")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "cluster"),
                     help="output prefix (PREFIX.json, .md, _*.png)")
     args = ap.parse_args(argv)
@@ -965,11 +1010,11 @@ def parse_args(argv=None):
     args.models_other_rates = [m for m in (args.models_other_rates or "mlp").split(",") if m]
     args.repeats = args.repeats or (3 if q else 4)
     args.repeats_large = args.repeats_large or (2 if q else 3)
-    # with fallback="auto" the optimizer measures its buckets at the end of step
-    # FALLBACK_STEP: that step is warm-up, not a training step to time
-    args.warmup_steps = (args.warmup_steps if args.warmup_steps is not None else
-                         1 + (FALLBACK_STEP + 1 if args.fallback == "auto" else 0))
-    args.steps = args.steps or (2 if q else 3)
+    # counted from the step the layout is final: with fallback="auto" the optimizer measures
+    # its buckets at the end of step FALLBACK_STEP and may check in training steps after it,
+    # so those steps are warm-up too (run_train waits for opt.fallback_settled)
+    args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else 1
+    args.steps = args.steps or (2 if q else 5)
     args.batch = {"mlp": 32, "cnn": 16}
     if args.quick and args.out == os.path.join(ROOT, "docs", "results", "cluster"):
         args.out += "_quick"

@@ -276,7 +276,12 @@ def run_train(item: dict) -> dict:
     xb = torch.randn((batch,) + shape, generator=gen)
     yb = torch.randint(0, classes, (batch,), generator=gen)
     steps = []
-    for s in range(item["warmup"] + item["steps"]):
+    # warm-up: item["warmup"] steps once the layout is final (hq's fallback measures, and may
+    # check in training steps, first); every rank settles at the same step
+    settled_at = None
+    s = -1
+    while len(steps) < item["steps"]:
+        s += 1
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(xb), yb)
@@ -287,7 +292,9 @@ def run_train(item: dict) -> dict:
         with opt.skip_synchronize():
             opt.step()
         t3 = time.perf_counter()
-        if s < item["warmup"]:
+        if settled_at is None and (horovod_path or opt.fallback_settled):
+            settled_at = s
+        if settled_at is None or s <= settled_at + item["warmup"] - 1:
             continue
         row = {"step_s": t3 - t0, "fwd_bwd_s": t1 - t0, "sync_s": t2 - t1, "update_s": t3 - t2}
         if horovod_path:
@@ -296,7 +303,12 @@ def run_train(item: dict) -> dict:
                        bytes_raw=nparams * 4)
         else:
             st = opt.last_stats
-            row["fallback_buckets"] = sum(d.fallback for d in opt.fallback_decisions)
+            check = opt.fallback_step_check
+            row["fallback_buckets"] = sum(d.fallback or (check is not None and check.fallback)
+                                          for d in opt.fallback_decisions)
+            row["step_check"] = None if check is None else {
+                "codec_step_s": check.codec_step_s, "fp32_step_s": check.fp32_step_s,
+                "fallback": check.fallback}
             row.update(encode_s=st.encode_s, exchange_s=st.exchange_s, decode_s=st.decode_s,
                        bytes_sent=st.bytes_sent, bytes_raw=st.bytes_raw)
         row["compute_s"] = row["step_s"] - row["encode_s"] - row["exchange_s"] - row["decode_s"]
@@ -313,6 +325,8 @@ def run_train(item: dict) -> dict:
         max(pr[i]["step_s"] for pr in per_rank) for i in range(len(steps)))
     out["bytes_sent"] = steps[-1]["bytes_sent"]
     out["fallback_buckets"] = steps[-1].get("fallback_buckets", 0)
+    out["step_check"] = steps[-1].get("step_check")
+    out["warmup_steps"] = settled_at + item["warmup"]
     out["bytes_raw"] = steps[-1]["bytes_raw"]
     out["model_params"] = nparams
     out["final_loss"] = float(loss.detach())

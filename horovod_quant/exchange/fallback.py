@@ -3,17 +3,27 @@
 On a fast link a codec's own cost (encode, decode, its extra collectives) can exceed the wire
 time it saves: on an emulated 10 Gbit/s link Horovod's float32 allreduce moved 256 MB in
 387 ms and every codec but one was slower, while at 1 Gbit/s the codecs were 2-5x faster. So a
-door measures, once, each fused bucket's codec exchange and the float32 allreduce of the same
-vector, and from then on lets the allreduce carry the buckets whose codec was slower.
+door decides, once, in two stages:
+
+1. The isolated trial (end of step :data:`FALLBACK_STEP`): each fused bucket's codec exchange
+   and the float32 allreduce of the same vector are timed alone; a bucket whose codec was
+   slower leaves it (:func:`measure_and_decide`).
+2. The step check, when a kept codec won the trial by less than :data:`FALLBACK_CLEAR_WIN`: a
+   codec that wins alone can lose inside a training step, where its encode and decode compete
+   with backward for the cores (qsgd:4 on the emulated 10 Gbit/s cluster: 1.37x faster alone,
+   0.90x in training). The next steps alternate between the trial's layout and the float32
+   allreduce carrying every bucket (:class:`StepChecker`); when the float32 steps were the
+   faster, every bucket falls back.
 
 This module is the framework-free part a door reuses: the argument's check, the timing of one
-bucket (:func:`measure_bucket`), the agreement of the ranks on the numbers
-(:func:`measure_and_decide`), the rule (:func:`decide`) and the record of a decision with its
-log line (:class:`FallbackDecision`). The door supplies the two blocking trial runs and moves
-the fallen-back buckets' tensors onto its allreduce path.
+bucket (:func:`measure_bucket`), the agreement of the ranks on the numbers, the rules
+(:func:`decide`, :func:`needs_step_check`, :meth:`StepChecker.decide`) and the records of the
+decisions with their log lines (:class:`FallbackDecision`, :class:`StepCheck`). The door
+supplies the trial runs and the steps, and moves the fallen-back tensors onto its allreduce path.
 
-Tests force an outcome without real timing by replacing :func:`measure_bucket` (looked up at
-call time) with a function returning chosen seconds; nothing else is meant to be replaced.
+Tests force an outcome without real timing by replacing :func:`measure_bucket` and
+:func:`clock` (both looked up at call time) with functions returning chosen seconds; nothing
+else is meant to be replaced.
 """
 from __future__ import annotations
 
@@ -35,14 +45,30 @@ FALLBACK_MODES = ("auto", "never")
 #: trial ran first
 FALLBACK_STEP = 1
 
-#: blocking runs per trial, the shortest counts: the first run of the first trial also
-#: measures how late the slowest rank arrived; later runs start together, as the previous
-#: collective released every rank at about the same time
-FALLBACK_TRIALS = 2
+#: blocking runs of each side per trial, alternating codec and float32 so that a burst of load
+#: hits both; the shortest of each counts: the first run also measures how late the slowest
+#: rank arrived, later runs start together, as the previous collective released every rank at
+#: about the same time
+FALLBACK_TRIALS = 3
 
 #: a bucket falls back when its codec exchange took longer than this times the float32
 #: allreduce; 1.0: any measured loss, and a tie keeps the codec the user asked for
 FALLBACK_MARGIN = 1.0
+
+#: a kept bucket whose codec exchange took at most this share of the float32 allreduce's time
+#: keeps its codec without the step check: the largest in-step loss measured against an
+#: isolated win was 1.37x alone -> 0.90x in training (qsgd:4, 10 Gbit/s, docs/cluster.md),
+#: while every codec at 1 Gbit/s wins 4-8x alone, so these skip the check's float32 steps
+FALLBACK_CLEAR_WIN = 0.5
+
+#: the step check runs this many steps of each layout, alternating (codec first); the shortest
+#: of each counts, so a one-off cost (a layout's first step, a slow batch) does not decide
+STEP_CHECK_ROUNDS = 3
+
+
+def clock() -> float:
+    """Seconds of a monotonic clock: what the step check times steps with."""
+    return time.perf_counter()
 
 
 def check_fallback(mode: Any) -> str:
@@ -105,18 +131,15 @@ class FallbackDecision:
 
 def measure_bucket(trial: BucketTrial, trials: int = FALLBACK_TRIALS) -> tuple[float, float]:
     """This rank's (codec seconds, float32 seconds) of one bucket: the shortest of ``trials``
-    blocking runs of each, the codec's first. Every rank must call it for the same buckets in
-    the same order (the runs are collectives)."""
-    return _shortest(trial.run_codec, trials), _shortest(trial.run_fp32, trials)
-
-
-def _shortest(run: Callable[[], Any], trials: int) -> float:
-    best = float("inf")
+    blocking runs of each, alternating, the codec's first. Every rank must call it for the
+    same buckets in the same order (the runs are collectives)."""
+    best = [float("inf"), float("inf")]
     for _ in range(trials):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
+        for side, run in enumerate((trial.run_codec, trial.run_fp32)):
+            start = time.perf_counter()
+            run()
+            best[side] = min(best[side], time.perf_counter() - start)
+    return best[0], best[1]
 
 
 def decide(trials: Sequence[BucketTrial], seconds: np.ndarray, step: int,
@@ -162,3 +185,107 @@ def measure_and_decide(comm: Collectives, trials: Sequence[BucketTrial], step: i
     local = np.array([measure_bucket(t) for t in trials], dtype=np.float64).reshape(-1, 2)
     agreed = comm.allreduce_async(local, name, "max").wait()
     return decide(trials, np.asarray(agreed).reshape(-1, 2), step)
+
+
+def needs_step_check(decisions: Sequence[FallbackDecision],
+                     clear_win: float = FALLBACK_CLEAR_WIN) -> bool:
+    """Whether a kept bucket won its isolated trial by too little to skip the step check: its
+    codec exchange took more than ``clear_win`` times the float32 allreduce."""
+    return any(not d.fallback and d.codec_s > clear_win * d.fp32_s for d in decisions)
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """The step check's measurement and decision (the same on every rank).
+
+    Attributes:
+        first_step: the first step of the check.
+        codec_step_s: seconds of the shortest step with the kept codecs (slowest rank).
+        fp32_step_s: seconds of the shortest step with the float32 allreduce carrying every
+            bucket (slowest rank).
+        steps: steps of each layout.
+        fallback: True when the float32 allreduce carries every bucket from the next step on.
+    """
+
+    first_step: int
+    codec_step_s: float
+    fp32_step_s: float
+    steps: int
+    fallback: bool
+
+    def message(self) -> str:
+        """The log line of the decision."""
+        span = f"steps {self.first_step}-{self.first_step + 2 * self.steps - 1}"
+        if self.fallback:
+            return (f"horovod_quant: training steps with the codec took {self.codec_step_s * 1e3:.1f}"
+                    f" ms > {self.fp32_step_s * 1e3:.1f} ms with the float32 allreduce ({span}); "
+                    "the float32 allreduce carries every bucket from now on")
+        return (f"horovod_quant: training steps with the codec took {self.codec_step_s * 1e3:.1f} "
+                f"ms <= {self.fp32_step_s * 1e3:.1f} ms with the float32 allreduce ({span}); the "
+                "codec keeps its buckets")
+
+
+class StepChecker:
+    """The step check in progress: which layout each of its steps runs, and their times.
+
+    A door creates it at the end of the trial's step with the two layouts (whatever the door
+    names a layout by: here the set of tensors the float32 allreduce carries), asks
+    :meth:`next_layout` for the layout of each following step, brackets each step with
+    :meth:`start` (once the step's layout is in place) and :meth:`stop` (at the step's end,
+    before anything else is done there), and calls :meth:`decide` once :attr:`complete`.
+
+    Args:
+        first_step: the step the check starts at.
+        codec_layout: the trial's decisions (the kept codecs).
+        fp32_layout: every bucket on the float32 allreduce.
+        rounds: steps of each layout.
+    """
+
+    def __init__(self, first_step: int, codec_layout: Any, fp32_layout: Any,
+                 rounds: int = STEP_CHECK_ROUNDS) -> None:
+        self.first_step = first_step
+        self.rounds = rounds
+        self.layouts = {False: codec_layout, True: fp32_layout}
+        self._fp32_steps = [False, True] * rounds  # True: that step runs the float32 layout
+        self.seconds: list[float] = []
+        self._started: float | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Every step of the check was timed."""
+        return len(self.seconds) == len(self._fp32_steps)
+
+    def next_layout(self) -> Any:
+        """The layout the next untimed step runs."""
+        return self.layouts[self._fp32_steps[len(self.seconds)]]
+
+    def start(self) -> None:
+        """A step of the check begins now."""
+        self._started = clock()
+
+    def stop(self) -> None:
+        """The step begun by :meth:`start` ends now."""
+        if self._started is None:
+            raise RuntimeError("StepChecker.stop() without start()")
+        self.seconds.append(clock() - self._started)
+        self._started = None
+
+    def decide(self, comm: Collectives, name: str,
+               margin: float = FALLBACK_MARGIN) -> StepCheck:
+        """Agree on the steps' times (elementwise maximum over ranks: the slowest rank is what
+        a step waits for) and decide: the float32 layout wins when its shortest step was
+        shorter than the codec layout's divided by ``margin``. Collective.
+
+        Returns:
+            The decision, the same on every rank; ``layouts[decision.fallback]`` is the layout
+            to keep.
+        """
+        if not self.complete:
+            raise RuntimeError(f"the step check has timed {len(self.seconds)} of "
+                               f"{len(self._fp32_steps)} steps")
+        agreed = np.asarray(comm.allreduce_async(np.array(self.seconds, np.float64), name,
+                                                 "max").wait()).reshape(-1)
+        codec_s = float(min(s for s, fp32 in zip(agreed, self._fp32_steps) if not fp32))
+        fp32_s = float(min(s for s, fp32 in zip(agreed, self._fp32_steps) if fp32))
+        return StepCheck(self.first_step, codec_s, fp32_s, self.rounds,
+                         bool(codec_s > margin * fp32_s))

@@ -30,13 +30,18 @@ names and shapes), before anything else waits for a peer. A sparse gradient trav
 Horovod's sparse path (``sparse_as_dense=True``: its dense form is compressed); its parameter
 leaves its bucket from the next step on.
 
-Fallback (``fallback="auto"``, the default): at the end of step
-:data:`~horovod_quant.exchange.fallback.FALLBACK_STEP` each bucket's codec exchange and Horovod's
-float32 allreduce of the same vector are timed in isolation; the ranks agree on the slowest
-rank's times, and a bucket whose codec was slower than the allreduce has its parameters carried
-by Horovod's allreduce (float32, the configured ``op``) from the next step on, like a sparse
-parameter, with one warning in the ``horovod_quant`` log (rank 0). ``opt.fallback_decisions``
-holds every bucket's measurement and decision (:mod:`horovod_quant.exchange.fallback`).
+Fallback (``fallback="auto"``, the default; :mod:`horovod_quant.exchange.fallback`): at the
+end of step :data:`~horovod_quant.exchange.fallback.FALLBACK_STEP` each bucket's codec exchange
+and Horovod's float32 allreduce of the same vector are timed in isolation; the ranks agree on
+the slowest rank's times, and a bucket whose codec was slower than the allreduce has its
+parameters carried by Horovod's allreduce (float32, the configured ``op``) from the next step
+on, like a sparse parameter, with one warning in the ``horovod_quant`` log (rank 0). When a kept
+codec won by less than 2x, the next steps check the choice inside training (2 x
+:data:`~horovod_quant.exchange.fallback.STEP_CHECK_ROUNDS` steps alternating between that
+layout and every bucket on the allreduce; the whole steps are timed) and every bucket falls
+back when the allreduce's steps were the faster. ``opt.fallback_decisions`` holds every
+bucket's trial, ``opt.fallback_step_check`` the step check (None when none ran), and
+``opt.fallback_settled`` says whether the layout is final.
 
 CUDA parameters: buckets hold parameters of one device, their buffers live on that device, and
 the codec runs there (see :mod:`horovod_quant.torch.compression`).
@@ -53,8 +58,9 @@ import torch
 
 from ..doors import check_same_config, check_seed
 from ..exchange.driver import Exchange
-from ..exchange.fallback import (FALLBACK_STEP, BucketTrial, FallbackDecision, check_fallback,
-                                 measure_and_decide)
+from ..exchange.fallback import (FALLBACK_STEP, BucketTrial, FallbackDecision, StepCheck,
+                                 StepChecker, check_fallback, measure_and_decide,
+                                 needs_step_check)
 from ..core.registry import get_codec, horovod_equivalent
 from ..core.base import Codec
 from ..core.rng import derive_key
@@ -143,6 +149,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self.on_step = on_step
         self.fallback = check_fallback(fallback)
         self.fallback_decisions: list[FallbackDecision] = []
+        self.fallback_step_check: StepCheck | None = None
+        self._step_checker: StepChecker | None = None
         self.stats = StepStats()
         self.last_stats: StepStats | None = None
         self._step = 0
@@ -169,6 +177,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._sparse: set[int] = set()  # parameters whose gradients came sparse
         self._densified: set[int] = set()  # sparse this step, exchanged dense (sparse_as_dense)
         self._fallen_back: set[int] = set()  # parameters of buckets whose codec did not pay
+        self._bucket_cache: dict[tuple, _Bucket] = {}  # buckets (and buffers) a layout reuses
         self._delay = {id(p): backward_passes_per_step for p in all_params}
         self._raw_handles: dict[int, Any] = {}
         self._hooked: set[int] = set()
@@ -211,8 +220,18 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             _, params = by_codec.get(c.config_key(), (c, []))
             self._buckets += self._make_buckets(params, c, self._groups, self._fusion_bytes,
                                                 len(self._buckets))
+        # a bucket formed again (the step check switches layouts) keeps its buffers: fresh
+        # multi-MB ones would page-fault in the step being timed
+        cache = self._bucket_cache
+        self._buckets = [cache.setdefault(self._bucket_key(b), b) for b in self._buckets]
+        if self._step_checker is None:
+            self._bucket_cache = {self._bucket_key(b): b for b in self._buckets}
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._next_bucket = 0  # the gloo transport starts buckets in order from this one
+
+    @staticmethod
+    def _bucket_key(bucket: _Bucket) -> tuple:
+        return (bucket.index, bucket.codec.config_key(), tuple(id(p) for p in bucket.params))
 
     def _check_layout(self) -> str:
         """Every rank must agree on the codecs, policy and buckets; returns the check's prefix,
@@ -420,12 +439,49 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                 p.grad = p.grad.to_sparse()
         self._densified.clear()
         relayout = any(id(p) in self._bucket_of for p in self._all_params if id(p) in self._sparse)
-        if self._step == FALLBACK_STEP and self.fallback == "auto":
-            relayout |= self._measure_fallbacks()
+        if self.fallback == "auto":
+            relayout |= self._fallback_at_step_end()
         if relayout:  # sparse and fallen-back parameters leave their buckets; the ranks check again
             self._layout()
             self._check_layout()
+        if self._step_checker is not None:  # the next step, in its layout, is timed from here
+            self._step_checker.start()
         self._finish_step()
+
+    @property
+    def fallback_settled(self) -> bool:
+        """Whether the fallback has decided for good (always with ``fallback="never"``): from
+        the next step on the layout no longer changes for the fallback's sake."""
+        return self.fallback == "never" or (self._step > FALLBACK_STEP
+                                            and self._step_checker is None)
+
+    def _fallback_at_step_end(self) -> bool:
+        """The fallback's work at the end of a step: the isolated trial at step
+        :data:`~horovod_quant.exchange.fallback.FALLBACK_STEP`, then, when a kept codec won it
+        narrowly, the step check: time this step, set the next step's layout, decide once
+        every step of the check ran. Returns whether the layout changes."""
+        checker = self._step_checker
+        if checker is not None:
+            checker.stop()
+            if not checker.complete:
+                self._fallen_back = set(checker.next_layout())
+                return True
+            self._step_checker = None
+            check = checker.decide(self._comm, f"{self._prefix}.fallback.steps")
+            self.fallback_step_check = check
+            self._fallen_back = set(checker.layouts[check.fallback])
+            if self._comm.rank == 0:
+                (log.warning if check.fallback else log.info)(check.message())
+            return True
+        if self._step != FALLBACK_STEP:
+            return False
+        relayout = self._measure_fallbacks()
+        if needs_step_check(self.fallback_decisions):
+            kept = frozenset(self._fallen_back)
+            everything = kept | {id(p) for b in self._buckets for p in b.params}
+            self._step_checker = StepChecker(self._step + 1, kept, everything)
+            self._fallen_back = set(self._step_checker.next_layout())
+        return relayout
 
     def _measure_fallbacks(self) -> bool:
         """Time each bucket's codec exchange and Horovod's float32 allreduce of the same vector
@@ -547,15 +603,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         fallback: "auto" (default): at the end of the second step (index
             :data:`~horovod_quant.exchange.fallback.FALLBACK_STEP`), time each bucket's codec
             exchange against Horovod's float32 allreduce of the same vector (the slowest rank's
-            best of two runs each) and let Horovod's allreduce carry, from the next step on,
+            best of three runs each) and let Horovod's allreduce carry, from the next step on,
             the buckets whose codec was slower, with one warning per bucket in the
-            ``horovod_quant`` log; "never": always the codec (no measurement). A one-rank world
-            never measures.
+            ``horovod_quant`` log; when a kept codec won by less than 2x, check in the next 6
+            training steps (alternating: the codec, then every bucket on the allreduce) and let
+            the allreduce carry every bucket if its steps were the faster (one warning).
+            "never": always the codec (no measurement). A one-rank world never measures.
 
     Returns:
         An optimizer of a subclass of ``type(optimizer)``; its ``fallback_decisions`` lists
         the :class:`~horovod_quant.exchange.fallback.FallbackDecision` of every bucket once
-        measured (empty before, and with ``fallback="never"``).
+        measured (empty before, and with ``fallback="never"``), ``fallback_step_check`` the
+        :class:`~horovod_quant.exchange.fallback.StepCheck` once one ran, and
+        ``fallback_settled`` whether the fallback has decided for good.
 
     Raises:
         ValueError: an argument is invalid (``fallback`` not "auto" or "never", ...).

@@ -1,6 +1,7 @@
 """hq.torch.DistributedOptimizer's fallback (issue 16): buckets whose codec was measured slower
 than Horovod's float32 allreduce travel on that allreduce from the next step on, decided the same
-on every rank. Outcomes are forced by replacing fallback.measure_bucket (no real timing)."""
+on every rank; a narrow win is checked in training steps. Outcomes are forced by replacing
+fallback.measure_bucket and fallback.clock (no real timing)."""
 import logging
 
 import numpy as np
@@ -12,7 +13,7 @@ import horovod_quant as hq
 import horovod_quant.torch as hqt
 from horovod_quant.core.rng import derive_key
 from horovod_quant.exchange import fallback
-from horovod_quant.exchange.fallback import FALLBACK_STEP
+from horovod_quant.exchange.fallback import FALLBACK_STEP, STEP_CHECK_ROUNDS
 
 from conftest import Linear, codec_params, rank_gradients
 
@@ -53,8 +54,8 @@ def _inject(monkeypatch, seconds):
     monkeypatch.setattr(fallback, "measure_bucket", measure)
 
 
-def _train(model, opt, check):
-    for step in range(STEPS):
+def _train(model, opt, check, steps=STEPS):
+    for step in range(steps):
         opt.zero_grad()
         model.loss(rank_gradients(SHAPES, step, hvd.rank())).backward()
         opt.step()
@@ -144,3 +145,92 @@ def test_fallback_argument_is_checked():
     model = Linear(SHAPES)
     with pytest.raises(ValueError, match=r"fallback='always' is not valid.*\['auto', 'never'\]"):
         _optimizer(model, "qsgd", fallback="always")
+
+
+CHECK_FIRST = FALLBACK_STEP + 1  # the step check's first step
+CHECK_STEPS = 2 * STEP_CHECK_ROUNDS
+
+
+def _fp32_step(step):
+    """Whether ``step`` runs with every bucket on the allreduce during the check."""
+    return CHECK_FIRST <= step < CHECK_FIRST + CHECK_STEPS and (step - CHECK_FIRST) % 2 == 1
+
+
+class _StepClock:
+    """fallback.clock for the step check: a codec step lasts ``codec_s``, a float32 one
+    ``fp32_s`` (this rank's), whatever the real time."""
+
+    def __init__(self, codec_s, fp32_s):
+        self.codec_s, self.fp32_s, self.now, self.calls = codec_s, fp32_s, 0.0, 0
+
+    def __call__(self):
+        if self.calls % 2:  # stop() of the check's step number calls // 2
+            self.now += self.fp32_s if (self.calls // 2) % 2 else self.codec_s
+        self.calls += 1
+        return self.now
+
+
+def _checked_run(monkeypatch, caplog, codec_s, fp32_s):
+    """Train with both buckets kept by a narrow trial (1.33x), the step check timed by
+    _StepClock; check every step's gradients against the layout it ran."""
+    _inject(monkeypatch, lambda b: (0.03, 0.04))
+    monkeypatch.setattr(fallback, "clock", _StepClock(codec_s, fp32_s))
+    model = Linear(SHAPES)
+    opt = _optimizer(model, "qsgd")
+    final_fp32 = []
+    settled = []
+
+    def check(step):
+        fp32 = _fp32_step(step) or (step >= CHECK_FIRST + CHECK_STEPS and final_fp32[0])
+        got0, got1 = (p.grad.reshape(-1).numpy() for p in model.ps)
+        if fp32:
+            for j, got in ((0, got0), (1, got1)):
+                raw = torch.from_numpy(rank_gradients(SHAPES, step, hvd.rank())[j].reshape(-1))
+                want = hvd.allreduce(raw, op=hvd.Average, name=f"check.{step}.{j}").numpy()
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        else:
+            assert np.array_equal(got1, _codec_mean(opt, "qsgd", 1, step, 0)), step
+            assert np.array_equal(got0, _codec_mean(opt, "qsgd", 0, step, 1)), step
+        settled.append(opt.fallback_settled)
+        if step == CHECK_FIRST + CHECK_STEPS - 1:
+            final_fp32.append(opt.fallback_step_check.fallback)
+
+    with caplog.at_level(logging.INFO, logger="horovod_quant"):
+        _train(model, opt, check, steps=CHECK_FIRST + CHECK_STEPS + 2)
+    return opt, settled, [r for r in caplog.records if r.name == "horovod_quant"]
+
+
+@pytest.mark.parametrize("codec_wins", [True, False])
+def test_narrow_win_is_checked_in_training_steps(codec_wins, monkeypatch, caplog):
+    if hvd.size() == 1:
+        pytest.skip("a one-rank world never measures")
+    last = hvd.size() - 1
+    # alone, rank 0's steps favour the codec (0.3 vs 0.5); the last rank's steps decide
+    codec_s = 0.3 if hvd.rank() == 0 else (0.4 if codec_wins else 0.6)
+    opt, settled, records = _checked_run(monkeypatch, caplog, codec_s, 0.5)
+    check = opt.fallback_step_check
+    assert [d.fallback for d in opt.fallback_decisions] == [False, False]
+    assert (check.fallback, check.first_step, check.steps) == (not codec_wins, CHECK_FIRST,
+                                                                STEP_CHECK_ROUNDS)
+    assert (check.codec_step_s, check.fp32_step_s) == pytest.approx(
+        (0.4 if codec_wins else 0.6, 0.5) if last else (0.3, 0.5))
+    assert hvd.allgather_object(str(check)) == [str(check)] * hvd.size()
+    # settled from the end of the check's last step on (checked after each step)
+    assert settled == [False] * (CHECK_FIRST + CHECK_STEPS - 1) + [True] * 3
+    lines = [(r.levelno, r.getMessage()) for r in records]
+    if hvd.rank() == 0:
+        assert lines == [(logging.WARNING if check.fallback else logging.INFO, check.message())]
+    else:
+        assert lines == []
+
+
+def test_clear_win_skips_the_step_check(monkeypatch):
+    def clock():
+        raise AssertionError("a 2x win was checked in training steps")
+    _inject(monkeypatch, lambda b: (0.02, 0.04))
+    monkeypatch.setattr(fallback, "clock", clock)
+    model = Linear(SHAPES)
+    opt = _optimizer(model, "qsgd")
+    _train(model, opt, lambda step: None)
+    assert opt.fallback_step_check is None
+    assert opt.fallback_settled

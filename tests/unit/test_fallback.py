@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from horovod_quant.exchange import fallback
-from horovod_quant.exchange.fallback import (FALLBACK_MARGIN, BucketTrial, check_fallback,
-                                             decide, measure_and_decide)
+from horovod_quant.exchange.fallback import (FALLBACK_CLEAR_WIN, FALLBACK_MARGIN, BucketTrial,
+                                             StepChecker, check_fallback, decide,
+                                             measure_and_decide, needs_step_check)
 
 from threaded_comm import run_ranks
 
@@ -90,3 +91,105 @@ def test_modes_accepted(mode):
 def test_other_modes_rejected(mode):
     with pytest.raises(ValueError, match=r"fallback=.*choose one of \['auto', 'never'\]"):
         check_fallback(mode)
+
+
+def test_measure_bucket_alternates_the_two_sides():
+    order = []
+    trial = BucketTrial(0, "c", 4, lambda: order.append("codec"), lambda: order.append("fp32"))
+    fallback.measure_bucket(trial, trials=3)
+    assert order == ["codec", "fp32"] * 3
+
+
+@pytest.mark.parametrize("seconds,checked", [
+    ([(0.030, 0.040)], True),  # kept, won by 1.33x: checked in training steps
+    ([(0.020, 0.040)], False),  # won by 2x: clear
+    ([(0.050, 0.040)], False),  # fell back: nothing kept to check
+    ([(0.050, 0.040), (0.010, 0.040)], False),
+    ([(0.010, 0.040), (0.039, 0.040)], True),  # one narrow win is enough
+])
+def test_step_check_only_for_narrow_wins(seconds, checked):
+    decisions = decide(_trials(len(seconds)), np.array(seconds), step=1)
+    assert needs_step_check(decisions) is checked
+    assert FALLBACK_CLEAR_WIN == 0.5
+
+
+class _FakeClock:
+    """fallback.clock for tests: each step lasts the seconds given for it."""
+
+    def __init__(self, durations):
+        self.now, self.durations, self.running = 0.0, list(durations), False
+
+    def __call__(self):
+        if self.running:  # stop(): the step took its duration
+            self.now += self.durations.pop(0)
+        self.running = not self.running
+        return self.now
+
+
+def _run_check(monkeypatch, durations, rounds=3):
+    monkeypatch.setattr(fallback, "clock", _FakeClock(durations))
+    checker = StepChecker(2, "codec layout", "fp32 layout", rounds=rounds)
+    layouts = []
+    while not checker.complete:
+        layouts.append(checker.next_layout())
+        checker.start()
+        checker.stop()
+    return checker, layouts
+
+
+def test_step_checker_alternates_layouts_codec_first(monkeypatch):
+    checker, layouts = _run_check(monkeypatch, [0.1] * 6)
+    assert layouts == ["codec layout", "fp32 layout"] * 3
+    assert checker.seconds == pytest.approx([0.1] * 6)
+
+
+@pytest.mark.parametrize("durations,falls_back,codec_s,fp32_s", [
+    # the codec's steps are slower but for a one-off: the shortest of each layout decide
+    ([0.9, 0.5, 0.4, 0.5, 0.45, 0.55], False, 0.4, 0.5),
+    ([0.7, 0.5, 0.6, 0.9, 0.65, 0.52], True, 0.6, 0.5),
+    ([0.5, 0.5, 0.5, 0.5, 0.5, 0.5], False, 0.5, 0.5),  # a tie keeps the codec
+])
+def test_step_check_decides_on_the_shortest_steps(monkeypatch, durations, falls_back, codec_s,
+                                                  fp32_s):
+    checker, _ = _run_check(monkeypatch, durations)
+    check = checker.decide(_Local(), "fb.steps")
+    assert (check.fallback, check.first_step, check.steps) == (falls_back, 2, 3)
+    assert (check.codec_step_s, check.fp32_step_s) == pytest.approx((codec_s, fp32_s))
+    assert checker.layouts[check.fallback] == ("fp32 layout" if falls_back else "codec layout")
+    assert ("carries every bucket" in check.message()) is falls_back
+    assert "steps 2-7" in check.message()
+
+
+class _Local:
+    """One rank's collectives: the max over one rank is its own numbers."""
+
+    def allreduce_async(self, x, name, op):
+        assert op == "max"
+
+        class Done:
+            def wait(self):
+                return x
+        return Done()
+
+
+def test_step_check_ranks_agree_on_the_slowest(monkeypatch):
+    # rank 0's steps alone favour the codec, rank 1's the allreduce; the max over ranks of
+    # each step: codec steps 0.6/0.6/0.6, fp32 steps 0.5/0.5/0.5 -> every bucket falls back
+    per_rank = [[0.6, 0.5, 0.3, 0.5, 0.3, 0.5], [0.3, 0.4, 0.6, 0.4, 0.6, 0.4]]
+
+    def rank(comm):
+        checker = StepChecker(2, "codec", "fp32")
+        for d in per_rank[comm.rank]:
+            checker.seconds.append(d)
+        return checker.decide(comm, "fb.steps")
+    checks = run_ranks(2, rank)
+    assert checks[0] == checks[1]
+    assert checks[0].fallback and checks[0].codec_step_s == 0.6 and checks[0].fp32_step_s == 0.5
+
+
+def test_step_checker_misuse_is_an_error():
+    checker = StepChecker(2, "a", "b", rounds=1)
+    with pytest.raises(RuntimeError, match="without start"):
+        checker.stop()
+    with pytest.raises(RuntimeError, match="timed 0 of 2 steps"):
+        checker.decide(_Local(), "x")
