@@ -15,8 +15,8 @@ Under the Horovod doors the communicator is a duplicate of ``MPI.COMM_WORLD`` (s
 collides with Horovod's own traffic); the DDP door passes an object with mpi4py's method names
 over its process group's ``isend``/``irecv`` (:class:`horovod_quant.torch.distributed.
 PointToPoint`). The Horovod doors use MPI only when Horovod itself runs on MPI with ``MPI_THREAD_MULTIPLE`` (the
-reduction runs on a worker thread to overlap with backward, beside Horovod's background
-thread); otherwise, e.g. under gloo, the runners (``Exchange``, the TensorFlow compressor) fall
+reductions run on worker threads, :data:`EXPONENT_LANES` of them with a communicator each, to
+overlap with backward and with each other, beside Horovod's background thread); otherwise, e.g. under gloo, the runners (``Exchange``, the TensorFlow compressor) fall
 back to the allgather plan: the payloads gathered and reduced locally with the same schedule
 (same result, O(n) receive volume). ``HQ_MPI_EXCHANGE=0`` (or false/no/off) forces the fallback.
 
@@ -124,22 +124,42 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
     return out
 
 
+#: reductions in flight at once (pipelined pieces of one exchange): one large point-to-point
+#: transfer at a time moved about half of an emulated 1 Gbit/s link, several at once filled it
+#: (docs/cluster.md); each lane is a worker thread with a communicator of its own
+EXPONENT_LANES = 4
+
+
 class MpiExponentReduce:
     """The custom collective for dense exponential Global-QSGD (registered in
     :data:`horovod_quant.exchange.driver.CUSTOM_COLLECTIVES`).
 
-    Calls run in order on one worker thread per codec, identical on every rank. A device
-    payload's estimate is on its device and complete (its stream synchronized) when the handle
-    returns it.
+    Call ``k`` runs on lane ``k % len(comms)``: a worker thread with its own communicator, so
+    several pipelined pieces are on the wire at once and their messages never match across
+    lanes. Every rank makes the same calls in the same order, so each call lands on the same
+    lane everywhere, and each lane runs its calls in order. A device payload's estimate is on
+    its device and complete (its stream synchronized) when the handle returns it.
+
+    Args:
+        codec: the exponential Global-QSGD codec.
+        comms: one communicator per lane (mpi4py's, or :class:`~horovod_quant.torch.
+            distributed.PointToPoint`), created in the same order on every rank.
     """
 
-    def __init__(self, codec: Any, comm: Any) -> None:
+    def __init__(self, codec: Any, comms: list[Any]) -> None:
+        if not comms:
+            raise ValueError("MpiExponentReduce needs at least one communicator")
         self.codec = codec
-        self.comm = comm
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hq-mpi-exp")
+        self.comms = comms
+        self._lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hq-mpi-exp{i}")
+                       for i in range(len(comms))]
+        self._calls = 0
 
     def __call__(self, payload: Payload, seed: int, name: str) -> Handle:
-        codec, n = self.codec, self.comm.Get_size()
+        lane = self._calls % len(self._lanes)
+        self._calls += 1
+        comm = self.comms[lane]
+        codec, n = self.codec, comm.Get_size()
         codes = payload.data.view(np.uint8)
         on_device = array_module(codes) is not np
         if on_device:
@@ -148,7 +168,7 @@ class MpiExponentReduce:
 
         def run() -> Any:
             with codes.device if on_device else contextlib.nullcontext():
-                reduced = allreduce_exponent_codes(self.comm,
+                reduced = allreduce_exponent_codes(comm,
                                                    gpu.to_host(codes) if staged else codes,
                                                    payload.size, codec.bits, seed,
                                                    codec.reduction)
@@ -159,13 +179,17 @@ class MpiExponentReduce:
                     codes.device.synchronize()
                 return mean
 
-        return _FutureHandle(self._pool.submit(run))
+        return _FutureHandle(self._lanes[lane].submit(run))
 
 
 def mpi_exponent_factory(codec: Any, collectives: Any) -> MpiExponentReduce | None:
     """Use the MPI reduction when the collectives expose an MPI communicator and the codec is
-    dense exponential Global-QSGD; None means "fall back to allgather + local reduction"."""
+    dense exponential Global-QSGD; None means "fall back to allgather + local reduction".
+    Collective: asks for :data:`EXPONENT_LANES` communicators, in order, on every rank."""
     if getattr(codec, "levels", None) != "exponential" or codec.mode != "dense":
         return None
     comm = collectives.mpi_communicator()
-    return MpiExponentReduce(codec, comm) if comm is not None else None
+    if comm is None:
+        return None
+    return MpiExponentReduce(codec, [comm] + [collectives.mpi_communicator()
+                                              for _ in range(EXPONENT_LANES - 1)])

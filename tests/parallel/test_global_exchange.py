@@ -47,6 +47,23 @@ def test_exponent_allreduce_matches_reference(reduction, bits, size):
         assert not uses_mpi
 
 
+def test_exponent_lanes_with_many_pieces_in_flight():
+    """Two pipelined exchanges of 6 pieces each started before either is waited for: under
+    MPI their 12 reductions run on the lanes' duplicated communicators at once; each piece
+    gives mean_estimate's bits (under gloo: the allgather plan, the same bits)."""
+    n = hvd.size()
+    codec = hq.get_codec("global_qsgd", world_size=n, bits=8, levels="exponential")
+    ex = Exchange(codec, HorovodTorchCollectives(), pipeline_elems=8192)
+    vectors = [[rank_gradients([(6 * 8192 - 3,)], 40 + k, r)[0] for r in range(n)]
+               for k in range(2)]
+    pending = [ex.start(xs[hvd.rank()], 40 + k, f"gq.lanes.{k}") for k, xs in enumerate(vectors)]
+    for k, (p, xs) in enumerate(zip(pending, vectors)):
+        want, _ = hq.mean_estimate(codec, xs, seed=40 + k, pipeline_elems=8192)
+        assert np.array_equal(p.wait(), want), k
+    if isinstance(ex._custom, MpiExponentReduce):
+        assert len({id(c) for c in ex._custom.comms}) == len(ex._custom.comms) > 1
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_linear_integer_sum_exact_at_the_width_limit(bits):
     """Every rank at the largest level of either sign: the packed words' sum must not carry."""

@@ -47,7 +47,7 @@ def _same_everywhere(t):
 def _inject(monkeypatch, seconds):
     """measure_bucket runs both trials (they must leave the gradients alone) and reports
     ``seconds(bucket) -> (codec, fp32)`` of this rank."""
-    def measure(trial):
+    def measure(trial, **_):
         trial.run_codec()
         trial.run_fp32()
         return seconds(trial.bucket)
@@ -127,7 +127,7 @@ def test_faster_codec_is_kept(monkeypatch, caplog):
 
 
 def test_never_measures(monkeypatch):
-    def measure(trial):
+    def measure(trial, **_):
         raise AssertionError("fallback='never' measured a bucket")
     monkeypatch.setattr(fallback, "measure_bucket", measure)
     model = Linear(SHAPES)

@@ -9,6 +9,7 @@ import horovod_quant as hq
 import horovod_quant.torch as hqt
 from horovod_quant.core.rng import derive_key
 from horovod_quant.exchange import Exchange, mean_estimate
+from horovod_quant.exchange.exponent_allreduce import EXPONENT_LANES
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 from horovod_quant.torch.distributed import StandaloneGroupCollectives
 from horovod_quant.torch.transport import collectives_for, resolve_transport
@@ -133,6 +134,24 @@ def test_exponent_allreduce_over_the_gloo_group():
     got = exchange.start(xs[hvd.rank()], 11, "t.exp").wait()
     want, _ = mean_estimate(codec, xs, seed=11)
     assert np.array_equal(got, want)
+
+
+def test_exponent_lanes_keep_many_pieces_apart():
+    """Two pipelined exchanges of 7 pieces each in flight at once: 14 reductions spread over
+    the lanes (each its own channel), out of step with each other; every piece still gives
+    mean_estimate's bits."""
+    if hvd.size() == 1:
+        pytest.skip("needs two ranks")
+    codec = hq.get_codec("global_qsgd", bits=8, levels="exponential", world_size=hvd.size())
+    exchange = Exchange(codec, _peers(), pipeline_elems=4096)
+    assert len(exchange._custom.comms) == EXPONENT_LANES > 1
+    vectors = [[np.random.default_rng(10 * k + q).standard_normal(7 * 4096 - 5)
+                .astype(np.float32) for q in range(hvd.size())] for k in range(2)]
+    pending = [exchange.start(xs[hvd.rank()], 20 + k, f"t.lanes.{k}")
+               for k, xs in enumerate(vectors)]
+    for k, (p, xs) in enumerate(zip(pending, vectors)):
+        want, _ = mean_estimate(codec, xs, seed=20 + k, pipeline_elems=4096)
+        assert np.array_equal(p.wait(), want), k
 
 
 def test_ranks_that_ask_for_different_transports_fail_alike():
