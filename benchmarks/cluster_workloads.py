@@ -20,6 +20,8 @@ cluster.py tails for its progress bar and its results. Two kinds of item:
   ``hq.torch.DistributedOptimizer``. A step is timed as forward+backward, ``synchronize()`` and
   the update; the codecs' encode / exchange / decode come from ``opt.last_stats`` and compute is
   the rest of the step; for Horovod's optimizer the exchange is the time in ``synchronize()``.
+  With ``paired`` a float32 reference model steps beside each row, step for step (see
+  :func:`run_train`).
 """
 from __future__ import annotations
 
@@ -125,9 +127,9 @@ def make_exchange(cfg: dict, comm, pipeline_elems):
 
 def choose_fallbacks(item: dict, state: dict, x: np.ndarray) -> None:
     """What ``hq.DistributedOptimizer(fallback="auto")`` does for a bucket of this size, with
-    the package's own rule (``exchange.fallback.measure_and_decide``: best of two blocking
-    runs of the codec exchange and of Horovod's float32 allreduce of the same vector, slowest
-    rank): the configurations whose codec was slower run Horovod's float32 allreduce from
+    the package's own rule (``exchange.fallback.measure_and_decide``: the median of 3-15
+    blocking runs of the codec exchange and of Horovod's float32 allreduce of the same vector,
+    alternating, slowest rank): the configurations whose codec was slower run Horovod's float32 allreduce from
     here on, and their rows say so."""
     from horovod_quant.exchange.fallback import BucketTrial, measure_and_decide
 
@@ -250,68 +252,116 @@ def build_model(name: str) -> tuple[torch.nn.Module, tuple, int]:
     raise ValueError(f"unknown model {name!r}")
 
 
-def run_train(item: dict) -> dict:
-    import horovod_quant.torch as hq
+def _horovod_optimizer(model: torch.nn.Module, codec: str, prefix: str = ""):
+    """Horovod's own DistributedOptimizer over SGD (``none``: float32, ``fp16``: its cast)."""
+    comp = hvd.Compression.fp16 if codec == "fp16" else hvd.Compression.none
+    return hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        named_parameters=[(prefix + n, p) for n, p in model.named_parameters()],
+        compression=comp)
 
-    torch.manual_seed(0)
-    model, shape, classes = build_model(item["model"])
-    nparams = sum(p.numel() for p in model.parameters())
-    base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    cfg = item["config"]
-    if cfg["codec"] in ("none", "fp16"):
-        comp = hvd.Compression.fp16 if cfg["codec"] == "fp16" else hvd.Compression.none
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                       compression=comp)
-        horovod_path = True
-    else:
-        opt = hq.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                      compression=build_codec(cfg),
-                                      pipeline_elems=item.get("pipeline_elems"),
-                                      transport=item.get("transport", "horovod"),
-                                      fallback=item.get("fallback", "never"))
-        horovod_path = False
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    batch = item["batch"]
-    gen = torch.Generator().manual_seed(hvd.rank())
-    xb = torch.randn((batch,) + shape, generator=gen)
-    yb = torch.randint(0, classes, (batch,), generator=gen)
-    steps = []
-    # warm-up: item["warmup"] steps once the layout is final (hq's fallback measures, and may
-    # check in training steps, first); every rank settles at the same step
-    settled_at = None
-    s = -1
-    while len(steps) < item["steps"]:
-        s += 1
+
+class _Trainer:
+    """A model, its optimizer and this rank's synthetic batch; :meth:`step` times one step."""
+
+    def __init__(self, item: dict, codec_cfg: dict, prefix: str = "") -> None:
+        import horovod_quant.torch as hq
+
+        torch.manual_seed(0)
+        self.model, shape, classes = build_model(item["model"])
+        self.horovod_path = codec_cfg["codec"] in ("none", "fp16")
+        if self.horovod_path:
+            self.opt = _horovod_optimizer(self.model, codec_cfg["codec"], prefix)
+        else:
+            self.opt = hq.DistributedOptimizer(
+                torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9),
+                named_parameters=self.model.named_parameters(),
+                compression=build_codec(codec_cfg), pipeline_elems=item.get("pipeline_elems"),
+                transport=item.get("transport", "horovod"),
+                fallback=item.get("fallback", "never"))
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        gen = torch.Generator().manual_seed(hvd.rank())
+        self.xb = torch.randn((item["batch"],) + shape, generator=gen)
+        self.yb = torch.randint(0, classes, (item["batch"],), generator=gen)
+        self.loss = None
+
+    @property
+    def settled(self) -> bool:
+        return self.horovod_path or self.opt.fallback_settled
+
+    def step(self) -> dict:
         t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(xb), yb)
-        loss.backward()
+        self.opt.zero_grad()
+        self.loss = torch.nn.functional.cross_entropy(self.model(self.xb), self.yb)
+        self.loss.backward()
         t1 = time.perf_counter()
-        opt.synchronize()
+        self.opt.synchronize()
         t2 = time.perf_counter()
-        with opt.skip_synchronize():
-            opt.step()
+        with self.opt.skip_synchronize():
+            self.opt.step()
         t3 = time.perf_counter()
-        if settled_at is None and (horovod_path or opt.fallback_settled):
+        return {"step_s": t3 - t0, "fwd_bwd_s": t1 - t0, "sync_s": t2 - t1, "update_s": t3 - t2}
+
+
+def _measured_steps(item: dict, last_step_s: float) -> int:
+    """How many steps to time: ``steps``, more until they add up to ``min_seconds`` (at the
+    slowest rank's pace of the last warm-up step, so that every rank runs as many), at most
+    ``MAX_STEPS``."""
+    slowest = float(hvd.allreduce(torch.tensor([last_step_s], dtype=torch.float64),
+                                  op=hvd.Max, name="hqcl.train.pace")[0])
+    wanted = int(np.ceil(item.get("min_seconds", 0.0) / max(slowest, 1e-6)))
+    return min(max(item["steps"], wanted), MAX_STEPS)
+
+
+#: the most steps a training row times (a fast model's ``min_seconds``)
+MAX_STEPS = 60
+
+
+def run_train(item: dict) -> dict:
+    """Warm up until the optimizer's layout is final (hq's fallback measures, and may check in
+    training steps, first; every rank settles at the same step) plus ``warmup`` steps, then time
+    the steps (:func:`_measured_steps`). With ``paired``, a second model under Horovod's
+    float32 DistributedOptimizer (the reference) steps beside it, alternating which goes first,
+    so that load changes of a shared machine hit both; the row then carries the reference's
+    steps and the paired speedup."""
+    cfg = item["config"]
+    run = _Trainer(item, cfg)
+    ref = _Trainer(item, {"codec": "none"}, prefix="ref.") if item.get("paired") else None
+    if ref is not None:
+        for _ in range(2):  # its first steps fill Horovod's caches
+            ref.step()
+    nparams = sum(p.numel() for p in run.model.parameters())
+    settled_at, s, last = None, -1, 0.0
+    # the last warm-up step sets the pace of _measured_steps: never the settling step itself
+    # (Horovod's first step fills its caches)
+    while settled_at is None or s < settled_at + max(item["warmup"], 1):
+        s += 1
+        last = run.step()["step_s"]
+        if settled_at is None and run.settled:
             settled_at = s
-        if settled_at is None or s <= settled_at + item["warmup"] - 1:
-            continue
-        row = {"step_s": t3 - t0, "fwd_bwd_s": t1 - t0, "sync_s": t2 - t1, "update_s": t3 - t2}
-        if horovod_path:
-            row.update(encode_s=0.0, exchange_s=t2 - t1, decode_s=0.0,
+    steps, ref_steps = [], []
+    for i in range(_measured_steps(item, last)):
+        if ref is not None and i % 2 == 0:
+            ref_steps.append(ref.step()["step_s"])
+        row = run.step()
+        if ref is not None and i % 2 == 1:
+            ref_steps.append(ref.step()["step_s"])
+        if run.horovod_path:
+            row.update(encode_s=0.0, exchange_s=row["sync_s"], decode_s=0.0,
                        bytes_sent=nparams * (2 if cfg["codec"] == "fp16" else 4),
                        bytes_raw=nparams * 4)
         else:
-            st = opt.last_stats
-            check = opt.fallback_step_check
+            st = run.opt.last_stats
+            check = run.opt.fallback_step_check
             row["fallback_buckets"] = sum(d.fallback or (check is not None and check.fallback)
-                                          for d in opt.fallback_decisions)
+                                          for d in run.opt.fallback_decisions)
             row["step_check"] = None if check is None else {
                 "codec_step_s": check.codec_step_s, "fp32_step_s": check.fp32_step_s,
                 "fallback": check.fallback}
             row.update(encode_s=st.encode_s, exchange_s=st.exchange_s, decode_s=st.decode_s,
                        bytes_sent=st.bytes_sent, bytes_raw=st.bytes_raw)
         row["compute_s"] = row["step_s"] - row["encode_s"] - row["exchange_s"] - row["decode_s"]
+        row["ref_step_s"] = ref_steps[-1] if ref_steps else None
         steps.append(row)
     per_rank = gather_rows(steps)
     keys = ("step_s", "fwd_bwd_s", "sync_s", "update_s", "encode_s", "exchange_s", "decode_s",
@@ -320,16 +370,27 @@ def run_train(item: dict) -> dict:
     slow = max(rank_means, key=lambda m: m["step_s"])
     # both ranks step in lockstep: the slower rank's mean step sets the throughput
     out = dict(slow)
+    batch = item["batch"]
     out["samples_per_s"] = batch * hvd.size() / slow["step_s"]
     out["step_median_s"] = statistics.median(
         max(pr[i]["step_s"] for pr in per_rank) for i in range(len(steps)))
+    out["measured_steps"] = len(steps)
+    if ref is not None:
+        # each step's slowest rank, summed: the two models' steps interleave, pair by pair
+        codec_s = sum(max(pr[i]["step_s"] for pr in per_rank) for i in range(len(steps)))
+        ref_s = sum(max(pr[i]["ref_step_s"] for pr in per_rank) for i in range(len(steps)))
+        out["ref_samples_per_s"] = batch * hvd.size() * len(steps) / ref_s
+        out["paired_speedup"] = ref_s / codec_s
+        out["ref_step_all_s"] = [max(pr[i]["ref_step_s"] for pr in per_rank)
+                                 for i in range(len(steps))]
+    out["step_all_s"] = [max(pr[i]["step_s"] for pr in per_rank) for i in range(len(steps))]
     out["bytes_sent"] = steps[-1]["bytes_sent"]
     out["fallback_buckets"] = steps[-1].get("fallback_buckets", 0)
     out["step_check"] = steps[-1].get("step_check")
-    out["warmup_steps"] = settled_at + item["warmup"]
+    out["warmup_steps"] = s + 1  # steps 0..s ran untimed
     out["bytes_raw"] = steps[-1]["bytes_raw"]
     out["model_params"] = nparams
-    out["final_loss"] = float(loss.detach())
+    out["final_loss"] = float(run.loss.detach())
     return out
 
 

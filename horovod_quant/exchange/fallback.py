@@ -46,11 +46,18 @@ FALLBACK_MODES = ("auto", "never")
 #: trial ran first
 FALLBACK_STEP = 1
 
-#: blocking runs of each side per trial, alternating codec and float32 so that a burst of load
-#: hits both; the shortest of each counts: the first run also measures how late the slowest
-#: rank arrived, later runs start together, as the previous collective released every rank at
-#: about the same time
+#: blocking runs of each side per trial at least, alternating codec and float32 so that a
+#: burst of load hits both; the median of each counts
 FALLBACK_TRIALS = 3
+
+#: ... and at most: a trial keeps adding pairs of runs until the slowest rank has spent
+#: :data:`FALLBACK_TRIAL_SECONDS` on it, so a small bucket (4 MB at 10 Gbit/s: ~5 ms a run,
+#: runs scattered over 3.6-7.5 ms on shared cores) is decided from many runs, a large one
+#: (256 MB at 1 Gbit/s: ~2.5 s a float32 run) from three
+FALLBACK_MAX_TRIALS = 15
+
+#: the time budget of one bucket's trial (both sides), see :data:`FALLBACK_MAX_TRIALS`
+FALLBACK_TRIAL_SECONDS = 0.5
 
 #: a bucket falls back unless its codec exchange took at most this times the float32 allreduce
 #: (and the step check's steps likewise): a codec must save 5% to stay, since differences
@@ -64,9 +71,10 @@ FALLBACK_MARGIN = 0.95
 #: while every codec at 1 Gbit/s wins 4-8x alone, so these skip the check's float32 steps
 FALLBACK_CLEAR_WIN = 0.5
 
-#: the step check runs this many steps of each layout, alternating (codec first); the shortest
-#: of each counts, so a one-off cost (a layout's first step, a slow batch) does not decide
-STEP_CHECK_ROUNDS = 3
+#: the step check runs this many steps of each layout, alternating (codec first); the median
+#: of each counts, so neither a one-off cost (a layout's first step, a slow batch) nor one
+#: lucky step decides
+STEP_CHECK_ROUNDS = 5
 
 
 def clock() -> float:
@@ -106,8 +114,8 @@ class FallbackDecision:
         bucket: the bucket's index when it was measured.
         codec: the bucket's codec, as the log names it.
         nbytes: the bucket's float32 size in bytes.
-        codec_s: seconds of the codec exchange (slowest rank's best run).
-        fp32_s: seconds of the float32 allreduce (slowest rank's best run).
+        codec_s: seconds of the codec exchange (slowest rank's median run).
+        fp32_s: seconds of the float32 allreduce (slowest rank's median run).
         step: the step it was measured at.
         fallback: True when the float32 allreduce carries the bucket's tensors from the next
             step on.
@@ -138,29 +146,39 @@ def _verdict(fallback: bool, margin: float, what: str) -> str:
     return f"the codec keeps {what}"
 
 
-def measure_bucket(trial: BucketTrial, trials: int = FALLBACK_TRIALS,
-                   sync: Callable[[], Any] | None = None) -> tuple[float, float]:
-    """This rank's (codec seconds, float32 seconds) of one bucket: the shortest of ``trials``
-    blocking runs of each, alternating, the codec's first. Every rank must call it for the
-    same buckets in the same order (the runs are collectives).
+def measure_bucket(trial: BucketTrial, sync: Callable[[float], float] | None = None,
+                   min_runs: int = FALLBACK_TRIALS, max_runs: int = FALLBACK_MAX_TRIALS,
+                   budget_s: float = FALLBACK_TRIAL_SECONDS) -> tuple[float, float]:
+    """This rank's (codec seconds, float32 seconds) of one bucket: the median of blocking runs
+    of each, alternating, the codec's first; ``min_runs`` pairs, then more while the trial has
+    taken less than ``budget_s`` (on the slowest rank), up to ``max_runs``. Every rank must call
+    it for the same buckets in the same order (the runs are collectives).
 
     Args:
         trial: the bucket's two runs.
-        trials: runs of each.
-        sync: called, untimed, before each run: a barrier of the ranks. Without it a run's
-            time includes waiting for a peer still finishing the run before (a codec run
-            returns on each rank once its own decode is done), which charges one side with
-            the other's cost.
+        sync: called, untimed, before each run with this rank's seconds spent so far; returns
+            the largest over the ranks. A barrier: without it a run's time includes waiting for
+            a peer still finishing the run before (a codec run returns on each rank once its
+            own decode is done), which charges one side with the other's cost. Its answer,
+            the same on every rank, decides whether another pair runs, so every rank runs as
+            many. None (one process): no barrier, this rank's own seconds.
+        min_runs: pairs of runs at least.
+        max_runs: pairs of runs at most.
+        budget_s: seconds after which no further pair starts (beyond ``min_runs``).
     """
-    best = [float("inf"), float("inf")]
-    for _ in range(trials):
-        for side, run in enumerate((trial.run_codec, trial.run_fp32)):
-            if sync is not None:
-                sync()
+    times: tuple[list[float], list[float]] = ([], [])
+    spent = 0.0
+    for run in range(max_runs):
+        for side, fn in enumerate((trial.run_codec, trial.run_fp32)):
+            agreed = spent if sync is None else sync(spent)
+            if side == 0 and run >= min_runs and agreed >= budget_s:
+                return float(np.median(times[0])), float(np.median(times[1]))
             start = time.perf_counter()
-            run()
-            best[side] = min(best[side], time.perf_counter() - start)
-    return best[0], best[1]
+            fn()
+            elapsed = time.perf_counter() - start
+            times[side].append(elapsed)
+            spent += elapsed
+    return float(np.median(times[0])), float(np.median(times[1]))
 
 
 def decide(trials: Sequence[BucketTrial], seconds: np.ndarray, step: int,
@@ -203,10 +221,11 @@ def measure_and_decide(comm: Collectives, trials: Sequence[BucketTrial], step: i
     """
     if not trials:
         return []
-    token, barriers = np.zeros(1, np.float64), itertools.count()
+    barriers = itertools.count()
 
-    def barrier() -> None:
-        comm.allreduce_async(token, f"{name}.sync{next(barriers)}", "max").wait()
+    def barrier(spent: float) -> float:
+        return float(np.asarray(comm.allreduce_async(
+            np.array([spent], np.float64), f"{name}.sync{next(barriers)}", "max").wait())[0])
 
     local = np.array([measure_bucket(t, sync=barrier) for t in trials],
                      dtype=np.float64).reshape(-1, 2)
@@ -227,8 +246,8 @@ class StepCheck:
 
     Attributes:
         first_step: the first step of the check.
-        codec_step_s: seconds of the shortest step with the kept codecs (slowest rank).
-        fp32_step_s: seconds of the shortest step with the float32 allreduce carrying every
+        codec_step_s: seconds of the median step with the kept codecs (slowest rank).
+        fp32_step_s: seconds of the median step with the float32 allreduce carrying every
             bucket (slowest rank).
         steps: steps of each layout.
         fallback: True when the float32 allreduce carries every bucket from the next step on.
@@ -245,7 +264,7 @@ class StepCheck:
     def message(self) -> str:
         """The log line of the decision."""
         return (f"horovod_quant: training steps took {self.codec_step_s * 1e3:.1f} ms with the "
-                f"codec, {self.fp32_step_s * 1e3:.1f} ms with the float32 allreduce (shortest "
+                f"codec, {self.fp32_step_s * 1e3:.1f} ms with the float32 allreduce (median "
                 f"of each, steps {self.first_step}-{self.first_step + 2 * self.steps - 1}): "
                 + _verdict(self.fallback, self.margin, "every bucket" if self.fallback
                            else "its buckets"))
@@ -299,7 +318,7 @@ class StepChecker:
     def decide(self, comm: Collectives, name: str,
                margin: float = FALLBACK_MARGIN) -> StepCheck:
         """Agree on the steps' times (elementwise maximum over ranks: the slowest rank is what
-        a step waits for) and decide: the float32 layout wins unless the codec layout's shortest
+        a step waits for) and decide: the float32 layout wins unless the codec layout's median
         step took at most ``margin`` times the float32 layout's. Collective.
 
         Returns:
@@ -311,7 +330,7 @@ class StepChecker:
                                f"{len(self._fp32_steps)} steps")
         agreed = np.asarray(comm.allreduce_async(np.array(self.seconds, np.float64), name,
                                                  "max").wait()).reshape(-1)
-        codec_s = float(min(s for s, fp32 in zip(agreed, self._fp32_steps) if not fp32))
-        fp32_s = float(min(s for s, fp32 in zip(agreed, self._fp32_steps) if fp32))
+        codec_s = float(np.median([s for s, fp32 in zip(agreed, self._fp32_steps) if not fp32]))
+        fp32_s = float(np.median([s for s, fp32 in zip(agreed, self._fp32_steps) if fp32]))
         return StepCheck(self.first_step, codec_s, fp32_s, self.rounds,
                          bool(codec_s > margin * fp32_s), margin)

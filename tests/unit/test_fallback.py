@@ -72,17 +72,48 @@ def test_no_buckets_no_collective():
     assert measure_and_decide(None, [], step=1, name="fb") == []
 
 
-def test_measure_bucket_keeps_the_shortest_run():
+def test_measure_bucket_takes_the_median_run():
     calls = []
-    slow_first = iter([0.2, 0.0])
+    durations = iter([0.2, 0.0, 0.0])
 
     def run():
         calls.append(1)
-        time.sleep(next(slow_first))
+        time.sleep(next(durations))
 
     trial = BucketTrial(0, "c", 4, run, lambda: None)
-    codec_s, _ = fallback.measure_bucket(trial, trials=2)
-    assert len(calls) == 2 and codec_s < 0.2
+    codec_s, _ = fallback.measure_bucket(trial, min_runs=3, max_runs=3)
+    assert len(calls) == 3 and codec_s < 0.1
+
+
+@pytest.mark.parametrize("agreed_spent,pairs", [
+    (0.0, 7),  # under budget: pairs up to max_runs
+    (0.6, 3),  # over budget (on the slowest rank): min_runs pairs only
+])
+def test_measure_bucket_adds_pairs_while_under_budget(agreed_spent, pairs):
+    order = []
+    trial = BucketTrial(0, "c", 4, lambda: order.append("codec"), lambda: order.append("fp32"))
+    fallback.measure_bucket(trial, sync=lambda spent: agreed_spent, min_runs=3, max_runs=7,
+                            budget_s=0.5)
+    assert order == ["codec", "fp32"] * pairs
+
+
+def test_ranks_run_as_many_pairs():
+    """A rank whose runs are fast alone would run more pairs than a slow one: the runs are
+    collectives, so the barrier's agreed time decides for every rank."""
+    def rank(comm):
+        runs = []
+
+        def run_codec():
+            runs.append(1)
+            if comm.rank == 0:
+                time.sleep(0.2)  # rank 0 is over the 0.5 s budget after 3 pairs
+
+        trial = BucketTrial(0, "c", 4, run_codec, lambda: comm.allreduce_async(
+            np.zeros(1), f"fp32.{len(runs)}", "sum").wait())
+        measure_and_decide(comm, [trial], step=1, name="fb")
+        return len(runs)
+    assert run_ranks(2, rank) == [fallback.FALLBACK_TRIALS] * 2
+    assert fallback.FALLBACK_TRIAL_SECONDS == 0.5
 
 
 @pytest.mark.parametrize("mode", ["auto", "never"])
@@ -99,7 +130,7 @@ def test_other_modes_rejected(mode):
 def test_measure_bucket_alternates_the_two_sides():
     order = []
     trial = BucketTrial(0, "c", 4, lambda: order.append("codec"), lambda: order.append("fp32"))
-    fallback.measure_bucket(trial, trials=3)
+    fallback.measure_bucket(trial, min_runs=3, max_runs=3)
     assert order == ["codec", "fp32"] * 3
 
 
@@ -147,13 +178,14 @@ def test_step_checker_alternates_layouts_codec_first(monkeypatch):
 
 
 @pytest.mark.parametrize("durations,falls_back,codec_s,fp32_s", [
-    # the codec's steps are slower but for a one-off: the shortest of each layout decide
-    ([0.9, 0.5, 0.4, 0.5, 0.45, 0.55], False, 0.4, 0.5),
-    ([0.7, 0.5, 0.6, 0.9, 0.65, 0.52], True, 0.6, 0.5),
+    # the codec's steps are slower but for a one-off: the median of each layout decides
+    ([0.9, 0.5, 0.4, 0.5, 0.45, 0.55], False, 0.45, 0.5),
+    ([0.7, 0.5, 0.6, 0.9, 0.65, 0.52], True, 0.65, 0.52),
     ([0.5, 0.5, 0.5, 0.5, 0.5, 0.5], True, 0.5, 0.5),  # a tie: the exact allreduce
-    ([0.475, 0.5, 0.5, 0.5, 0.5, 0.5], False, 0.475, 0.5),  # saves 5%: kept
+    ([0.475, 0.5, 0.47, 0.5, 0.46, 0.5], False, 0.47, 0.5),  # saves 5%: kept
+    ([0.4, 0.5, 0.6, 0.5, 0.6, 0.5], True, 0.6, 0.5),  # one lucky codec step does not decide
 ])
-def test_step_check_decides_on_the_shortest_steps(monkeypatch, durations, falls_back, codec_s,
+def test_step_check_decides_on_the_median_steps(monkeypatch, durations, falls_back, codec_s,
                                                   fp32_s):
     checker, _ = _run_check(monkeypatch, durations)
     check = checker.decide(_Local(), "fb.steps")
@@ -184,7 +216,7 @@ def test_step_check_ranks_agree_on_the_slowest(monkeypatch):
     per_rank = [[0.6, 0.5, 0.3, 0.5, 0.3, 0.5], [0.3, 0.4, 0.6, 0.4, 0.6, 0.4]]
 
     def rank(comm):
-        checker = StepChecker(2, "codec", "fp32")
+        checker = StepChecker(2, "codec", "fp32", rounds=3)
         for d in per_rank[comm.rank]:
             checker.seconds.append(d)
         return checker.decide(comm, "fb.steps")
@@ -204,7 +236,8 @@ def test_step_checker_misuse_is_an_error():
 def test_measure_bucket_syncs_before_every_timed_run():
     events = []
     trial = BucketTrial(0, "c", 4, lambda: events.append("codec"), lambda: events.append("fp32"))
-    fallback.measure_bucket(trial, trials=2, sync=lambda: events.append("sync"))
+    fallback.measure_bucket(trial, sync=lambda spent: events.append("sync") or spent,
+                            min_runs=2, max_runs=2)
     assert events == ["sync", "codec", "sync", "fp32"] * 2
 
 
