@@ -129,6 +129,22 @@ def kill_netns_processes(ns: str) -> None:
         time.sleep(pause)
 
 
+def dump_stacks(namespaces: list[str]) -> None:
+    """Ask the ranks of a stalled launch for every thread's Python stack (cluster_workloads.py
+    registers faulthandler on SIGUSR1; they write to the launch's log), before they are
+    killed: a stall's record then says where each rank waited."""
+    for ns in namespaces:
+        for pid in netns_pids(ns):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"cluster_workloads.py" not in f.read():
+                        continue
+                os.kill(pid, signal.SIGUSR1)
+            except (ProcessLookupError, FileNotFoundError):
+                pass
+    time.sleep(3.0)
+
+
 # -- the emulated cluster -------------------------------------------------------------------
 class Cluster:
     """Two namespaces joined by a shaped veth pair, owned by this process."""
@@ -440,6 +456,7 @@ def run_phase(cluster: Cluster, label: str, items: list[dict], bar, args,
                 break
             if time.monotonic() - last > args.stall_timeout:
                 stalled = True
+                dump_stacks(cluster.ns)
                 os.killpg(proc.pid, signal.SIGTERM)
                 try:
                     proc.wait(10)
@@ -453,8 +470,8 @@ def run_phase(cluster: Cluster, label: str, items: list[dict], bar, args,
         procs.remove(proc)
         remaining = [it for it in remaining if it["id"] not in done]
         if remaining:
-            with open(log) as f:
-                tail = f.read()[-3000:]
+            with open(log) as f:  # a stall's tail holds the ranks' stacks (dump_stacks)
+                tail = f.read()[-(12000 if stalled else 3000):]
             why = (f"stalled > {args.stall_timeout:g} s" if stalled
                    else f"mpirun exited with {proc.returncode}")
             failed = remaining.pop(0)

@@ -65,6 +65,14 @@ FALLBACK_TRIAL_SECONDS = 0.5
 #: float32 paths measured 0.94-1.05x of each other) and the float32 allreduce is exact
 FALLBACK_MARGIN = 0.95
 
+#: ... and the codec must save at least this many seconds per exchange: on shared cores single
+#: runs scatter by about a scheduler wake-up (4 MB float32 allreduce at 10 Gbit/s: 3.7 or
+#: 5.5 ms, bimodal; docs/cluster.md), a codec exchange hands work between threads several times
+#: where the allreduce does once, and a 4 MB bucket that saved 0.3 ms in its trial ran 0.63x
+#: the allreduce's speed in the rounds after it; a saving this small is not measurable here and
+#: the exact allreduce keeps it
+FALLBACK_MIN_SAVING_S = 0.002
+
 #: a kept bucket whose codec exchange took at most this share of the float32 allreduce's time
 #: keeps its codec without the step check: the largest in-step loss measured against an
 #: isolated win was 1.37x alone -> 0.90x in training (qsgd:4, 10 Gbit/s, docs/cluster.md),
@@ -120,6 +128,7 @@ class FallbackDecision:
         fallback: True when the float32 allreduce carries the bucket's tensors from the next
             step on.
         margin: the rule's margin (:data:`FALLBACK_MARGIN`).
+        min_saving_s: the rule's least saving (:data:`FALLBACK_MIN_SAVING_S`).
     """
 
     bucket: int
@@ -130,19 +139,21 @@ class FallbackDecision:
     step: int
     fallback: bool
     margin: float = FALLBACK_MARGIN
+    min_saving_s: float = FALLBACK_MIN_SAVING_S
 
     def message(self) -> str:
         """The log line of a fallback (or of a kept codec)."""
         return (f"horovod_quant: bucket {self.bucket} ({self.codec}, {self.nbytes / 1e6:.1f} MB): "
                 f"codec exchange {self.codec_s * 1e3:.1f} ms, float32 allreduce "
                 f"{self.fp32_s * 1e3:.1f} ms (measured at step {self.step}): "
-                + _verdict(self.fallback, self.margin, "it"))
+                + _verdict(self.fallback, self.margin, "it", self.min_saving_s))
 
 
-def _verdict(fallback: bool, margin: float, what: str) -> str:
+def _verdict(fallback: bool, margin: float, what: str, min_saving_s: float = 0.0) -> str:
     if fallback:
-        return (f"the codec does not save {(1 - margin) * 100:.0f}%; the float32 allreduce "
-                f"carries {what} from now on")
+        least = f" and {min_saving_s * 1e3:g} ms" if min_saving_s else ""
+        return (f"the codec does not save {(1 - margin) * 100:.0f}%{least}; the float32 "
+                f"allreduce carries {what} from now on")
     return f"the codec keeps {what}"
 
 
@@ -182,21 +193,26 @@ def measure_bucket(trial: BucketTrial, sync: Callable[[float], float] | None = N
 
 
 def decide(trials: Sequence[BucketTrial], seconds: np.ndarray, step: int,
-           margin: float = FALLBACK_MARGIN) -> list[FallbackDecision]:
+           margin: float = FALLBACK_MARGIN,
+           min_saving_s: float = FALLBACK_MIN_SAVING_S) -> list[FallbackDecision]:
     """The rule: a bucket falls back when its codec exchange took longer than ``margin`` times
-    its float32 allreduce (it does not save ``1 - margin`` of the time).
+    its float32 allreduce (it does not save ``1 - margin`` of the time) or saved less than
+    ``min_saving_s`` (0: no least saving).
 
     Args:
         trials: the measured buckets.
         seconds: one row (codec seconds, float32 seconds) per bucket, agreed by every rank.
         step: the step they were measured at.
         margin: see :data:`FALLBACK_MARGIN`.
+        min_saving_s: see :data:`FALLBACK_MIN_SAVING_S`.
 
     Returns:
         One decision per bucket, in order.
     """
     return [FallbackDecision(t.bucket, t.codec, t.nbytes, float(codec_s), float(fp32_s), step,
-                             bool(codec_s > margin * fp32_s), margin)
+                             bool(codec_s > margin * fp32_s or (
+                                 min_saving_s > 0 and fp32_s - codec_s < min_saving_s)),
+                             margin, min_saving_s)
             for t, (codec_s, fp32_s) in zip(trials, seconds)]
 
 

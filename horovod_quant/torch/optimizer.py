@@ -604,10 +604,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             :data:`~horovod_quant.exchange.fallback.FALLBACK_STEP`), time each bucket's codec
             exchange against Horovod's float32 allreduce of the same vector (the slowest rank's
             median of 3-15 runs each) and let Horovod's allreduce carry, from the next step
-            on, the buckets whose codec did not save 5%, with one warning per bucket in the
-            ``horovod_quant`` log; when a kept codec won by less than 2x, check in the next 10
-            training steps (alternating: the codec, then every bucket on the allreduce) and let
-            the allreduce carry every bucket if its steps were the faster (one warning).
+            on, the buckets whose codec did not save 5% and 2 ms, with one warning per bucket
+            in the ``horovod_quant`` log; when a kept codec won by less than 2x, check in the
+            next 10 training steps (alternating: the codec, then every bucket on the allreduce)
+            and let the allreduce carry every bucket if its steps were the faster (one
+            warning).
             "never": always the codec (no measurement). A one-rank world never measures.
 
     Returns:

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from horovod_quant.exchange import fallback
-from horovod_quant.exchange.fallback import (FALLBACK_CLEAR_WIN, FALLBACK_MARGIN, BucketTrial,
-                                             StepChecker, check_fallback, decide,
-                                             measure_and_decide, needs_step_check)
+from horovod_quant.exchange.fallback import (FALLBACK_CLEAR_WIN, FALLBACK_MARGIN,
+                                             FALLBACK_MIN_SAVING_S, BucketTrial, StepChecker,
+                                             check_fallback, decide, measure_and_decide,
+                                             needs_step_check)
 
 from threaded_comm import run_ranks
 
@@ -31,18 +32,20 @@ def _injected(trial, **_):
     (0.038, 0.040, False),  # saves exactly 5%: kept
     (0.0385, 0.040, True),  # saves less than 5%: within noise, the exact allreduce
     (0.040, 0.040, True),
+    (0.0030, 0.0045, True),  # saves 33% but 1.5 ms: below what runs on shared cores resolve
+    (0.0020, 0.0040, False),  # saves 2 ms: kept
 ])
 def test_rule(codec_s, fp32_s, falls_back):
     (d,) = decide(_trials(1), np.array([[codec_s, fp32_s]]), step=1)
     assert d.fallback is falls_back
     assert (d.codec_s, d.fp32_s, d.step, d.bucket) == (codec_s, fp32_s, 1, 0)
-    assert FALLBACK_MARGIN == 0.95
+    assert FALLBACK_MARGIN == 0.95 and FALLBACK_MIN_SAVING_S == 0.002
 
 
 def test_margin_scales_the_allreduce_time():
     seconds = np.array([[0.045, 0.040]])
     assert decide(_trials(1), seconds, step=1)[0].fallback
-    assert not decide(_trials(1), seconds, step=1, margin=1.2)[0].fallback
+    assert not decide(_trials(1), seconds, step=1, margin=1.2, min_saving_s=0)[0].fallback
     assert decide(_trials(1), np.array([[0.035, 0.040]]), step=1, margin=0.8)[0].fallback
 
 
@@ -50,8 +53,8 @@ def test_log_line_names_the_bucket_and_both_times():
     slow, fast = decide(_trials(2), np.array([[0.0451, 0.0392], [0.01, 0.02]]), step=1)
     assert slow.message() == (
         "horovod_quant: bucket 0 (Codec(bits=8), 4.2 MB): codec exchange 45.1 ms, float32 "
-        "allreduce 39.2 ms (measured at step 1): the codec does not save 5%; the float32 "
-        "allreduce carries it from now on")
+        "allreduce 39.2 ms (measured at step 1): the codec does not save 5% and 2 ms; the "
+        "float32 allreduce carries it from now on")
     assert fast.message().endswith("(measured at step 1): the codec keeps it")
 
 
