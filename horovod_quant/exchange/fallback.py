@@ -51,13 +51,16 @@ FALLBACK_STEP = 1
 FALLBACK_TRIALS = 3
 
 #: ... and at most: a trial keeps adding pairs of runs until the slowest rank has spent
-#: :data:`FALLBACK_TRIAL_SECONDS` on it, so a small bucket (4 MB at 10 Gbit/s: ~5 ms a run,
-#: runs scattered over 3.6-7.5 ms on shared cores) is decided from many runs, a large one
-#: (256 MB at 1 Gbit/s: ~2.5 s a float32 run) from three
+#: :data:`FALLBACK_TRIAL_SECONDS` on it, so a bucket whose runs are short is decided from many
+#: (4 MB at 10 Gbit/s: ~5 ms a run, scattered over 3.6-7.5 ms on shared cores; 64 MB: float32
+#: runs of 65 or 95 ms, bimodal), a large one on a slow link (256 MB at 1 Gbit/s: ~2.3 s a
+#: float32 run) from three
 FALLBACK_MAX_TRIALS = 15
 
-#: the time budget of one bucket's trial (both sides), see :data:`FALLBACK_MAX_TRIALS`
-FALLBACK_TRIAL_SECONDS = 0.5
+#: the time budget of one bucket's trial (both sides), see :data:`FALLBACK_MAX_TRIALS`: the
+#: one-off cost of the trial is about this per bucket, or three pairs of runs where those take
+#: longer
+FALLBACK_TRIAL_SECONDS = 2.0
 
 #: a bucket falls back unless its codec exchange took at most this times the float32 allreduce
 #: (and the step check's steps likewise): a codec must save 5% to stay, since differences
