@@ -1,7 +1,7 @@
 """Two emulated hosts on one machine: the exchange and training benchmark at 1 and 10 Gbit/s.
 
     sudo python3 benchmarks/cluster.py                 # default run (26 min on 2 idle cores)
-    sudo python3 benchmarks/cluster.py --quick         # subset, 1.3 min on 2 idle cores
+    sudo python3 benchmarks/cluster.py --quick         # subset, 2.5 min on 2 idle cores
     sudo python3 benchmarks/cluster.py --cleanup       # remove leftovers of killed runs
     python3 benchmarks/cluster.py --render docs/results/cluster.json   # tables + plots again
     python3 benchmarks/cluster.py --render docs/results/cluster.json --plots-only   # plots only
@@ -997,7 +997,7 @@ def write_outputs(data: dict, prefix: str) -> list[str]:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a small subset (1.3 min on 2 idle cores)")
+    ap.add_argument("--quick", action="store_true", help="a small subset (2.5 min on 2 idle cores)")
     ap.add_argument("--cleanup", action="store_true",
                     help="remove leftovers of earlier (dead) runs and exit")
     ap.add_argument("--render", metavar="JSON", nargs="+",
