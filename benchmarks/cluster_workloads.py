@@ -254,15 +254,6 @@ def build_model(name: str) -> tuple[torch.nn.Module, tuple, int]:
     raise ValueError(f"unknown model {name!r}")
 
 
-def _horovod_optimizer(model: torch.nn.Module, codec: str, prefix: str = ""):
-    """Horovod's own DistributedOptimizer over SGD (``none``: float32, ``fp16``: its cast)."""
-    comp = hvd.Compression.fp16 if codec == "fp16" else hvd.Compression.none
-    return hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-        named_parameters=[(prefix + n, p) for n, p in model.named_parameters()],
-        compression=comp)
-
-
 class _Trainer:
     """A model, its optimizer and this rank's synthetic batch; :meth:`step` times one step."""
 
@@ -272,12 +263,15 @@ class _Trainer:
         torch.manual_seed(0)
         self.model, shape, classes = build_model(item["model"])
         self.horovod_path = codec_cfg["codec"] in ("none", "fp16")
-        if self.horovod_path:
-            self.opt = _horovod_optimizer(self.model, codec_cfg["codec"], prefix)
+        base = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        if self.horovod_path:  # Horovod's own optimizer: float32, or its fp16 cast
+            self.opt = hvd.DistributedOptimizer(
+                base, named_parameters=[(prefix + n, p) for n, p in self.model.named_parameters()],
+                compression=(hvd.Compression.fp16 if codec_cfg["codec"] == "fp16"
+                             else hvd.Compression.none))
         else:
             self.opt = hq.DistributedOptimizer(
-                torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9),
-                named_parameters=self.model.named_parameters(),
+                base, named_parameters=self.model.named_parameters(),
                 compression=build_codec(codec_cfg), pipeline_elems=item.get("pipeline_elems"),
                 transport=item.get("transport", "horovod"),
                 fallback=item.get("fallback", "never"))
@@ -374,18 +368,16 @@ def run_train(item: dict) -> dict:
     out = dict(slow)
     batch = item["batch"]
     out["samples_per_s"] = batch * hvd.size() / slow["step_s"]
-    out["step_median_s"] = statistics.median(
-        max(pr[i]["step_s"] for pr in per_rank) for i in range(len(steps)))
+    def slowest(key: str) -> list[float]:  # each step's slowest rank
+        return [max(pr[i][key] for pr in per_rank) for i in range(len(steps))]
+
+    out["step_all_s"] = slowest("step_s")
+    out["step_median_s"] = statistics.median(out["step_all_s"])
     out["measured_steps"] = len(steps)
-    if ref is not None:
-        # each step's slowest rank, summed: the two models' steps interleave, pair by pair
-        codec_s = sum(max(pr[i]["step_s"] for pr in per_rank) for i in range(len(steps)))
-        ref_s = sum(max(pr[i]["ref_step_s"] for pr in per_rank) for i in range(len(steps)))
-        out["ref_samples_per_s"] = batch * hvd.size() * len(steps) / ref_s
-        out["paired_speedup"] = ref_s / codec_s
-        out["ref_step_all_s"] = [max(pr[i]["ref_step_s"] for pr in per_rank)
-                                 for i in range(len(steps))]
-    out["step_all_s"] = [max(pr[i]["step_s"] for pr in per_rank) for i in range(len(steps))]
+    if ref is not None:  # the two models' steps interleave, pair by pair
+        out["ref_step_all_s"] = slowest("ref_step_s")
+        out["ref_samples_per_s"] = batch * hvd.size() * len(steps) / sum(out["ref_step_all_s"])
+        out["paired_speedup"] = sum(out["ref_step_all_s"]) / sum(out["step_all_s"])
     out["bytes_sent"] = steps[-1]["bytes_sent"]
     out["fallback_buckets"] = steps[-1].get("fallback_buckets", 0)
     out["step_check"] = steps[-1].get("step_check")

@@ -152,6 +152,15 @@ class FallbackDecision:
                 + _verdict(self.fallback, self.margin, "it", self.min_saving_s))
 
 
+def _falls_back(codec_s: float, fp32_s: float, margin: float = FALLBACK_MARGIN,
+               min_saving_s: float = 0.0) -> bool:
+    """The rule of the trial and of the step check: the float32 allreduce wins unless the
+    codec took at most ``margin`` times its time and, when ``min_saving_s`` is set (> 0),
+    saved at least that many seconds."""
+    return bool(codec_s > margin * fp32_s
+                or (min_saving_s > 0 and fp32_s - codec_s < min_saving_s))
+
+
 def _verdict(fallback: bool, margin: float, what: str, min_saving_s: float = 0.0) -> str:
     if fallback:
         least = f" and {min_saving_s * 1e3:g} ms" if min_saving_s else ""
@@ -182,16 +191,21 @@ def measure_bucket(trial: BucketTrial, sync: Callable[[float], float] | None = N
     """
     times: tuple[list[float], list[float]] = ([], [])
     spent = 0.0
+
+    def barrier() -> float:
+        return spent if sync is None else sync(spent)
+
     for run in range(max_runs):
+        # the barrier before the codec's run comes first: every rank calls it, pair or not
+        if barrier() >= budget_s and run >= min_runs:
+            break
         for side, fn in enumerate((trial.run_codec, trial.run_fp32)):
-            agreed = spent if sync is None else sync(spent)
-            if side == 0 and run >= min_runs and agreed >= budget_s:
-                return float(np.median(times[0])), float(np.median(times[1]))
+            if side:
+                barrier()
             start = time.perf_counter()
             fn()
-            elapsed = time.perf_counter() - start
-            times[side].append(elapsed)
-            spent += elapsed
+            times[side].append(time.perf_counter() - start)
+            spent += times[side][-1]
     return float(np.median(times[0])), float(np.median(times[1]))
 
 
@@ -200,7 +214,7 @@ def decide(trials: Sequence[BucketTrial], seconds: np.ndarray, step: int,
            min_saving_s: float = FALLBACK_MIN_SAVING_S) -> list[FallbackDecision]:
     """The rule: a bucket falls back when its codec exchange took longer than ``margin`` times
     its float32 allreduce (it does not save ``1 - margin`` of the time) or saved less than
-    ``min_saving_s`` (0: no least saving).
+    ``min_saving_s`` (:func:`_falls_back`).
 
     Args:
         trials: the measured buckets.
@@ -213,9 +227,8 @@ def decide(trials: Sequence[BucketTrial], seconds: np.ndarray, step: int,
         One decision per bucket, in order.
     """
     return [FallbackDecision(t.bucket, t.codec, t.nbytes, float(codec_s), float(fp32_s), step,
-                             bool(codec_s > margin * fp32_s or (
-                                 min_saving_s > 0 and fp32_s - codec_s < min_saving_s)),
-                             margin, min_saving_s)
+                             _falls_back(codec_s, fp32_s, margin, min_saving_s), margin,
+                             min_saving_s)
             for t, (codec_s, fp32_s) in zip(trials, seconds)]
 
 
@@ -352,4 +365,4 @@ class StepChecker:
         codec_s = float(np.median([s for s, fp32 in zip(agreed, self._fp32_steps) if not fp32]))
         fp32_s = float(np.median([s for s, fp32 in zip(agreed, self._fp32_steps) if fp32]))
         return StepCheck(self.first_step, codec_s, fp32_s, self.rounds,
-                         bool(codec_s > margin * fp32_s), margin)
+                         _falls_back(codec_s, fp32_s, margin), margin)
