@@ -10,7 +10,7 @@ anything else raises ValueError naming the variable, so a typo never silently me
 | ``HQ_DEVICE_COLLECTIVES`` | bool, unset = detect | Horovod's collectives take device buffers |
 | ``HQ_CONFIG_TIMEOUT`` | seconds, default 600 | how long a rank waits for the others' configuration |
 | ``HQ_TRANSPORT`` | auto/gloo/horovod, default auto | what carries the torch Horovod door's payloads |
-| ``HQ_PEER_ADDR`` | address, unset = detect | where rank 0 of the gloo transport is reached |
+| ``HQ_PEER_ADDR`` | address, unset = detect | the address this rank's gloo transport binds (and rank 0 offers) |
 """
 from __future__ import annotations
 

@@ -1,41 +1,36 @@
 """Which transport carries the payloads of ``hq.torch.DistributedOptimizer``: Horovod's
 collectives, or the collectives of a gloo process group built beside Horovod.
 
-Measured on two emulated hosts behind a 1 Gbit/s link (``benchmarks/cluster.py
---transport-probe --overlap-probe``, docs/cluster.md "Which transport moves a payload
-fastest"): Horovod's allgather moves a payload at about half the link rate under its gloo
-controller, and under its MPI controller a transfer stalls while the rank computes (Open MPI's
-progress busy-polls), so encoding and decoding add to the wire time; concurrent all_gathers of
-a torch.distributed gloo group filled 0.78-0.86 of the link under either controller and went
-on while the rank computed. So ``"auto"`` runs the optimizer's exchanges over such a group
+Concurrent all_gathers of a gloo group fill a slow link better than Horovod's collectives
+and go on while the rank computes (docs/cluster.md, "Which transport moves a payload
+fastest"), so ``"auto"`` runs the optimizer's exchanges over such a group
 (:class:`~.distributed.StandaloneGroupCollectives`) for CPU gradients, and keeps Horovod's
 collectives for CUDA gradients (NCCL moves device buffers) or when the group cannot be built
-(the reason is logged once). Its collectives pair by call order, so the optimizer starts its
-buckets in bucket order, as DDP does.
+(one warning). Its collectives pair by call order, so the optimizer starts its buckets in
+bucket order, as DDP does.
 
 The group is built once per Horovod process set, collectively (the first optimizer of every
-rank builds it at the same point): rank 0 opens a ``TCPStore`` on a free port at its address
-(:func:`reachable_address`), tells the others through Horovod, and every rank connects a
-``ProcessGroupGloo`` through it; the default ``torch.distributed`` group is left alone.
+rank builds it at the same point): rank 0 opens a ``TCPStore`` (listening on every interface),
+the ranks find an address of rank 0 they all reach (:mod:`.addresses`) through Horovod's
+collectives, and each connects a ``ProcessGroupGloo`` bound to its own address on that route;
+the default ``torch.distributed`` group is left alone.
 """
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
-import socket
-import struct
+import secrets
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import horovod.torch as hvd
 import torch
 import torch.distributed as dist
 
 from .. import gpu
-from ..env import env_choice, env_text
+from ..env import env_choice
 from ..exchange.collectives import Collectives
 from ..exchange.staging import HostStaged
+from . import addresses
 from .collectives import HorovodTorchCollectives
 from .distributed import StandaloneGroupCollectives
 
@@ -43,19 +38,17 @@ log = logging.getLogger("horovod_quant")
 
 #: what ``transport=`` takes
 TRANSPORTS = ("auto", "horovod", "gloo")
-#: how long reaching rank 0's store may take (a peer that cannot be reached fails here)
-CONNECT_TIMEOUT = timedelta(seconds=60)
+#: how long building the group may take: connecting every pair of ranks, then a first
+#: collective (a peer that cannot be reached fails the build here, on every rank)
+CONNECT_TIMEOUT = timedelta(seconds=20)
 #: how long one of the group's collectives may wait for a peer before it raises (gloo needs a
 #: bound; torch.distributed's default)
 OPERATION_TIMEOUT = timedelta(minutes=30)
-#: environment variables that name the address (``HQ_PEER_ADDR``) or network interface the
-#: group uses, in order of precedence; horovodrun sets ``HOROVOD_GLOO_IFACE`` under gloo
-ADDRESS_ENV = "HQ_PEER_ADDR"
-INTERFACE_ENVS = ("GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE")
 
 #: environment variable that sets the optimizer's transport where no ``transport=`` is given
 TRANSPORT_ENV = "HQ_TRANSPORT"
 
+_TOKEN_KEY = "hq.token"  # rank 0's store holds a random token: a probe reached the right store
 _groups: dict[str, StandaloneGroupCollectives | str] = {}  # process set id -> group, or why none
 
 
@@ -74,66 +67,101 @@ def resolve_transport(transport: str | None = None) -> str:
     return transport
 
 
-def _interface_address(interface: str) -> str:
-    """The IPv4 address of a network interface (Linux ``SIOCGIFADDR``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface[:15].encode()))
-    return socket.inet_ntoa(packed[20:24])
+class _Agreement:
+    """The steps of building a group, each agreed over Horovod's collectives: a step that
+    failed on any rank fails on every rank, with every rank's reason.
+
+    Args:
+        comm: Horovod's collectives of the ranks.
+        name: prefix of the steps' collective names.
+    """
+
+    def __init__(self, comm: Collectives, name: str) -> None:
+        self._comm = comm
+        self._name = name
+
+    def gather(self, step: str, value: Any, error: str | None) -> list[Any]:
+        """Every rank's ``value`` for ``step``; RuntimeError on every rank when any rank's
+        ``error`` is set."""
+        reports = self._comm.allgather_object({"value": value, "error": error},
+                                              f"{self._name}.{step}")
+        errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if rep["error"]]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return [rep["value"] for rep in reports]
 
 
-def reachable_address() -> tuple[str, str | None]:
-    """(address the other ranks reach this one at, its interface or None): ``HQ_PEER_ADDR``,
-    else the first interface of ``GLOO_SOCKET_IFNAME`` / ``HOROVOD_GLOO_IFACE``, else what
-    this host's name resolves to (as gloo itself would)."""
-    interface = next((os.environ[k].split(",")[0] for k in INTERFACE_ENVS if os.environ.get(k)),
-                     None)
-    if env_text(ADDRESS_ENV):
-        return env_text(ADDRESS_ENV), interface
-    if interface is not None:
-        return _interface_address(interface), interface
-    return socket.gethostbyname(socket.gethostname()), None
+def _attempt(action: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``(action(), None)``, or ``(None, why)`` when it raised as a failed connection does."""
+    try:
+        return action(), None
+    except (RuntimeError, OSError, ValueError) as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        return None, f"{type(exc).__name__}: {first_line}"
 
 
 def gloo_group_beside_horovod(comm: Collectives) -> StandaloneGroupCollectives:
     """Build a gloo process group over ``comm``'s ranks (same rank order) and return its
     collectives; ``comm`` (Horovod's) carries the rendezvous.
 
-    Collective: every rank of ``comm`` calls it at the same point.
+    Collective: every rank of ``comm`` calls it at the same point. Each step is agreed by
+    every rank, so the ranks end with a group, or all raise the same error within about
+    :data:`CONNECT_TIMEOUT` (a few seconds when no address of rank 0 is reachable).
 
     Raises:
-        RuntimeError: on every rank, when a rank cannot reach rank 0's store (the message names
-            the rank and the address); errors while gloo connects surface after
-            :data:`CONNECT_TIMEOUT`.
+        RuntimeError: on every rank, naming each rank that failed and why.
     """
     name = f"hq.transport.{comm.group_id}"
-    address, interface = reachable_address()
-    store, error = None, None
-    if comm.rank == 0:
-        try:
-            store = dist.TCPStore(address, 0, comm.size, True, timeout=CONNECT_TIMEOUT,
-                                  wait_for_workers=False)
-        except (RuntimeError, OSError) as exc:
-            error = f"rank 0 could not open a store at {address}: {exc}"
-    host = comm.allgather_object({"address": address, "port": store.port if store else 0,
-                                  "error": error}, name + ".addr")[0]
-    if comm.rank != 0 and host["error"] is None:
-        try:
-            store = dist.TCPStore(host["address"], host["port"], comm.size, False,
-                                  timeout=CONNECT_TIMEOUT)
-        except (RuntimeError, OSError) as exc:
-            error = (f"rank {comm.rank} could not reach rank 0's store at "
-                     f"{host['address']}:{host['port']}: {exc}")
-    errors = [e for e in comm.allgather_object(error, name + ".check") if e]
-    if errors:
-        raise RuntimeError("; ".join(errors) + f" (set {ADDRESS_ENV} or GLOO_SOCKET_IFNAME to "
-                           "an address/interface the ranks reach each other at)")
-    options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)
-                        if interface else dist.ProcessGroupGloo.create_default_device()]
-    options._timeout = OPERATION_TIMEOUT
-    group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), comm.rank, comm.size, options)
+    agree = _Agreement(comm, name)
+    own, error = _attempt(addresses.own_addresses)
+    store = token = None
+    if comm.rank == 0 and error is None:
+        token = secrets.token_hex(8)
+        store, error = _attempt(lambda: dist.TCPStore(
+            own[0], 0, comm.size, True, timeout=CONNECT_TIMEOUT, wait_for_workers=False))
+    if store is not None:
+        store.set(_TOKEN_KEY, token)
+    offer = agree.gather("offer", {"addresses": own, "port": store.port if store else 0,
+                                   "token": token}, error)[0]
+    # which of rank 0's addresses each rank reaches, and the local address it leaves from
+    reached = own if comm.rank == 0 else addresses.probe(offer["addresses"], offer["port"])
+    reports = agree.gather("probe", reached, None)
+    common = next((i for i in range(len(offer["addresses"]))
+                   if all(rep[i] is not None for rep in reports)), None)
+    if common is None:
+        missed = "; ".join(f"rank {r} reached {[a for a, x in zip(offer['addresses'], rep) if x]}"
+                           for r, rep in enumerate(reports) if not all(rep))
+        raise RuntimeError(f"no address of rank 0 ({', '.join(offer['addresses'])}, port "
+                           f"{offer['port']}) is reachable from every rank ({missed})")
+    address = offer["addresses"][common]
+    # the address this rank's gloo device binds: its route to rank 0, unless the user named
+    # this rank's address or interfaces
+    local = address if comm.rank == 0 else (own[0] if addresses.named_in_environment()
+                                            else reached[common])
+
+    def join_store() -> Any:
+        client = dist.TCPStore(address, offer["port"], comm.size, False, timeout=CONNECT_TIMEOUT)
+        if client.get(_TOKEN_KEY).decode() != offer["token"]:
+            raise RuntimeError(f"{address}:{offer['port']} is not rank 0's store")
+        return client
+
+    if comm.rank != 0:
+        store, error = _attempt(join_store)
+    agree.gather("store", None, error)
+
+    def connect() -> Any:
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local)]
+        options._timeout = CONNECT_TIMEOUT
+        return dist.ProcessGroupGloo(dist.PrefixStore(name, store), comm.rank, comm.size,
+                                     options)
+
+    group, error = _attempt(connect)
+    agree.gather("connect", local, error)
     collectives = StandaloneGroupCollectives(group, f"gloo:{comm.group_id}")
-    collectives.allgather_object(comm.rank, name + ".hello")  # every pair is connected
+    _, error = _attempt(lambda: collectives.allgather_object(comm.rank, name + ".hello"))
+    agree.gather("hello", None, error)  # every pair of ranks has exchanged data
+    group.set_timeout(OPERATION_TIMEOUT)
     return collectives
 
 

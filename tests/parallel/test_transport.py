@@ -1,5 +1,8 @@
 """The optimizer's transports: a gloo group beside Horovod (``transport="gloo"``, what "auto"
 picks for CPU gradients; its collectives pair by call order) against Horovod's collectives."""
+import socket
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +15,8 @@ from horovod_quant.exchange import Exchange, mean_estimate
 from horovod_quant.exchange.exponent_allreduce import EXPONENT_LANES
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 from horovod_quant.torch.distributed import StandaloneGroupCollectives
-from horovod_quant.torch.transport import collectives_for, resolve_transport
+from horovod_quant.torch.transport import (collectives_for, gloo_group_beside_horovod,
+                                           resolve_transport)
 
 from conftest import Linear, codec_params, rank_gradients
 
@@ -163,3 +167,47 @@ def test_ranks_that_ask_for_different_transports_fail_alike():
                                  named_parameters=model.named_parameters(),
                                  compression=hqt.Compression.qsgd(),
                                  transport="gloo" if hvd.rank() == 0 else "horovod")
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("GLOO_SOCKET_IFNAME", "doesnotexist"),
+    ("HQ_PEER_ADDR", "192.0.2.254"),        # an address no host has
+    ("NCCL_SOCKET_IFNAME", "=nosuchnic"),
+])
+def test_a_rank_with_a_wrong_network_setting_fails_every_rank_fast(monkeypatch, variable, value):
+    """One rank names an interface or address its host lacks: every rank raises the same
+    error naming that rank, within seconds (no rank goes on alone, nothing waits for a
+    connection timeout), and the next build on a sound setting works."""
+    if hvd.size() == 1:
+        pytest.skip("needs two ranks")
+    if hvd.rank() == hvd.size() - 1:
+        for name in ("HQ_PEER_ADDR", "GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE"):
+            monkeypatch.delenv(name, raising=False)  # horovodrun --gloo sets the interface
+        monkeypatch.setenv(variable, value)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as error:
+        gloo_group_beside_horovod(HorovodTorchCollectives())
+    assert time.monotonic() - start < 10
+    assert f"rank {hvd.size() - 1}: AddressError: {variable}=" in str(error.value)
+    everyone = hvd.allgather_object(str(error.value))
+    assert all(e == everyone[0] for e in everyone)
+    monkeypatch.undo()
+    group = gloo_group_beside_horovod(HorovodTorchCollectives())
+    assert group.allgather_object(hvd.rank(), "t.after") == list(range(hvd.size()))
+
+
+def test_the_host_name_is_never_resolved(monkeypatch):
+    """Where the host name maps to a loopback address (Debian, Ubuntu), or to nothing, the
+    group is built all the same, on the addresses of the interfaces (the emulated hosts of
+    tests/emulated check the whole job on such hosts)."""
+    if hvd.size() == 1:
+        pytest.skip("needs two ranks")
+
+    def unresolvable(*_):
+        raise socket.gaierror("this test resolves no host name")
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "no-such-host.invalid")
+    monkeypatch.setattr(socket, "gethostbyname", unresolvable)
+    monkeypatch.setattr(socket, "gethostbyname_ex", unresolvable)
+    group = gloo_group_beside_horovod(HorovodTorchCollectives())
+    assert group.allgather_object(hvd.rank(), "t.noname") == list(range(hvd.size()))
