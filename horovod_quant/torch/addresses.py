@@ -94,7 +94,7 @@ def own_addresses() -> list[str]:
             chosen = select_interfaces(spec, list(interfaces))
             if not chosen:
                 raise AddressError(f"{env}={spec!r} selects no interface with an IPv4 address "
-                                   f"on {socket.gethostname()} (it has {interfaces or 'none'})")
+                                   f"on {socket.gethostname()} (it has {interfaces})")
             return [interfaces[name] for name in chosen]
     addresses = list(dict.fromkeys(interfaces.values()))
     return sorted(addresses, key=_is_loopback)
