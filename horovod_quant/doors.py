@@ -10,7 +10,7 @@ from .exchange.collectives import Collectives, Handle
 from .core import available_codecs, get_codec
 from .core.registry import codec_class
 from .core.base import Codec, check_int
-from .exchange.plans import resolve_gather
+from .exchange.plans import check_gather
 from .env import env_seconds
 from .policy import LayerPolicy, describe
 from .stats import StepStats
@@ -166,7 +166,7 @@ class CompressorSettings:
     def __init__(self, codec: Codec | tuple[CodecRequest, Callable[[], int]], seed: int = 0,
                  gather: str = "auto", policy: LayerPolicy | None = None,
                  process_set: Any = None) -> None:
-        resolve_gather(gather, 1)  # validates the name
+        check_gather(gather)
         self.codec_request: CodecRequest | None = None
         self._world_size: Callable[[], int] | None = None
         if isinstance(codec, tuple):

@@ -199,6 +199,31 @@ class Codec(abc.ABC):
         """
         return None
 
+    def expected_nbytes(self, size: int) -> int:
+        """The payload bytes of ``size`` elements: :meth:`wire_layout`'s where the layout does
+        not depend on a header, else ``bits`` per element (what the exchange's cost model
+        weighs, never a check)."""
+        layout = None if self.head_nbytes else self.wire_layout(size)
+        if layout is not None:
+            return layout.nbytes
+        return -(-size * int(self.params.get("bits", 32)) // 8)
+
+    def for_world_size(self, world_size: int) -> "Codec":
+        """This codec for an exchange between ``world_size`` ranks (the hosts of a
+        hierarchical exchange): itself unless it :attr:`needs_world_size`, else one built with
+        the same parameters for that size, the same object at every call (a stateful codec
+        keeps its state across exchanges)."""
+        if not self.needs_world_size or self.params.get("world_size") == world_size:
+            return self
+        resized = self.__dict__.setdefault("_resized", {})
+        if world_size not in resized:
+            resized[world_size] = type(self)(**self.resize_params(world_size))
+        return resized[world_size]
+
+    def resize_params(self, world_size: int) -> dict[str, Any]:
+        """The constructor parameters of :meth:`for_world_size`'s codec."""
+        return {**self.params, "world_size": world_size}
+
     def check_payload(self, payload: Payload, out: Any | None = None) -> WireLayout:
         """Validate a payload before any kernel reads it (and ``out`` before one writes it).
 

@@ -137,6 +137,7 @@ class GlobalQSGD(Codec):
         if num_levels is not None:
             num_levels = check_int("num_levels", num_levels, 1)
         self.world_size = n
+        self.requested_levels = num_levels
         self.bits = bits
         self.levels = levels
         self.norm = norm
@@ -160,6 +161,11 @@ class GlobalQSGD(Codec):
         self.table = self._signed_table()
         super().__init__(world_size=n, bits=bits, levels=levels, num_levels=self.s, norm=norm,
                          mode=mode, reduction=reduction)
+
+    def resize_params(self, world_size: int) -> dict[str, Any]:
+        """The same parameters for another world, with the levels the user asked for (the
+        default fits the most levels that world allows)."""
+        return {**self.params, "world_size": world_size, "num_levels": self.requested_levels}
 
     @staticmethod
     def _linear_dense_levels(n: int, bits: int, num_levels: int | None) -> int:

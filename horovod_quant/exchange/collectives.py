@@ -103,6 +103,9 @@ class Collectives(abc.ABC):
     #: whether the ranks' collectives pair by the order they are called in (torch.distributed)
     #: rather than by their names (Horovod): then every rank must issue them in one order
     pairs_by_order: bool = False
+    #: where ranks share hosts: the collectives of this rank's host and of the ranks holding
+    #: its shard on the other hosts (:class:`~.topology.Hierarchy`), for hierarchical plans
+    hierarchy: Any = None
 
     @abc.abstractmethod
     def allreduce_async(self, arr: np.ndarray, name: str, op: str = "sum") -> Handle:

@@ -13,6 +13,7 @@ through :class:`~horovod_quant.exchange.staging.HostStaged`.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -22,6 +23,8 @@ from ..core.base import Codec, array_module
 from . import plans, wire
 from .collectives import Collectives, Handle
 
+log = logging.getLogger("horovod_quant")
+
 #: custom collectives by the name codecs declare (``Codec.custom_collective``):
 #: ``factory(codec, comm) -> runner`` (or None to fall back to the allgather plan)
 #: where ``runner(payload, seed, name) -> Handle`` whose wait() gives the mean estimate.
@@ -30,16 +33,21 @@ CUSTOM_COLLECTIVES: dict[str, Callable] = {}
 
 class ExchangeStats:
     """Bytes and seconds of one exchange (filled as it runs): time in a plan's steps before its
-    first collective counts as encoding, after it as decoding, waiting for one as exchange."""
+    first collective counts as encoding, after it as decoding, waiting for one as exchange.
+    ``bytes_local`` counts what went to the ranks of this rank's host (a hierarchical plan's
+    float32 shards), ``bytes_sent`` the rest; ``plans`` how many pieces took each plan."""
 
-    __slots__ = ("bytes_sent", "bytes_raw", "encode_s", "exchange_s", "decode_s")
+    __slots__ = ("bytes_sent", "bytes_local", "bytes_raw", "encode_s", "exchange_s",
+                 "decode_s", "plans")
 
     def __init__(self, bytes_raw: int) -> None:
         self.bytes_sent = 0
+        self.bytes_local = 0
         self.bytes_raw = bytes_raw
         self.encode_s = 0.0
         self.exchange_s = 0.0
         self.decode_s = 0.0
+        self.plans: dict[str, int] = {}
 
 
 class Pending:
@@ -86,11 +94,16 @@ class Pending:
 
 
 class _Running:
-    """One plan in flight on one rank: its generator and the handle of its current collective."""
+    """One plan in flight on one rank: its generator and the handle of its current collective.
 
-    def __init__(self, plan: plans.Plan, comm: Collectives, name: str, custom: Any,
+    Args:
+        routes: for each group a request may name (:data:`~.plans.WORLD`, ``LOCAL``,
+            ``CROSS``), its collectives and the codec's custom collective there (or None).
+    """
+
+    def __init__(self, plan: plans.Plan, routes: dict[str, tuple[Collectives, Any]], name: str,
                  stats: ExchangeStats) -> None:
-        self.plan, self.comm, self.name, self.custom, self.stats = plan, comm, name, custom, stats
+        self.plan, self.routes, self.name, self.stats = plan, routes, name, stats
         self.encoding = True
         self.handle: Handle | None = None
         self.result: Any = None
@@ -109,8 +122,12 @@ class _Running:
             field = "encode_s" if self.encoding else "decode_s"
             setattr(self.stats, field, getattr(self.stats, field) + time.perf_counter() - t)
             self.encoding = False
-        self.stats.bytes_sent += request.array.nbytes
-        self.handle = issue(self.comm, request, self.name + request.suffix, self.custom)
+        if request.group == plans.LOCAL:
+            self.stats.bytes_local += request.array.nbytes
+        else:
+            self.stats.bytes_sent += request.array.nbytes
+        comm, custom = self.routes[request.group]
+        self.handle = issue(comm, request, self.name + request.suffix, custom)
 
     def _resume(self) -> None:
         """Wait for the current collective and resume the plan with its result."""
@@ -189,13 +206,33 @@ def custom_collective(codec: Codec, comm: Collectives) -> Any:
     return factory(codec, comm) if factory is not None else None
 
 
+class _OnWorker:
+    """A piece that runs on the hierarchy's worker thread from start to end; :meth:`finish`
+    waits for it and adds its bytes and seconds to the exchange's."""
+
+    def __init__(self, future: Any, stats: ExchangeStats, into: ExchangeStats) -> None:
+        self._future, self._stats, self._into = future, stats, into
+
+    def finish(self) -> Any:
+        result = self._future.result()
+        for field in ("bytes_sent", "bytes_local", "encode_s", "exchange_s", "decode_s"):
+            setattr(self._into, field, getattr(self._into, field) + getattr(self._stats, field))
+        return result
+
+
 class Exchange:
     """Exchanges for one codec over one group of ranks.
+
+    Each piece takes the plan :func:`~.plans.plan_kind` picks for its length: the one that
+    sends the fewest bytes over the slowest link, hierarchical plans included where ``comm``
+    has a :attr:`~.collectives.Collectives.hierarchy` (ranks sharing hosts). Hierarchical
+    pieces run on the hierarchy's worker thread, in the order they were started, since the
+    sub-groups' collectives pair by call order.
 
     Args:
         codec: the codec.
         comm: the collectives of the group.
-        gather: schedule for gather codecs ("auto", "allgather", "sra").
+        gather: "auto", "allgather", "sra" or "hierarchical" (:data:`~.plans.GATHER_SCHEDULES`).
         pipeline_elems: piece length of the pipeline in elements (default
             :data:`~horovod_quant.exchange.plans.DEFAULT_PIPELINE_ELEMS`, 8 MiB of float32);
             None exchanges every vector whole. It pays where a transfer progresses while the
@@ -207,10 +244,36 @@ class Exchange:
                  pipeline_elems: int | None = plans.DEFAULT_PIPELINE_ELEMS) -> None:
         self.codec = codec
         self.comm = comm
-        self._custom = custom_collective(codec, comm)
-        self.kind = plans.plan_kind(codec, comm.size, gather, self._custom is not None)
-        self.gather = "sra" if self.kind == "sra" else "allgather"
+        self.gather = plans.check_gather(gather)
         self.pipeline_elems = plans.check_pipeline_elems(pipeline_elems)
+        self._custom = custom_collective(codec, comm)
+        self._routes: dict[str, tuple[Collectives, Any]] = {plans.WORLD: (comm, self._custom)}
+        self.hierarchy = comm.hierarchy
+        self._place = None
+        if self.hierarchy is not None:
+            topology, rank = self.hierarchy.topology, comm.rank
+            self._place = plans.Place(topology.host_of(rank), topology.host_count,
+                                      topology.local_rank(rank), topology.local_size)
+            cross = codec.for_world_size(topology.host_count)
+            self._routes[plans.LOCAL] = (self.hierarchy.local, None)
+            self._routes[plans.CROSS] = (self.hierarchy.cross,
+                                         custom_collective(cross, self.hierarchy.cross))
+        self._kinds: dict[int, str] = {}
+
+    def kind_for(self, numel: int) -> str:
+        """The plan a piece of ``numel`` elements takes (the same on every rank); the first
+        time a kind is chosen it is logged (rank 0)."""
+        kind = self._kinds.get(numel)
+        if kind is None:
+            topology = (self.hierarchy.topology if self.hierarchy is not None
+                        else self.comm.size)
+            kind = self._kinds[numel] = plans.runnable(
+                plans.plan_kind(self.codec, topology, numel, self.gather,
+                                self.hierarchy is not None),
+                self._custom is not None, self._routes.get(plans.CROSS, (0, None))[1]
+                is not None)
+            _log_choice(self.codec, kind, numel, topology, self.comm.rank)
+        return kind
 
     @property
     def needs_norm(self) -> bool:
@@ -231,14 +294,16 @@ class Exchange:
     def start(self, x: np.ndarray, seed: int, name: str, norm: float | None = None,
               out: np.ndarray | None = None, tag: wire.Tag | None = None) -> Pending:
         """Encode ``x`` (float32, 1-D) and start its exchange under collective name ``name``
-        (pieces add ``.p<k>``). Exchanges that :attr:`blocks_on_peers` must be started in the
-        same order on every rank.
+        (pieces add ``.p<k>``). Exchanges that :attr:`blocks_on_peers`, and every exchange
+        over collectives that pair by call order, must be started in the same order on every
+        rank.
 
         A global-norm codec given no ``norm`` starts only the norm's allgather (under
         ``name + ".norm"``, with ``tag``) and returns without waiting for a peer: its pieces
         are encoded and started by the :meth:`Pending.advance` that finds the norm arrived,
         or by :meth:`Pending.wait`. The norm is that of all of ``x`` over every rank, as in
-        :func:`~horovod_quant.exchange.reference.mean_estimate`.
+        :func:`~horovod_quant.exchange.reference.mean_estimate`; hierarchical pieces take
+        their shard's norm between the hosts instead.
 
         Args:
             x: this rank's vector; read again when the exchange finishes (NDQSG), so it must
@@ -262,20 +327,48 @@ class Exchange:
         if out is None:
             out = array_module(x).empty(x.size, np.float32)
         bounds = plans.pipeline_bounds(x.size, self.pipeline_elems)
-        plan, rank, n = plans.PLANS[self.kind], self.comm.rank, self.comm.size
+        kinds = [self.kind_for(hi - lo) for lo, hi in bounds]
+        for kind in kinds:
+            stats.plans[kind] = stats.plans.get(kind, 0) + 1
+        on_worker = [k.startswith(plans.HIERARCHICAL) for k in kinds]
+        rank, n = self.comm.rank, self.comm.size
 
-        def start_pieces(norm: float | None) -> list[_Running]:
-            return [_Running(plan(plans.Piece(self.codec, x[lo:hi],
-                                              plans.pipeline_seed(seed, k, len(bounds)), rank,
-                                              n, norm, tag, out[lo:hi], name)),
-                             self.comm, plans.piece_name(name, k, len(bounds)), self._custom,
-                             stats)
-                    for k, (lo, hi) in enumerate(bounds)]
+        def start_pieces(norm: float | None) -> list[Any]:
+            pieces: list[Any] = []
+            for k, (lo, hi) in enumerate(bounds):
+                plan = plans.plan_of(kinds[k])(plans.Piece(
+                    self.codec, x[lo:hi], plans.pipeline_seed(seed, k, len(bounds)), rank, n,
+                    norm, tag, out[lo:hi], name, self._place))
+                piece_name = plans.piece_name(name, k, len(bounds))
+                if on_worker[k]:
+                    own = ExchangeStats(0)
+                    future = self.hierarchy.worker.submit(
+                        lambda plan=plan, piece_name=piece_name, own=own:
+                        _Running(plan, self._routes, piece_name, own).finish())
+                    pieces.append(_OnWorker(future, own, stats))
+                else:
+                    pieces.append(_Running(plan, self._routes, piece_name, stats))
+            return pieces
 
-        if self.needs_norm and norm is None:
+        if self.needs_norm and norm is None and not all(on_worker):
             exchange = _NormThenPieces(
-                _Running(plans.norm_plan(self.codec, [x], tag, name + ".norm"), self.comm,
-                         name + ".norm", None, stats), start_pieces, out)
+                _Running(plans.norm_plan(self.codec, [x], tag, name + ".norm"),
+                         {plans.WORLD: (self.comm, None)}, name + ".norm", stats),
+                start_pieces, out)
             return Pending(exchange.finish, stats, exchange.advance)
         pieces = start_pieces(norm)
         return Pending(lambda: _finish_pieces(pieces, out), stats)
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def _log_choice(codec: Codec, kind: str, numel: int, topology: Any, rank: int) -> None:
+    """Log (once per codec and plan, on rank 0) which plan exchanges take."""
+    if rank != 0 or (codec.config_key(), kind) in _logged:
+        return
+    _logged.add((codec.config_key(), kind))
+    shape = (f"{topology.host_count} hosts x {topology.local_size} ranks"
+             if hasattr(topology, "hosts") else f"{topology} ranks")
+    log.info("horovod_quant: %r exchanges of %d elements take the %s plan (%s; the fewest "
+             "bytes over the slowest link)", codec, numel, kind, shape)

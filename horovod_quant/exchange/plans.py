@@ -32,6 +32,7 @@ one state.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Generator, NamedTuple, Sequence, Union
 
 import numpy as np
@@ -41,11 +42,18 @@ from ..core.exp_reduce import chunk_bounds
 from ..core.payload import Payload
 from ..core.rng import derive_key
 from . import wire
+from .cost import HIERARCHICAL, cheapest
+from .topology import Topology
 
 REENCODE_TAG = 0x5EA
 PIPELINE_TAG = 0x919E
-SRA_MIN_WORLD = 5
-GATHER_SCHEDULES = ("auto", "allgather", "sra")
+SHARD_TAG = 0x5BA4D
+#: the values of a door's ``gather`` argument: "auto" (the cost model's choice), or the plan a
+#: gather codec takes ("allgather", "sra") or "hierarchical" (with the cost model's inner plan)
+GATHER_SCHEDULES = ("auto", "allgather", "sra", "hierarchical")
+#: the groups of ranks a request goes to: every rank, the ranks of this rank's host, the ranks
+#: holding this rank's shard on every host (:class:`~.topology.Hierarchy`)
+WORLD, LOCAL, CROSS = "world", "local", "cross"
 #: default piece length of a pipelined exchange (Exchange, the torch doors): 2^21 float32 =
 #: 8 MiB, a multiple of the packing block and of every power-of-two bucket size up to it (so
 #: no bucket is cut in two). mean_estimate exchanges whole vectors unless given this value.
@@ -60,6 +68,7 @@ class Allreduce(NamedTuple):
     array: Any
     suffix: str = ""  # appended to the exchange's collective name
     payload_bytes: int = 0  # codec payload bytes in ``array`` (mean_estimate's wire count)
+    group: str = WORLD  # which ranks: WORLD, or a hierarchical exchange's LOCAL / CROSS
 
 
 class Allgather(NamedTuple):
@@ -68,6 +77,7 @@ class Allgather(NamedTuple):
     array: Any
     suffix: str = ""
     payload_bytes: int = 0
+    group: str = WORLD
 
 
 class Alltoall(NamedTuple):
@@ -78,6 +88,7 @@ class Alltoall(NamedTuple):
     splits: list
     suffix: str = ""
     payload_bytes: int = 0
+    group: str = WORLD
 
 
 class Custom(NamedTuple):
@@ -88,6 +99,7 @@ class Custom(NamedTuple):
     seed: int
     suffix: str = ""
     payload_bytes: int = 0
+    group: str = WORLD
 
     @property
     def array(self) -> Any:
@@ -110,6 +122,16 @@ class Piece(NamedTuple):
     tag: wire.Tag  # what every rank must agree this exchange carries (wire.exchange_tag)
     out: Any  # float32 buffer of x.size the mean estimate is written to
     label: str = ""  # the exchange's name in error messages
+    place: Place | None = None  # where the rank sits, for a hierarchical plan
+
+
+class Place(NamedTuple):
+    """A rank's place in a hierarchical exchange (:class:`~.topology.Topology`)."""
+
+    host: int
+    hosts: int
+    local: int  # this rank's index on its host
+    local_size: int
 
 
 # -- the plans ---------------------------------------------------------------------------------
@@ -183,8 +205,61 @@ def sra_plan(p: Piece) -> Plan:
     return p.out
 
 
+def _in_group(plan: Plan, group: str) -> Plan:
+    """``plan`` with each of its requests sent to the ranks of ``group``; returns its result."""
+    value = None
+    while True:
+        try:
+            request = plan.send(value)
+        except StopIteration as stop:
+            return stop.value
+        value = yield request._replace(group=group)
+
+
+def shard_seed(seed: int, shard: int) -> int:
+    """Seed of the exchange of shard ``shard`` between the hosts in the hierarchical plan."""
+    return derive_key(seed, SHARD_TAG, shard)
+
+
+def hierarchical_plan(p: Piece, inner: str) -> Plan:
+    """Compress only between hosts: the K ranks of a host sum their vectors in float32 (each
+    rank shard k of K, summed in local rank order: a reduce-scatter, as an alltoall of framed
+    shards whose tags every rank checks), divide by K, exchange their host's mean shard with
+    the ranks holding shard k on the other hosts by the ``inner`` plan (``codec`` built for
+    that many hosts, its own global norm, seed :func:`shard_seed`), and allgather the shards
+    inside the host. One quantization per host, not per rank (docs/codecs.md)."""
+    place, v = p.place, as_vector(p.x)
+    bounds = chunk_bounds(v.size, place.local_size)
+    frames = [wire.frame(Payload(v[lo:hi], hi - lo), p.tag) for lo, hi in bounds]
+    received, _ = yield Alltoall(array_module(v).concatenate(frames), [f.size for f in frames],
+                                 ".local", group=LOCAL)
+    parts = wire.unframe_all(received, place.local_size, "host shards", p.label)
+    lo, hi = bounds[place.local]
+    host_mean = array_module(v).array(parts[0].view(np.float32), copy=True)
+    for part in parts[1:]:
+        host_mean += part.view(np.float32)
+    host_mean /= np.float32(place.local_size)
+    codec = p.codec.for_world_size(place.hosts)
+    norm = None
+    if codec.needs_norm:
+        norm = yield from _in_group(norm_plan(codec, [host_mean], p.tag, p.label), CROSS)
+    shard = Piece(codec, host_mean, shard_seed(p.seed, place.local), place.host, place.hosts,
+                  norm, p.tag, p.out[lo:hi], p.label)
+    yield from _in_group(PLANS[inner](shard), CROSS)
+    gathered = yield Allgather(p.out[lo:hi], ".local.gather", group=LOCAL)
+    p.out[:] = gathered
+    return p.out
+
+
 PLANS: dict[str, Callable[[Piece], Plan]] = {
     "sum": sum_plan, "allgather": allgather_plan, "custom": custom_plan, "sra": sra_plan}
+
+
+def plan_of(kind: str) -> Callable[[Piece], Plan]:
+    """The plan of a kind: one of :data:`PLANS`, or ``"hierarchical-" + inner``."""
+    if kind.startswith(HIERARCHICAL):
+        return functools.partial(hierarchical_plan, inner=kind[len(HIERARCHICAL):])
+    return PLANS[kind]
 
 
 def signature(kind: str, codec: Codec) -> list[tuple[type, np.dtype | None]]:
@@ -217,31 +292,61 @@ def check_request(request: Any, expected: tuple[type, np.dtype | None] | None,
 
 
 # -- which plan, which pieces, which seeds -----------------------------------------------------
-def resolve_gather(schedule: str, n: int, codec: Codec | None = None) -> str:
-    """The concrete schedule for ``schedule`` ("auto", "allgather" or "sra") and n ranks.
-
-    Codecs that ``needs_norm`` (sparse Global-QSGD) always allgather: re-encoding a chunk mean
-    would need a second global norm, which the sra plan does not have. ``auto`` picks allgather
-    below ``SRA_MIN_WORLD`` ranks and sra from there on.
-    """
+def check_gather(schedule: str) -> str:
+    """Validate a ``gather`` argument (:data:`GATHER_SCHEDULES`)."""
     if schedule not in GATHER_SCHEDULES:
         raise ValueError(f"gather={schedule!r} is not valid: choose one of "
                          f"{list(GATHER_SCHEDULES)}")
-    if codec is not None and codec.needs_norm:
-        return "allgather"
-    if schedule == "auto":
-        return "sra" if n >= SRA_MIN_WORLD else "allgather"
     return schedule
 
 
-def plan_kind(codec: Codec, n: int, gather: str = "auto", custom: bool = False) -> str:
-    """The plan (module doc) an exchange of ``codec`` between ``n`` ranks runs; ``custom``:
-    the runner has the codec's custom collective."""
+def _flat_kinds(codec: Codec, gather: str) -> list[str]:
+    """The flat plans ``codec`` can take under ``gather``: sum codecs sum; custom codecs run
+    their own reduction; gather codecs allgather or scatter-reduce-allgather (never those that
+    ``needs_norm``: re-encoding a chunk mean would need a second global norm)."""
     if codec.combine == "sum":
-        return "sum"
+        return ["sum"]
     if codec.combine == "custom":
-        return "custom" if custom else "allgather"
-    return "sra" if resolve_gather(gather, n, codec) == "sra" else "allgather"
+        return ["custom" if codec.custom_collective else "allgather"]
+    if codec.needs_norm or gather == "allgather":
+        return ["allgather"]
+    return ["sra"] if gather == "sra" else ["allgather", "sra"]
+
+
+def plan_kind(codec: Codec, topology: Topology | int, numel: int, gather: str = "auto",
+              hierarchy: bool = False) -> str:
+    """The plan (module doc) an exchange of ``numel`` elements of ``codec`` takes: of the plans
+    ``gather`` allows, the one :func:`.cost.cheapest` says sends the fewest bytes over the
+    slowest link. Every runner makes the same choice; one without the codec's custom
+    collective then runs :func:`runnable`'s substitute.
+
+    Args:
+        topology: which ranks share a host (an int n: n ranks, one per host).
+        gather: "auto" (every plan), "allgather" / "sra" (that flat plan for gather codecs),
+            "hierarchical" (a hierarchical plan where the runner has one).
+        hierarchy: the runner has the collectives of a hierarchical exchange
+            (:class:`~.topology.Hierarchy`; used when the topology allows one).
+    """
+    check_gather(gather)
+    if isinstance(topology, int):
+        topology = Topology.grid(topology, 1)
+    flat = _flat_kinds(codec, gather)
+    kinds = flat if gather != "hierarchical" else []
+    cross = codec.for_world_size(topology.host_count)
+    if hierarchy and topology.hierarchical and gather in ("auto", "hierarchical"):
+        kinds = kinds + [HIERARCHICAL + k for k in _flat_kinds(cross, "auto")]
+    return cheapest(kinds or flat, topology, numel, codec, cross)
+
+
+def runnable(kind: str, custom: bool, cross_custom: bool = False) -> str:
+    """The plan a runner runs for :func:`plan_kind`'s ``kind``: a custom reduction becomes the
+    allgather plan (the same bits) where the runner lacks the codec's collective (``custom``:
+    over every rank; ``cross_custom``: between the hosts)."""
+    if kind == "custom" and not custom:
+        return "allgather"
+    if kind == HIERARCHICAL + "custom" and not cross_custom:
+        return HIERARCHICAL + "allgather"
+    return kind
 
 
 def chunk_seed(seed: int, rank: int, chunk: int) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..core.base import Codec, as_vector
 from . import plans, wire
+from .topology import Topology
 
 
 def _simulate(requests: list[plans.Request]) -> list[Any]:
@@ -37,18 +38,37 @@ def _simulate(requests: list[plans.Request]) -> list[Any]:
                        "codec's allgather plan in place of its custom collective")
 
 
+def _simulate_groups(requests: list[plans.Request], topology: Topology) -> list[Any]:
+    """:func:`_simulate` within each group of ranks the requests name (every rank's request
+    names the same group)."""
+    group = requests[0].group
+    if any(r.group != group for r in requests):
+        raise RuntimeError(f"the ranks' plans diverged: groups {[r.group for r in requests]}")
+    if group == plans.WORLD:
+        return _simulate(requests)
+    members = topology.hosts if group == plans.LOCAL else [
+        topology.cross_group(r) for r in topology.hosts[0]]
+    results: list[Any] = [None] * len(requests)
+    for ranks in members:
+        for r, result in zip(ranks, _simulate([requests[r] for r in ranks])):
+            results[r] = result
+    return results
+
+
 class Lockstep:
     """One plan per simulated rank, advanced collective by collective.
 
     Args:
         ranks: the plans in rank order, not yet started.
+        topology: which ranks share hosts (for requests to a hierarchical plan's groups).
 
     Attributes:
         payload_bytes: per rank, the codec payload bytes its requests carried.
     """
 
-    def __init__(self, ranks: Sequence[plans.Plan]) -> None:
+    def __init__(self, ranks: Sequence[plans.Plan], topology: Topology | None = None) -> None:
         self.ranks = list(ranks)
+        self.topology = topology or Topology.grid(len(self.ranks), 1)
         self.payload_bytes = [0] * len(self.ranks)
         self.results: list[Any] = [None] * len(self.ranks)
         self._requests = self._resume([None] * len(self.ranks))
@@ -70,34 +90,39 @@ class Lockstep:
     def finish(self) -> list[Any]:
         """Run every rank's plan to its end; returns their results in rank order."""
         while self._requests is not None:
-            self._requests = self._resume(_simulate(self._requests))
+            self._requests = self._resume(_simulate_groups(self._requests, self.topology))
         return self.results
 
 
 def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allgather",
-                  pipeline_elems: int | None = None) -> tuple[np.ndarray, int]:
+                  pipeline_elems: int | None = None,
+                  topology: Topology | None = None) -> tuple[np.ndarray, int]:
     """The n-worker mean that the distributed exchange computes, simulated in one process.
 
     Runs the codec's exchange plan (:mod:`~.plans`) for n simulated ranks, rank ``r``
     encoding ``xs[r]`` with ``worker_seed(seed, r)``; a custom codec's reduction runs on every
-    rank (the allgather plan). A real n-rank run with the same inputs, seed, schedule and
-    pieces gives bit-identical numbers.
+    rank (the allgather plan, the same bits). A real n-rank run with the same inputs, seed,
+    schedule, pieces and topology gives bit-identical numbers.
 
     Args:
         codec: a codec from :func:`get_codec`.
         xs: n 1-D arrays of equal length, one per worker.
         seed: the exchange seed.
-        gather: schedule for gather codecs: "allgather", "sra" or "auto"
-            (:func:`~.plans.resolve_gather`).
+        gather: "allgather", "sra", "hierarchical" or "auto" (the plan the real exchange
+            picks by its cost model, :func:`~.plans.plan_kind`).
         pipeline_elems: piece length of a pipelined exchange (:mod:`~.plans`); None (default)
             exchanges the vectors whole. Pass the :class:`~horovod_quant.exchange.Exchange`'s
             value (default :data:`~.plans.DEFAULT_PIPELINE_ELEMS`) to reproduce it on longer
             vectors.
+        topology: which workers share a host (:class:`~.topology.Topology`); given, the
+            exchange may take a hierarchical plan, as a real one whose collectives have a
+            hierarchy; None: one worker per host, flat plans only.
 
     Returns:
         ``(estimate, wire_bytes)``: the float32 mean estimate and the largest number of payload
         bytes one worker sends (per piece, summed over pieces; frame headers, the norm
-        statistics and outage counts are not counted).
+        statistics, outage counts and a hierarchical plan's float32 shards inside a host are
+        not counted).
     """
     vecs = [as_vector(x) for x in xs]
     if not vecs:
@@ -108,16 +133,24 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
     if codec.needs_world_size and n != codec.world_size:
         raise ValueError(f"got {n} workers' vectors for a codec built with "
                          f"world_size={codec.world_size}; pass world_size={n}")
+    if topology is not None and topology.size != n:
+        raise ValueError(f"the topology has {topology.size} ranks for {n} workers' vectors")
     bounds = plans.pipeline_bounds(size, plans.check_pipeline_elems(pipeline_elems))
-    kind = plans.plan_kind(codec, n, gather)
+    kinds = [plans.runnable(plans.plan_kind(codec, topology or n, hi - lo, gather,
+                                            topology is not None), custom=False)
+             for lo, hi in bounds]
     norm = None
-    if codec.needs_norm:
+    if codec.needs_norm and not all(k.startswith(plans.HIERARCHICAL) for k in kinds):
         norm = Lockstep([plans.norm_plan(codec, [v]) for v in vecs]).finish()[0]
+    places = [None] * n
+    if topology is not None:
+        places = [plans.Place(topology.host_of(r), topology.host_count, topology.local_rank(r),
+                              topology.local_size) for r in range(n)]
     outs = [np.empty(size, np.float32) for _ in vecs]
-    pieces = [Lockstep([plans.PLANS[kind](plans.Piece(
+    pieces = [Lockstep([plans.plan_of(kind)(plans.Piece(
         codec, v[lo:hi], plans.pipeline_seed(seed, k, len(bounds)), r, n, norm, wire.NO_TAG,
-        out[lo:hi])) for r, (v, out) in enumerate(zip(vecs, outs))])
-        for k, (lo, hi) in enumerate(bounds)]  # every piece encoded before any is combined
-    for piece in pieces:
+        out[lo:hi], place=place)) for r, (v, out, place) in enumerate(zip(vecs, outs, places))],
+        topology) for k, ((lo, hi), kind) in enumerate(zip(bounds, kinds))]
+    for piece in pieces:  # every piece encoded before any is combined
         piece.finish()
     return outs[0], sum(max(piece.payload_bytes) for piece in pieces)

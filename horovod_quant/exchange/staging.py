@@ -32,6 +32,9 @@ class HostStaged(Collectives):
         self.size = inner.size
         self.group_id = inner.group_id
         self.pairs_by_order = inner.pairs_by_order
+        h = inner.hierarchy
+        self.hierarchy = None if h is None else h._replace(local=HostStaged(h.local),
+                                                             cross=HostStaged(h.cross))
 
     def _staged(self, arr: Any, start: Callable[[np.ndarray], Handle],
                 pick: Callable[[Any], Any] = lambda r: r,

@@ -30,6 +30,7 @@ from .. import gpu
 from ..env import env_choice
 from ..exchange.collectives import Collectives
 from ..exchange.staging import HostStaged
+from ..exchange.topology import Hierarchy, SerialWorker, Topology
 from . import addresses
 from .collectives import HorovodTorchCollectives
 from .distributed import StandaloneGroupCollectives
@@ -100,9 +101,13 @@ def _attempt(action: Callable[[], Any]) -> tuple[Any, str | None]:
         return None, f"{type(exc).__name__}: {first_line}"
 
 
-def gloo_group_beside_horovod(comm: Collectives) -> StandaloneGroupCollectives:
+def gloo_group_beside_horovod(comm: Collectives,
+                              topology: Topology | None = None) -> StandaloneGroupCollectives:
     """Build a gloo process group over ``comm``'s ranks (same rank order) and return its
-    collectives; ``comm`` (Horovod's) carries the rendezvous.
+    collectives; ``comm`` (Horovod's) carries the rendezvous. Where ``topology`` says ranks
+    share hosts (:attr:`~horovod_quant.exchange.topology.Topology.hierarchical`), the groups of
+    each host and of each shard between the hosts are built too (the collectives'
+    ``hierarchy``).
 
     Collective: every rank of ``comm`` calls it at the same point. Each step is agreed by
     every rank, so the ranks end with a group, or all raise the same error within about
@@ -149,20 +154,50 @@ def gloo_group_beside_horovod(comm: Collectives) -> StandaloneGroupCollectives:
         store, error = _attempt(join_store)
     agree.gather("store", None, error)
 
-    def connect() -> Any:
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local)]
-        options._timeout = CONNECT_TIMEOUT
-        return dist.ProcessGroupGloo(dist.PrefixStore(name, store), comm.rank, comm.size,
-                                     options)
+    device = None
 
-    group, error = _attempt(connect)
+    def connect(prefix: str, rank: int, size: int) -> Any:
+        nonlocal device
+        device = device or dist.ProcessGroupGloo.create_device(hostname=local)
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [device]
+        options._timeout = CONNECT_TIMEOUT
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
+
+    group, error = _attempt(lambda: connect(name, comm.rank, comm.size))
     agree.gather("connect", local, error)
-    collectives = StandaloneGroupCollectives(group, f"gloo:{comm.group_id}")
-    _, error = _attempt(lambda: collectives.allgather_object(comm.rank, name + ".hello"))
+    groups = [StandaloneGroupCollectives(group, f"gloo:{comm.group_id}")]
+    if topology is not None and topology.hierarchical:
+        host, shard = topology.host_of(comm.rank), topology.local_rank(comm.rank)
+        subgroups = [(f"{name}.host{host}", shard, topology.local_size),
+                     (f"{name}.shard{shard}", host, topology.host_count)]
+        built, error = _attempt(lambda: [connect(*g) for g in subgroups])
+        agree.gather("subgroups", None, error)
+        groups += [StandaloneGroupCollectives(g, f"gloo:{comm.group_id}:{prefix}")
+                   for g, (prefix, _, _) in zip(built, subgroups)]
+    _, error = _attempt(lambda: [g.allgather_object(comm.rank, name + ".hello") for g in groups])
     agree.gather("hello", None, error)  # every pair of ranks has exchanged data
-    group.set_timeout(OPERATION_TIMEOUT)
-    return collectives
+    for g in groups:
+        g.group.set_timeout(OPERATION_TIMEOUT)
+    world = groups[0]
+    if len(groups) == 3:
+        world.hierarchy = Hierarchy(topology, groups[1], groups[2],
+                                    SerialWorker(f"hq.hierarchy.{comm.group_id}"))
+    return world
+
+
+def horovod_topology(comm: HorovodTorchCollectives) -> Topology:
+    """Which ranks of ``comm``'s process set share a host, from Horovod's own local and cross
+    ranks (a host's ranks share a cross rank where every host runs as many ranks; else each
+    rank counts as a host of its own: no hierarchical exchange). Collective."""
+    places = comm.allgather_object([hvd.cross_rank(), hvd.local_rank(), hvd.local_size()],
+                                   f"hq.topology.{comm.group_id}")
+    if len({size for _, _, size in places}) != 1:
+        return Topology.grid(comm.size, 1)
+    topology = Topology.from_host_keys([cross for cross, _, _ in places])
+    if any(len({places[r][1] for r in ranks}) != len(ranks) for ranks in topology.hosts):
+        return Topology.grid(comm.size, 1)
+    return topology
 
 
 def collectives_for(process_set: Any = None, transport: str | None = None) -> Collectives:
@@ -198,7 +233,7 @@ def _gloo_group(horovod: HorovodTorchCollectives,
     group = _groups.get(horovod.group_id)
     if group is None:
         try:
-            group = gloo_group_beside_horovod(horovod)
+            group = gloo_group_beside_horovod(horovod, horovod_topology(horovod))
             log.info("horovod_quant: payloads of process set %s travel over a gloo group beside "
                      "Horovod (%d ranks); transport='horovod' keeps Horovod's collectives",
                      horovod.group_id, horovod.size)
