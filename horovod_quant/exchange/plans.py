@@ -205,15 +205,16 @@ def sra_plan(p: Piece) -> Plan:
     return p.out
 
 
-def _in_group(plan: Plan, group: str) -> Plan:
-    """``plan`` with each of its requests sent to the ranks of ``group``; returns its result."""
+def _in_group(plan: Plan, group: str, suffix: str = "") -> Plan:
+    """``plan`` with each of its requests sent to the ranks of ``group`` (its collective names
+    extended by ``suffix``); returns its result."""
     value = None
     while True:
         try:
             request = plan.send(value)
         except StopIteration as stop:
             return stop.value
-        value = yield request._replace(group=group)
+        value = yield request._replace(group=group, suffix=suffix + request.suffix)
 
 
 def shard_seed(seed: int, shard: int) -> int:
@@ -224,28 +225,48 @@ def shard_seed(seed: int, shard: int) -> int:
 def hierarchical_plan(p: Piece, inner: str) -> Plan:
     """Compress only between hosts: the K ranks of a host sum their vectors in float32 (each
     rank shard k of K, summed in local rank order: a reduce-scatter, as an alltoall of framed
-    shards whose tags every rank checks), divide by K, exchange their host's mean shard with
-    the ranks holding shard k on the other hosts by the ``inner`` plan (``codec`` built for
-    that many hosts, its own global norm, seed :func:`shard_seed`), and allgather the shards
-    inside the host. One quantization per host, not per rank (docs/codecs.md)."""
+    shards), divide by K, exchange their host's mean shard with the ranks holding shard k on
+    the other hosts by the ``inner`` plan (``codec`` built for that many hosts, its own global
+    norm, seed :func:`shard_seed`), and allgather the shards inside the host. One
+    quantization per host, not per rank (docs/codecs.md).
+
+    Tags: a host whose ranks sent different tensors goes on with a spoiled tag, so that the
+    first collective between the hosts (which checks tags) raises on every rank."""
     place, v = p.place, as_vector(p.x)
+    xp = array_module(v)
     bounds = chunk_bounds(v.size, place.local_size)
     frames = [wire.frame(Payload(v[lo:hi], hi - lo), p.tag) for lo, hi in bounds]
-    received, _ = yield Alltoall(array_module(v).concatenate(frames), [f.size for f in frames],
-                                 ".local", group=LOCAL)
-    parts = wire.unframe_all(received, place.local_size, "host shards", p.label)
+    received, _ = yield Alltoall(xp.concatenate(frames), [f.size for f in frames], ".local",
+                                 group=LOCAL)
     lo, hi = bounds[place.local]
-    host_mean = array_module(v).array(parts[0].view(np.float32), copy=True)
-    for part in parts[1:]:
+    try:
+        parts, mismatch = wire.unframe_all(received, place.local_size, "host shards",
+                                           p.label), None
+    except ValueError as exc:
+        parts, mismatch = [], exc
+    host_mean = xp.zeros(hi - lo, np.float32)
+    for part in parts:  # in local rank order
         host_mean += part.view(np.float32)
     host_mean /= np.float32(place.local_size)
+    tag = p.tag if mismatch is None else wire.spoiled(p.tag)
     codec = p.codec.for_world_size(place.hosts)
     norm = None
-    if codec.needs_norm:
-        norm = yield from _in_group(norm_plan(codec, [host_mean], p.tag, p.label), CROSS)
-    shard = Piece(codec, host_mean, shard_seed(p.seed, place.local), place.host, place.hosts,
-                  norm, p.tag, p.out[lo:hi], p.label)
-    yield from _in_group(PLANS[inner](shard), CROSS)
+    try:
+        if codec.needs_norm:
+            norm = yield from _in_group(norm_plan(codec, [host_mean], tag, p.label), CROSS,
+                                        ".norm")
+        elif inner in ("sum", "custom"):  # their requests carry no tag: check it first
+            tags = yield Allgather(wire.tag_words(tag), ".tags", group=CROSS)
+            wire.check_tag_words(tags, p.label)
+        shard = Piece(codec, host_mean, shard_seed(p.seed, place.local), place.host,
+                      place.hosts, norm, tag, p.out[lo:hi], p.label)
+        yield from _in_group(PLANS[inner](shard), CROSS)
+    except ValueError:
+        if mismatch is not None:
+            raise mismatch from None
+        raise
+    if mismatch is not None:  # every host was at odds: every rank raises here
+        raise mismatch
     gathered = yield Allgather(p.out[lo:hi], ".local.gather", group=LOCAL)
     p.out[:] = gathered
     return p.out

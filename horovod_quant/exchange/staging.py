@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import gpu
+from .topology import Hierarchy
 from .collectives import Collectives, Handle, Then
 
 
@@ -32,9 +33,9 @@ class HostStaged(Collectives):
         self.size = inner.size
         self.group_id = inner.group_id
         self.pairs_by_order = inner.pairs_by_order
-        h = inner.hierarchy
-        self.hierarchy = None if h is None else h._replace(local=HostStaged(h.local),
-                                                             cross=HostStaged(h.cross))
+        h = getattr(inner, "hierarchy", None)
+        self.hierarchy = (h._replace(local=HostStaged(h.local), cross=HostStaged(h.cross))
+                          if isinstance(h, Hierarchy) else None)
 
     def _staged(self, arr: Any, start: Callable[[np.ndarray], Handle],
                 pick: Callable[[Any], Any] = lambda r: r,

@@ -102,6 +102,23 @@ def check_tags(tags: Sequence[Tag], name: str = "") -> None:
             f"different order); nothing was combined:\n{lines}")
 
 
+def spoiled(tag: Tag) -> Tag:
+    """A tag no rank exchanging ``tag`` sends: what a rank that found its host's ranks at odds
+    sends on, so that the ranks of every other host raise too."""
+    return tag[0], tag[1] ^ 0xFFFF_FFFF_FFFF_FFFF
+
+
+def tag_words(tag: Tag) -> np.ndarray:
+    """``tag`` as two uint64 words, to be allgathered and checked (:func:`check_tag_words`)."""
+    return np.array(tag, _HEADER)
+
+
+def check_tag_words(gathered: Any, name: str = "") -> None:
+    """:func:`check_tags` on allgathered :func:`tag_words` (rank order)."""
+    words = np.ascontiguousarray(gpu.to_host(gathered)).reshape(-1).view(_HEADER).reshape(-1, 2)
+    check_tags([tuple(int(v) for v in row) for row in words], name)
+
+
 # -- global norm -------------------------------------------------------------------------------
 NORM_WIRE_WORDS = 1 + len(NO_TAG)
 

@@ -104,8 +104,8 @@ def test_plans_yield_their_signature(name, gather):
     """The TensorFlow runner builds its graph from plans.signature: every plan keeps to it."""
     n = 3
     codec = _codec(name, n)
-    kind = plans.plan_kind(codec, n, gather)
     xs = _inputs(n, 1500)
+    kind = plans.runnable(plans.plan_kind(codec, n, 1500, gather), custom=False)
     norm = None
     if codec.needs_norm:
         norm = Lockstep([_checked(plans.norm_plan(codec, [x]), plans.signature("norm", codec))
@@ -138,13 +138,15 @@ def test_exchange_driver_over_threads_matches_reference(name, n, gather):
         codec = _codec(name, n)
         ex = Exchange(codec, comm, gather=gather, pipeline_elems=700)
         pending = ex.start(xs[comm.rank], 11, "t")
-        return pending.wait(), pending.stats.bytes_sent, ex.kind
+        return pending.wait(), pending.stats, ex.kind_for(700)
 
     results = run_ranks(n, rank_fn)
     want, _ = hq.mean_estimate(_codec(name, n), xs, seed=11, gather=gather, pipeline_elems=700)
-    for got, sent, kind in results:
+    kind = plans.plan_kind(_codec(name, n), n, 700, gather)
+    for got, stats, got_kind in results:
         assert np.array_equal(got, want, equal_nan=True)
-        assert sent > 0 and kind == plans.plan_kind(_codec(name, n), n, gather)
+        assert stats.bytes_sent > 0 and got_kind == plans.runnable(kind, custom=False)
+        assert sum(stats.plans.values()) == 4 and stats.bytes_local == 0
 
 
 class _GatherThenReduce:
@@ -177,7 +179,7 @@ def test_exchange_driver_runs_the_custom_plan(monkeypatch):
 
     def rank_fn(comm):
         ex = Exchange(_codec("global_qsgd", n), comm, pipeline_elems=1000)
-        assert ex.kind == "custom" and ex.blocks_on_peers
+        assert ex.kind_for(1000) == "custom" and ex.blocks_on_peers
         return ex.start(xs[comm.rank], 4, "c").wait()
 
     results = run_ranks(n, rank_fn)
@@ -197,14 +199,19 @@ def test_one_rank_exchange_is_the_one_rank_reference():
 
 
 def test_plan_kind_follows_declared_capabilities():
-    assert plans.plan_kind(hq.get_codec("none"), 4) == "sum"
-    assert plans.plan_kind(hq.get_codec("qsgd"), 4) == "allgather"
-    assert plans.plan_kind(hq.get_codec("qsgd"), 5) == "sra"
-    assert plans.plan_kind(hq.get_codec("qsgd"), 5, "allgather") == "allgather"
+    big = 1 << 20
+    assert plans.plan_kind(hq.get_codec("none"), 4, big) == "sum"
+    assert plans.plan_kind(hq.get_codec("qsgd"), 2, big) == "allgather"
+    assert plans.plan_kind(hq.get_codec("qsgd"), 4, big) == "sra"  # 2(n-1)/n P, not (n-1) P
+    assert plans.plan_kind(hq.get_codec("qsgd"), 4, 100) == "allgather"  # fewer rounds
+    assert plans.plan_kind(hq.get_codec("qsgd"), 5, big, "allgather") == "allgather"
     gq = _codec("global_qsgd", 8)
-    assert plans.plan_kind(gq, 8) == "allgather" and plans.plan_kind(gq, 8, custom=True) == "custom"
+    assert plans.plan_kind(gq, 8, big) == "custom"
+    assert plans.runnable("custom", custom=False) == "allgather"
+    assert plans.runnable("custom", custom=True) == "custom"
     sparse = _codec("global_qsgd", 8, mode="sparse")
-    assert plans.plan_kind(sparse, 8, "sra") == "allgather"  # needs_norm: no second norm
+    assert plans.plan_kind(sparse, 8, big, "sra") == "allgather"  # needs_norm: no second norm
+    assert plans.plan_kind(_codec("nested_dithered", 4), 4, big) == "allgather"  # no collective
     assert not hq.get_codec("qsgd").needs_norm and gq.needs_norm
     with pytest.raises(ValueError, match="gather='ring' is not valid"):
-        plans.resolve_gather("ring", 4)
+        plans.check_gather("ring")

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from horovod_quant.exchange.collectives import Collectives, Done, Handle
+from horovod_quant.exchange.topology import Hierarchy, SerialWorker, Topology
 
 
 class _World:
@@ -88,11 +89,21 @@ class ThreadCollectives(Collectives):
         return self._issue(name, pieces, receive)
 
 
-def run_ranks(n: int, fn, asynchronous: bool = False):
+def run_ranks(n: int, fn, asynchronous: bool = False, topology: Topology | None = None):
     """Run ``fn(comm)`` on n threads, one per rank; return the results in rank order
-    (``asynchronous``: collectives return before the other ranks issue them)."""
+    (``asynchronous``: collectives return before the other ranks issue them; ``topology``:
+    ranks share hosts as it says, and each rank's collectives have the ``hierarchy`` of its
+    host's and its shard's sub-groups)."""
     world = _World(n)
+    comms = [ThreadCollectives(world, r, asynchronous) for r in range(n)]
+    if topology is not None and topology.hierarchical:
+        hosts = [_World(len(ranks)) for ranks in topology.hosts]
+        shards = [_World(topology.host_count) for _ in range(topology.local_size)]
+        for r, comm in enumerate(comms):
+            h, k = topology.host_of(r), topology.local_rank(r)
+            comm.hierarchy = Hierarchy(topology, ThreadCollectives(hosts[h], k, asynchronous),
+                                       ThreadCollectives(shards[k], h, asynchronous),
+                                       SerialWorker(f"hierarchy.{r}"))
     with ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(fn, ThreadCollectives(world, r, asynchronous))
-                   for r in range(n)]
+        futures = [pool.submit(fn, comm) for comm in comms]
         return [f.result() for f in futures]

@@ -1,0 +1,183 @@
+"""The hierarchical exchange: float32 inside each host, the codec between hosts only.
+
+Checked here without Horovod: its structure against an independent composition of the flat
+reference (host means, then one exchange per shard between the hosts), the Exchange runner on
+threaded ranks with sub-groups against mean_estimate bit for bit, its statistics (unbiased;
+the variance of one quantization per host), the cost model's choices and bytes, and
+mismatched host shards."""
+import numpy as np
+import pytest
+
+import horovod_quant as hq
+from horovod_quant.core.exp_reduce import chunk_bounds
+from horovod_quant.core.registry import codec_class
+from horovod_quant.exchange import Exchange, plans
+from horovod_quant.exchange.cost import flat_cost, plan_cost
+from horovod_quant.exchange.topology import Topology
+
+from threaded_comm import run_ranks
+
+SHAPES = [(2, 2), (2, 3), (3, 2)]
+
+
+def _codec(name, n, **params):
+    if codec_class(name).needs_world_size:
+        params["world_size"] = n
+    return hq.get_codec(name, **params)
+
+
+def _inputs(n, size, seed=0, spread=0.3):
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal(size).astype(np.float32)
+    return [base + spread * rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+
+
+def test_topology_groups():
+    t = Topology.from_host_keys(["b", "a", "b", "a"])  # round-robin placement
+    assert t.hosts == ((0, 2), (1, 3)) and t.hierarchical
+    assert t.local_group(3) == (1, 3) and t.cross_group(3) == (2, 3) and t.local_rank(3) == 1
+    assert t.groups() == [(0, 2), (1, 3), (0, 1), (2, 3)]
+    assert not Topology.grid(4, 1).hierarchical and not Topology.grid(1, 4).hierarchical
+    assert not Topology.from_host_keys([0, 0, 1]).hierarchical  # hosts of unequal sizes
+
+
+@pytest.mark.parametrize("name,params", [("qsgd", {"bits": 4}), ("none", {}),
+                                         ("global_qsgd", {"levels": "linear"}),
+                                         ("natural", {})])
+def test_hierarchical_is_host_means_exchanged_between_hosts(name, params):
+    """The plan equals its definition composed from the flat reference: each host's float32
+    mean (summed in local rank order), shard k of it exchanged between the hosts with the
+    codec built for that many hosts and seed shard_seed(seed, k), the shards concatenated."""
+    hosts, k = 2, 3
+    n, size, seed = hosts * k, 5003, 9
+    codec = _codec(name, n, **params)
+    xs = _inputs(n, size)
+    topology = Topology.grid(hosts, k)
+    got, _ = hq.mean_estimate(codec, xs, seed=seed, gather="hierarchical", topology=topology)
+    cross = codec.for_world_size(hosts)
+    host_means = []
+    for ranks in topology.hosts:
+        total = xs[ranks[0]].copy()
+        for r in ranks[1:]:
+            total += xs[r]
+        host_means.append(total / np.float32(k))
+    kind = plans.plan_kind(codec, topology, size, "hierarchical", hierarchy=True)
+    inner = kind[len(plans.HIERARCHICAL):]
+    want = np.empty(size, np.float32)
+    for shard, (lo, hi) in enumerate(chunk_bounds(size, k)):
+        want[lo:hi], _ = hq.mean_estimate(cross, [m[lo:hi] for m in host_means],
+                                          seed=plans.shard_seed(seed, shard),
+                                          gather=inner if inner in ("allgather", "sra")
+                                          else "auto")
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", hq.available_codecs())
+@pytest.mark.parametrize("hosts,local", SHAPES)
+def test_exchange_over_threaded_hosts_matches_reference(name, hosts, local):
+    """Every codec through Exchange on threaded ranks whose collectives have sub-groups:
+    pieces take the hierarchical plans (run on each rank's worker thread) and give
+    mean_estimate's bits for that topology; the float32 shards count as bytes inside the host,
+    not as bytes sent."""
+    n = hosts * local
+    topology = Topology.grid(hosts, local)
+    xs = _inputs(n, 2500, seed=n)
+
+    def rank_fn(comm):
+        ex = Exchange(_codec(name, n), comm, gather="hierarchical", pipeline_elems=900)
+        pending = ex.start(xs[comm.rank], 11, "t")
+        return pending.wait(), pending.stats, ex.kind_for(900)
+
+    results = run_ranks(n, rank_fn, asynchronous=True, topology=topology)
+    want, _ = hq.mean_estimate(_codec(name, n), xs, seed=11, gather="hierarchical",
+                               pipeline_elems=900, topology=topology)
+    for got, stats, kind in results:
+        assert np.array_equal(got, want, equal_nan=True)
+        assert kind.startswith(plans.HIERARCHICAL)
+        assert sum(stats.plans.values()) == 3 and stats.bytes_local > 0
+    assert all(np.array_equal(r[0], results[0][0], equal_nan=True) for r in results)
+
+
+def test_auto_takes_the_hierarchy_only_where_ranks_share_hosts():
+    codec = hq.get_codec("qsgd", bits=8)
+    big = 1 << 20
+    assert plans.plan_kind(codec, Topology.grid(2, 2), big, hierarchy=True) == \
+        "hierarchical-allgather"
+    assert plans.plan_kind(codec, Topology.grid(4, 2), big, hierarchy=True) == "hierarchical-sra"
+    assert plans.plan_kind(codec, Topology.grid(4, 1), big, hierarchy=True) == "sra"
+    assert plans.plan_kind(codec, Topology.grid(2, 2), big, hierarchy=False) == "sra"
+    assert plans.plan_kind(codec, Topology.grid(2, 2), big, "sra", hierarchy=True) == "sra"
+    gq = _codec("global_qsgd", 8)
+    assert plans.plan_kind(gq, Topology.grid(4, 2), big, hierarchy=True) == "hierarchical-custom"
+    assert plans.runnable("hierarchical-custom", True, cross_custom=False) == \
+        "hierarchical-allgather"
+
+
+@pytest.mark.parametrize("hosts,local,bits,most", [(2, 2, 8, 0.17), (4, 1, 8, 0.26),
+                                                   (4, 2, 8, 0.22), (2, 2, 4, 0.09),
+                                                   (4, 2, 4, 0.11)])
+def test_chosen_plan_sends_a_fraction_of_a_float32_ring(hosts, local, bits, most):
+    """Bytes over the most loaded host's interface, against Horovod's float32 ring allreduce:
+    8 bits move at most 0.26 of them at 2x2, 4x1 and 4x2 (the floor is 0.25 of a flat
+    allreduce's)."""
+    topology, numel = Topology.grid(hosts, local), 3 << 20
+    codec = hq.get_codec("qsgd", bits=bits)
+    kind = plans.plan_kind(codec, topology, numel, hierarchy=True)
+    ratio = (plan_cost(kind, topology, numel, codec).host_bytes
+             / flat_cost("sum", topology, 4.0 * numel).host_bytes)
+    assert ratio <= most, (kind, ratio)
+
+
+def _squared_error(estimates, target):
+    return np.mean([np.sum((e.astype(np.float64) - target) ** 2) for e in estimates])
+
+
+@pytest.mark.parametrize("name,params", [("qsgd", {"bits": 3}), ("natural", {}),
+                                         ("standard_dithering", {"bits": 3})])
+def test_variance_is_one_quantization_per_host(name, params):
+    """E[estimate] is the mean of every rank's vector, and E||estimate - mean||^2 is
+    (1/H^2) sum_h E||Q(x_h) - x_h||^2 over the H host means x_h (each shard of each quantized
+    once, with independent seeds), within the codec's bound omega(d) / H^2 sum_h ||x_h||^2
+    (docs/codecs.md, "Hierarchical exchange")."""
+    hosts, local, size, trials = 2, 3, 1024, 400
+    codec = hq.get_codec(name, **params)
+    xs = [x.astype(np.float32) for x in _inputs(hosts * local, size, seed=4, spread=1.0)]
+    topology = Topology.grid(hosts, local)
+    estimates = [hq.mean_estimate(codec, xs, seed=t, gather="hierarchical",
+                                  topology=topology)[0] for t in range(trials)]
+    target = np.mean(np.asarray(xs, np.float64), axis=0)
+    host_means = [np.mean(np.asarray([xs[r] for r in ranks], np.float64), axis=0)
+                  .astype(np.float32) for ranks in topology.hosts]
+    shards = chunk_bounds(size, local)  # each shard of a host mean is quantized on its own
+    one_host = [_squared_error([codec.decode(codec.encode(m[lo:hi], seed=10_000 + t))
+                                for t in range(trials)], m[lo:hi])
+                for m in host_means for lo, hi in shards]
+    predicted = sum(one_host) / hosts ** 2
+    measured = _squared_error(estimates, target)
+    # unbiased: the mean of the trials is within 5 standard errors of the target, per element
+    spread = np.sqrt(predicted / size / trials)
+    assert np.max(np.abs(np.mean(estimates, axis=0) - target)) < 5 * spread * 1.5
+    assert abs(measured / predicted - 1) < 0.2, (measured, predicted)
+    bucket = min(codec.params.get("bucket_size") or size, size // local)
+    bound = codec.omega(bucket) / hosts ** 2 * sum(float(np.sum(m.astype(np.float64) ** 2))
+                                                   for m in host_means)
+    assert measured <= bound * 1.2, (measured, bound)
+
+
+def test_a_rank_with_another_tensor_on_its_host_fails_its_host():
+    """The host shards carry the exchange's tag: a rank that exchanges another tensor makes
+    every rank of its host raise before anything is combined."""
+    topology = Topology.grid(2, 2)
+    xs = _inputs(4, 1000)
+
+    def rank_fn(comm):
+        ex = Exchange(hq.get_codec("qsgd"), comm, gather="hierarchical")
+        name = "other" if comm.rank == 1 else "t"
+        try:
+            ex.start(xs[comm.rank], 3, "t", tag=plans.wire.exchange_tag(name, (1000,))).wait()
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    results = run_ranks(4, rank_fn, asynchronous=True, topology=topology)
+    assert all("different tensors" in r for r in results[:2]), results
