@@ -223,10 +223,10 @@ class _OnWorker:
 class Exchange:
     """Exchanges for one codec over one group of ranks.
 
-    Each piece takes the plan :func:`~.plans.plan_kind` picks for its length: the one that
+    A vector takes the plan :func:`~.plans.plan_kind` picks for its length: the one that
     sends the fewest bytes over the slowest link, hierarchical plans included where ``comm``
     has a :attr:`~.collectives.Collectives.hierarchy` (ranks sharing hosts). Hierarchical
-    pieces run on the hierarchy's worker thread, in the order they were started, since the
+    exchanges run on the hierarchy's worker thread, in the order they were started, since the
     sub-groups' collectives pair by call order.
 
     Args:
@@ -261,8 +261,8 @@ class Exchange:
         self._kinds: dict[int, str] = {}
 
     def kind_for(self, numel: int) -> str:
-        """The plan a piece of ``numel`` elements takes (the same on every rank); the first
-        time a kind is chosen it is logged (rank 0)."""
+        """The plan every piece of a vector of ``numel`` elements takes (the same on every
+        rank); the first time a kind is chosen it is logged (rank 0)."""
         kind = self._kinds.get(numel)
         if kind is None:
             topology = (self.hierarchy.topology if self.hierarchy is not None
@@ -327,20 +327,19 @@ class Exchange:
         if out is None:
             out = array_module(x).empty(x.size, np.float32)
         bounds = plans.pipeline_bounds(x.size, self.pipeline_elems)
-        kinds = [self.kind_for(hi - lo) for lo, hi in bounds]
-        for kind in kinds:
-            stats.plans[kind] = stats.plans.get(kind, 0) + 1
-        on_worker = [k.startswith(plans.HIERARCHICAL) for k in kinds]
+        kind = self.kind_for(x.size)
+        stats.plans[kind] = len(bounds)
+        on_worker = kind.startswith(plans.HIERARCHICAL)
         rank, n = self.comm.rank, self.comm.size
 
         def start_pieces(norm: float | None) -> list[Any]:
             pieces: list[Any] = []
             for k, (lo, hi) in enumerate(bounds):
-                plan = plans.plan_of(kinds[k])(plans.Piece(
+                plan = plans.plan_of(kind)(plans.Piece(
                     self.codec, x[lo:hi], plans.pipeline_seed(seed, k, len(bounds)), rank, n,
                     norm, tag, out[lo:hi], name, self._place))
                 piece_name = plans.piece_name(name, k, len(bounds))
-                if on_worker[k]:
+                if on_worker:
                     own = ExchangeStats(0)
                     future = self.hierarchy.worker.submit(
                         lambda plan=plan, piece_name=piece_name, own=own:
@@ -350,7 +349,7 @@ class Exchange:
                     pieces.append(_Running(plan, self._routes, piece_name, stats))
             return pieces
 
-        if self.needs_norm and norm is None and not all(on_worker):
+        if self.needs_norm and norm is None and not on_worker:
             exchange = _NormThenPieces(
                 _Running(plans.norm_plan(self.codec, [x], tag, name + ".norm"),
                          {plans.WORLD: (self.comm, None)}, name + ".norm", stats),

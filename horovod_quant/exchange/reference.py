@@ -136,11 +136,10 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
     if topology is not None and topology.size != n:
         raise ValueError(f"the topology has {topology.size} ranks for {n} workers' vectors")
     bounds = plans.pipeline_bounds(size, plans.check_pipeline_elems(pipeline_elems))
-    kinds = [plans.runnable(plans.plan_kind(codec, topology or n, hi - lo, gather,
-                                            topology is not None), custom=False)
-             for lo, hi in bounds]
+    kind = plans.runnable(plans.plan_kind(codec, topology or n, size, gather,
+                                          topology is not None), custom=False)
     norm = None
-    if codec.needs_norm and not all(k.startswith(plans.HIERARCHICAL) for k in kinds):
+    if codec.needs_norm and not kind.startswith(plans.HIERARCHICAL):
         norm = Lockstep([plans.norm_plan(codec, [v]) for v in vecs]).finish()[0]
     places = [None] * n
     if topology is not None:
@@ -150,7 +149,7 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
     pieces = [Lockstep([plans.plan_of(kind)(plans.Piece(
         codec, v[lo:hi], plans.pipeline_seed(seed, k, len(bounds)), r, n, norm, wire.NO_TAG,
         out[lo:hi], place=place)) for r, (v, out, place) in enumerate(zip(vecs, outs, places))],
-        topology) for k, ((lo, hi), kind) in enumerate(zip(bounds, kinds))]
+        topology) for k, (lo, hi) in enumerate(bounds)]
     for piece in pieces:  # every piece encoded before any is combined
         piece.finish()
     return outs[0], sum(max(piece.payload_bytes) for piece in pieces)

@@ -359,9 +359,10 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         ps = self._ps()
         n = ps.size()
         custom = self._custom_for(codec)
-        spec = _Spec(codec, plans.plan_kind(codec, n, self.gather, custom is not None), key,
-                     tuple(shape.as_list()), ps.rank(), n, prefix, custom)
-        size = int(np.prod(spec.shape, dtype=np.int64))
+        size = int(np.prod(shape.as_list(), dtype=np.int64))
+        spec = _Spec(codec, plans.runnable(plans.plan_kind(codec, n, size, self.gather),
+                                           custom is not None),
+                     key, tuple(shape.as_list()), ps.rank(), n, prefix, custom)
         bounds = plans.pipeline_bounds(size, self.pipeline_elems)
         with tf.device("/cpu:0"):
             flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])

@@ -26,6 +26,7 @@ the others take host arrays (device payloads are staged through host memory by
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any, Callable
 
 import torch
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from .. import gpu
 from ..exchange.collectives import Collectives, Handle
 from ..exchange.staging import HostStaged
+from ..exchange.topology import Hierarchy, SerialWorker, Topology
 from .collectives import as_array, as_tensor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -314,10 +316,43 @@ class StandaloneGroupCollectives(ProcessGroupCollectives):
         return self.group.recv([tensor], peer, tag)
 
 
+def process_group_topology(comm: ProcessGroupCollectives) -> Topology:
+    """Which ranks of ``comm``'s group share a host: torchrun's node (``GROUP_RANK``) of each
+    rank; one rank per host where a rank does not know its node. Collective."""
+    node = os.environ.get("GROUP_RANK")
+    nodes = comm.allgather_object(node, f"hq.topology.{comm.group_id}")
+    if any(n is None for n in nodes):
+        return Topology.grid(comm.size, 1)
+    return Topology.from_host_keys(nodes)
+
+
+_hierarchies: dict[str, Hierarchy] = {}  # group id -> its hierarchy, built once
+
+
+def hierarchy_of(comm: ProcessGroupCollectives, topology: Topology) -> Hierarchy:
+    """The collectives of ``comm``'s rank's host group and shard group (torch.distributed
+    groups; every rank builds its host's, then its shard's, so no two ranks wait on each
+    other), built once per group: the exchanges of every state on it share one worker."""
+    if comm.group_id not in _hierarchies:
+        local, cross = (ProcessGroupCollectives(dist.new_group(
+            [comm._ranks[r] for r in ranks], use_local_synchronization=True,
+            sort_ranks=False)) for ranks in (topology.local_group(comm.rank),
+                                             topology.cross_group(comm.rank)))
+        _hierarchies[comm.group_id] = Hierarchy(topology, local, cross,
+                                                SerialWorker(f"hq.hierarchy.{comm.group_id}"))
+    return _hierarchies[comm.group_id]
+
+
 def collectives_for(group: Any = None) -> Collectives:
-    """The collectives of ``group``'s exchanges: device payloads staged through host memory
-    (:class:`~horovod_quant.exchange.staging.HostStaged`) unless the group is NCCL's."""
+    """The collectives of ``group``'s exchanges, with a :class:`~horovod_quant.exchange.
+    topology.Hierarchy` where its ranks share nodes (torchrun's ``GROUP_RANK``), and device
+    payloads staged through host memory (:class:`~horovod_quant.exchange.staging.HostStaged`)
+    unless the group is NCCL's. Collective: every rank of the world calls it at the same
+    point."""
     comm = ProcessGroupCollectives(group)
+    topology = process_group_topology(comm)
+    if topology.hierarchical:
+        comm.hierarchy = hierarchy_of(comm, topology)
     if torch.cuda.is_available() and gpu.available() and not takes_device_arrays(group):
         return HostStaged(comm)
     return comm

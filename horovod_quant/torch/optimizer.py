@@ -192,6 +192,9 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._comm = collectives_for(process_set, transport)
         #: what carries the payloads: "gloo" (a group beside Horovod) or "horovod"
         self.transport = transport_of(self._comm)
+        #: which ranks share hosts, where the transport runs hierarchical exchanges (else None):
+        #: what :func:`~horovod_quant.mean_estimate` needs to reproduce a bucket
+        self.topology = getattr(self._comm.hierarchy, "topology", None)
         self._exchanges = {c.config_key(): Exchange(c, self._comm, gather=gather,
                                                         pipeline_elems=pipeline_elems)
                            for c in policy.codecs(codec)}

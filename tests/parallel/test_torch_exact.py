@@ -98,7 +98,8 @@ def test_quant_optimizer_matches_reference(name):
         per_rank = [rank_gradients(shapes, step, r) for r in range(hvd.size())]
         # one fused bucket, gradients in reverse parameter order
         flats = [np.concatenate([g.reshape(-1) for g in reversed(gs)]) for gs in per_rank]
-        want, _ = hq.mean_estimate(codec, flats, seed=derive_key(3, step, 0), gather="auto")
+        want, _ = hq.mean_estimate(codec, flats, seed=derive_key(3, step, 0), gather="auto",
+                                   topology=opt.topology)
         got = np.concatenate([p.grad.reshape(-1).numpy() for p in reversed(list(model.ps))])
         if name in ("none", "fp16") and hvd.size() > 2:  # Horovod's own float sum, its order
             tol = 1e-5 if name == "none" else 2e-3
@@ -176,7 +177,8 @@ def test_global_qsgd_buckets_take_their_own_norm(levels):
             flats = [np.concatenate([gs[position[id(p)]].reshape(-1) for p in b.params])
                      for gs in per_rank]
             want, _ = hq.mean_estimate(hq.get_codec("global_qsgd", **params), flats,
-                                       seed=derive_key(8, step, b.index), pipeline_elems=500)
+                                       seed=derive_key(8, step, b.index), pipeline_elems=500,
+                                       gather="auto", topology=opt.topology)
             got = np.concatenate([p.grad.reshape(-1).numpy() for p in b.params])
             assert np.array_equal(got, want), (levels, step, b.index)
     for p in model.ps:

@@ -35,7 +35,8 @@ def _codec_mean(opt, name, j, step, bucket):
     codec = hq.get_codec(name, **codec_params(name))
     flats = [rank_gradients(SHAPES, step, r)[j].reshape(-1) for r in range(hvd.size())]
     want, _ = hq.mean_estimate(codec, flats, seed=derive_key(SEED, step, bucket),
-                               gather="auto", pipeline_elems=opt.pipeline_elems)
+                               gather="auto", pipeline_elems=opt.pipeline_elems,
+                               topology=opt.topology)
     return want
 
 

@@ -113,11 +113,12 @@ def test_unused_parameter_gets_the_mean_of_the_ranks_that_used_it(door, name, pa
     codec = hq.get_codec(name, **params, **codec_params(name))
     if door == "horovod":
         seed = derive_key(4, 0, name_key("extra.weight"))
-        want, _ = hq.mean_estimate(codec, flats, seed=seed)
+        want, _ = hq.mean_estimate(codec, flats, seed=seed, gather="auto")
         assert np.array_equal(model.extra.weight.grad.reshape(-1).numpy(), want)
     else:  # one parameter per bucket (fusion_bytes=1): its bucket index in reverse order
         index = [n for n, _ in model.named_parameters()][::-1].index("extra.weight")
-        want, _ = hq.mean_estimate(codec, flats, seed=derive_key(4, 0, index))
+        want, _ = hq.mean_estimate(codec, flats, seed=derive_key(4, 0, index), gather="auto",
+                                   topology=opt.topology)
         assert np.array_equal(model.extra.weight.grad.reshape(-1).numpy(), want)
 
 
@@ -245,9 +246,10 @@ def test_rules_choose_the_codec_per_layer(door, rule_as):
     else:
         seed = derive_key(6, 0, len(opt._buckets) - 1)
         assert [p for p in opt._buckets[-1].params] == [got["2.weight"]]
-    want, _ = hq.mean_estimate(hq.get_codec("qsgd", bits=8), flats, seed=seed)
+    like = {"gather": "auto", "topology": getattr(opt, "topology", None)}
+    want, _ = hq.mean_estimate(hq.get_codec("qsgd", bits=8), flats, seed=seed, **like)
     assert np.array_equal(got["2.weight"].grad.reshape(-1).numpy(), want)
-    four, _ = hq.mean_estimate(hq.get_codec("qsgd", bits=4), flats, seed=seed)
+    four, _ = hq.mean_estimate(hq.get_codec("qsgd", bits=4), flats, seed=seed, **like)
     assert not np.array_equal(want, four)
     # 0.bias uncompressed: Horovod's float average
     np.testing.assert_allclose(got["0.bias"].grad.numpy(),

@@ -85,7 +85,10 @@ def test_buckets_start_in_bucket_order_whatever_order_the_hooks_run_in():
             # collective, start at synchronize() under every transport)
             compression=hqt.Compression.global_qsgd(world_size=hvd.size(), levels="linear",
                                                     policy=EVERYTHING),
-            transport=transport, fusion_bytes=64 * 64 * 4, fallback="never")
+            # flat plans: over the gloo transport ranks sharing hosts would take the
+            # hierarchical ones, which Horovod's collectives do not have
+            gather="allgather", transport=transport, fusion_bytes=64 * 64 * 4,
+            fallback="never")
         grads = rank_gradients(shapes, 0, hvd.rank())
         opt.zero_grad()
         # buckets form in reverse parameter order: on odd ranks bucket 0 (the last parameter)
@@ -112,7 +115,8 @@ def test_optimizer_transports_give_the_same_bits(name):
             torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters(),
             compression=hqt.Compression.__getattr__(name)(seed=3, policy=EVERYTHING,
                                                           **codec_params(name)),
-            transport=transport, pipeline_elems=4096, fusion_bytes=1 << 30)
+            gather="allgather", transport=transport, pipeline_elems=4096,
+            fusion_bytes=1 << 30)
         opt.zero_grad()
         model.loss(rank_gradients(shapes, 0, hvd.rank())).backward()
         opt.step()
@@ -133,10 +137,13 @@ def test_exponent_allreduce_over_the_gloo_group():
     codec = hq.get_codec("global_qsgd", bits=4, levels="exponential", world_size=hvd.size())
     xs = [np.random.default_rng(q).standard_normal(5000).astype(np.float32)
           for q in range(hvd.size())]
-    exchange = Exchange(codec, _peers())
-    assert (exchange.kind_for(5000) == "custom") == (hvd.size() > 1)
+    peers = _peers()
+    exchange = Exchange(codec, peers)
+    topology = getattr(peers.hierarchy, "topology", None)
+    kind = "hierarchical-custom" if topology is not None else "custom"
+    assert (exchange.kind_for(5000) == kind) == (hvd.size() > 1)
     got = exchange.start(xs[hvd.rank()], 11, "t.exp").wait()
-    want, _ = mean_estimate(codec, xs, seed=11)
+    want, _ = mean_estimate(codec, xs, seed=11, gather="auto", topology=topology)
     assert np.array_equal(got, want)
 
 
@@ -147,14 +154,17 @@ def test_exponent_lanes_keep_many_pieces_apart():
     if hvd.size() == 1:
         pytest.skip("needs two ranks")
     codec = hq.get_codec("global_qsgd", bits=8, levels="exponential", world_size=hvd.size())
-    exchange = Exchange(codec, _peers(), pipeline_elems=4096)
+    peers = _peers()
+    exchange = Exchange(codec, peers, pipeline_elems=4096)
     assert len(exchange._custom.comms) == EXPONENT_LANES > 1
+    topology = getattr(peers.hierarchy, "topology", None)
     vectors = [[np.random.default_rng(10 * k + q).standard_normal(7 * 4096 - 5)
                 .astype(np.float32) for q in range(hvd.size())] for k in range(2)]
     pending = [exchange.start(xs[hvd.rank()], 20 + k, f"t.lanes.{k}")
                for k, xs in enumerate(vectors)]
     for k, (p, xs) in enumerate(zip(pending, vectors)):
-        want, _ = mean_estimate(codec, xs, seed=20 + k, pipeline_elems=4096)
+        want, _ = mean_estimate(codec, xs, seed=20 + k, pipeline_elems=4096, gather="auto",
+                                topology=topology)
         assert np.array_equal(p.wait(), want), k
 
 

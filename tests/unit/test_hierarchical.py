@@ -86,7 +86,7 @@ def test_exchange_over_threaded_hosts_matches_reference(name, hosts, local):
     def rank_fn(comm):
         ex = Exchange(_codec(name, n), comm, gather="hierarchical", pipeline_elems=900)
         pending = ex.start(xs[comm.rank], 11, "t")
-        return pending.wait(), pending.stats, ex.kind_for(900)
+        return pending.wait(), pending.stats, ex.kind_for(2500)
 
     results = run_ranks(n, rank_fn, asynchronous=True, topology=topology)
     want, _ = hq.mean_estimate(_codec(name, n), xs, seed=11, gather="hierarchical",

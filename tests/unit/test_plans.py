@@ -138,11 +138,11 @@ def test_exchange_driver_over_threads_matches_reference(name, n, gather):
         codec = _codec(name, n)
         ex = Exchange(codec, comm, gather=gather, pipeline_elems=700)
         pending = ex.start(xs[comm.rank], 11, "t")
-        return pending.wait(), pending.stats, ex.kind_for(700)
+        return pending.wait(), pending.stats, ex.kind_for(2500)
 
     results = run_ranks(n, rank_fn)
     want, _ = hq.mean_estimate(_codec(name, n), xs, seed=11, gather=gather, pipeline_elems=700)
-    kind = plans.plan_kind(_codec(name, n), n, 700, gather)
+    kind = plans.plan_kind(_codec(name, n), n, 2500, gather)
     for got, stats, got_kind in results:
         assert np.array_equal(got, want, equal_nan=True)
         assert stats.bytes_sent > 0 and got_kind == plans.runnable(kind, custom=False)
@@ -179,7 +179,7 @@ def test_exchange_driver_runs_the_custom_plan(monkeypatch):
 
     def rank_fn(comm):
         ex = Exchange(_codec("global_qsgd", n), comm, pipeline_elems=1000)
-        assert ex.kind_for(1000) == "custom" and ex.blocks_on_peers
+        assert ex.kind_for(2500) == "custom" and ex.blocks_on_peers
         return ex.start(xs[comm.rank], 4, "c").wait()
 
     results = run_ranks(n, rank_fn)
