@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
-# Runs tests/parallel under real Horovod worlds: 2 and 4 ranks, gloo and MPI controllers.
-# Every run has a deadline, so a hang fails the job instead of stalling CI.
+# Runs tests/parallel under real Horovod worlds: 2 and 4 ranks, gloo and MPI controllers, and
+# 2 hosts x 2 ranks (gloo: horovodrun takes localhost and 127.0.0.1 for two hosts, so ranks
+# share "hosts" and the hierarchical exchange runs; MPI sees one host). Every run has a
+# deadline, so a hang fails the job instead of stalling CI.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 TF_USE_LEGACY_KERAS=1
 # oversubscribed ranks (4 on 2 cores) must not spin while waiting
 export OMPI_MCA_mpi_yield_when_idle=1 HOROVOD_CYCLE_TIME=${HOROVOD_CYCLE_TIME:-1}
-: "${HQ_PARALLEL_WORLDS:=2 4}"
+: "${HQ_PARALLEL_WORLDS:=2 4 2x2}"
 : "${HQ_PARALLEL_CONTROLLERS:=gloo mpi}"
 : "${HQ_PARALLEL_TIMEOUT:=900}"
 status=0
-for np in $HQ_PARALLEL_WORLDS; do
-  for ctrl in $HQ_PARALLEL_CONTROLLERS; do
-    echo "== tests/parallel: $np ranks, $ctrl =="
+names=(localhost 127.0.0.1 "$(hostname)")  # names horovodrun runs locally, as distinct hosts
+for world in $HQ_PARALLEL_WORLDS; do
+  if [[ $world == *x* ]]; then  # HOSTSxRANKS
+    h=${world%x*} k=${world#*x} np=$(( ${world%x*} * ${world#*x} )) hosts=()
+    for ((i = 0; i < h; i++)); do hosts+=("${names[i]}:$k"); done
+    hosts=$(IFS=,; echo "${hosts[*]}") ctrls=gloo
+  else
+    np=$world hosts="localhost:$world" ctrls=$HQ_PARALLEL_CONTROLLERS
+  fi
+  for ctrl in $ctrls; do
+    [[ " $HQ_PARALLEL_CONTROLLERS " == *" $ctrl "* ]] || continue
+    echo "== tests/parallel: $world ranks, $ctrl =="
     if ! HQ_CONTROLLER=$ctrl timeout --kill-after=30 "$HQ_PARALLEL_TIMEOUT" \
-        horovodrun -np "$np" -H "localhost:$np" "--$ctrl" \
+        horovodrun -np "$np" -H "$hosts" "--$ctrl" \
         python3 -m pytest -q -x -p no:cacheprovider tests/parallel "$@"; then
-      echo "!! tests/parallel failed: $np ranks, $ctrl"
+      echo "!! tests/parallel failed: $world ranks, $ctrl"
       status=1
     fi
   done
