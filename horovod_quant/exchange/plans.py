@@ -189,9 +189,8 @@ def sra_plan(p: Piece) -> Plan:
     v = as_vector(p.x)
     chunks = [codec.encode(v[lo:hi], seed=chunk_seed(p.seed, p.rank, c))
               for c, (lo, hi) in enumerate(bounds)]
-    frames = [wire.frame(c, p.tag) for c in chunks]  # chunk c to rank c, which checks the tags
-    received, _ = yield Alltoall(array_module(v).concatenate(frames), [f.size for f in frames],
-                                 ".scatter", sum(c.nbytes for c in chunks))
+    framed, sizes = wire.frames(chunks, p.tag)  # chunk c to rank c, which checks the tags
+    received, _ = yield Alltoall(framed, sizes, ".scatter", sum(c.nbytes for c in chunks))
     lo, hi = bounds[p.rank]
     mine = [codec.payload_from_wire(b, hi - lo, seed=chunk_seed(p.seed, r, p.rank))
             for r, b in enumerate(wire.unframe_all(received, n, "chunks", p.label))]
@@ -235,17 +234,17 @@ def hierarchical_plan(p: Piece, inner: str) -> Plan:
     place, v = p.place, as_vector(p.x)
     xp = array_module(v)
     bounds = chunk_bounds(v.size, place.local_size)
-    frames = [wire.frame(Payload(v[lo:hi], hi - lo), p.tag) for lo, hi in bounds]
-    received, _ = yield Alltoall(xp.concatenate(frames), [f.size for f in frames], ".local",
-                                 group=LOCAL)
+    framed, sizes = wire.frames([Payload(v[lo:hi], hi - lo) for lo, hi in bounds], p.tag)
+    received, _ = yield Alltoall(framed, sizes, ".local", group=LOCAL)
     lo, hi = bounds[place.local]
     try:
         parts, mismatch = wire.unframe_all(received, place.local_size, "host shards",
                                            p.label), None
     except ValueError as exc:
         parts, mismatch = [], exc
-    host_mean = xp.zeros(hi - lo, np.float32)
-    for part in parts:  # in local rank order
+    host_mean = xp.zeros(hi - lo, np.float32) if not parts else \
+        xp.array(parts[0].view(np.float32), copy=True)
+    for part in parts[1:]:  # in local rank order
         host_mean += part.view(np.float32)
     host_mean /= np.float32(place.local_size)
     tag = p.tag if mismatch is None else wire.spoiled(p.tag)

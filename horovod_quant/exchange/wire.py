@@ -40,13 +40,23 @@ def frame(payload: Payload, tag: Tag = NO_TAG) -> np.ndarray:
     uint8 array: gathered payloads of any length (Elias, unequal chunks) split again without an
     extra round, and each says which tensor it belongs to (:func:`check_tags`).
     The frame lives where the payload does (host or device)."""
-    xp = array_module(payload.data)
-    body = payload.data.reshape(-1).view(np.uint8)
-    out = xp.empty(FRAME_HEADER_BYTES + body.size, np.uint8)
-    header = np.array([body.size, tag[0], tag[1]], _HEADER).view(np.uint8)
-    out[:FRAME_HEADER_BYTES] = xp.asarray(header)
-    out[FRAME_HEADER_BYTES:] = body
-    return out
+    return frames([payload], tag)[0]
+
+
+def frames(payloads: Sequence[Payload], tag: Tag = NO_TAG) -> tuple[np.ndarray, list[int]]:
+    """The :func:`frame` of each payload, back to back in one uint8 array (what an alltoall
+    sends: one copy of each payload), and each frame's byte count."""
+    xp = array_module(payloads[0].data)
+    bodies = [p.data.reshape(-1).view(np.uint8) for p in payloads]
+    sizes = [FRAME_HEADER_BYTES + b.size for b in bodies]
+    out = xp.empty(sum(sizes), np.uint8)
+    headers = np.array([[b.size, tag[0], tag[1]] for b in bodies], _HEADER).view(np.uint8)
+    o = 0
+    for body, header in zip(bodies, xp.asarray(headers.reshape(len(bodies), -1))):
+        out[o:o + FRAME_HEADER_BYTES] = header
+        out[o + FRAME_HEADER_BYTES:o + FRAME_HEADER_BYTES + body.size] = body
+        o += FRAME_HEADER_BYTES + body.size
+    return out, sizes
 
 
 def unframe(buf: np.ndarray) -> tuple[list[np.ndarray], list[Tag]]:
