@@ -3,7 +3,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: all install test unit parallel kernels demo bench clean clean-cache
+.PHONY: all install test unit parallel emulated kernels demo bench clean clean-cache
 
 all: test
 
@@ -16,6 +16,7 @@ test: install
 	bash tests/parallel/run.sh
 	bash tests/parallel_tf/run.sh
 	bash tests/parallel_ddp/run.sh
+	bash tests/emulated/run.sh
 	bash tests/cuda_parity/compile.sh
 	$(PYTHON) -m pytest -q tests/cuda_parity tests/gpu
 
@@ -27,6 +28,10 @@ parallel:
 	bash tests/parallel/run.sh
 	bash tests/parallel_tf/run.sh
 	bash tests/parallel_ddp/run.sh
+
+# jobs on emulated hosts (network namespaces): root and iproute2 needed
+emulated:
+	bash tests/emulated/run.sh
 
 kernels:
 	bash tests/cuda_parity/compile.sh

@@ -279,23 +279,31 @@ class EmulatedCluster:
         self.shape(self.rate_bps, self.delay_ms)
 
     def destroy(self) -> None:
-        """Stop every launch, kill what runs in the namespaces, remove everything created."""
-        for launch in list(self._launches):
-            launch.kill()
-        for ns in self._created_ns:
-            kill_netns_processes(ns)
-        for ns in reversed(self._created_ns):
-            sh("ip", "netns", "del", ns, check=False)  # takes its links along
-        self._created_ns = []
-        for etc in self._created_etc:
-            shutil.rmtree(etc, ignore_errors=True)
-        self._created_etc = []
-        if self.tmp:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            self.tmp = None
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
-        self._old_handlers = {}
+        """Stop every launch, kill what runs in the namespaces, remove everything created
+        (signals held off meanwhile, so that a second Ctrl-C cannot cut the cleanup short)."""
+        held = ({s: signal.signal(s, signal.SIG_IGN)
+                 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+                if threading.current_thread() is threading.main_thread() else {})
+        try:
+            for launch in list(self._launches):
+                launch.kill()
+            for ns in self._created_ns:
+                kill_netns_processes(ns)
+            for ns in reversed(self._created_ns):
+                sh("ip", "netns", "del", ns, check=False)  # takes its links along
+            self._created_ns = []
+            for etc in self._created_etc:
+                shutil.rmtree(etc, ignore_errors=True)
+            self._created_etc = []
+            if self.tmp:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                self.tmp = None
+        finally:
+            for sig, handler in held.items():
+                signal.signal(sig, handler)
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)
+            self._old_handlers = {}
 
     def _add_ns(self, ns: str) -> None:
         sh("ip", "netns", "add", ns)
@@ -334,6 +342,10 @@ class EmulatedCluster:
             if other is not host or self.hostname_resolves_to == "own":
                 lines.append(f"{other.address} {other.hostname}")
         return "\n".join(lines) + "\n"
+
+    def spare_address(self) -> str:
+        """An address in the hosts' subnet that no host has (a peer that never answers)."""
+        return str(ipaddress.ip_network(self.subnet).network_address + 254)
 
     # -- shaping and counters --
     def shape(self, rate: str | float | None, delay_ms: float = 0.0) -> dict:

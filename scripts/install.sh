@@ -31,6 +31,8 @@ set -euo pipefail
 : "${PYTHON:=python3}"
 
 APT_PACKAGES=(openmpi-bin libopenmpi-dev cmake g++ make)
+# `ip` and `tc` for the emulated hosts of tests/emulated and benchmarks/cluster.py
+command -v ip >/dev/null || APT_PACKAGES+=(iproute2)
 PY_PACKAGES=(
   "setuptools>=64" wheel packaging cloudpickle psutil pyyaml   # build + Horovod runtime deps
   numpy "numba==${NUMBA_VERSION}" mpi4py
