@@ -5,10 +5,10 @@
     sudo python3 benchmarks/cluster_ddp.py --configs fp32,qsgd:8 --steps 10 --out /tmp/mine
     python3 benchmarks/cluster_ddp.py --render docs/results/cluster_ddp.json   # table + plot
 
-The two hosts are those of ``benchmarks/cluster.py`` (its ``Cluster``: namespaces
-``hqcl-<pid>-a``/``-b``, a veth pair shaped with ``tc`` at the link rate; root needed; see
-docs/cluster.md), removed in a ``finally`` block whatever happens. One rank runs in each
-namespace (``torch.distributed`` gloo over the veth, ``GLOO_SOCKET_IFNAME``), and trains the same
+The two hosts are those of ``benchmarks/cluster.py`` (``benchmarks/emulator.py``'s
+``EmulatedCluster``: network namespaces on a bridge, each host's NIC shaped with ``tc`` at the
+link rate both ways; root needed; see docs/cluster.md), removed whatever happens. One rank runs
+in each host (``torch.distributed`` gloo over its NIC, ``GLOO_SOCKET_IFNAME``), and trains the same
 communication-bound MLP on scikit-learn's digits (64 -> 3 x 2048 -> 10, 8.5M parameters, 34 MB
 of float32 gradients per step in one DDP bucket, see ``BUCKET_MB``, batch 32 per rank) once
 per configuration, in one launch, the configurations interleaved (step k of each in turn, so a
@@ -42,7 +42,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)  # the sibling benchmark module cluster.py
+sys.path.insert(0, HERE)  # the sibling benchmark modules
 
 DEFAULT_CONFIGS = "fp32,fp16,powersgd-1,powersgd-4,qsgd:8,qsgd:4,global_qsgd:8"
 HIDDEN = 2048
@@ -174,22 +174,21 @@ def worker(args) -> None:
 
 # -- the driver -------------------------------------------------------------------------------
 def run_rate(cluster, rate: float, args) -> dict:
-    from cluster import kill_netns_processes
+    from emulator import NIC, kill_netns_processes
 
     shaping = cluster.shape(rate, 0.0)
     calib = cluster.calibrate()
     rows_path = os.path.join(cluster.tmp, f"rows_{int(rate)}.json")
-    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", GLOO_SOCKET_IFNAME=NIC,
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = []
     try:
-        for rank, (ns, dev) in enumerate(zip(cluster.ns, cluster.dev)):
-            cmd = ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__),
-                   "--worker", "--rank", str(rank), "--master", cluster.addr[0],
-                   "--configs", args.configs, "--steps", str(args.steps),
-                   "--warmup-steps", str(args.warmup_steps), "--batch", str(args.batch),
-                   "--rows", rows_path]
-            procs.append(subprocess.Popen(cmd, env=dict(env, GLOO_SOCKET_IFNAME=dev),
+        for rank, host in enumerate(cluster.hosts):
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(rank),
+                   "--master", cluster.hosts[0].address, "--configs", args.configs,
+                   "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
+                   "--batch", str(args.batch), "--rows", rows_path]
+            procs.append(subprocess.Popen(cluster.in_host(host, cmd), env=env,
                                           start_new_session=True))
         deadline = time.time() + args.timeout
         while any(p.poll() is None for p in procs):
@@ -202,8 +201,8 @@ def run_rate(cluster, rate: float, args) -> dict:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
-        for ns in cluster.ns:
-            kill_netns_processes(ns)
+        for host in cluster.hosts:
+            kill_netns_processes(host.namespace)
     return {"label": f"{rate / 1e9:g} Gbit/s", "rate_bps": rate, "shaping": shaping,
             "calibration": calib, **res}
 
@@ -293,10 +292,10 @@ def main(argv=None) -> int:
     if os.geteuid() != 0:
         print("cluster_ddp.py needs root (network namespaces, tc)", file=sys.stderr)
         return 2
-    from cluster import Cluster, machine_info, parse_rate
+    from cluster import machine_info
+    from emulator import EmulatedCluster, parse_rate
 
     rates = [parse_rate(r) for r in args.rates.split(",")]
-    cluster = Cluster(str(os.getpid()))
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -309,19 +308,16 @@ def main(argv=None) -> int:
             "machine": machine_info(), "steps": args.steps, "warmup_steps": args.warmup_steps,
             "batch": args.batch, "links": []}
     try:
-        cluster.create()
-        for rate in rates:
-            data["links"].append(run_rate(cluster, rate, args))
+        with EmulatedCluster(hosts=2) as cluster:
+            for rate in rates:
+                data["links"].append(run_rate(cluster, rate, args))
         data["wall_s"] = time.time() - t0
         print("\n".join(render(data, args.out)))
         return 0
     except KeyboardInterrupt as exc:
-        print(f"[cluster_ddp] interrupted ({exc}); cleaning up", file=sys.stderr)
+        print(f"[cluster_ddp] interrupted ({exc}); cleaned up", file=sys.stderr)
         return 130
     finally:
-        for sig in old:
-            signal.signal(sig, signal.SIG_IGN)
-        cluster.destroy()
         for sig, h in old.items():
             signal.signal(sig, h)
 

@@ -1,10 +1,11 @@
-"""The rank side of ``benchmarks/cluster.py``: runs under ``mpirun`` (Horovod's MPI controller).
+"""The rank side of ``benchmarks/cluster.py``: runs as every rank of an emulated cluster
+(``benchmarks/emulator.py``: ``mpirun`` or Horovod's gloo controller).
 
-    mpirun -np 2 ... python3 benchmarks/cluster_workloads.py --plan plan.json --out rows.jsonl
+    python3 benchmarks/cluster_workloads.py --plan plan.json --out rows.jsonl
 
 ``plan.json`` (written by cluster.py) lists items; rank 0 appends JSON lines to ``--out``
 (``progress`` per exchange round, ``result`` per configuration, ``done`` per item), which
-cluster.py tails for its progress bar and its results. Two kinds of item:
+cluster.py tails for its progress bar and its results. The main kinds of item:
 
 * ``exchange``: one flat float32 gradient of ``size_mb`` MB on every rank, averaged by
   Horovod itself for the baselines (``none`` = ``hvd.allreduce(op=hvd.Average)`` of the
@@ -15,22 +16,25 @@ cluster.py tails for its progress bar and its results. Two kinds of item:
   starts after a barrier; its wall time is the slowest
   rank's, its encode / exchange / decode split comes from the exchange's statistics (the same
   numbers ``StepStats`` sums per step).
-* ``train``: SGD steps of a model on synthetic data. ``fp32`` and ``fp16`` use Horovod's own
-  ``hvd.DistributedOptimizer`` (``hvd.Compression.none`` / ``fp16``), the codecs
-  ``hq.torch.DistributedOptimizer``. A step is timed as forward+backward, ``synchronize()`` and
-  the update; the codecs' encode / exchange / decode come from ``opt.last_stats`` and compute is
-  the rest of the step; for Horovod's optimizer the exchange is the time in ``synchronize()``.
-  With ``paired`` a float32 reference model steps beside each row, step for step (see
-  :func:`run_train`).
+* ``train``: SGD steps of a model on synthetic data through one door (:class:`_Trainer`):
+  ``fp32`` and ``fp16`` Horovod's own ``hvd.DistributedOptimizer``, ``compute`` no
+  communication at all (the floor), the codecs ``hq.torch.DistributedOptimizer`` or Horovod's
+  optimizer with ``compression=hq.Compression.<codec>(...)``. A step is timed as
+  forward+backward, ``synchronize()`` and the update; the codecs' encode / exchange / decode
+  come from their statistics and compute is the rest of the step; for Horovod's optimizer the
+  exchange is the time in ``synchronize()``. The hosts' NIC counters are read around the
+  measured steps (the bytes that crossed between hosts). With ``paired`` a float32 reference
+  model steps beside each row, step for step (see :func:`run_train`).
+
+A stalled launch is stopped by the launcher with SIGABRT first: ``PYTHONFAULTHANDLER`` (set by
+the emulator) writes every thread's stack to the rank's log.
 """
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import os
 import resource
-import signal
 import statistics
 import time
 import traceback
@@ -39,6 +43,7 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
+from emulator import NIC_ENV, nic_counters
 from horovod_quant.core.registry import codec_class, get_codec
 from horovod_quant.exchange import Exchange
 from horovod_quant.torch.collectives import HorovodTorchCollectives
@@ -59,7 +64,9 @@ def barrier() -> None:
 
 
 def gather_rows(obj):
-    return hvd.allgather_object(obj)
+    # one name on every rank: Horovod's default is the object's type name, which differs
+    # where some ranks gather None
+    return hvd.allgather_object(obj, name="hqcl.gather")
 
 
 # -- exchange -------------------------------------------------------------------------------
@@ -230,15 +237,19 @@ def run_exchange(item: dict, emit) -> None:
 
 
 # -- training -------------------------------------------------------------------------------
+#: MLP models: name -> (width, hidden layers); "mlp" = 3 hidden 4096x4096 layers, 50.4M
+#: parameters, 192 MiB of float32 gradients; "mlp12" = 3 hidden 1024x1024 layers, 3.16M
+#: parameters, 12 MiB
+MLPS = {"mlp": (4096, 3), "mlp12": (1024, 3)}
+
+
 def build_model(name: str) -> tuple[torch.nn.Module, tuple, int]:
     """(model, input shape without batch, number of classes)."""
-    if name.startswith("mlp"):
-        # "mlp" = 3 hidden 4096x4096 layers: 50.4M parameters, 201 MB of float32 gradients
-        width, depth = 4096, 3
-        layers = [torch.nn.Linear(width, width) for _ in range(depth)]
+    if name in MLPS:
+        width, depth = MLPS[name]
         mods = []
-        for layer in layers:
-            mods += [layer, torch.nn.ReLU()]
+        for _ in range(depth):
+            mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
         mods.append(torch.nn.Linear(width, 10))
         return torch.nn.Sequential(*mods), (width,), 10
     if name == "cnn":
@@ -255,24 +266,39 @@ def build_model(name: str) -> tuple[torch.nn.Module, tuple, int]:
 
 
 class _Trainer:
-    """A model, its optimizer and this rank's synthetic batch; :meth:`step` times one step."""
+    """A model, its optimizer and this rank's synthetic batch; :meth:`step` times one step.
+
+    ``codec_cfg["door"]``: "horovod" (Horovod's own optimizer, float32 or its fp16 cast),
+    "compression" (Horovod's optimizer with ``compression=hq.Compression.<codec>(...)``), "hq"
+    (``hq.DistributedOptimizer``) or "compute" (no communication: the plain optimizer)."""
 
     def __init__(self, item: dict, codec_cfg: dict, prefix: str = "") -> None:
         import horovod_quant.torch as hq
 
         torch.manual_seed(0)
         self.model, shape, classes = build_model(item["model"])
-        self.horovod_path = codec_cfg["codec"] in ("none", "fp16")
+        self.door = codec_cfg.get("door", "horovod" if codec_cfg["codec"] in ("none", "fp16")
+                                  else "hq")
+        self.horovod_path = self.door in ("horovod", "compute")
+        named = [(prefix + n, p) for n, p in self.model.named_parameters()]
         base = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
-        if self.horovod_path:  # Horovod's own optimizer: float32, or its fp16 cast
+        self.compressor = None
+        if self.door == "compute":
+            self.opt = base
+        elif self.door == "horovod":
             self.opt = hvd.DistributedOptimizer(
-                base, named_parameters=[(prefix + n, p) for n, p in self.model.named_parameters()],
+                base, named_parameters=named,
                 compression=(hvd.Compression.fp16 if codec_cfg["codec"] == "fp16"
                              else hvd.Compression.none))
+        elif self.door == "compression":
+            self.compressor = getattr(hq.Compression, codec_cfg["codec"])(**codec_cfg["params"])
+            self.opt = hvd.DistributedOptimizer(base, named_parameters=named,
+                                                compression=self.compressor)
         else:
             self.opt = hq.DistributedOptimizer(
-                base, named_parameters=self.model.named_parameters(),
-                compression=build_codec(codec_cfg), pipeline_elems=item.get("pipeline_elems"),
+                base, named_parameters=named,
+                compression=getattr(hq.Compression, codec_cfg["codec"])(**codec_cfg["params"]),
+                pipeline_elems=item.get("pipeline_elems"),
                 transport=item.get("transport", "horovod"),
                 fallback=item.get("fallback", "never"))
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
@@ -283,7 +309,7 @@ class _Trainer:
 
     @property
     def settled(self) -> bool:
-        return self.horovod_path or self.opt.fallback_settled
+        return self.door != "hq" or self.opt.fallback_settled
 
     def step(self) -> dict:
         t0 = time.perf_counter()
@@ -291,12 +317,41 @@ class _Trainer:
         self.loss = torch.nn.functional.cross_entropy(self.model(self.xb), self.yb)
         self.loss.backward()
         t1 = time.perf_counter()
-        self.opt.synchronize()
+        if self.door != "compute":
+            self.opt.synchronize()
         t2 = time.perf_counter()
-        with self.opt.skip_synchronize():
+        if self.door == "compute":
             self.opt.step()
+        else:
+            with self.opt.skip_synchronize():
+                self.opt.step()
         t3 = time.perf_counter()
         return {"step_s": t3 - t0, "fwd_bwd_s": t1 - t0, "sync_s": t2 - t1, "update_s": t3 - t2}
+
+    def exchange_stats(self, row: dict, nparams: int, codec: str) -> None:
+        """Add this step's encode / exchange / decode seconds and bytes to ``row``."""
+        if self.door == "compute":
+            row.update(encode_s=0.0, exchange_s=0.0, decode_s=0.0, bytes_sent=0,
+                       bytes_raw=nparams * 4)
+        elif self.door == "horovod":
+            row.update(encode_s=0.0, exchange_s=row["sync_s"], decode_s=0.0,
+                       bytes_sent=nparams * (2 if codec == "fp16" else 4),
+                       bytes_raw=nparams * 4)
+        elif self.door == "compression":
+            st = self.compressor.stats.reset()
+            # Horovod's synchronize() holds the wait; the codec's own timers split it
+            row.update(encode_s=st.encode_s, exchange_s=max(0.0, row["sync_s"] - st.decode_s),
+                       decode_s=st.decode_s, bytes_sent=st.bytes_sent, bytes_raw=st.bytes_raw)
+        else:
+            st = self.opt.last_stats
+            check = self.opt.fallback_step_check
+            row["fallback_buckets"] = sum(d.fallback or (check is not None and check.fallback)
+                                          for d in self.opt.fallback_decisions)
+            row["step_check"] = None if check is None else {
+                "codec_step_s": check.codec_step_s, "fp32_step_s": check.fp32_step_s,
+                "fallback": check.fallback}
+            row.update(encode_s=st.encode_s, exchange_s=st.exchange_s, decode_s=st.decode_s,
+                       bytes_sent=st.bytes_sent, bytes_raw=st.bytes_raw)
 
 
 def _measured_steps(item: dict, last_step_s: float) -> int:
@@ -313,13 +368,34 @@ def _measured_steps(item: dict, last_step_s: float) -> int:
 MAX_STEPS = 60
 
 
+def host_nic_bytes() -> dict | None:
+    """This host's NIC counters (``emulator.nic_counters``), read by its local rank 0 when the
+    launcher named the NIC; None on other ranks and outside the emulator."""
+    if hvd.local_rank() != 0 or NIC_ENV not in os.environ:
+        return None
+    return nic_counters()
+
+
+def crossed_hosts(before: list, after: list, steps: int) -> dict | None:
+    """Bytes per step that left the hosts' NICs (kernel counters; every byte between hosts
+    leaves one NIC), all hosts together and the busiest host's more loaded direction."""
+    pairs = [(b, a) for b, a in zip(before, after) if b is not None and a is not None]
+    if not pairs:
+        return None
+    tx = [(a["tx_bytes"] - b["tx_bytes"]) / steps for b, a in pairs]
+    rx = [(a["rx_bytes"] - b["rx_bytes"]) / steps for b, a in pairs]
+    return {"nic_bytes_per_step": sum(tx), "nic_busiest_host_bytes_per_step":
+            max(max(t, r) for t, r in zip(tx, rx)), "nic_hosts": len(pairs)}
+
+
 def run_train(item: dict) -> dict:
     """Warm up until the optimizer's layout is final (hq's fallback measures, and may check in
     training steps, first; every rank settles at the same step) plus ``warmup`` steps, then time
     the steps (:func:`_measured_steps`). With ``paired``, a second model under Horovod's
     float32 DistributedOptimizer (the reference) steps beside it, alternating which goes first,
     so that load changes of a shared machine hit both; the row then carries the reference's
-    steps and the paired speedup."""
+    steps and the paired speedup. Unpaired, on emulated hosts, the hosts' NIC counters are read
+    around the measured steps, between barriers, so that nothing of the set-up is counted."""
     cfg = item["config"]
     run = _Trainer(item, cfg)
     ref = _Trainer(item, {"codec": "none"}, prefix="ref.") if item.get("paired") else None
@@ -336,35 +412,29 @@ def run_train(item: dict) -> dict:
         if settled_at is None and run.settled:
             settled_at = s
     steps, ref_steps = [], []
-    for i in range(_measured_steps(item, last)):
+    measured = _measured_steps(item, last)
+    barrier()
+    nic_before = host_nic_bytes()
+    barrier()  # every host read its counters before any step's traffic
+    for i in range(measured):
         if ref is not None and i % 2 == 0:
             ref_steps.append(ref.step()["step_s"])
         row = run.step()
         if ref is not None and i % 2 == 1:
             ref_steps.append(ref.step()["step_s"])
-        if run.horovod_path:
-            row.update(encode_s=0.0, exchange_s=row["sync_s"], decode_s=0.0,
-                       bytes_sent=nparams * (2 if cfg["codec"] == "fp16" else 4),
-                       bytes_raw=nparams * 4)
-        else:
-            st = run.opt.last_stats
-            check = run.opt.fallback_step_check
-            row["fallback_buckets"] = sum(d.fallback or (check is not None and check.fallback)
-                                          for d in run.opt.fallback_decisions)
-            row["step_check"] = None if check is None else {
-                "codec_step_s": check.codec_step_s, "fp32_step_s": check.fp32_step_s,
-                "fallback": check.fallback}
-            row.update(encode_s=st.encode_s, exchange_s=st.exchange_s, decode_s=st.decode_s,
-                       bytes_sent=st.bytes_sent, bytes_raw=st.bytes_raw)
+        run.exchange_stats(row, nparams, cfg["codec"])
         row["compute_s"] = row["step_s"] - row["encode_s"] - row["exchange_s"] - row["decode_s"]
         row["ref_step_s"] = ref_steps[-1] if ref_steps else None
         steps.append(row)
+    barrier()  # every step's traffic arrived
+    nic_after = host_nic_bytes()
     per_rank = gather_rows(steps)
+    nic = crossed_hosts(gather_rows(nic_before), gather_rows(nic_after), measured)
     keys = ("step_s", "fwd_bwd_s", "sync_s", "update_s", "encode_s", "exchange_s", "decode_s",
             "compute_s")
     rank_means = [{k: statistics.fmean(r[k] for r in pr) for k in keys} for pr in per_rank]
     slow = max(rank_means, key=lambda m: m["step_s"])
-    # both ranks step in lockstep: the slower rank's mean step sets the throughput
+    # the ranks step in lockstep: the slowest rank's mean step sets the throughput
     out = dict(slow)
     batch = item["batch"]
     out["samples_per_s"] = batch * hvd.size() / slow["step_s"]
@@ -378,6 +448,8 @@ def run_train(item: dict) -> dict:
         out["ref_step_all_s"] = slowest("ref_step_s")
         out["ref_samples_per_s"] = batch * hvd.size() * len(steps) / sum(out["ref_step_all_s"])
         out["paired_speedup"] = sum(out["ref_step_all_s"]) / sum(out["step_all_s"])
+    elif nic is not None:
+        out.update(nic)
     out["bytes_sent"] = steps[-1]["bytes_sent"]
     out["fallback_buckets"] = steps[-1].get("fallback_buckets", 0)
     out["step_check"] = steps[-1].get("step_check")
@@ -385,6 +457,8 @@ def run_train(item: dict) -> dict:
     out["bytes_raw"] = steps[-1]["bytes_raw"]
     out["model_params"] = nparams
     out["final_loss"] = float(run.loss.detach())
+    out["world"] = {"size": hvd.size(), "local_size": hvd.local_size(),
+                    "cross_size": hvd.cross_size()}
     return out
 
 
@@ -608,8 +682,6 @@ def run_transport(item: dict, emit) -> None:
 
 
 def main() -> None:
-    # cluster.py sends SIGUSR1 before it kills a stalled launch: every thread's stack to the log
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     ap = argparse.ArgumentParser()
     ap.add_argument("--plan", required=True)
     ap.add_argument("--out", required=True)

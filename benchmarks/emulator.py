@@ -44,9 +44,10 @@ Each rank's stdout and stderr go to files (:class:`LaunchResult`); ``PYTHONFAULT
 is set, so at the deadline every rank still running gets SIGABRT first (Python dumps every
 thread's stack to its stderr), then its process tree and everything left in the hosts'
 namespaces is killed. Everything created (namespaces with their links and processes,
-``/etc/netns`` entries, the temp dir) is removed on exit from the ``with`` block, also on an
-exception, SIGINT or SIGTERM; :func:`cleanup_leftovers` removes what killed runs left
-(names with the pid of a process that no longer runs), nothing else.
+``/etc/netns`` entries, the temp dir, Open MPI's session dirs of the hosts) is removed on exit
+from the ``with`` block, also on an exception, SIGINT, SIGTERM or SIGHUP;
+:func:`cleanup_leftovers` removes what killed runs left (names with the pid of a process that
+no longer runs), nothing else.
 
 Bytes between hosts: :meth:`EmulatedCluster.nic_bytes` reads every host's kernel counters
 (``/sys/class/net/eth0/statistics/{tx,rx}_bytes`` inside its namespace) from outside, for
@@ -69,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import ipaddress
 import json
 import os
@@ -298,6 +300,10 @@ class EmulatedCluster:
             if self.tmp:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 self.tmp = None
+            for host in self.hosts:  # Open MPI's session dirs, left by killed daemons
+                for path in glob.glob(os.path.join(tempfile.gettempdir(),
+                                                   f"ompi.{host.hostname}.*")):
+                    shutil.rmtree(path, ignore_errors=True)
         finally:
             for sig, handler in held.items():
                 signal.signal(sig, handler)
@@ -765,8 +771,9 @@ else:
 
 
 def cleanup_leftovers() -> list[str]:
-    """Remove namespaces, ``/etc/netns`` entries and temp dirs of earlier runs whose process
-    is gone (names ``hqem-<pid>-*``); returns what was removed."""
+    """Remove namespaces, ``/etc/netns`` entries, temp dirs and Open MPI session dirs of
+    earlier runs whose process is gone (names ``hqem-<pid>-*``, ``ompi.hqem<pid>h*``);
+    returns what was removed."""
     removed = []
     pat = re.compile(rf"^{PREFIX}-(\d+)-(?:sw|h\d+)$")
     names = [line.split()[0] for line in sh("ip", "netns", "list", check=False).stdout
@@ -783,7 +790,7 @@ def cleanup_leftovers() -> list[str]:
             if m and not pid_alive(int(m.group(1))):
                 shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
                 removed.append(f"dir /etc/netns/{name}")
-    tpat = re.compile(rf"^{PREFIX}-(\d+)-")
+    tpat = re.compile(rf"^(?:{PREFIX}-|ompi\.{PREFIX})(\d+)[-h]")
     tmp = tempfile.gettempdir()
     for name in os.listdir(tmp):
         m = tpat.match(name)
