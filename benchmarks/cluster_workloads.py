@@ -546,11 +546,16 @@ TRANSPORT_PIECES = 4
 
 
 def _torch_group(item: dict):
-    """A torch.distributed gloo group beside Horovod, on this rank's veth (``main`` names it in
-    GLOO_SOCKET_IFNAME), rendezvous at rank 0's address from the plan."""
+    """A torch.distributed gloo group beside Horovod, on this rank's veth (named in
+    GLOO_SOCKET_IFNAME, as a user of torch.distributed sets it to the cluster network's
+    interface), rendezvous at rank 0's address from the plan. The package's own transport
+    needs no such setting."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        ifaces = [i for i in os.listdir("/sys/class/net") if i != "lo"]
+        if len(ifaces) == 1:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", ifaces[0])
         dist.init_process_group("gloo", init_method=f"tcp://{item['rendezvous']}",
                                 rank=hvd.rank(), world_size=hvd.size())
     return dist
@@ -686,12 +691,6 @@ def main() -> None:
     ap.add_argument("--plan", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    # the veth is the namespace's only interface besides lo: gloo groups beside Horovod (the
-    # package's transport, the probe's torch.distributed group) bind to it, as a user sets
-    # GLOO_SOCKET_IFNAME to the cluster network's interface
-    ifaces = [i for i in os.listdir("/sys/class/net") if i != "lo"]
-    if len(ifaces) == 1:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifaces[0])
     hvd.init()
     torch.set_num_threads(1)
     with open(args.plan) as f:
