@@ -186,6 +186,16 @@ def _finish_pieces(pieces: list[_Running], out: Any) -> Any:
     return out
 
 
+def _interleave(pieces: list[_Running]) -> None:
+    """Run started pieces to their ends, resuming each in turn once its collective has
+    returned (piece k + 1 encodes while piece k is on the wire): a blocking round robin in a
+    fixed order, so the collectives are issued in the same order on every rank."""
+    while pieces:
+        for piece in pieces:
+            piece._resume()
+        pieces = [p for p in pieces if p.handle is not None]
+
+
 def issue(comm: Collectives, request: plans.Request, name: str, custom: Any = None) -> Handle:
     """Start ``request`` over ``comm`` under the collective name ``name`` (``custom``: the
     codec's custom collective, for :class:`~.plans.Custom` requests)."""
@@ -207,11 +217,15 @@ def custom_collective(codec: Codec, comm: Collectives) -> Any:
 
 
 class _OnWorker:
-    """A piece that runs on the hierarchy's worker thread from start to end; :meth:`finish`
-    waits for it and adds its bytes and seconds to the exchange's."""
+    """An exchange's pieces run on the hierarchy's worker thread, from their start to their
+    ends (:func:`_interleave`); :meth:`finish` waits for them and adds their bytes and seconds
+    to the exchange's."""
 
-    def __init__(self, future: Any, stats: ExchangeStats, into: ExchangeStats) -> None:
-        self._future, self._stats, self._into = future, stats, into
+    def __init__(self, worker: Any, pieces: list[tuple[plans.Plan, str]],
+                 routes: dict[str, tuple[Collectives, Any]], into: ExchangeStats) -> None:
+        self._stats, self._into = ExchangeStats(0), into
+        self._future = worker.submit(lambda: _interleave(
+            [_Running(plan, routes, name, self._stats) for plan, name in pieces]))
 
     def finish(self) -> Any:
         result = self._future.result()
@@ -333,21 +347,13 @@ class Exchange:
         rank, n = self.comm.rank, self.comm.size
 
         def start_pieces(norm: float | None) -> list[Any]:
-            pieces: list[Any] = []
-            for k, (lo, hi) in enumerate(bounds):
-                plan = plans.plan_of(kind)(plans.Piece(
-                    self.codec, x[lo:hi], plans.pipeline_seed(seed, k, len(bounds)), rank, n,
-                    norm, tag, out[lo:hi], name, self._place))
-                piece_name = plans.piece_name(name, k, len(bounds))
-                if on_worker:
-                    own = ExchangeStats(0)
-                    future = self.hierarchy.worker.submit(
-                        lambda plan=plan, piece_name=piece_name, own=own:
-                        _Running(plan, self._routes, piece_name, own).finish())
-                    pieces.append(_OnWorker(future, own, stats))
-                else:
-                    pieces.append(_Running(plan, self._routes, piece_name, stats))
-            return pieces
+            pieces = [(plans.plan_of(kind)(plans.Piece(
+                self.codec, x[lo:hi], plans.pipeline_seed(seed, k, len(bounds)), rank, n, norm,
+                tag, out[lo:hi], name, self._place)), plans.piece_name(name, k, len(bounds)))
+                for k, (lo, hi) in enumerate(bounds)]
+            if on_worker:
+                return [_OnWorker(self.hierarchy.worker, pieces, self._routes, stats)]
+            return [_Running(plan, self._routes, piece_name, stats) for plan, piece_name in pieces]
 
         if self.needs_norm and norm is None and not on_worker:
             exchange = _NormThenPieces(
