@@ -51,7 +51,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
-from ..doors import CompressionNamespace, CompressorSettings, ConfigCheck
+from ..doors import CompressionNamespace, CompressorSettings, ConfigCheck, mpi_exchange_config
 from ..exchange.driver import Exchange
 from ..exchange.wire import exchange_tag
 from ..core.base import Codec
@@ -156,6 +156,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._decompressing = False
         self._deferred: list[_Job] = []  # not started yet
         self._open: list[_Job] = []  # not finished yet
+
+    def shared_config(self) -> dict:
+        return {**super().shared_config(), **mpi_exchange_config(self.policy.codecs(self.codec))}
 
     def _finish_step(self) -> None:
         """Wait for the configuration check (the first time), build every exchange the policy

@@ -58,7 +58,7 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from ..doors import check_same_config, check_seed
+from ..doors import check_same_config, check_seed, mpi_exchange_config
 from ..exchange.driver import Exchange
 from ..exchange.fallback import (FALLBACK_STEP, BucketTrial, FallbackDecision, StepCheck,
                                  StepChecker, check_fallback, measure_and_decide,
@@ -66,7 +66,7 @@ from ..exchange.fallback import (FALLBACK_STEP, BucketTrial, FallbackDecision, S
 from ..core.registry import get_codec, horovod_equivalent
 from ..core.base import Codec
 from ..core.rng import derive_key
-from ..exchange.plans import DEFAULT_PIPELINE_ELEMS
+from ..exchange.plans import DEFAULT_PIPELINE_ELEMS, check_pipeline_elems
 from ..policy import LayerPolicy, describe
 from ..stats import StepStats
 from .collectives import HorovodTorchCollectives, as_array, as_tensor
@@ -147,7 +147,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self.policy = policy
         self.seed = check_seed(seed)
         self.gather = gather
-        self.pipeline_elems = pipeline_elems
+        self.pipeline_elems = check_pipeline_elems(pipeline_elems)
         self.on_step = on_step
         self.fallback = check_fallback(fallback)
         self.fallback_decisions: list[FallbackDecision] = []
@@ -236,11 +236,18 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         return (bucket.index, bucket.codec.config_key(), tuple(id(p) for p in bucket.params))
 
     def _check_layout(self) -> str:
-        """Every rank must agree on the codecs, policy and buckets; returns the check's prefix,
-        which names this optimizer's collectives."""
+        """Every rank must agree on everything that changes what goes on the wire (the codecs,
+        policy, seed, transport, pipeline, op and factors, sparse handling, fallback and the
+        buckets, which ``fusion_bytes`` and ``num_groups``/``groups`` form); returns the
+        check's prefix, which names this optimizer's collectives. ``backward_passes_per_step``
+        is not checked: it changes when a rank starts its exchanges, not which."""
+        codecs = self.policy.codecs(self.codec)
+        mpi = {} if self._transport == "gloo" else mpi_exchange_config(codecs)
         return check_same_config(self._comm, {
             "door": "optimizer", **self.codec.config(), "seed": self.seed,
-            "transport": self._transport,
+            "transport": self._transport, **mpi, "pipeline_elems": self.pipeline_elems,
+            "op": self.op, "gradient_predivide_factor": self.gradient_predivide_factor,
+            "sparse_as_dense": self.sparse_as_dense,
             "gather": self.gather, "policy": describe(self.policy),
             "fusion_bytes": self._fusion_bytes, "sparse": sorted(self._names[k] for k in self._sparse),
             "fallback": [self.fallback, sorted(self._names[k] for k in self._fallen_back)],
