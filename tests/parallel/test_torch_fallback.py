@@ -237,7 +237,7 @@ def test_clear_win_skips_the_step_check(monkeypatch):
     assert opt.fallback_settled
 
 
-STRAGGLE_S = 0.5
+STRAGGLE_S = 1.0  # far above an exchange of these buckets, even on loaded shared cores
 
 
 def test_a_rank_slow_before_forward_is_not_charged_to_the_codec(monkeypatch):
