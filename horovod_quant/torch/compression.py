@@ -16,14 +16,13 @@ rest), so exchanges are matched by name, as Horovod matches its own: the name th
 Horovod for the tensor (the parameter name in ``DistributedOptimizer``, grouped or not; the
 ``name=`` of ``hvd.allreduce``/``grouped_allreduce``), found by the tensor's identity in
 Horovod's call (:mod:`~horovod_quant.torch.horovod_calls`). Tensor ``key``'s u-th exchange (u
-from 0) uses seed ``derive_key(seed, u, name_key(key))`` and collective ``<check
-prefix>.<key>``. Unnamed
-tensors get the key ``#j``: the j-th compressed tensor of the step (a step is a run of
-``compress`` calls ended by the first ``decompress``). Every exchange also carries a tag of its
-key and shape; ranks whose tags differ (another shape under one name, unnamed tensors in
-another order) raise the same ValueError, so different tensors are never combined. The
-policy's name rules need the name: a compressor whose policy has rules warns once when a tensor
-comes without one.
+from 0) uses seed ``derive_key(seed, u, name_key(key))`` and collective
+``<check prefix>.<key>``. Unnamed tensors get the key ``#j``: the j-th compressed tensor of the
+step (a step is a run of ``compress`` calls ended by the first ``decompress``). Every exchange also
+carries a tag of its key and shape; ranks whose tags differ (another shape under one name,
+unnamed tensors in another order) raise the same ValueError, so different tensors are never
+combined. The policy's name rules need the name: a compressor whose policy has rules warns once
+when a tensor comes without one.
 
 Nothing that waits for a peer runs before the ranks' configurations are known to agree: the
 first step's exchanges start at its first ``decompress``, after the configuration check, and
