@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from .exchange.collectives import Collectives, Handle
 from .core import available_codecs, get_codec
 from .core.registry import codec_class
 from .core.base import Codec, check_int
+from .exchange.exponent_allreduce import mpi_exchange_enabled
 from .exchange.plans import check_gather
 from .env import env_seconds
 from .policy import LayerPolicy, describe
@@ -189,6 +190,15 @@ class CompressorSettings:
         """What must agree across ranks (see :class:`ConfigCheck`)."""
         return {"door": "compressor", **self.codec.config(), "seed": self.seed,
                 "gather": self.gather, "policy": describe(self.policy)}
+
+
+def mpi_exchange_config(codecs: Iterable[Codec]) -> dict:
+    """``HQ_MPI_EXCHANGE`` for the configuration check of an exchange over Horovod's
+    collectives, where it changes the wire: a codec with a custom combine runs the MPI
+    reduction when it is on, else the allgather plan (and the MPI set-up is collective)."""
+    if any(c.combine == "custom" for c in codecs):
+        return {"mpi_exchange": mpi_exchange_enabled()}
+    return {}
 
 
 def _initialized(size: Callable[[], int]) -> bool:

@@ -19,9 +19,10 @@ class LayerPolicy:
     Args:
         min_elements: tensors with fewer elements travel uncompressed.
         compress_1d: compress 1-D tensors (biases, norm scales) too.
-        rules: ``(regex, codec_or_None)`` pairs matched against the parameter name in order;
-            the first match wins (None = uncompressed). Only the optimizer door knows names;
-            the ``compression=`` door applies the size rules alone.
+        rules: ``(regex, codec_or_None)`` pairs matched in order against the name the user
+            gave the tensor (the parameter name, the ``name=`` of Horovod's allreduce); the
+            first match wins (None = uncompressed). A tensor without a name gets the size
+            rules alone.
     """
 
     min_elements: int = 1024

@@ -41,13 +41,18 @@ from ..core.payload import Payload
 from .collectives import Handle
 
 
+def mpi_exchange_enabled() -> bool:
+    """``HQ_MPI_EXCHANGE`` (default on): whether the Horovod doors may run the MPI reduction."""
+    return env_flag("HQ_MPI_EXCHANGE", default=True)
+
+
 def world_communicator(horovod_module: Any) -> Any | None:
     """A duplicate of MPI.COMM_WORLD when the custom MPI reduction may run, else None.
 
     Args:
         horovod_module: ``horovod.torch`` or ``horovod.tensorflow`` (already initialized).
     """
-    if not env_flag("HQ_MPI_EXCHANGE", default=True):
+    if not mpi_exchange_enabled():
         return None
     if not (horovod_module.mpi_enabled() and horovod_module.mpi_threads_supported()):
         return None

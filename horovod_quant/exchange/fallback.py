@@ -1,4 +1,4 @@
-"""Falling back to the framework's float32 allreduce where a codec does not pay (issue 16).
+"""Falling back to the framework's float32 allreduce where a codec does not pay.
 
 On a fast link a codec's own cost (encode, decode, its extra collectives) can exceed the wire
 time it saves: on an emulated 10 Gbit/s link Horovod's float32 allreduce moved 256 MB in
@@ -12,8 +12,9 @@ door decides, once, in two stages:
    codec that wins alone can lose inside a training step, where its encode and decode compete
    with backward for the cores (qsgd:4 on the emulated 10 Gbit/s cluster: 1.37x faster alone,
    0.90x in training). The next steps alternate between the trial's layout and the float32
-   allreduce carrying every bucket (:class:`StepChecker`); when the float32 steps were the
-   faster, every bucket falls back.
+   allreduce carrying every bucket (:class:`StepChecker`), each step's exchange timed on every
+   rank from its first gradient ready to the end of its exchange; when the float32 steps'
+   exchanges were the faster, every bucket falls back.
 
 This module is the framework-free part a door reuses: the argument's check, the timing of one
 bucket (:func:`measure_bucket`), the agreement of the ranks on the numbers, the rules
@@ -89,7 +90,7 @@ STEP_CHECK_ROUNDS = 5
 
 
 def clock() -> float:
-    """Seconds of a monotonic clock: what the step check times steps with."""
+    """Seconds of a monotonic clock: what the step check times exchanges with."""
     return time.perf_counter()
 
 
@@ -278,9 +279,9 @@ class StepCheck:
 
     Attributes:
         first_step: the first step of the check.
-        codec_step_s: seconds of the median step with the kept codecs (slowest rank).
-        fp32_step_s: seconds of the median step with the float32 allreduce carrying every
-            bucket (slowest rank).
+        codec_step_s: seconds of the median step's exchange with the kept codecs (the rank
+            that started it last, :meth:`StepChecker.decide`).
+        fp32_step_s: the same with the float32 allreduce carrying every bucket.
         steps: steps of each layout.
         fallback: True when the float32 allreduce carries every bucket from the next step on.
         margin: the rule's margin (:data:`FALLBACK_MARGIN`).
@@ -295,21 +296,25 @@ class StepCheck:
 
     def message(self) -> str:
         """The log line of the decision."""
-        return (f"horovod_quant: training steps took {self.codec_step_s * 1e3:.1f} ms with the "
-                f"codec, {self.fp32_step_s * 1e3:.1f} ms with the float32 allreduce (median "
+        return (f"horovod_quant: the exchanges of training steps took "
+                f"{self.codec_step_s * 1e3:.1f} ms with the codec, "
+                f"{self.fp32_step_s * 1e3:.1f} ms with the float32 allreduce (median "
                 f"of each, steps {self.first_step}-{self.first_step + 2 * self.steps - 1}): "
                 + _verdict(self.fallback, self.margin, "every bucket" if self.fallback
                            else "its buckets"))
 
 
 class StepChecker:
-    """The step check in progress: which layout each of its steps runs, and their times.
+    """The step check in progress: which layout each of its steps runs, and the times of their
+    exchanges.
 
     A door creates it at the end of the trial's step with the two layouts (whatever the door
     names a layout by: here the set of tensors the float32 allreduce carries), asks
-    :meth:`next_layout` for the layout of each following step, brackets each step with
-    :meth:`start` (once the step's layout is in place) and :meth:`stop` (at the step's end,
-    before anything else is done there), and calls :meth:`decide` once :attr:`complete`.
+    :meth:`next_layout` for the layout of each following step, brackets each step's exchange
+    with :meth:`start` (when the step's first gradient is ready to be sent: forward, data
+    loading and the wait for them stay out) and :meth:`stop` (once the step's exchanges have
+    all finished on this rank, before anything else is done there), and calls :meth:`decide`
+    once :attr:`complete`.
 
     Args:
         first_step: the step the check starts at.
@@ -337,11 +342,12 @@ class StepChecker:
         return self.layouts[self._fp32_steps[len(self.seconds)]]
 
     def start(self) -> None:
-        """A step of the check begins now."""
-        self._started = clock()
+        """The step's exchange begins now; later calls before :meth:`stop` change nothing."""
+        if self._started is None:
+            self._started = clock()
 
     def stop(self) -> None:
-        """The step begun by :meth:`start` ends now."""
+        """The exchange begun by :meth:`start` ends now."""
         if self._started is None:
             raise RuntimeError("StepChecker.stop() without start()")
         self.seconds.append(clock() - self._started)
@@ -349,9 +355,14 @@ class StepChecker:
 
     def decide(self, comm: Collectives, name: str,
                margin: float = FALLBACK_MARGIN) -> StepCheck:
-        """Agree on the steps' times (elementwise maximum over ranks: the slowest rank is what
-        a step waits for) and decide: the float32 layout wins unless the codec layout's median
-        step took at most ``margin`` times the float32 layout's. Collective.
+        """Agree on the steps' times and decide: the float32 layout wins unless the codec
+        layout's median step took at most ``margin`` times the float32 layout's. Collective.
+
+        A step's time is the shortest exchange over the ranks: the ranks finish an exchange
+        together, so the rank that started it last (the slowest to reach backward) waited
+        least for its peers and its time is the exchange's own, while another rank's time also
+        holds its wait for that rank (a rank slow in every other step would otherwise be
+        charged to the layout those steps run).
 
         Returns:
             The decision, the same on every rank; ``layouts[decision.fallback]`` is the layout
@@ -360,8 +371,9 @@ class StepChecker:
         if not self.complete:
             raise RuntimeError(f"the step check has timed {len(self.seconds)} of "
                                f"{len(self._fp32_steps)} steps")
-        agreed = np.asarray(comm.allreduce_async(np.array(self.seconds, np.float64), name,
-                                                 "max").wait()).reshape(-1)
+        # the minimum over ranks, as the maximum of the negated times
+        agreed = -np.asarray(comm.allreduce_async(-np.array(self.seconds, np.float64), name,
+                                                  "max").wait()).reshape(-1)
         codec_s = float(np.median([s for s, fp32 in zip(agreed, self._fp32_steps) if not fp32]))
         fp32_s = float(np.median([s for s, fp32 in zip(agreed, self._fp32_steps) if fp32]))
         return StepCheck(self.first_step, codec_s, fp32_s, self.rounds,

@@ -56,7 +56,7 @@ import numpy as np
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
-from ..doors import CompressionNamespace, CompressorSettings, ConfigCheck
+from ..doors import CompressionNamespace, CompressorSettings, ConfigCheck, mpi_exchange_config
 from ..exchange import plans, wire
 from ..exchange.driver import custom_collective
 from ..core.base import Codec
@@ -207,6 +207,10 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._flights: dict[tuple[int, str], tuple] = {}  # plans between callbacks, and when
         # their last callback ended
         self._lock = threading.Lock()
+
+    def shared_config(self) -> dict:
+        return {**super().shared_config(), "pipeline_elems": self.pipeline_elems,
+                **mpi_exchange_config(self.policy.codecs(self.codec))}
 
     # -- bookkeeping ---------------------------------------------------------------------------
     @property

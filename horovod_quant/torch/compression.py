@@ -12,15 +12,17 @@ placeholder with the user's op, pre/postscale factors and process set, which tel
 
 Which tensor is which. Ranks may compress their tensors in different orders (a layer used on
 some ranks only: Horovod zero-fills its gradient on the others in ``synchronize()``, after the
-rest), so exchanges are matched by name, as Horovod matches its own: the compressor reads the
-tensor's Horovod name where Horovod has one (the parameter name in ``DistributedOptimizer``,
-the ``name=`` of ``hvd.allreduce``/``grouped_allreduce``) from Horovod's own call (0.28.1 is
-its final release, so these call sites are fixed). Tensor ``key``'s u-th exchange (u from 0)
-uses seed ``derive_key(seed, u, name_key(key))`` and collective ``<check prefix>.<key>``. Unnamed
-tensors get the key ``#j``: the j-th compressed tensor of the step (a step is a run of
-``compress`` calls ended by the first ``decompress``). Every exchange also carries a tag of its
-key and shape; ranks whose tags differ (another shape under one name, unnamed tensors in
-another order) raise the same ValueError, so different tensors are never combined.
+rest), so exchanges are matched by name, as Horovod matches its own: the name the user gave
+Horovod for the tensor (the parameter name in ``DistributedOptimizer``, grouped or not; the
+``name=`` of ``hvd.allreduce``/``grouped_allreduce``), found by the tensor's identity in
+Horovod's call (:mod:`~horovod_quant.torch.horovod_calls`). Tensor ``key``'s u-th exchange (u
+from 0) uses seed ``derive_key(seed, u, name_key(key))`` and collective
+``<check prefix>.<key>``. Unnamed tensors get the key ``#j``: the j-th compressed tensor of the
+step (a step is a run of ``compress`` calls ended by the first ``decompress``). Every exchange also
+carries a tag of its key and shape; ranks whose tags differ (another shape under one name,
+unnamed tensors in another order) raise the same ValueError, so different tensors are never
+combined. The policy's name rules need the name: a compressor whose policy has rules warns once
+when a tensor comes without one.
 
 Nothing that waits for a peer runs before the ranks' configurations are known to agree: the
 first step's exchanges start at its first ``decompress``, after the configuration check, and
@@ -41,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import warnings
 from typing import Any, ContextManager
 
@@ -49,13 +50,14 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
-from ..doors import CompressionNamespace, CompressorSettings, ConfigCheck
+from ..doors import CompressionNamespace, CompressorSettings, ConfigCheck, mpi_exchange_config
 from ..exchange.driver import Exchange
 from ..exchange.wire import exchange_tag
 from ..core.base import Codec
 from ..core.rng import derive_key, name_key
 from ..policy import LayerPolicy
 from .collectives import as_array, as_tensor
+from .horovod_calls import horovod_call
 from .transport import collectives_for
 
 
@@ -69,6 +71,13 @@ def on_gpu(tensor: torch.Tensor) -> bool:
         return True
     _warn_host_copies()
     return False
+
+
+def _warn_unnamed(policy: LayerPolicy) -> None:
+    warnings.warn("horovod_quant: a tensor reached the compressor without a name, so the "
+                  f"LayerPolicy's name rules ({', '.join(p for p, _ in policy.rules)}) do not "
+                  "apply to it, only the size rules: pass name= to hvd.allreduce / "
+                  "grouped_allreduce", RuntimeWarning, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,34 +106,6 @@ def stream_of(tensor: torch.Tensor) -> ContextManager[None]:
     from .. import gpu
 
     return gpu.device_scope(tensor)
-
-
-def horovod_name(tensor: torch.Tensor) -> str | None:
-    """The name Horovod gives ``tensor`` in the call that is compressing it, or None.
-
-    Read from the calling frames of ``horovod.torch`` (0.28.1, the final release): the
-    parameter name in ``DistributedOptimizer`` (grouped or not), the ``name=`` of ``allreduce``,
-    and ``name[i]`` for the i-th tensor of ``grouped_allreduce``.
-    """
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None or not frame.f_globals.get("__name__", "").startswith("horovod.torch"):
-            return None
-        code, local = frame.f_code.co_name, frame.f_locals
-        if code == "_allreduce_grad_async":
-            return local.get("name")
-        parent = frame.f_back
-        if code == "<listcomp>" and parent is not None:
-            outer = parent.f_locals
-            if parent.f_code.co_name == "_grouped_allreduce_grad_async":
-                return outer["self"]._parameter_names.get(local.get("p"))
-            if parent.f_code.co_name == "grouped_allreduce" and outer.get("name") is not None:
-                index = next(i for i, t in enumerate(outer["tensors"]) if t is tensor)
-                return f"{outer['name']}[{index}]"
-        if code == "allreduce":
-            return local.get("name")
-        frame = parent
-    return None
 
 
 def horovod_dtype(codec: Codec | None, tensor: torch.Tensor) -> torch.dtype | None:
@@ -170,9 +151,13 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._exchanges: dict[str, Exchange] = {}
         self._uses: dict[str, int] = {}
         self._unnamed = 0
+        self._warned_unnamed = False
         self._decompressing = False
         self._deferred: list[_Job] = []  # not started yet
         self._open: list[_Job] = []  # not finished yet
+
+    def shared_config(self) -> dict:
+        return {**super().shared_config(), **mpi_exchange_config(self.policy.codecs(self.codec))}
 
     def _finish_step(self) -> None:
         """Wait for the configuration check (the first time), build every exchange the policy
@@ -197,7 +182,11 @@ class QuantizedCompressor(CompressorSettings, Compressor):
                 job.pending.wait()
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        name = horovod_name(tensor)
+        call = horovod_call()
+        name = call.name(tensor) if call is not None else None
+        if name is None and self.policy.rules and not self._warned_unnamed:
+            self._warned_unnamed = True
+            _warn_unnamed(self.policy)
         codec = None
         if tensor.dtype.is_floating_point and not tensor.is_sparse:
             codec = self.policy.codec_for(self.codec, tensor.shape, name)

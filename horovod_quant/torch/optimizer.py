@@ -38,8 +38,10 @@ parameters carried by Horovod's allreduce (float32, the configured ``op``) from 
 on, like a sparse parameter, with one warning in the ``horovod_quant`` log (rank 0). When a kept
 codec won by less than 2x, the next steps check the choice inside training (2 x
 :data:`~horovod_quant.exchange.fallback.STEP_CHECK_ROUNDS` steps alternating between that
-layout and every bucket on the allreduce; the whole steps are timed) and every bucket falls
-back when the allreduce's steps were the faster. ``opt.fallback_decisions`` holds every
+layout and every bucket on the allreduce; each step is timed from its first gradient ready to
+the end of ``synchronize()``, and the ranks take the shortest of their times:
+:meth:`~horovod_quant.exchange.fallback.StepChecker.decide`) and every bucket falls back when
+the allreduce's steps were the faster. ``opt.fallback_decisions`` holds every
 bucket's trial, ``opt.fallback_step_check`` the step check (None when none ran), and
 ``opt.fallback_settled`` says whether the layout is final.
 
@@ -56,7 +58,7 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from ..doors import check_same_config, check_seed
+from ..doors import check_same_config, check_seed, mpi_exchange_config
 from ..exchange.driver import Exchange
 from ..exchange.fallback import (FALLBACK_STEP, BucketTrial, FallbackDecision, StepCheck,
                                  StepChecker, check_fallback, measure_and_decide,
@@ -64,7 +66,7 @@ from ..exchange.fallback import (FALLBACK_STEP, BucketTrial, FallbackDecision, S
 from ..core.registry import get_codec, horovod_equivalent
 from ..core.base import Codec
 from ..core.rng import derive_key
-from ..exchange.plans import DEFAULT_PIPELINE_ELEMS
+from ..exchange.plans import DEFAULT_PIPELINE_ELEMS, check_pipeline_elems
 from ..policy import LayerPolicy, describe
 from ..stats import StepStats
 from .collectives import HorovodTorchCollectives, as_array, as_tensor
@@ -145,7 +147,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self.policy = policy
         self.seed = check_seed(seed)
         self.gather = gather
-        self.pipeline_elems = pipeline_elems
+        self.pipeline_elems = check_pipeline_elems(pipeline_elems)
         self.on_step = on_step
         self.fallback = check_fallback(fallback)
         self.fallback_decisions: list[FallbackDecision] = []
@@ -237,11 +239,18 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         return (bucket.index, bucket.codec.config_key(), tuple(id(p) for p in bucket.params))
 
     def _check_layout(self) -> str:
-        """Every rank must agree on the codecs, policy and buckets; returns the check's prefix,
-        which names this optimizer's collectives."""
+        """Every rank must agree on everything that changes what goes on the wire (the codecs,
+        policy, seed, transport, pipeline, op and factors, sparse handling, fallback and the
+        buckets, which ``fusion_bytes`` and ``num_groups``/``groups`` form); returns the
+        check's prefix, which names this optimizer's collectives. ``backward_passes_per_step``
+        is not checked: it changes when a rank starts its exchanges, not which."""
+        codecs = self.policy.codecs(self.codec)
+        mpi = {} if self._transport == "gloo" else mpi_exchange_config(codecs)
         return check_same_config(self._comm, {
             "door": "optimizer", **self.codec.config(), "seed": self.seed,
-            "transport": self._transport,
+            "transport": self._transport, **mpi, "pipeline_elems": self.pipeline_elems,
+            "op": self.op, "gradient_predivide_factor": self.gradient_predivide_factor,
+            "sparse_as_dense": self.sparse_as_dense,
             "gather": self.gather, "policy": describe(self.policy),
             "fusion_bytes": self._fusion_bytes, "sparse": sorted(self._names[k] for k in self._sparse),
             "fallback": [self.fallback, sorted(self._names[k] for k in self._fallen_back)],
@@ -284,6 +293,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                                      "accumulate gradients locally.")
             self._delay[key] -= 1
             if self._delay[key] == 0:
+                if self._step_checker is not None:  # the step's exchange starts here
+                    self._step_checker.start()
                 self._hooked.add(key)
                 self._ready(p)
                 self._advance_buckets()
@@ -407,6 +418,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         if self._comm.size == 1:
             self._finish_step()
             return
+        if self._step_checker is not None:  # a step without gradients: its exchange starts now
+            self._step_checker.start()
         for p in [p for b in self._buckets for p in b.params] + self._raw:
             if id(p) not in self._hooked:  # no gradient this step (unused parameter)
                 self._hooked.add(id(p))
@@ -447,8 +460,6 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         if relayout:  # sparse and fallen-back parameters leave their buckets; the ranks check again
             self._layout()
             self._check_layout()
-        if self._step_checker is not None:  # the next step, in its layout, is timed from here
-            self._step_checker.start()
         self._finish_step()
 
     @property
@@ -461,8 +472,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
     def _fallback_at_step_end(self) -> bool:
         """The fallback's work at the end of a step: the isolated trial at step
         :data:`~horovod_quant.exchange.fallback.FALLBACK_STEP`, then, when a kept codec won it
-        narrowly, the step check: time this step, set the next step's layout, decide once
-        every step of the check ran. Returns whether the layout changes."""
+        narrowly, the step check: end the timing of this step's exchange, set the next step's
+        layout, decide once every step of the check ran. Returns whether the layout changes."""
         checker = self._step_checker
         if checker is not None:
             checker.stop()
@@ -609,9 +620,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             median of 3-15 runs each) and let Horovod's allreduce carry, from the next step
             on, the buckets whose codec did not save 5% and 2 ms, with one warning per bucket
             in the ``horovod_quant`` log; when a kept codec won by less than 2x, check in the
-            next 10 training steps (alternating: the codec, then every bucket on the allreduce)
-            and let the allreduce carry every bucket if its steps were the faster (one
-            warning).
+            next 10 training steps (alternating: the codec, then every bucket on the allreduce;
+            each step's exchange timed from its first gradient ready to the end of
+            ``synchronize()``) and let the allreduce carry every bucket if its exchanges were
+            the faster (one warning).
             "never": always the codec (no measurement). A one-rank world never measures.
 
     Returns:

@@ -15,7 +15,7 @@ from horovod_quant.doors import CHECKS, ConfigCheck
 from horovod_quant.core.rng import derive_key, name_key
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 
-from conftest import codec_params
+from conftest import codec_params, rank_gradients
 
 MULTI = pytest.mark.usefixtures("several_ranks")
 EVERYTHING = hqt.LayerPolicy.everything()
@@ -216,10 +216,17 @@ def _rank_grads(model):
     return out
 
 
+#: how Horovod's optimizer groups the gradients it hands the compressor (the grouped ones reach
+#: compress from a list comprehension, which Python 3.12 inlines)
+GROUPINGS = {"none": lambda model: {}, "num_groups": lambda model: {"num_groups": 2},
+             "groups": lambda model: {"groups": [[model[2].weight, model[0].bias],
+                                                 [model[0].weight, model[2].bias]]}}
+
+
 @MULTI
 @pytest.mark.parametrize("rule_as", ["codec", "compression"])
-@pytest.mark.parametrize("door", ["horovod", "quant"])
-def test_rules_choose_the_codec_per_layer(door, rule_as):
+@pytest.mark.parametrize("door,grouping", [("horovod", g) for g in GROUPINGS] + [("quant", "none")])
+def test_rules_choose_the_codec_per_layer(door, grouping, rule_as):
     eight = hq.get_codec("qsgd", bits=8) if rule_as == "codec" else hqt.Compression.qsgd(bits=8)
     policy = hqt.LayerPolicy(rules=[(r"^2\.weight", eight), (r"^0\.bias", None)],
                              compress_1d=True, min_elements=0)
@@ -230,7 +237,7 @@ def test_rules_choose_the_codec_per_layer(door, rule_as):
     comp = hqt.Compression.qsgd(bits=4, seed=6, policy=policy)
     if door == "horovod":
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                       compression=comp)
+                                       compression=comp, **GROUPINGS[grouping](model))
     else:
         opt = hqt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                        compression=comp, fusion_bytes=1)
@@ -257,6 +264,26 @@ def test_rules_choose_the_codec_per_layer(door, rule_as):
                                atol=1e-7)
     for p in model.parameters():
         assert _same_everywhere(p.grad)
+
+
+@MULTI
+def test_rules_apply_to_grouped_allreduce_names():
+    """``hvd.grouped_allreduce(name="grads")`` names its i-th tensor ``grads[i]``; a tensor
+    without a name gets the size rules alone, and the compressor says so once."""
+    shapes = [(40, 50), (40, 50)]
+    policy = hqt.LayerPolicy(rules=[(r"^grads\[1\]$", None)], min_elements=0)
+    comp = hqt.Compression.qsgd(bits=4, seed=6, policy=policy)
+    per_rank = [rank_gradients(shapes, 0, r) for r in range(hvd.size())]
+    got = hvd.grouped_allreduce([torch.from_numpy(g) for g in per_rank[hvd.rank()]],
+                                name="grads", compression=comp)
+    want, _ = hq.mean_estimate(hq.get_codec("qsgd", bits=4), [g[0].reshape(-1) for g in per_rank],
+                               seed=derive_key(6, 0, name_key("grads[0]")))
+    assert np.array_equal(got[0].reshape(-1).numpy(), want)
+    np.testing.assert_allclose(got[1].numpy(), np.mean([g[1] for g in per_rank], axis=0),
+                               rtol=1e-6, atol=1e-7)  # its rule: Horovod's float average
+    with pytest.warns(RuntimeWarning, match=r"without a name.*\^grads"):
+        unnamed = hvd.allreduce(torch.from_numpy(per_rank[hvd.rank()][1]), compression=comp)
+    assert not np.allclose(unnamed.numpy(), got[1].numpy(), rtol=1e-6, atol=1e-7)  # quantized
 
 
 @MULTI

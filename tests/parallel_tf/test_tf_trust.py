@@ -242,6 +242,42 @@ def test_different_codecs_on_different_ranks_raise_on_every_rank():
         _tape_fn(comp, vs)(rank_gradients(shapes, 0, hvd.rank()))
 
 
+#: every setting of a TensorFlow compressor that changes what goes on the wire -> its
+#: arguments when this rank differs (True) or not
+SETTINGS = {
+    "codec params": lambda d: {"bits": 8 if d else 4},
+    "seed": lambda d: {"seed": 2 if d else 1},
+    "gather": lambda d: {"gather": "sra" if d else "allgather"},
+    # another policy that compresses the same tensor
+    "policy": lambda d: {"policy": hqtf.LayerPolicy(min_elements=1, compress_1d=True) if d
+                         else EVERYTHING},
+    "pipeline_elems": lambda d: {"pipeline_elems": 100 if d else None},
+    "HQ_MPI_EXCHANGE": lambda d: {"name": "global_qsgd"},  # its MPI exponent allreduce
+}
+
+
+@pytest.mark.usefixtures("several_ranks")
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_setting_that_differs_raises_on_every_rank(setting, monkeypatch):
+    """Rank 1 differs in one setting: every rank raises the same ValueError, before any
+    exchange."""
+    differs = hvd.rank() == 1
+    if setting == "HQ_MPI_EXCHANGE" and differs:
+        monkeypatch.setenv("HQ_MPI_EXCHANGE", "0")
+    kw = {"policy": EVERYTHING, **SETTINGS[setting](differs)}
+    if "pipeline_elems" in kw:  # an argument of the compressor class, not of Compression.<codec>
+        comp = hqtf.QuantizedCompressor(hq.get_codec("qsgd"), **kw)
+    else:
+        comp, _ = _compressor(kw.pop("name", "qsgd"), **kw)
+    shapes = [(20, 30)]
+    vs = [tf.Variable(tf.zeros(shapes[0]), name="hq_trust_setting")]
+    with pytest.raises(ValueError, match="differs between ranks") as excinfo:
+        _tape_fn(comp, vs)(rank_gradients(shapes, 0, hvd.rank()))
+    assert comp.calls == 0
+    messages = _comm().allgather_object(str(excinfo.value), "hq.test.tf.setting")
+    assert messages == [str(excinfo.value)] * hvd.size()
+
+
 # -- integer and boolean tensors ---------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [tf.int32, tf.int64])
 @pytest.mark.parametrize("mode", ["eager", "function"])

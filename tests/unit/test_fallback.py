@@ -213,10 +213,11 @@ class _Local:
         return Done()
 
 
-def test_step_check_ranks_agree_on_the_slowest(monkeypatch):
-    # rank 0's steps alone favour the codec, rank 1's the allreduce; the max over ranks of
-    # each step: codec steps 0.6/0.6/0.6, fp32 steps 0.5/0.5/0.5 -> every bucket falls back
-    per_rank = [[0.6, 0.5, 0.3, 0.5, 0.3, 0.5], [0.3, 0.4, 0.6, 0.4, 0.6, 0.4]]
+def test_step_check_ranks_agree_on_the_rank_that_started_last(monkeypatch):
+    """Each step counts the shortest of the ranks' exchange times: rank 1 reached the codec
+    steps late (rank 0 waited for it: 0.6 s), so its times are the exchanges' own. The slowest
+    rank's times (codec 0.6, fp32 0.5) would drop the codec."""
+    per_rank = [[0.6, 0.5, 0.6, 0.5, 0.6, 0.5], [0.3, 0.5, 0.3, 0.5, 0.3, 0.5]]
 
     def rank(comm):
         checker = StepChecker(2, "codec", "fp32", rounds=3)
@@ -225,7 +226,22 @@ def test_step_check_ranks_agree_on_the_slowest(monkeypatch):
         return checker.decide(comm, "fb.steps")
     checks = run_ranks(2, rank)
     assert checks[0] == checks[1]
-    assert checks[0].fallback and checks[0].codec_step_s == 0.6 and checks[0].fp32_step_s == 0.5
+    assert not checks[0].fallback
+    assert (checks[0].codec_step_s, checks[0].fp32_step_s) == (0.3, 0.5)
+
+
+def test_step_checker_times_from_the_first_start(monkeypatch):
+    """start() marks the step's first gradient ready; later calls of the step (the other
+    gradients' hooks, synchronize()) do not move it."""
+    now = [0.0]
+    monkeypatch.setattr(fallback, "clock", lambda: now[0])
+    checker = StepChecker(2, "codec", "fp32", rounds=1)
+    for start, stop in ((1.0, 1.5), (3.0, 3.2)):
+        for now[0] in (start, start + 0.1, start + 0.3):
+            checker.start()
+        now[0] = stop
+        checker.stop()
+    assert checker.seconds == pytest.approx([0.5, 0.2])
 
 
 def test_step_checker_misuse_is_an_error():
