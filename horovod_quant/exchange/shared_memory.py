@@ -13,6 +13,8 @@ rank shares (:attr:`pairs_by_order`).
 """
 from __future__ import annotations
 
+import atexit
+import logging
 import mmap
 import os
 import secrets
@@ -22,6 +24,8 @@ import numpy as np
 
 from .collectives import Collectives, Handle
 
+log = logging.getLogger("horovod_quant")
+
 #: where the regions live
 SHM_DIR = "/dev/shm"
 
@@ -30,11 +34,18 @@ class _Region:
     """One rank's region of one slot: a file in :data:`SHM_DIR` mapped into memory."""
 
     def __init__(self, path: str, nbytes: int, create: bool) -> None:
+        """``nbytes``: the size of a region to create; a region opened takes its file's."""
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
-            if create:
-                os.ftruncate(fd, nbytes)
+            if create:  # allocated now: a full SHM_DIR fails here, not with SIGBUS later
+                os.posix_fallocate(fd, 0, nbytes)
+            else:
+                nbytes = os.fstat(fd).st_size
             self.map = mmap.mmap(fd, nbytes)
+        except OSError:
+            if create:
+                os.unlink(path)
+            raise
         finally:
             os.close(fd)
         self.path, self.nbytes = path, nbytes
@@ -60,10 +71,11 @@ class SharedMemoryCollectives(Collectives):
 
     Args:
         control: the collectives of the same ranks, in the same rank order, for the small
-            announcements (pairing by call order or by name: each call names its own).
+            announcements (the only synchronization, module doc).
 
-    Construction is collective (the ranks agree on a name for their regions). Where
-    :data:`SHM_DIR` cannot hold a region, :meth:`works` is False on every rank.
+    Construction is collective (the ranks agree on a name for their regions). A region's file
+    is unlinked two calls after its creation, when every rank has mapped it, and at exit, so
+    a job leaves nothing in :data:`SHM_DIR` unless it is killed within those two calls.
     """
 
     pairs_by_order = True
@@ -72,16 +84,18 @@ class SharedMemoryCollectives(Collectives):
         self.control = control
         self.rank, self.size, self.group_id = control.rank, control.size, f"shm:{control.group_id}"
         token = secrets.token_hex(6) if control.rank == 0 else None
-        self._prefix = os.path.join(
-            SHM_DIR, f"hq-{control.allgather_object(token, 'hq.shm.token')[0]}-{os.getpid()}")
+        self._prefix = os.path.join(SHM_DIR, "hq-" + control.allgather_object(
+            token, "hq.shm.token")[0])
         self._calls = 0
         self._own: list[_Region | None] = [None, None]  # this rank's region of each slot
         self._generation = [0, 0]
         self._peers: dict[tuple[int, int], _Region] = {}  # (rank, slot) -> mapped region
-        self._unlink: list[str] = []  # own files every peer has mapped by the next call
+        self._linked: list[tuple[str, int]] = []  # own files not unlinked yet, call created
+        self._warned = False
+        atexit.register(self._unlink, None)
 
     def works(self) -> bool:
-        """Whether every rank can write a region here (one small test call). Collective."""
+        """Whether every rank can share a region here (one small call). Collective."""
         try:
             ok = bool(self._call(np.arange(64, dtype=np.uint8), None).wait().size)
         except OSError:
@@ -97,77 +111,91 @@ class SharedMemoryCollectives(Collectives):
     def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
         return self.control.allreduce_async(arr, name, op)
 
-    def _write(self, slot: int, data: np.ndarray) -> int:
-        """``data`` into this rank's region of ``slot`` (a larger one when it does not fit);
-        returns the region's generation."""
+    def _path(self, rank: int, slot: int, generation: int) -> str:
+        return f"{self._prefix}-r{rank}-s{slot}-g{generation}"
+
+    def _unlink(self, before: int | None) -> None:
+        """Unlink this rank's files created before call ``before`` (None: all of them)."""
+        keep = []
+        for path, created in self._linked:
+            if before is None or created < before:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            else:
+                keep.append((path, created))
+        self._linked = keep
+
+    def _write(self, call: int, data: np.ndarray) -> int:
+        """``data`` into this rank's region of the call's slot (a new, larger one when it does
+        not fit); returns the region's generation."""
+        slot = call % 2
         region = self._own[slot]
         if region is None or region.nbytes < data.size:
-            if region is not None:
-                self._unlink.append(region.path)
             self._generation[slot] += 1
             size = max(data.size, 2 * (region.nbytes if region else 0), 1 << 16)
-            region = self._own[slot] = _Region(self._path(self.rank, slot), size, create=True)
+            path = self._path(self.rank, slot, self._generation[slot])
+            region = self._own[slot] = _Region(path, size, create=True)
+            self._linked.append((path, call))
         region.bytes[:data.size] = data
         return self._generation[slot]
-
-    def _path(self, rank: int, slot: int, generation: int | None = None) -> str:
-        gen = self._generation[slot] if generation is None else generation
-        return f"{self._prefix}-{self.control.group_id}-r{rank}-s{slot}-g{gen}"
-
-    def _call(self, arr: Any, splits: list[int] | None) -> Handle:
-        call = self._calls
-        self._calls += 1
-        data = np.ascontiguousarray(arr).reshape(-1)
-
-        def run() -> Any:
-            slot = call % 2
-            for path in self._unlink:  # mapped by every peer at the last call, or never used
-                os.unlink(path)
-            self._unlink = []
-            generation = self._write(slot, data.view(np.uint8))
-            announced = self.control.allgather_async(
-                np.array([generation, data.nbytes], np.int64), f"hq.shm.{call}").wait()
-            announced = np.asarray(announced).reshape(self.size, 2)
-            itemsize = data.dtype.itemsize
-            parts = []
-            for rank, (gen, nbytes) in enumerate(announced.tolist()):
-                view = self._view(rank, slot, gen, nbytes)
-                if splits is None:
-                    parts.append(view)
-                else:  # the part rank ``rank`` sends to this rank, at the same offset
-                    counts = self.control_splits(announced, rank, splits, itemsize)
-                    lo = sum(counts[:self.rank])
-                    parts.append(view[lo:lo + counts[self.rank]])
-            out = np.concatenate(parts).view(data.dtype)
-            if splits is None:
-                return out
-            return out, [p.size // itemsize for p in parts]
-
-        return _Call(run)
-
-    def control_splits(self, announced: np.ndarray, rank: int, splits: list[int],
-                       itemsize: int) -> list[int]:
-        """The byte counts rank ``rank`` sends to each rank: the same split sizes as this
-        rank's where it sends as many bytes (every rank of a hierarchical exchange does)."""
-        if int(announced[rank][1]) != sum(splits) * itemsize:
-            raise ValueError(f"shared memory alltoall: rank {rank} sends "
-                             f"{int(announced[rank][1])} bytes where this rank sends "
-                             f"{sum(splits) * itemsize}: the ranks' splits differ")
-        return [s * itemsize for s in splits]
 
     def _view(self, rank: int, slot: int, generation: int, nbytes: int) -> np.ndarray:
         """Bytes ``[0, nbytes)`` of rank ``rank``'s region of ``slot`` (mapped once per
         generation)."""
         if rank == self.rank:
             return self._own[slot].bytes[:nbytes]
+        path = self._path(rank, slot, generation)
         region = self._peers.get((rank, slot))
-        if region is None or region.path != self._path(rank, slot, generation):
-            region = _Region(self._path(rank, slot, generation), 0, create=False) \
-                if False else _open(self._path(rank, slot, generation))
-            self._peers[rank, slot] = region
+        if region is None or region.path != path:
+            region = self._peers[rank, slot] = _Region(path, 0, create=False)
         return region.bytes[:nbytes]
 
+    def _call(self, arr: Any, splits: list[int] | None) -> Handle:
+        call = self._calls
+        self._calls += 1
+        data = np.ascontiguousarray(arr).reshape(-1)
+        itemsize = data.dtype.itemsize
 
-def _open(path: str) -> _Region:
-    size = os.stat(path).st_size
-    return _Region(path, size, create=False)
+        def run() -> Any:
+            self._unlink(before=call - 1)  # every rank has mapped those (module doc)
+            try:
+                generation = self._write(call, data.view(np.uint8))
+            except OSError as exc:  # SHM_DIR full: this call goes through ``control``
+                generation = -1
+                if not self._warned:
+                    self._warned = True
+                    log.warning("horovod_quant: %s has no room for %d bytes (%s); the ranks "
+                                "of this host exchange through sockets where it does not "
+                                "fit (docker run --shm-size raises the room)", SHM_DIR,
+                                data.nbytes, exc)
+            announced = np.asarray(self.control.allgather_async(
+                np.array([generation, data.nbytes], np.int64), f"hq.shm.{call}").wait())
+            announced = announced.reshape(self.size, 2).tolist()
+            if any(gen < 0 for gen, _ in announced):  # every rank sees it: all take the socket
+                if splits is None:
+                    return self.control.allgather_async(data, f"hq.shm.{call}.data").wait()
+                return self.control.alltoall_async(data, splits, f"hq.shm.{call}.data").wait()
+            if splits is not None and any(nbytes != data.nbytes for _, nbytes in announced):
+                raise ValueError("shared memory alltoall: the ranks send "
+                                 f"{[nbytes for _, nbytes in announced]} bytes; every rank "
+                                 "of a host must split the same byte count alike")
+            parts = [self._view(r, call % 2, gen, nbytes)
+                     for r, (gen, nbytes) in enumerate(announced)]
+            if splits is not None:  # the part each rank sends to this rank
+                lo = sum(splits[:self.rank]) * itemsize
+                hi = lo + splits[self.rank] * itemsize
+                parts = [part[lo:hi] for part in parts]
+            out = np.concatenate(parts).view(data.dtype)
+            return out if splits is None else (out, [p.size // itemsize for p in parts])
+
+        return _Call(run)
+
+
+def host_collectives(control: Collectives) -> Collectives:
+    """The collectives a host's ranks exchange host-memory float32 shards with: shared memory
+    where every rank of the host can map a region, else ``control`` itself. Collective over
+    ``control``'s ranks."""
+    shared = SharedMemoryCollectives(control)
+    return shared if shared.works() else control

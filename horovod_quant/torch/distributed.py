@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from .. import gpu
 from ..exchange.collectives import Collectives, Handle
+from ..exchange.shared_memory import host_collectives
 from ..exchange.staging import HostStaged
 from ..exchange.topology import Hierarchy, SerialWorker, Topology
 from .collectives import as_array, as_tensor
@@ -338,6 +339,8 @@ def hierarchy_of(comm: ProcessGroupCollectives, topology: Topology) -> Hierarchy
             [comm._ranks[r] for r in ranks], use_local_synchronization=True,
             sort_ranks=False)) for ranks in (topology.local_group(comm.rank),
                                              topology.cross_group(comm.rank)))
+        if local.device.type == "cpu":  # NCCL moves device shards itself
+            local = host_collectives(local)
         _hierarchies[comm.group_id] = Hierarchy(topology, local, cross,
                                                 SerialWorker(f"hq.hierarchy.{comm.group_id}"))
     return _hierarchies[comm.group_id]

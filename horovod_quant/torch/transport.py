@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .. import gpu
 from ..env import env_choice
 from ..exchange.collectives import Collectives
+from ..exchange.shared_memory import host_collectives
 from ..exchange.staging import HostStaged
 from ..exchange.topology import Hierarchy, SerialWorker, Topology
 from . import addresses
@@ -181,7 +182,7 @@ def gloo_group_beside_horovod(comm: Collectives,
         g.group.set_timeout(OPERATION_TIMEOUT)
     world = groups[0]
     if len(groups) == 3:
-        world.hierarchy = Hierarchy(topology, groups[1], groups[2],
+        world.hierarchy = Hierarchy(topology, host_collectives(groups[1]), groups[2],
                                     SerialWorker(f"hq.hierarchy.{comm.group_id}"))
     return world
 

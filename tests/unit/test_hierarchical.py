@@ -5,6 +5,10 @@ reference (host means, then one exchange per shard between the hosts), the Excha
 threaded ranks with sub-groups against mean_estimate bit for bit, its statistics (unbiased;
 the variance of one quantization per host), the cost model's choices and bytes, and
 mismatched host shards."""
+import glob
+import os
+import threading
+
 import numpy as np
 import pytest
 
@@ -13,6 +17,7 @@ from horovod_quant.core.exp_reduce import chunk_bounds
 from horovod_quant.core.registry import codec_class
 from horovod_quant.exchange import Exchange, plans
 from horovod_quant.exchange.cost import flat_cost, plan_cost
+from horovod_quant.exchange.shared_memory import SharedMemoryCollectives
 from horovod_quant.exchange.topology import Topology
 
 from threaded_comm import run_ranks
@@ -181,3 +186,59 @@ def test_a_rank_with_another_tensor_on_its_host_fails_its_host():
 
     results = run_ranks(4, rank_fn, asynchronous=True, topology=topology)
     assert all("different tensors" in r for r in results[:2]), results
+
+
+def _shared(n, fn):
+    """``fn(collectives)`` on n threaded ranks sharing memory, the threaded world their
+    control group."""
+    return run_ranks(n, lambda comm: fn(SharedMemoryCollectives(comm)), asynchronous=True)
+
+
+def test_shared_memory_collectives_equal_the_socket_ones():
+    """allgather and alltoall through shared memory give what the control group's own
+    collectives give, for lengths that differ by rank and grow (new regions), over many calls;
+    a rank never holds more than its two regions' files, and none at exit."""
+
+    def rank_fn(shm):
+        r, files = shm.rank, []
+        for call, size in enumerate([10, 10, 5000, 3, 200_000, 7, 200_001, 0, 12]):
+            arr = (np.arange(size + r) * (r + 1) + call).astype(np.float32)
+            got = shm.allgather_async(arr, "x").wait()
+            want = np.concatenate([(np.arange(size + q) * (q + 1) + call).astype(np.float32)
+                                   for q in range(shm.size)])
+            assert np.array_equal(got, want), (call, size)
+            splits = [size // 3, size // 3, size - 2 * (size // 3)]
+            payload = (np.arange(size) + 1000 * r).astype(np.int64)
+            got, counts = shm.alltoall_async(payload, splits, "y").wait()
+            lo = sum(splits[:r])
+            want = [(np.arange(size) + 1000 * q)[lo:lo + splits[r]] for q in range(shm.size)]
+            assert np.array_equal(got, np.concatenate(want)) and counts == [splits[r]] * 3
+            files.append(len(glob.glob(f"{shm._prefix}-r{r}-*")))
+        shm._unlink(None)  # what exit does
+        return files, glob.glob(f"{shm._prefix}-r{r}-*")
+
+    for files, left in _shared(3, rank_fn):
+        assert max(files) <= 2 and not left, (files, left)
+
+
+def test_shared_memory_full_falls_back_to_sockets_on_every_rank(monkeypatch):
+    """A rank whose region cannot be allocated (/dev/shm full) announces it: that call goes
+    through the control group on every rank, with the same result."""
+    real, rank_of = os.posix_fallocate, threading.local()
+
+    def fallocate(fd, offset, size):
+        if size > 100_000 and getattr(rank_of, "rank", None) == 1:
+            raise OSError(28, "No space left on device")
+        return real(fd, offset, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+
+    def rank_fn(shm):
+        rank_of.rank = shm.rank
+        small = shm.allgather_async(np.full(10, shm.rank, np.int32), "s").wait()
+        big = shm.allgather_async(np.full(100_000, shm.rank, np.int32), "b").wait()
+        return small, big
+
+    for small, big in _shared(2, rank_fn):
+        assert np.array_equal(small, np.repeat([0, 1], 10))
+        assert np.array_equal(big, np.repeat([0, 1], 100_000))
