@@ -76,6 +76,14 @@ def decode_objects(gathered: np.ndarray, count: int) -> list[Any]:
     return objects
 
 
+def joined(data: Any) -> Any:
+    """An allgather's or alltoall's data as one array: itself, or its parts concatenated
+    (collectives that hand out the senders' parts in place, without a copy, give a list)."""
+    if not isinstance(data, list):
+        return data
+    return data[0] if len(data) == 1 else np.concatenate(data)
+
+
 class Done(Handle):
     """An already available result."""
 
@@ -114,12 +122,14 @@ class Collectives(abc.ABC):
 
     @abc.abstractmethod
     def allgather_async(self, arr: np.ndarray, name: str) -> Handle:
-        """Concatenation of every rank's array in rank order (lengths may differ)."""
+        """Concatenation of every rank's array in rank order (lengths may differ), or the
+        list of those arrays (:func:`joined` concatenates either)."""
 
     @abc.abstractmethod
     def alltoall_async(self, arr: np.ndarray, splits: list[int], name: str) -> Handle:
         """Send ``arr[sum(splits[:r]):sum(splits[:r+1])]`` to rank r; receive the pieces sent
-        to this rank, concatenated in sender order; ``wait()`` gives (data, received splits)."""
+        to this rank, concatenated in sender order (or their list); ``wait()`` gives (data,
+        received splits)."""
 
     def allgather_object_async(self, obj: Any, name: str) -> Handle:
         """Every rank's JSON-serializable object, in rank order, from one allgather (tuples

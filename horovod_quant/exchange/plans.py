@@ -267,7 +267,7 @@ def hierarchical_plan(p: Piece, inner: str) -> Plan:
     if mismatch is not None:  # every host was at odds: every rank raises here
         raise mismatch
     gathered = yield Allgather(p.out[lo:hi], ".local.gather", group=LOCAL)
-    p.out[:] = gathered
+    xp.concatenate(gathered if isinstance(gathered, list) else [gathered], out=p.out)
     return p.out
 
 

@@ -9,7 +9,8 @@ announced, so a rank reads only what was announced. Each rank alternates between
 (call k writes region k mod 2): region k mod 2 is written again at call k + 2, after every rank
 has announced call k + 1, and a rank announces k + 1 only once it is done reading call k.
 Calls are therefore run when they are waited for, in the order they were issued, which every
-rank shares (:attr:`pairs_by_order`).
+rank shares (:attr:`pairs_by_order`). A call's result is the list of the ranks' parts, read in
+place (no copy): valid until this rank's next call.
 """
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ class SharedMemoryCollectives(Collectives):
     def works(self) -> bool:
         """Whether every rank can share a region here (one small call). Collective."""
         try:
-            ok = bool(self._call(np.arange(64, dtype=np.uint8), None).wait().size)
+            ok = len(self._call(np.arange(64, dtype=np.uint8), None).wait()) == self.size
         except OSError:
             ok = False
         return all(self.control.allgather_object(ok, "hq.shm.works"))
@@ -187,8 +188,8 @@ class SharedMemoryCollectives(Collectives):
                 lo = sum(splits[:self.rank]) * itemsize
                 hi = lo + splits[self.rank] * itemsize
                 parts = [part[lo:hi] for part in parts]
-            out = np.concatenate(parts).view(data.dtype)
-            return out if splits is None else (out, [p.size // itemsize for p in parts])
+            parts = [part.view(data.dtype) for part in parts]
+            return parts if splits is None else (parts, [p.size for p in parts])
 
         return _Call(run)
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import gpu
 from .topology import Hierarchy
-from .collectives import Collectives, Handle, Then
+from .collectives import Collectives, Handle, Then, joined
 
 
 class HostStaged(Collectives):
@@ -43,7 +43,7 @@ class HostStaged(Collectives):
         if not gpu.is_device_array(arr):
             return start(arr)
         return Then(start(gpu.to_host(arr)),
-                    lambda result: put(result, gpu.to_device(pick(result), arr)))
+                    lambda result: put(result, gpu.to_device(joined(pick(result)), arr)))
 
     def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
         return self._staged(arr, lambda h: self.inner.allreduce_async(h, name, op))

@@ -86,9 +86,14 @@ def unframe(buf: np.ndarray) -> tuple[list[np.ndarray], list[Tag]]:
 
 
 def unframe_all(buf: Any, n: int, what: str, name: str = "") -> list[Any]:
-    """The n payloads of a concatenation of n ranks' frames (rank order); raises ValueError
-    (naming ``what`` and the exchange ``name``) unless they are n with equal tags."""
-    parts, tags = unframe(buf)
+    """The n payloads of a concatenation of n ranks' frames (rank order), or of a list of
+    buffers holding them; raises ValueError (naming ``what`` and the exchange ``name``) unless
+    they are n with equal tags."""
+    parts, tags = [], []
+    for one in (buf if isinstance(buf, list) else [buf]):
+        more, more_tags = unframe(one)
+        parts += more
+        tags += more_tags
     if len(parts) != n:
         raise ValueError(f"damaged exchange {name!r}: expected {n} {what}, got {len(parts)}")
     check_tags(tags, name)

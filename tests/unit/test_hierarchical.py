@@ -16,6 +16,7 @@ import horovod_quant as hq
 from horovod_quant.core.exp_reduce import chunk_bounds
 from horovod_quant.core.registry import codec_class
 from horovod_quant.exchange import Exchange, plans
+from horovod_quant.exchange.collectives import joined
 from horovod_quant.exchange.cost import flat_cost, plan_cost
 from horovod_quant.exchange.shared_memory import SharedMemoryCollectives
 from horovod_quant.exchange.topology import Topology
@@ -78,17 +79,20 @@ def test_hierarchical_is_host_means_exchanged_between_hosts(name, params):
 
 
 @pytest.mark.parametrize("name", hq.available_codecs())
-@pytest.mark.parametrize("hosts,local", SHAPES)
-def test_exchange_over_threaded_hosts_matches_reference(name, hosts, local):
-    """Every codec through Exchange on threaded ranks whose collectives have sub-groups:
-    pieces take the hierarchical plans (run on each rank's worker thread) and give
-    mean_estimate's bits for that topology; the float32 shards count as bytes inside the host,
-    not as bytes sent."""
+@pytest.mark.parametrize("hosts,local,shared", [s + (False,) for s in SHAPES] + [(2, 3, True)])
+def test_exchange_over_threaded_hosts_matches_reference(name, hosts, local, shared):
+    """Every codec through Exchange on threaded ranks whose collectives have sub-groups (the
+    host's through shared memory, or not): pieces take the hierarchical plans (run on each
+    rank's worker thread) and give mean_estimate's bits for that topology; the float32 shards
+    count as bytes inside the host, not as bytes sent."""
     n = hosts * local
     topology = Topology.grid(hosts, local)
     xs = _inputs(n, 2500, seed=n)
 
     def rank_fn(comm):
+        if shared:
+            comm.hierarchy = comm.hierarchy._replace(
+                local=SharedMemoryCollectives(comm.hierarchy.local))
         ex = Exchange(_codec(name, n), comm, gather="hierarchical", pipeline_elems=900)
         pending = ex.start(xs[comm.rank], 11, "t")
         return pending.wait(), pending.stats, ex.kind_for(2500)
@@ -203,13 +207,14 @@ def test_shared_memory_collectives_equal_the_socket_ones():
         r, files = shm.rank, []
         for call, size in enumerate([10, 10, 5000, 3, 200_000, 7, 200_001, 0, 12]):
             arr = (np.arange(size + r) * (r + 1) + call).astype(np.float32)
-            got = shm.allgather_async(arr, "x").wait()
+            got = joined(shm.allgather_async(arr, "x").wait())
             want = np.concatenate([(np.arange(size + q) * (q + 1) + call).astype(np.float32)
                                    for q in range(shm.size)])
             assert np.array_equal(got, want), (call, size)
             splits = [size // 3, size // 3, size - 2 * (size // 3)]
             payload = (np.arange(size) + 1000 * r).astype(np.int64)
             got, counts = shm.alltoall_async(payload, splits, "y").wait()
+            got = joined(got)
             lo = sum(splits[:r])
             want = [(np.arange(size) + 1000 * q)[lo:lo + splits[r]] for q in range(shm.size)]
             assert np.array_equal(got, np.concatenate(want)) and counts == [splits[r]] * 3
@@ -235,8 +240,8 @@ def test_shared_memory_full_falls_back_to_sockets_on_every_rank(monkeypatch):
 
     def rank_fn(shm):
         rank_of.rank = shm.rank
-        small = shm.allgather_async(np.full(10, shm.rank, np.int32), "s").wait()
-        big = shm.allgather_async(np.full(100_000, shm.rank, np.int32), "b").wait()
+        small = joined(shm.allgather_async(np.full(10, shm.rank, np.int32), "s").wait())
+        big = joined(shm.allgather_async(np.full(100_000, shm.rank, np.int32), "b").wait())
         return small, big
 
     for small, big in _shared(2, rank_fn):
