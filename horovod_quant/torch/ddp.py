@@ -8,7 +8,7 @@
     model.register_comm_hook(state, ddp.quantization_hook)
 
 DDP hands the hook its gradient buckets in bucket order on every rank (a bucket's hook runs
-once every bucket before it has been launched). The hook starts the bucket's exchange
+once every bucket before it has been launched). The hook starts the bucket's exchanges
 (:class:`~horovod_quant.exchange.Exchange` over the process group's collectives,
 :mod:`horovod_quant.torch.distributed`) and returns a ``torch.futures.Future``; the hook of the
 last bucket finishes every exchange of the step in bucket order, writes each mean into its
@@ -17,33 +17,50 @@ every collective (also those that finish an exchange: the second round of
 scatter-reduce-allgather, NDQSG's outage count) is issued from one thread in an order that is
 the same on every rank, which torch.distributed, matching collectives by call order, needs.
 
-Bucket ``i`` of step ``t`` (``t`` counts the steps whose gradients were exchanged; ``no_sync()``
-passes do not count) is exchanged with seed ``derive_key(seed, t, i)`` under the name
-``<check prefix>.b<i>`` and tag ``exchange_tag(name, (numel,))``, so
-``mean_estimate(codec, [bucket on each rank], derive_key(seed, t, i),
-pipeline_elems=state.pipeline_elems)`` reproduces the result exactly. DDP gives every rank the
-same buckets, also after it rebuilds them following the first step (their order then follows
-the gradients' readiness, decided by rank 0); a rank whose bucket differs raises, through the
-tag, on every rank. Global-norm codecs (Global-QSGD) take the norm of each bucket (one
-allgather before its exchange, waited for in the bucket's hook: the pieces' collectives that
-follow it must be issued at the same point on every rank).
+Which parameters are compressed is the state's :class:`~horovod_quant.policy.LayerPolicy`
+(default: small and 1-D tensors, such as biases and norm scales, travel uncompressed, as in
+the Horovod doors). In each bucket the gradients of the exempt parameters are averaged exactly,
+by one float32 allreduce (a sum divided by the group's size, as DDP's own reducer does), and
+the others go through the exchange of the codec the policy gives them: one exchange per codec
+and bucket, the codecs in the order of ``state.codecs`` (the state's codec first, then those of
+the policy's name rules), after the exact allreduce.
+
+Reproducibility: in bucket ``i`` of step ``t`` (``t`` counts the steps whose gradients were
+exchanged; ``no_sync()`` passes do not count), the exchange of codec ``k = state.codecs.index(
+codec)`` carries the concatenation, in bucket order, of the gradients of the bucket's
+parameters that the policy gives that codec. Its seed is ``state.seed_of(t, i, k)``:
+``derive_key(seed, t, i)`` for the state's codec (k = 0), ``derive_key(seed, t, i, k)`` for a
+rule's; its name ``<check prefix>.b<i>`` (k = 0) or ``<check prefix>.b<i>.c<k>``, its tag
+``exchange_tag(name, (numel,))``. So ``mean_estimate(codec, [that vector on each rank],
+state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems)`` reproduces
+that part of the bucket exactly. DDP gives every rank the same buckets, also after it rebuilds
+them following the first step (their order then follows the gradients' readiness, decided by
+rank 0); a rank whose bucket differs raises, through the tag, on every rank. Global-norm codecs
+(Global-QSGD) take the norm of the vector they exchange (one allgather before its exchange,
+waited for in the bucket's hook: the pieces' collectives that follow it must be issued at the
+same point on every rank).
 
 The first hook runs the cross-rank configuration check (:class:`~horovod_quant.doors.
-ConfigCheck`): a rank with another codec, seed or schedule raises the same ValueError on every
-rank before anything is combined.
+ConfigCheck`): a rank with another codec, seed, schedule, policy or parameter names raises the
+same ValueError on every rank before anything is combined.
+
+The collectives' tensors stay referenced from Python until the process group has dropped them
+(``horovod_quant.torch.distributed.HANDED``): gloo's worker threads never free a Python object,
+and a job exits cleanly after its last step with nothing to call (docs/ddp.md).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from ..doors import CodecRequest, CompressorSettings, ConfigCheck
-from ..exchange.driver import Exchange, Pending
+from ..exchange.driver import Exchange
 from ..core.base import Codec
 from ..core.rng import derive_key
 from ..exchange.plans import DEFAULT_PIPELINE_ELEMS, check_pipeline_elems
+from ..policy import LayerPolicy
 from .collectives import as_array, as_tensor
 from .compression import QuantizedCompressor, flat_array, stream_of
 from .distributed import collectives_for
@@ -52,13 +69,59 @@ __all__ = ["QuantizationState", "quantization_hook"]
 
 
 class _BucketJob:
-    """One bucket's exchange of this step, from its hook to its future's result."""
+    """One bucket's exchanges of this step: ``finish()`` waits for them in order, writes the
+    means into the bucket and returns the future's value."""
 
-    __slots__ = ("bucket", "future", "pending")
+    __slots__ = ("finish", "future")
 
-    def __init__(self, bucket: torch.Tensor, pending: Pending) -> None:
-        self.bucket, self.pending = bucket, pending
+    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
+        self.finish = finish
         self.future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+
+class _Part:
+    """The elements of a bucket's flat buffer that travel together: through the exact
+    allreduce (``codec_index`` None) or through the exchange of ``state.codecs[codec_index]``.
+
+    Args:
+        codec_index: see above.
+        runs: ``(start, stop)`` element ranges of the buffer, in bucket order.
+    """
+
+    __slots__ = ("codec_index", "runs", "numel")
+
+    def __init__(self, codec_index: int | None, runs: list[tuple[int, int]]) -> None:
+        self.codec_index = codec_index
+        self.runs = runs
+        self.numel = sum(stop - start for start, stop in runs)
+
+    def gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """This part of ``flat`` as one vector (a view when it is one range)."""
+        if len(self.runs) == 1:
+            start, stop = self.runs[0]
+            return flat[start:stop]
+        return torch.cat([flat[start:stop] for start, stop in self.runs])
+
+    def scatter(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` (this part's elements, in order) into ``flat``."""
+        at = 0
+        for start, stop in self.runs:
+            flat[start:stop].copy_(values[at:at + stop - start])
+            at += stop - start
+
+
+def _parts(codec_indices: list[int | None], ranges: list[tuple[int, int]]) -> list[_Part]:
+    """The parts of a bucket whose parameters occupy ``ranges`` and get ``codec_indices``:
+    the exact part first, then one per codec in codec order; adjacent ranges merged."""
+    runs: dict[int | None, list[tuple[int, int]]] = {}
+    for k, (start, stop) in sorted(zip(codec_indices, ranges), key=lambda item: item[1]):
+        part = runs.setdefault(k, [])
+        if part and part[-1][1] == start:
+            part[-1] = (part[-1][0], stop)
+        else:
+            part.append((start, stop))
+    order = sorted(runs, key=lambda k: -1 if k is None else k)
+    return [_Part(k, runs[k]) for k in order]
 
 
 class QuantizationState(CompressorSettings):
@@ -66,17 +129,26 @@ class QuantizationState(CompressorSettings):
 
     Args:
         codec: the codec (:func:`horovod_quant.get_codec`), a codec name, or a
-            ``horovod_quant.torch.Compression.<name>(...)`` object (its codec, seed and
-            gather schedule). A world-sized codec asked for by name or through ``Compression``
-            without ``world_size`` gets the process group's size.
+            ``horovod_quant.torch.Compression.<name>(...)`` object (its codec, seed, gather
+            schedule and policy). A world-sized codec asked for by name or through
+            ``Compression`` without ``world_size`` gets the process group's size.
         process_group: the DDP model's process group (None: the default group).
         seed: base seed of every random draw (default: the compressor's, else 0).
         gather: schedule for gather codecs, "auto", "allgather" or "sra" (default: the
             compressor's, else "auto").
-        pipeline_elems: buckets longer than this are exchanged in pieces of this many elements
-            (see :class:`horovod_quant.exchange.Exchange`); None sends every bucket whole.
+        pipeline_elems: vectors longer than this are exchanged in pieces of this many elements
+            (see :class:`horovod_quant.exchange.Exchange`); None sends every vector whole.
+        policy: which parameters are compressed, and with which codec (default: the
+            compressor's, else :class:`~horovod_quant.policy.LayerPolicy`: tensors under 1024
+            elements and 1-D tensors are averaged exactly); ``LayerPolicy.everything()``
+            compresses every parameter.
+        named_parameters: ``(name, parameter)`` pairs of the model (``model.named_parameters()``),
+            needed by a policy with name rules (ValueError without them); the names are part
+            of the cross-rank check.
 
     Attributes:
+        codecs: the codecs the policy can give a parameter, each with an exchange of its own:
+            the state's codec first, then the rules' (each configuration once).
         stats: the :class:`~horovod_quant.stats.StepStats` of the exchanges since the last
             ``stats.reset()`` (the other doors report the same).
         step: steps whose gradients were exchanged so far.
@@ -84,14 +156,17 @@ class QuantizationState(CompressorSettings):
 
     def __init__(self, codec: Codec | str | QuantizedCompressor, process_group: Any = None,
                  seed: int | None = None, gather: str | None = None,
-                 pipeline_elems: int | None = DEFAULT_PIPELINE_ELEMS) -> None:
+                 pipeline_elems: int | None = DEFAULT_PIPELINE_ELEMS,
+                 policy: LayerPolicy | None = None,
+                 named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None
+                 ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("horovod_quant DDP hook: call torch.distributed.init_process_group"
                                " before building a QuantizationState")
         comm = collectives_for(process_group)
         settings: dict = {}
         if isinstance(codec, QuantizedCompressor):
-            settings = {"seed": codec.seed, "gather": codec.gather}
+            settings = {"seed": codec.seed, "gather": codec.gather, "policy": codec.policy}
             request = codec.codec_request
             codec = (request.build(lambda: comm.size) if request is not None
                      and request.needs_world_size else codec.codec)
@@ -105,87 +180,178 @@ class QuantizationState(CompressorSettings):
                              f"{codec.params.get('world_size')}, but the process group has "
                              f"{comm.size} ranks: leave world_size out (it is filled in) or "
                              f"pass world_size={comm.size}")
+        policy = policy if policy is not None else settings.get("policy")
+        if policy is not None and not isinstance(policy, LayerPolicy):
+            raise ValueError(f"policy={policy!r} is not a horovod_quant LayerPolicy")
         super().__init__(codec, seed if seed is not None else settings.get("seed", 0),
-                         gather if gather is not None else settings.get("gather", "auto"))
+                         gather if gather is not None else settings.get("gather", "auto"),
+                         policy)
+        self._names = _parameter_names(named_parameters)
+        if self.policy.rules and self._names is None:
+            raise ValueError(
+                f"the policy has name rules ({[p for p, _ in self.policy.rules]}) but the "
+                "QuantizationState has no parameter names: pass "
+                "named_parameters=model.named_parameters()")
         self.process_group = process_group
         self.pipeline_elems = check_pipeline_elems(pipeline_elems)
         self.step = 0
+        unique = {self.codec.config_key(): self.codec}
+        for _, c in self.policy.rules:
+            if c is not None and c.horovod_allreduce != "keep":  # a "keep" rule: exact
+                unique.setdefault(c.config_key(), c)
+        self.codecs: list[Codec] = list(unique.values())
+        self._codec_indices = {key: k for k, key in enumerate(unique)}
         self._comm = comm
         self._check: ConfigCheck | None = None
-        self._exchange: Exchange | None = None
-        self._means: dict[int, Any] = {}  # bucket index -> reused output array
+        self._exchanges: list[Exchange] | None = None
+        self._layouts: dict[int, tuple[tuple[int, ...], list[_Part]]] = {}
+        self._means: dict[tuple[int, int], Any] = {}  # (bucket, codec) -> reused output
         self._open: list[_BucketJob] = []
 
     def shared_config(self) -> dict:
-        return {**super().shared_config(), "door": "ddp", "pipeline_elems": self.pipeline_elems}
+        config = {**super().shared_config(), "door": "ddp", "pipeline_elems": self.pipeline_elems}
+        if self._names is not None:
+            config["parameters"] = [[name, list(p.shape)] for name, p in self._names.values()]
+        return config
 
-    def seed_of(self, step: int, index: int) -> int:
-        """The exchange seed of bucket ``index`` at step ``step``."""
-        return derive_key(self.seed, step, index)
+    def seed_of(self, step: int, index: int, codec_index: int = 0) -> int:
+        """The seed of the exchange of ``codecs[codec_index]`` in bucket ``index`` at step
+        ``step`` (module doc)."""
+        if codec_index == 0:
+            return derive_key(self.seed, step, index)
+        return derive_key(self.seed, step, index, codec_index)
 
-    def _mean_buffer(self, index: int, flat: Any) -> Any:
-        """The float32 array bucket ``index``'s mean is written to, where ``flat`` lives
-        (kept across steps: DDP's buckets keep their sizes after the first rebuild)."""
-        mean = self._means.get(index)
+    def _codec_index(self, param: torch.Tensor) -> int | None:
+        """Where the policy sends ``param``: ``codecs`` index, or None (exact)."""
+        name = None
+        if self._names is not None:
+            if id(param) not in self._names:
+                raise ValueError(f"a DDP bucket holds a parameter of shape {tuple(param.shape)} "
+                                 "that is missing from named_parameters: pass every parameter "
+                                 "of the DDP model (model.named_parameters())")
+            name = self._names[id(param)][0]
+        codec = self.policy.codec_for(self.codec, param.shape, name)
+        return None if codec is None else self._codec_indices[codec.config_key()]
+
+    def _layout(self, bucket: dist.GradBucket) -> list[_Part]:
+        """The parts of ``bucket`` (kept per bucket index while its parameters stay)."""
+        params = bucket.parameters()
+        ids = tuple(id(p) for p in params)
+        cached = self._layouts.get(bucket.index())
+        if cached is None or cached[0] != ids:
+            base = bucket.buffer().storage_offset()
+            ranges = [(g.storage_offset() - base, g.storage_offset() - base + g.numel())
+                      for g in bucket.gradients()]
+            cached = self._layouts[bucket.index()] = (
+                ids, _parts([self._codec_index(p) for p in params], ranges))
+        return cached[1]
+
+    def _mean_buffer(self, index: int, k: int, flat: Any) -> Any:
+        """The float32 array the mean of codec ``k``'s part of bucket ``index`` is written
+        to, where ``flat`` lives (kept across steps: DDP's buckets keep their sizes after
+        the first rebuild)."""
+        mean = self._means.get((index, k))
         if mean is None or mean.size != flat.size or type(mean) is not type(flat):
             device = as_tensor(flat).device
-            mean = self._means[index] = as_array(torch.empty(flat.size, dtype=torch.float32,
-                                                             device=device))
+            mean = self._means[index, k] = as_array(torch.empty(flat.size, dtype=torch.float32,
+                                                                device=device))
         return mean
 
     def exchange_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Start ``bucket``'s exchange; the last bucket's call finishes the step (module doc)."""
-        if self._exchange is None:  # the first bucket: nothing is combined before the check
+        """Start ``bucket``'s exchanges; the last bucket's call finishes the step (module
+        doc)."""
+        if self._exchanges is None:  # the first bucket: nothing is combined before the check
             if self._check is None:
                 self._check = ConfigCheck(self._comm, self.shared_config())
             self._check.wait()  # a mismatch raises here, at this and every later call
-            self._exchange = Exchange(self.codec, self._comm, gather=self.gather,
-                                      pipeline_elems=self.pipeline_elems)
-        grad, index = bucket.buffer(), bucket.index()
-        if grad.is_sparse:
-            future = self._average_sparse(grad)
-            if bucket.is_last():
-                self._finish_step()
-            return future
-        name = f"{self._check.prefix}.b{index}"
-        with stream_of(grad):
-            flat = flat_array(grad)
-            pending = self._exchange.start(flat, self.seed_of(self.step, index), name,
-                                           out=self._mean_buffer(index, flat))
-            pending.advance(block=True)  # when a norm arrives differs between ranks
-        job = _BucketJob(grad, pending)
+            self._exchanges = [Exchange(c, self._comm, gather=self.gather,
+                                        pipeline_elems=self.pipeline_elems)
+                               for c in self.codecs]
+        grad = bucket.buffer()
+        job = _BucketJob(self._average_sparse(grad) if grad.is_sparse
+                         else self._start_parts(bucket, grad))
         self._open.append(job)
         if bucket.is_last():
             self._finish_step()
         return job.future
 
-    def _average_sparse(self, grad: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        """The exact mean of a sparse gradient (``nn.Embedding(sparse=True)``), as DDP's own
-        reducer computes it: an allreduce of the sparse tensor. The codecs quantize dense
-        vectors; the rows a sparse gradient sends are already few."""
+    def _start_parts(self, bucket: dist.GradBucket, grad: torch.Tensor
+                     ) -> Callable[[], torch.Tensor]:
+        """Start the exact allreduce and the codec exchanges of ``bucket`` (buffer ``grad``);
+        returns the function that finishes them and writes the means into ``grad``."""
+        index, name = bucket.index(), f"{self._check.prefix}.b{bucket.index()}"
+        flat, started = grad.detach().reshape(-1), []
+        with stream_of(grad):
+            for part in self._layout(bucket):
+                vector = flat_array(part.gather(flat))
+                if part.codec_index is None:
+                    self.stats.add_raw(vector.nbytes)
+                    started.append((part, self._comm.allreduce_async(vector, f"{name}.exact")))
+                    continue
+                k = part.codec_index
+                pending = self._exchanges[k].start(
+                    vector, self.seed_of(self.step, index, k), name if k == 0 else f"{name}.c{k}",
+                    out=self._mean_buffer(index, k, vector))
+                pending.advance(block=True)  # when a norm arrives differs between ranks
+                started.append((part, pending))
+
+        def finish() -> torch.Tensor:
+            with stream_of(grad):
+                for part, handle in started:
+                    if part.codec_index is None:
+                        mean = as_tensor(handle.wait()).div_(self._comm.size)
+                    else:
+                        mean = as_tensor(handle.wait())
+                        self.stats.add(handle.stats)
+                    part.scatter(flat, mean)
+            return grad
+
+        return finish
+
+    def _average_sparse(self, grad: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start the exact mean of a sparse gradient (``nn.Embedding(sparse=True)``), as DDP's
+        own reducer computes it: an allreduce of the sparse tensor. The codecs quantize dense
+        vectors; the rows a sparse gradient sends are already few. Returns the function that
+        waits for it and returns the mean (a sparse tensor)."""
         nbytes = grad._values().numel() * grad.element_size() + grad._indices().numel() * 8
         self.stats.add_raw(nbytes)
+        # not HANDED's: DDP's reducer holds the bucket and the mean longer than gloo does
         work = dist.all_reduce(grad, group=self.process_group, async_op=True)
-        size = self._comm.size
-        return work.get_future().then(lambda fut: fut.value()[0].div_(size))
+
+        def finish() -> torch.Tensor:
+            return work.get_future().wait()[0].div_(self._comm.size)
+
+        return finish
 
     def _finish_step(self) -> None:
-        """Finish every open exchange in bucket order and complete its future with the
-        bucket, now holding the mean (on error: every open future fails with it)."""
+        """Finish every open bucket in bucket order and complete its future with its mean
+        (on error: every open future fails with it)."""
         jobs, self._open = self._open, []
         self.step += 1
         try:
             for job in jobs:
-                with stream_of(job.bucket):
-                    mean = as_tensor(job.pending.wait())
-                    job.bucket.copy_(mean.reshape(job.bucket.shape))
-                self.stats.add(job.pending.stats)
-                job.future.set_result(job.bucket)
+                job.future.set_result(job.finish())
         except BaseException as exc:
             for job in jobs:
                 if not job.future.done():
                     job.future.set_exception(exc)
             raise
+
+
+def _parameter_names(named_parameters: Iterable | None
+                     ) -> dict[int, tuple[str, torch.Tensor]] | None:
+    """``{id(parameter): (name, parameter)}`` from ``named_parameters`` (None: no names)."""
+    if named_parameters is None:
+        return None
+    named = list(named_parameters)
+    if any(not isinstance(t, tuple) or len(t) != 2 or not isinstance(t[0], str) for t in named):
+        raise ValueError("named_parameters should be (name, parameter) pairs, usually "
+                         "model.named_parameters()")
+    names = [n for n, _ in named]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"parameter names must be unique; duplicates: {duplicates}")
+    return {id(p): (n, p) for n, p in named}
 
 
 def quantization_hook(state: QuantizationState, bucket: dist.GradBucket
@@ -209,3 +375,4 @@ def quantization_hook(state: QuantizationState, bucket: dist.GradBucket
 quantization_hook.__annotations__.update(
     {"state": QuantizationState, "bucket": dist.GradBucket,
      "return": torch.futures.Future[torch.Tensor]})
+

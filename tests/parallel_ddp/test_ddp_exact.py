@@ -40,39 +40,66 @@ class Net(torch.nn.Module):
 
 
 class Recorder:
-    """Wraps the hook: keeps each bucket's input (on the host) and seed, and its future, of the
-    last step; ``group``: the process group the ranks compare over (None: the default)."""
+    """Wraps the hook: keeps each bucket's input (on the host), the offsets and parameters of
+    its gradients, the step and the future, of the last step; ``group``: the process group the
+    ranks compare over (None: the default); ``names``: the names the state was given."""
 
-    def __init__(self, state, group=None):
+    def __init__(self, state, group=None, named_parameters=None):
         self.state, self.group = state, group
+        self.names = {id(p): n for n, p in (named_parameters or [])}
         self.calls = []
 
     def hook(self, state, bucket):
-        inp = bucket.buffer().detach().cpu().clone()
-        seed = state.seed_of(state.step, bucket.index())
+        buf = bucket.buffer()
+        inp = buf.detach().cpu().clone()
+        params = [(g.storage_offset() - buf.storage_offset(), g.numel(), p)
+                  for g, p in zip(bucket.gradients(), bucket.parameters())]
+        step = state.step
         fut = ddp.quantization_hook(state, bucket)
-        self.calls.append((bucket.index(), inp, seed, fut))
+        self.calls.append((bucket.index(), inp, sorted(params, key=lambda t: t[0]), step, fut))
         return fut
 
-    def check(self, codec):
-        """Every recorded bucket's result equals mean_estimate over the ranks' inputs; returns
-        the results (on the buckets' device)."""
+    def parts(self, params):
+        """``{codec index or None: element indices}`` of a bucket's parameters, in bucket
+        order, as the state's policy assigns them."""
+        keys = [c.config_key() for c in self.state.codecs]
+        parts = {}
+        for offset, numel, p in params:
+            codec = self.state.policy.codec_for(self.state.codec, p.shape, self.names.get(id(p)))
+            k = None if codec is None else keys.index(codec.config_key())
+            parts.setdefault(k, []).append(np.arange(offset, offset + numel))
+        return {k: np.concatenate(v) for k, v in parts.items()}
+
+    def check(self):
+        """Every recorded bucket's result is, on every rank: the exact mean on the parameters
+        the policy exempts, and mean_estimate of each codec's part (the concatenation of its
+        parameters' gradients) with that part's seed; returns the results (on the buckets'
+        device)."""
         assert self.calls, "the hook never ran"
         results = []
-        for index, inp, seed, fut in self.calls:
+        n = dist.get_world_size(self.group)
+        for index, inp, params, step, fut in self.calls:
             results.append(fut.wait())
-            got = results[-1].cpu()
+            got = results[-1].cpu().numpy()
             rows = [r.numpy() for r in gather_rows(inp, self.group)]
-            want, _ = hq.mean_estimate(codec, rows, seed, gather=self.state.gather,
-                                       pipeline_elems=self.state.pipeline_elems)
-            if codec.horovod_allreduce is None or len(rows) <= 2:
-                assert np.array_equal(got.numpy(), want, equal_nan=True), (codec, index)
-            else:  # a float allreduce adds in the backend's order (the default hook's numbers)
-                eps = 4 * float(np.finfo(np.float16 if codec.horovod_allreduce == "float16"
-                                         else np.float32).eps)
-                assert np.allclose(got.numpy(), want, rtol=eps,
-                                   atol=eps * float(np.abs(want).max())), (codec, index)
-            assert same_everywhere(got, self.group)
+            for k, idx in self.parts(params).items():
+                if k is None:  # a float32 sum in rank order, then / n (gloo may add otherwise)
+                    want, float_sum = sum(r[idx] for r in rows) / np.float32(n), "float32"
+                else:
+                    codec = self.state.codecs[k]
+                    want, _ = hq.mean_estimate(codec, [r[idx] for r in rows],
+                                               self.state.seed_of(step, index, k),
+                                               gather=self.state.gather,
+                                               pipeline_elems=self.state.pipeline_elems)
+                    float_sum = codec.horovod_allreduce
+                if float_sum is None or n <= 2:
+                    assert np.array_equal(got[idx], want, equal_nan=True), (k, index)
+                else:  # a float allreduce adds in the backend's order (the default hook's numbers)
+                    eps = 4 * float(np.finfo(np.float16 if float_sum == "float16"
+                                             else np.float32).eps)
+                    assert np.allclose(got[idx], want, rtol=eps,
+                                       atol=eps * float(np.abs(want).max())), (k, index)
+            assert same_everywhere(results[-1].cpu(), self.group)
         self.calls = []
         return results
 
@@ -99,7 +126,7 @@ def test_every_codec_matches_reference(spec):
     for step in range(3):  # step 0 runs on DDP's first buckets, later steps on rebuilt ones
         opt.zero_grad()
         model(_batch(step)).square().mean().backward()
-        rec.check(codec)
+        rec.check()
         for p in model.parameters():
             assert same_everywhere(p.grad)
         opt.step()
@@ -122,7 +149,7 @@ def test_first_buckets_then_rebuilt_ones():
         indices = [i for i, *_ in rec.calls]
         assert indices == list(range(len(indices)))
         counts.append(len(indices))
-        rec.check(state.codec)
+        rec.check()
     assert counts[0] == 1 and counts[1] >= 3
 
 
@@ -136,7 +163,7 @@ def test_gather_schedules(gather):
     for step in range(2):
         model.zero_grad()
         model(_batch(step)).sum().backward()
-        rec.check(codec)
+        rec.check()
 
 
 def test_pipelined_buckets():
@@ -147,7 +174,7 @@ def test_pipelined_buckets():
     model.register_comm_hook(state, rec.hook)
     model(_batch(0)).sum().backward()
     assert max(inp.numel() for _, inp, *_ in rec.calls) > 20000
-    rec.check(codec)
+    rec.check()
 
 
 def test_no_sync_accumulates_then_exchanges_once():
@@ -168,7 +195,7 @@ def test_no_sync_accumulates_then_exchanges_once():
     sent = sum(inp.double().sum() for _, inp, *_ in rec.calls)
     want = sum(p.grad.double().sum() for p in local.parameters())
     assert torch.isclose(sent, want, rtol=1e-5, atol=1e-4)
-    rec.check(codec)
+    rec.check()
 
 
 @pytest.mark.parametrize("static_graph", [False, True])
@@ -185,7 +212,7 @@ def test_unused_parameters_keep_ranks_identical(static_graph):
         # static graph: the same parameters every step; dynamic: the branch on some ranks only
         use = False if static_graph else (step + dist.get_rank()) % 2 == 0
         model(_batch(step), use_branch=use).sum().backward()
-        rec.check(codec)
+        rec.check()
         for p in model.parameters():
             if p.grad is not None:
                 assert same_everywhere(p.grad)
@@ -204,7 +231,7 @@ def test_gradients_as_bucket_views():
     for step in range(3):
         opt.zero_grad()
         model(_batch(step)).sum().backward()
-        rec.check(codec)
+        rec.check()
         for p in model.parameters():
             assert same_everywhere(p.grad)
         opt.step()

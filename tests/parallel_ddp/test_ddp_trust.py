@@ -9,6 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import horovod_quant as hq
 import horovod_quant.torch as hqt
 from horovod_quant.exchange import Exchange
+from horovod_quant.policy import LayerPolicy
 from horovod_quant.torch import ddp
 from horovod_quant.torch.distributed import PointToPoint, ProcessGroupCollectives
 
@@ -23,14 +24,18 @@ def _backward(model, step=0):
 
 
 @MULTI
-@pytest.mark.parametrize("what", ["seed", "codec", "bits"])
+@pytest.mark.parametrize("what", ["seed", "codec", "bits", "policy", "names"])
 def test_config_mismatch_raises_on_every_rank(what):
     rank = dist.get_rank()
-    codec = {"seed": hq.get_codec("qsgd"),
-             "codec": hq.get_codec("qsgd" if rank == 0 else "natural"),
-             "bits": hq.get_codec("qsgd", bits=8 if rank == 0 else 4)}[what]
-    state = ddp.QuantizationState(codec, seed=rank if what == "seed" else 0)
+    codec = {"codec": hq.get_codec("qsgd" if rank == 0 else "natural"),
+             "bits": hq.get_codec("qsgd", bits=8 if rank == 0 else 4)}.get(
+                 what, hq.get_codec("qsgd"))
     model = _model()
+    named = [(f"rank{rank}.{n}" if what == "names" and n.endswith("c.bias") else n, p)
+             for n, p in model.named_parameters()]
+    state = ddp.QuantizationState(
+        codec, seed=rank if what == "seed" else 0, named_parameters=named,
+        policy=LayerPolicy(min_elements=1024 if what != "policy" or rank == 0 else 16))
     model.register_comm_hook(state, ddp.quantization_hook)
     with pytest.raises(Exception, match="configuration differs between ranks"):
         _backward(model)
@@ -57,7 +62,7 @@ def test_nonfinite_gradients_stay_nonfinite(name):
     model.module.b.weight.register_hook(lambda g: g + bad)
     _backward(model)
     assert not torch.isfinite(model.module.b.weight.grad).all()
-    rec.check(codec)
+    rec.check()
     assert same_everywhere(model.module.b.weight.grad)
 
 
@@ -84,7 +89,7 @@ def test_compression_object_trains_like_the_codec():
     for step in range(2):
         model.zero_grad()
         _backward(model, step)
-        rec.check(state.codec)
+        rec.check()
 
 
 def test_exponent_reduce_runs_point_to_point(monkeypatch):
@@ -98,7 +103,7 @@ def test_exponent_reduce_runs_point_to_point(monkeypatch):
     rec = Recorder(state)
     model.register_comm_hook(state, rec.hook)
     _backward(model)
-    rec.check(codec)
+    rec.check()
     assert (len(sends) > 0) == (dist.get_world_size() > 1)
 
 
@@ -130,7 +135,7 @@ def test_custom_process_groups(name):
     rec = Recorder(state, group)
     model.register_comm_hook(state, rec.hook)
     _backward(model)
-    rec.check(state.codec)
+    rec.check()
 
 
 def test_allgather_of_unequal_and_changing_lengths():
