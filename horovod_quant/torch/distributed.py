@@ -25,8 +25,12 @@ the others take host arrays (device payloads are staged through host memory by
 """
 from __future__ import annotations
 
+import atexit
 import itertools
+import logging
 import os
+import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -38,6 +42,8 @@ from ..exchange.shared_memory import host_collectives
 from ..exchange.staging import HostStaged
 from ..exchange.topology import Hierarchy, SerialWorker, Topology
 from .collectives import as_array, as_tensor
+
+log = logging.getLogger("horovod_quant")
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _LENGTH_BYTES = 8  # the int64 byte count before each rank's part of an allgather
@@ -53,24 +59,86 @@ def takes_device_arrays(group: Any) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower()
 
 
+class _HandedTensors:
+    """The tensors given to torch.distributed collectives, referenced from Python until the
+    process group has dropped them.
+
+    gloo's worker thread drops a collective's tensors after completing it, which may be after
+    the caller's wait has returned. Were the tensor's Python object gone by then, that thread
+    would have to take the GIL to free it; one that needs the GIL once the interpreter is
+    finalizing aborts the process ("terminate called without an active exception", after a
+    DDP job's last step: torchrun reports the job failed). Kept here, each tensor's last
+    reference is dropped by Python: once torch holds it no longer (``Tensor._use_count()``,
+    torch's count of references to the tensor, is 1: this one), at a later hand-over or in
+    :meth:`release`, which runs at exit (before the interpreter finalizes).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the hierarchy's worker thread hands over tensors too
+        self._tensors: list[torch.Tensor] = []
+
+    def _prune(self) -> int:
+        """Drop the tensors torch holds no longer; returns how many it still holds."""
+        with self._lock:
+            self._tensors = [t for t in self._tensors if t._use_count() > 1]
+            return len(self._tensors)
+
+    def add(self, work: Any, *tensors: torch.Tensor) -> Any:
+        """Keep ``tensors``, which ``work`` (returned) runs on, until torch drops them."""
+        self._prune()
+        with self._lock:
+            self._tensors.extend(tensors)
+        return work
+
+    def release(self, timeout: float) -> bool:
+        """Wait, the GIL released, until torch holds none of the tensors (at most ``timeout``
+        seconds), then drop them; returns whether it holds none."""
+        deadline = time.monotonic() + timeout
+        while self._prune():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+
+#: every tensor this module hands to a collective (see :class:`_HandedTensors`)
+HANDED = _HandedTensors()
+
+#: seconds the interpreter's exit waits for torch.distributed to drop the handed tensors: a
+#: completed collective's are dropped within microseconds; one that never completes (a failed
+#: job) would hold them for the process group's whole timeout
+EXIT_WAIT_S = 10.0
+
+
+def _release_at_exit() -> None:
+    if not HANDED.release(EXIT_WAIT_S):
+        log.warning("horovod_quant: at exit, torch.distributed still holds collective tensors "
+                    "after %.0f s (a collective did not complete); the exit may abort", EXIT_WAIT_S)
+
+
+atexit.register(_release_at_exit)
+
+
 class _WorkHandle(Handle):
     """A torch.distributed work in flight and the function that reads its result (called
-    once: it may run a collective of its own)."""
+    once: it may run a collective of its own). Once read, the handle keeps the result alone:
+    the work and its tensors are let go (:data:`HANDED` keeps the tensors until torch drops
+    them), also where the handle itself is kept."""
 
     def __init__(self, work: Any, result: Callable[[], Any]) -> None:
-        self._work = work
-        self._result = result
+        self._work: Any = work
+        self._result: Callable[[], Any] | None = result
         self._value: Any = None
-        self._read = False
 
     def wait(self) -> Any:
-        if not self._read:
+        if self._result is not None:
             self._work.wait()
-            self._value, self._read = self._result(), True
+            self._value = self._result()
+            self._work = self._result = None
         return self._value
 
     def done(self) -> bool:
-        return self._work.is_completed()
+        return self._result is None or self._work.is_completed()
 
 
 class ProcessGroupCollectives(Collectives):
@@ -138,7 +206,8 @@ class ProcessGroupCollectives(Collectives):
 
     def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
         tensor = self._tensor(arr)
-        return _WorkHandle(self._all_reduce(tensor, op), lambda: self.like(tensor, arr))
+        return _WorkHandle(HANDED.add(self._all_reduce(tensor, op), tensor),
+                           lambda: self.like(tensor, arr))
 
     def allgather_async(self, arr: Any, name: str) -> Handle:
         tensor = self._tensor(arr).reshape(-1)
@@ -149,7 +218,7 @@ class ProcessGroupCollectives(Collectives):
         send[:_LENGTH_BYTES] = self._sizes([data.numel()]).view(torch.uint8)
         send[_LENGTH_BYTES:_LENGTH_BYTES + min(bound, data.numel())] = data[:bound]
         parts = [torch.empty_like(send) for _ in range(self.size)]
-        work = self._all_gather(parts, send)
+        work = HANDED.add(self._all_gather(parts, send), send, *parts)
 
         def result() -> Any:
             lengths = torch.stack([p[:_LENGTH_BYTES] for p in parts]).view(torch.int64)
@@ -161,7 +230,7 @@ class ProcessGroupCollectives(Collectives):
                 rest = torch.zeros(longest - bound, dtype=torch.uint8, device=self.device)
                 rest[:max(0, data.numel() - bound)] = data[bound:]
                 tails = [torch.empty_like(rest) for _ in range(self.size)]
-                self._all_gather(tails, rest).wait()
+                HANDED.add(self._all_gather(tails, rest), rest, *tails).wait()
                 chunks = [torch.cat([c, t[:max(0, n - bound)]])
                           for c, t, n in zip(chunks, tails, lengths)]
             return self.like(torch.cat(chunks).view(tensor.dtype), arr)
@@ -170,12 +239,12 @@ class ProcessGroupCollectives(Collectives):
 
     def alltoall_async(self, arr: Any, splits: list[int], name: str) -> Handle:
         tensor = self._tensor(arr).reshape(-1)
-        received = self._sizes([0] * self.size)
+        received, sizes = self._sizes([0] * self.size), self._sizes(splits)
         ones = [1] * self.size
-        self._all_to_all(received, self._sizes(splits), ones, ones).wait()
+        HANDED.add(self._all_to_all(received, sizes, ones, ones), received, sizes).wait()
         received = [int(n) for n in received.tolist()]
         out = torch.empty(sum(received), dtype=tensor.dtype, device=self.device)
-        work = self._all_to_all(out, tensor, received, list(splits))
+        work = HANDED.add(self._all_to_all(out, tensor, received, list(splits)), out, tensor)
         return _WorkHandle(work, lambda: (self.like(out, arr), received))
 
     def mpi_communicator(self) -> PointToPoint:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs tests/parallel_ddp under torchrun (gloo process groups): 2 and 4 ranks, and 3 for the
-# non-power-of-two exponent reduction. Every run has a deadline, so a hang fails the job.
+# non-power-of-two exponent reduction; then launches exit_job.py HQ_EXIT_RUNS times (default
+# 20), each of which must exit 0. Every run has a deadline, so a hang fails the job.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1
@@ -21,4 +22,23 @@ for np in $HQ_PARALLEL_WORLDS; do
   run "$np" tests/parallel_ddp
 done
 run 3 tests/parallel_ddp/test_ddp_exact.py -k "global_qsgd or nested"
+
+# a DDP job with the hook exits 0, every time (docs/ddp.md)
+: "${HQ_EXIT_RUNS:=20}"
+echo "== tests/parallel_ddp: exit_job.py, $HQ_EXIT_RUNS runs of 2 ranks, each must exit 0 =="
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+failed=0
+for i in $(seq "$HQ_EXIT_RUNS"); do
+  rc=0
+  timeout --kill-after=10 120 torchrun --standalone --nproc_per_node 2 \
+    tests/parallel_ddp/exit_job.py >"$log" 2>&1 || rc=$?
+  if [ "$rc" != 0 ]; then
+    failed=$((failed + 1))
+    echo "!! run $i exited $rc:"
+    grep -E "terminate called|exitcode|Error" "$log" | head -5 || true
+  fi
+done
+echo "exit_job.py: $((HQ_EXIT_RUNS - failed)) of $HQ_EXIT_RUNS runs exited 0"
+[ "$failed" = 0 ] || status=1
 exit $status

@@ -1,0 +1,41 @@
+"""A small DDP training job with the horovod_quant hook, written as docs/ddp.md shows (nothing
+to call at the end): tests/parallel_ddp/run.sh launches it many times under torchrun, and every
+run must exit 0.
+
+A gloo worker thread that frees a collective's tensor after the interpreter has begun to
+finalize aborts the process; to free a Python object it needs the GIL, and asks the main
+thread to hand it over only after the switch interval. The job sets a long one (1 s), so that,
+as on an idle machine, the main thread runs on to finalization first: without the package's
+release of collective tensors (horovod_quant.torch.distributed.HANDED) about half of the runs
+abort, whatever the load of the machine.
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import horovod_quant as hq
+from horovod_quant.torch import ddp
+
+
+def main() -> None:
+    sys.setswitchinterval(1.0)
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 4)))
+    state = ddp.QuantizationState(hq.get_codec("qsgd", bits=4))
+    model.register_comm_hook(state, ddp.quantization_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(30):
+        opt.zero_grad()
+        model(torch.randn(16, 32, generator=gen)).square().mean().backward()
+        opt.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
