@@ -202,6 +202,9 @@ class QuantizationState(CompressorSettings):
         self.codecs: list[Codec] = list(unique.values())
         self._codec_indices = {key: k for k, key in enumerate(unique)}
         self._comm = comm
+        #: which ranks share nodes, where the exchanges may take hierarchical plans (several
+        #: nodes of several ranks, docs/codecs.md), else None: what mean_estimate needs
+        self.topology = getattr(comm.hierarchy, "topology", None)
         self._check: ConfigCheck | None = None
         self._exchanges: list[Exchange] | None = None
         self._layouts: dict[int, tuple[tuple[int, ...], list[_Part]]] = {}

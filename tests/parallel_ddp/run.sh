@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Runs tests/parallel_ddp under torchrun (gloo process groups): 2 and 4 ranks, and 3 for the
-# non-power-of-two exponent reduction; then launches exit_job.py HQ_EXIT_RUNS times (default
-# 20), each of which must exit 0. Every run has a deadline, so a hang fails the job.
+# Runs tests/parallel_ddp under torchrun (gloo process groups): 2 and 4 ranks, 2 nodes x 2 ranks
+# (two torchrun launches with --nnodes 2 on this host: the hierarchical exchange), and 3 for
+# the non-power-of-two exponent reduction; then launches exit_job.py HQ_EXIT_RUNS times
+# (default 20), each of which must exit 0. Every run has a deadline, so a hang fails the job.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1
-: "${HQ_PARALLEL_WORLDS:=2 4}"
+: "${HQ_PARALLEL_WORLDS:=2 4 2x2}"
 : "${HQ_PARALLEL_TIMEOUT:=900}"
 status=0
 run() {
@@ -18,8 +19,25 @@ run() {
     status=1
   fi
 }
-for np in $HQ_PARALLEL_WORLDS; do
-  run "$np" tests/parallel_ddp
+nodes() {  # NODESxRANKS: one torchrun per node, all on this host, rendezvous on loopback
+  local n=${1%x*} k=${1#*x}; shift
+  local port=$((29600 + RANDOM % 300)) pids=() rc=0
+  echo "== tests/parallel_ddp: $n nodes x $k ranks, gloo $* =="
+  for ((node = 0; node < n; node++)); do
+    timeout --kill-after=30 "$HQ_PARALLEL_TIMEOUT" \
+      torchrun --nnodes "$n" --node_rank "$node" --nproc_per_node "$k" \
+      --master_addr 127.0.0.1 --master_port "$port" \
+      -m pytest -q -x -p no:cacheprovider "$@" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+  if [ "$rc" != 0 ]; then
+    echo "!! tests/parallel_ddp failed: $n nodes x $k ranks $*"
+    status=1
+  fi
+}
+for world in $HQ_PARALLEL_WORLDS; do
+  if [[ $world == *x* ]]; then nodes "$world" tests/parallel_ddp; else run "$world" tests/parallel_ddp; fi
 done
 run 3 tests/parallel_ddp/test_ddp_exact.py -k "global_qsgd or nested"
 

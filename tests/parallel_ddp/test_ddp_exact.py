@@ -90,7 +90,8 @@ class Recorder:
                     want, _ = hq.mean_estimate(codec, [r[idx] for r in rows],
                                                self.state.seed_of(step, index, k),
                                                gather=self.state.gather,
-                                               pipeline_elems=self.state.pipeline_elems)
+                                               pipeline_elems=self.state.pipeline_elems,
+                                               topology=self.state.topology)
                     float_sum = codec.horovod_allreduce
                 if float_sum is None or n <= 2:
                     assert np.array_equal(got[idx], want, equal_nan=True), (k, index)
