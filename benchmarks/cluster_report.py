@@ -566,16 +566,69 @@ def plots(data: dict, prefix: str) -> list[str]:
         data["summary"]["shapes"], prefix, data.get("machine", {}).get("cpus", "?"))
 
 
+def median_of_shapes(runs: list[list[dict]], names: list[str]) -> list[str]:
+    """Per cluster shape, link and model of :func:`shape_summary`: every configuration's
+    speedup vs fp32 and bytes across hosts against fp32's in each run and their median, and
+    the shape targets on the medians (the best configuration of each bit width)."""
+    L = []
+    keys = dict.fromkeys((e["hosts"], e["ranks_per_host"], e["rate_bps"], e["model"])
+                         for shapes in runs for e in shapes)
+    for key in keys:
+        hosts, per_host, rate, model = key
+        entries = [next((e for e in shapes if (e["hosts"], e["ranks_per_host"], e["rate_bps"],
+                                                e["model"]) == key), None) for shapes in runs]
+        cids = list(dict.fromkeys(c for e in entries if e for c in e["configs"]))
+        L.append(f"### {hosts} x {per_host}, {rate / 1e9:g} Gbit/s, {model}\n")
+        L.append("| config | door | x fp32 (" + ", ".join(names) + ") | median | bytes across "
+                 "hosts / fp32's (" + ", ".join(names) + ") | median |")
+        L.append("|---|---|---|---|---|---|")
+        medians = {}
+        for cid in cids:
+            got = {k: [e["configs"][cid][k] for e in entries if e and cid in e["configs"]
+                       and e["configs"][cid][k] is not None]
+                   for k in ("speedup_vs_fp32", "nic_vs_fp32")}
+            medians[cid] = {k: statistics.median(v) if v else None for k, v in got.items()}
+            door = next(e["configs"][cid]["door"] for e in entries if e and cid in e["configs"])
+            L.append(f"| {cid} | {door} | " + ", ".join(_x(v) for v in got["speedup_vs_fp32"])
+                     + f" | {_x(medians[cid]['speedup_vs_fp32'])} | "
+                     + ", ".join(f"{v:.2f}" for v in got["nic_vs_fp32"])
+                     + f" | {_ratio(medians[cid]['nic_vs_fp32'])} |")
+        L.append("")
+        for bits in (8, 4):
+            for k, goal, higher, what in (
+                    ("nic_vs_fp32", SHAPE_BYTES_GOALS[bits], False,
+                     "bytes across hosts / fp32's <="),
+                    ("speedup_vs_fp32", SHAPE_SPEED_GOALS.get((hosts, per_host))
+                     if bits == 8 else None, True, "samples/s vs fp32 >=")):
+                vals = {c: m[k] for c, m in medians.items()
+                        if c.endswith(f":{bits}") and m[k] is not None}
+                if goal is None or not vals:
+                    continue
+                best = (max if higher else min)(vals, key=vals.get)
+                met = vals[best] >= goal if higher else vals[best] <= goal
+                L.append(f"* {hosts} x {per_host}, best {bits}-bit {what} {goal:g}, median of "
+                         f"{len(runs)} runs: {vals[best]:.2f} ({best}), met: "
+                         f"{'yes' if met else '**no**'}")
+        L.append("")
+    return L
+
+
+def _ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def median_of_runs(paths: list[str]) -> str:
     """Training speedups vs fp32 of separate runs side by side, their median, and issue 16's
     training targets on the medians (markdown): at 1 Gbit/s the MLP at 8 bits >= 2.5x and at 4
     bits >= 4x, at 10 Gbit/s no codec below 1.0x but those that fell back whole in every run
     (Horovod's float32 allreduce carried every tensor: fp32's own path, listed apart)."""
-    runs, whole = [], []
+    runs, whole, shapes = [], [], []
     for path in paths:
         with open(path) as f:
             data = json.load(f)
-        runs.append(analyse(data)["training"])
+        summary = analyse(data)
+        runs.append(summary["training"])
+        shapes.append(shape_summary(data, summary))
         whole.append({(link["label"], r["model"], r["config_id"]) for link in data["links"]
                       for r in link["results"] if r.get("kind") == "train"
                       and not r.get("error") and on_fp32_path(r)})
@@ -614,6 +667,9 @@ def median_of_runs(paths: list[str]) -> str:
                 L.append(f"* {t['target']}: {_x(t['range'][0])} .. {_x(t['range'][1])}, "
                          f"met: {met}")
             L.append("")
+    if any(shapes):
+        L += ["## Across cluster shapes, median of the runs\n"]
+        L += median_of_shapes(shapes, [f"run {i + 1}" for i in range(len(paths))])
     return "\n".join(L)
 
 
