@@ -53,8 +53,14 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from ..backends import MODE_DITHER, MODE_NESTED, NORM_MAX, backend_of, numba_backend
-from ..backends.numba.packing import packed_nbytes
+from ..backends import (
+    MODE_DITHER,
+    MODE_NESTED,
+    NORM_MAX,
+    backend_of,
+    numba_backend,
+    packed_nbytes,
+)
 from .base import Codec, WireLayout, _numel, check_int, worker_seed
 from .payload import Payload
 from .quantizers import DEFAULT_BUCKET, _check_bucket

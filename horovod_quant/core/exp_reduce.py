@@ -50,8 +50,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from ..backends import backend_of
-from ..backends.numba.packing import PACK_BLOCK, packed_nbytes
+from ..backends import PACK_BLOCK, backend_of, packed_nbytes
 from .base import check_payload_size
 from .rng import derive_key, split_key
 

@@ -41,8 +41,8 @@ from ..backends import (
     SPARSE_OK,
     SPARSE_SHORT,
     backend_of,
+    packed_nbytes,
 )
-from ..backends.numba.packing import packed_nbytes
 from .base import Codec, WireLayout, check_choice, check_int, worker_seed
 from .exp_reduce import (
     REDUCTIONS,

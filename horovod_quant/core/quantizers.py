@@ -45,9 +45,9 @@ from ..backends import (
     NORM_P,
     NORM_POW2,
     backend_of,
+    elias_error,
+    packed_nbytes,
 )
-from ..backends.numba.elias import elias_error
-from ..backends.numba.packing import packed_nbytes
 from .base import Codec, WireLayout, check_choice, check_int
 from .payload import Payload
 from .rng import derive_key, split_key

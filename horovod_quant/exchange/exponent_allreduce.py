@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .. import gpu
-from ..backends.numba.packing import PACK_BLOCK
+from ..backends import PACK_BLOCK
 from ..env import env_flag
 from ..core.base import array_module
 from ..core.exp_reduce import block_byte_range, round_key, schedule

@@ -124,8 +124,6 @@ class NumbaBackend(Backend):
 
     def count_outside(self, x: Any, data: Any, offset: int, n: int, bucket: int, M: int, k: int,
                       bits: int, am: float, y: Any, keys: Keys) -> int:
-        """NDQSG P2 elements whose recovered fine index differs from the sender's (the sender's
-        input ``x`` known): the exact outage count of a simulation. Host statistics only."""
         am = np.float32(am)
         fine = D.fine_indices(x, bucket, am, keys[0], keys[1])
         return int(D.nested_outside(data, offset, n, bucket, M, k, bits, am, y, keys[0],

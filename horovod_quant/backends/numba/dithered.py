@@ -6,8 +6,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ..protocol import PACK_BLOCK
 from .levels import NORM_MAX, _bucket_scale
-from .packing import PACK_BLOCK, pack_block, unpack_block
+from .packing import pack_block, unpack_block
 from .rng import block_key, hash32_at, u24_float
 
 _HALF = np.float32(0.5)

@@ -28,7 +28,15 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .packing import PACK_BLOCK, unpack_block
+from ..protocol import (
+    ELIAS_BAD_LEVEL,
+    ELIAS_NO_TERMINATOR,
+    ELIAS_OK,
+    ELIAS_PAST_END,
+    ELIAS_TRAILING,
+    PACK_BLOCK,
+)
+from .packing import unpack_block
 
 #: Longest binary group the reader takes (values < 2^56, far above any position): a longer one
 #: only comes from a corrupt stream, and reading it would overrun the 64-bit bit buffer
@@ -152,21 +160,6 @@ def elias_decode_ints(data: np.ndarray, count: int) -> np.ndarray:
     if used > 8 * data.size:
         raise ValueError(f"Elias: the stream of {data.size} bytes ends before {count} integers")
     return out
-
-
-#: status codes of :func:`elias_decode`
-ELIAS_OK, ELIAS_PAST_END, ELIAS_BAD_LEVEL, ELIAS_NO_TERMINATOR, ELIAS_TRAILING = 0, 1, 2, 3, 4
-_ELIAS_ERRORS = {
-    ELIAS_PAST_END: "a position past the end of the vector",
-    ELIAS_BAD_LEVEL: "a level past the code width",
-    ELIAS_NO_TERMINATOR: "the stream ends without its terminator",
-    ELIAS_TRAILING: "bytes after the terminator",
-}
-
-
-def elias_error(code: int) -> str:
-    """What a nonzero :func:`elias_decode` status means."""
-    return _ELIAS_ERRORS.get(int(code), f"status {code}")
 
 
 @numba.njit(cache=True, nogil=True)

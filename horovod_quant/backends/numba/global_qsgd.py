@@ -11,9 +11,9 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from ..protocol import SPARSE_BAD_POSITIONS, SPARSE_OK, SPARSE_SHORT
+from ..protocol import PACK_BLOCK, SPARSE_BAD_POSITIONS, SPARSE_OK, SPARSE_SHORT
 from .levels import _sumsq_lanes
-from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
+from .packing import pack_block, packed_nbytes, unpack_block
 from .rng import block_key, hash32_lo, u24_float
 
 WORD_BLOCK = 1024
