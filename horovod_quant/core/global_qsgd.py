@@ -11,7 +11,7 @@ their codes can be combined without side information:
   two's-complement sum wraps, and the fields guarantee the true sum fits).
 * ``levels="exponential"`` (Global-E_s): levels {0} U {2^-j, j < s}; after the division by
   ``2^c >= 2n`` a value is ``sign * 2^-e`` with ``e = j + c``, sent as ``sign << (bits-1) | e``
-  and summed by the stochastic exponent reduction of :mod:`.exp_reduce`
+  and summed by the stochastic exponent reduction of :mod:`.exponent_reduction`
   (``combine = "custom"``).
 * ``mode="sparse"``: only the nonzero codes and their positions travel (``combine = "gather"``).
 
@@ -44,7 +44,7 @@ from ..backends import (
     packed_nbytes,
 )
 from .base import Codec, WireLayout, check_choice, check_int, worker_seed
-from .exp_reduce import (
+from .exponent_reduction import (
     REDUCTIONS,
     exponent_offset,
     partial_sum_sizes,
@@ -89,7 +89,7 @@ class GlobalQSGD(Codec):
 
     Every worker encodes with the global norm (``norm_statistic`` of each worker's vector,
     combined across workers with ``norm_op``, then ``norm_from_statistic``); see the module doc
-    for the payload layouts and :mod:`.exp_reduce` for the exponent reduction.
+    for the payload layouts and :mod:`.exponent_reduction` for the exponent reduction.
 
     Args:
         world_size: n, the number of workers whose payloads combine (required; it sets the
@@ -99,7 +99,7 @@ class GlobalQSGD(Codec):
         levels: "linear" (Global-L_s) or "exponential" (Global-E_s).
         num_levels: s; default the largest that fits (linear dense:
             ``floor((2^bits - 1) / (2n))``; exponential dense: ``2^(bits-1) - c - R`` with
-            ``c`` = :func:`.exp_reduce.exponent_offset` and R roundings per element; sparse:
+            ``c`` = :func:`.exponent_reduction.exponent_offset` and R roundings per element; sparse:
             ``2^(bits-1) - 1``).
         norm: "max" (L-infinity, the paper's default) or "l2" (global L2 norm).
         mode: "dense" (allreduce-style exchange) or "sparse" (nonzeros with positions, gather).
@@ -111,7 +111,8 @@ class GlobalQSGD(Codec):
     #: of the default configuration; each instance sets its own from ``levels`` and ``mode``
     combine = "custom"
     needs_world_size = True
-    #: the mpi4py exponent allreduce (dense exponential levels; it declines the other modes)
+    #: of the default configuration: the mpi4py exponent allreduce; None for the modes that
+    #: do not combine by the exponent reduction
     custom_collective = "exponent_allreduce"
     needs_norm = True
 
@@ -155,6 +156,7 @@ class GlobalQSGD(Codec):
                 "num_levels", num_levels, 1, most,
                 hint=f"{bits} bits hold at most {most} levels with the sign; raise bits.")
         self.combine = ("sum" if linear else "custom") if dense else "gather"
+        self.custom_collective = "exponent_allreduce" if self.combine == "custom" else None
         self.head_nbytes = 0 if dense else 4  # sparse: the uint32 count decides the length
         self.wire_dtype = np.dtype(np.uint64) if dense and linear else np.dtype(np.uint8)
         self.norm_op = "max" if norm == "max" else "sum"
@@ -387,7 +389,7 @@ class GlobalQSGD(Codec):
     def reduce(self, payloads: Sequence[Payload], seed: int) -> Payload:
         """The combined payload of n workers, as the dense exchange computes it: the wrapping
         uint64 sum of the words (linear) or the stochastic exponent reduction with the exchange
-        seed ``seed`` (exponential, :func:`.exp_reduce.reduce_packed`)."""
+        seed ``seed`` (exponential, :func:`.exponent_reduction.reduce_packed`)."""
         if self.mode == "sparse":
             raise ValueError("sparse payloads are gathered, not reduced: decode_add each one")
         n = len(payloads)

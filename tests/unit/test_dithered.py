@@ -1,7 +1,7 @@
 """dithered (DQSG) and nested_dithered (NDQSG) against the nested-dithered-quantization paper.
 
 The NumPy reference below is written from the paper (eq. (2), (6)-(7)) and the wire format in
-``horovod_quant/core/dithered.py``'s module doc, not from the kernels. Statistical checks use
+docs/formats.md ("Dithered codes"), not from the kernels. Statistical checks use
 fixed seeds and tolerances derived from the exact distribution of the error (uniform on
 [-Delta/2, Delta/2] per element, independent across elements), at 5 sigma; each kind of check
 also runs a negative control that must fail it.
@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.core.dithered import (
-    HEADER, coarse_bits, fine_levels, outage_bound, theorem6_ratio,
-)
+from horovod_quant.core.dithered import fine_levels
+from horovod_quant.core.nested_dithered import HEADER, coarse_bits, outage_bound, theorem6_ratio
 from horovod_quant.backends.numba.packing import packed_nbytes, unpack
 from horovod_quant.backends.numba.rng import uniforms
 from horovod_quant.core.rng import derive_key

@@ -1,7 +1,7 @@
 """Numba kernels of Global-QSGD: global norm statistics, the linear (summable uint64 words),
 exponential and sparse encoders and decoders, and the exponent combination of the stochastic
 reduction (Algorithm 2). Formats and arithmetic: :mod:`horovod_quant.core.global_qsgd` and
-:mod:`horovod_quant.core.exp_reduce`; mirrored in ``kernels/global_qsgd.cu``.
+:mod:`horovod_quant.core.exponent_reduction`; mirrored in ``kernels/global_qsgd.cu``.
 """
 from __future__ import annotations
 
