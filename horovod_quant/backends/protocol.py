@@ -73,7 +73,7 @@ class Backend(abc.ABC):
 
     Arrays are ``xp`` arrays (flat, C-contiguous); ``keys`` are ``(k0, k1)`` pairs of
     ``rng.split_key``; ``out`` arguments are written in place. Every entry point reproduces the
-    float32 operations and their order of the documented formats (``core`` module docs), so
+    float32 operations and their order of the documented formats (docs/formats.md), so
     backends agree bit for bit.
     """
 

@@ -62,7 +62,7 @@ class DitheredQuantizer(Codec):
     (Lemma 3), whatever the data.
 
     Args:
-        bits: wire bits per element, 2..8; ``Delta = 1/M``, ``M = 2^(bits-1) - 1`` (module doc).
+        bits: wire bits per element, 2..8; ``Delta = 1/M``, ``M = 2^(bits-1) - 1``.
         bucket_size: elements per bucket (one float32 ``kappa = max|x|`` each); None = whole
             tensor.
     """

@@ -84,17 +84,96 @@ def complete_outage_share(stats: dict[str, Any], wrong: int) -> None:
 
 @dataclass
 class NestedState:
-    """What an NDQSG codec carries from one exchange to the next.
+    """What an NDQSG codec carries from one exchange to the next, and the rule that moves it:
+    each side-information decode measures sigma_z^2, which sets the coarse ratio of the next P2
+    encode (Theorem 6, :func:`theorem6_ratio`) unless the ratio is fixed.
 
     Attributes:
-        sigma2: the side-information error last measured (inf before any): it sets the coarse
-            ratio of the next P2 encode.
+        bits, alpha, outage, coarse_ratio: the codec's parameters the rule reads.
+        sigma2: the side-information error last measured (inf before any).
         last_stats: the statistics of the last exchange decoded (class doc of
             :class:`NestedDitheredQuantizer`).
     """
 
+    bits: int
+    alpha: float
+    outage: float
+    coarse_ratio: int | None
     sigma2: float = math.inf
     last_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def next_k(self) -> int:
+        """The coarse ratio the next P2 encode uses."""
+        if self.coarse_ratio is not None:
+            return self.coarse_ratio
+        return theorem6_ratio(self.bits, self.alpha, self.sigma2, self.outage)
+
+    def advance(self, sum_r2: float, count: int, wrong: int, ks: list[int],
+                exact: bool) -> dict[str, Any]:
+        """Move on by one exchange: its P2 residuals (``sum_r2`` over ``count`` values), wrong
+        coarse bins among the inputs known, its P2 ratios ``ks``, and whether every P2 input
+        was known. Returns the exchange's statistics, now :attr:`last_stats`."""
+        M = fine_levels(self.bits)
+        sigma2 = measured_sigma2(sum_r2, count, self.alpha, M)
+        if sigma2 is not None:
+            self.sigma2 = sigma2
+        k = max(ks) if ks else None
+        stats = {
+            "outside_share": None,
+            "outside_count": wrong,
+            "p2_values": count,
+            "outside_bound": (outage_bound(k, self.alpha, sigma2, M)
+                              if k is not None and sigma2 is not None else None),
+            "k": k,
+            "bits_p2": coarse_bits(k) if k is not None else None,
+            "sigma2": sigma2,
+            "next_k": self.next_k,
+        }
+        if exact:
+            complete_outage_share(stats, wrong)
+        self.last_stats = stats
+        return stats
+
+
+def check_inputs(name: str, inputs: Sequence[Any], world_size: int, size: int) -> None:
+    """The senders' vectors given to a side-information decode: one entry per rank, None or
+    ``size`` elements (the outage count reads them element by element)."""
+    if len(inputs) != world_size:
+        raise ValueError(f"{name}: got {len(inputs)} inputs for world_size={world_size}: pass "
+                         f"one per rank (None where unknown)")
+    for r, x in enumerate(inputs):
+        if x is None:
+            continue
+        count = _numel(x)
+        if count != size:
+            raise ValueError(f"{name}: input of rank {r} has {count} elements, the payloads "
+                             f"size={size}")
+
+
+def header_k(payload: Payload) -> int:
+    """The coarse ratio in an NDQSG payload's header (0 for a P1 payload)."""
+    be = backend_of(payload.data)
+    data = payload_bytes(be, payload)
+    if data.size < HEADER:
+        raise ValueError(f"an NDQSG payload starts with a {HEADER}-byte header; got "
+                         f"{data.size} bytes")
+    return int(be.to_host(data[:HEADER]).view(np.int32)[0])
+
+
+def check_groups(name: str, ks: Sequence[int], n1: int) -> None:
+    """The header ks of an exchange's payloads (rank order): 0 for ranks < n1 (P1), a coarse
+    ratio for the others; ValueError naming the first rank at odds."""
+    for r, k in enumerate(ks):
+        if r < n1 and k != 0:
+            raise ValueError(f"{name}: rank {r} is in P1 (ranks < {n1}) but its payload header "
+                             f"says k={k} (a P2 payload: it decodes only with the P1 mean as "
+                             f"side information): all ranks must build the codec with the same "
+                             f"world_size and p1_fraction")
+        if r >= n1 and k == 0:
+            raise ValueError(f"{name}: rank {r} is in P2 (ranks >= {n1}) but its payload header "
+                             f"says k={k}: all ranks must build the codec with the same "
+                             f"world_size and p1_fraction")
 
 
 def _unit(name: str, value: Any, closed: bool, hint: str) -> float:
@@ -119,17 +198,12 @@ class NestedDitheredQuantizer(Codec):
     """NDQSG (eq. (6)-(7), Alg. 2, Theorem 6): P2 ranks send the fine bin's position inside a
     coarse bin; receivers resolve the coarse bin with the P1 mean as side information.
 
-    With ``coarse_ratio=None`` the ratio k adapts: every side-information decode measures the
-    side-information error ``sigma_z^2`` of the P2 values (:attr:`state`), and the next P2
-    encode uses :func:`theorem6_ratio` of it; before any measurement k = 2M + 1, which holds
-    every fine index. Every rank advances the state from the same data in the same order, and
-    each P2 payload carries its k, so decoding never depends on the state.
-
-    ``last_stats`` (the last exchange decoded): ``"outside_share"`` (share of P2 values with a
-    wrong coarse bin, exact; None until every P2 sender's count is known), ``"outside_count"``
-    (wrong coarse bins among the P2 inputs given), ``"p2_values"``, ``"outside_bound"``
-    (Theorem 6 at this k and the measured sigma_z^2: an estimate after outages), ``"k"``,
-    ``"bits_p2"``, ``"sigma2"``, ``"next_k"``. Details: docs/codecs.md.
+    With ``coarse_ratio=None`` the ratio k adapts between exchanges (:class:`NestedState`);
+    each P2 payload carries its k, so decoding never depends on that state. ``last_stats``
+    describes the last exchange decoded: ``"outside_share"`` (share of P2 values with a wrong
+    coarse bin: exact, None until every P2 sender's count is known), ``"outside_count"``,
+    ``"p2_values"``, ``"outside_bound"`` (Theorem 6 at this k: an estimate after outages),
+    ``"k"``, ``"bits_p2"``, ``"sigma2"``, ``"next_k"`` (docs/codecs.md).
 
     Args:
         world_size: n, number of ranks in the exchange (required).
@@ -182,7 +256,7 @@ class NestedDitheredQuantizer(Codec):
         self.coarse_ratio = coarse_ratio
         self.outage = outage
         self.bucket_size = _check_bucket(bucket_size)
-        self.state = NestedState()
+        self.state = NestedState(bits, alpha, outage, coarse_ratio)
 
     # -- groups, parameters and state --------------------------------------------------------
     @property
@@ -202,10 +276,8 @@ class NestedDitheredQuantizer(Codec):
 
     @property
     def current_k(self) -> int:
-        """The coarse ratio the next P2 encode uses."""
-        if self.coarse_ratio is not None:
-            return self.coarse_ratio
-        return theorem6_ratio(self.bits, self.alpha, self.state.sigma2, self.outage)
+        """The coarse ratio the next P2 encode uses (``state.next_k``)."""
+        return self.state.next_k
 
     def in_p1(self, rank: int) -> bool:
         """Whether ``rank`` sends plain DQSG codes (group P1)."""
@@ -265,15 +337,7 @@ class NestedDitheredQuantizer(Codec):
     def encode_worker(self, x: Any, seed: int, rank: int, norm: float | None = None) -> Payload:
         return self.encode(x, seed=worker_seed(seed, rank), rank=rank)
 
-    @staticmethod
-    def payload_k(payload: Payload) -> int:
-        """The coarse ratio in a payload's header (0 for a P1 payload)."""
-        be = backend_of(payload.data)
-        data = payload_bytes(be, payload)
-        if data.size < HEADER:
-            raise ValueError(f"an NDQSG payload starts with a {HEADER}-byte header; got "
-                             f"{data.size} bytes")
-        return int(be.to_host(data[:HEADER]).view(np.int32)[0])
+    payload_k = staticmethod(header_k)
 
     def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
         """Decode a P1 payload (DQSG). P2 payloads need side information:
@@ -378,7 +442,7 @@ class NestedDitheredQuantizer(Codec):
         ks_all = self.check_group_headers(payloads_by_rank, out)
         size = payloads_by_rank[0].size
         if inputs is not None:
-            self.check_inputs(inputs, size)
+            check_inputs(self.name, inputs, self.world_size, size)
         be = backend_of(payloads_by_rank[0].data)
         est = be.xp.empty(size, np.float32) if out is None else be.array(out)
         est.fill(0)
@@ -405,32 +469,8 @@ class NestedDitheredQuantizer(Codec):
                     coarse_bits(k), am, be.to_host(y), keys)
         be.scale(est, 1.0 / n, est)
         exact = inputs is not None and all(x is not None for x in inputs[self.n1:])
-        stats = self._advance(sum_r2, count, wrong, ks, exact)
+        stats = self.state.advance(sum_r2, count, wrong, ks, exact)
         return (est if out is None else out), stats
-
-    def _advance(self, sum_r2: float, count: int, wrong: int, ks: list[int],
-                 exact: bool) -> dict[str, Any]:
-        """Move :attr:`state` on by one exchange (sigma_z^2 from its P2 residuals,
-        :func:`measured_sigma2`) and return the exchange's statistics, now ``last_stats``."""
-        sigma2 = measured_sigma2(sum_r2, count, self.alpha, self.M)
-        if sigma2 is not None:
-            self.state.sigma2 = sigma2
-        k = max(ks) if ks else None
-        stats = {
-            "outside_share": None,
-            "outside_count": wrong,
-            "p2_values": count,
-            "outside_bound": (outage_bound(k, self.alpha, sigma2, self.M)
-                              if k is not None and sigma2 is not None else None),
-            "k": k,
-            "bits_p2": coarse_bits(k) if k is not None else None,
-            "sigma2": sigma2,
-            "next_k": self.current_k,
-        }
-        if exact:
-            complete_outage_share(stats, wrong)
-        self.state.last_stats = stats
-        return stats
 
     def check_group_headers(self, payloads_by_rank: Sequence[Payload], out: Any | None = None
                             ) -> list[int]:
@@ -438,31 +478,8 @@ class NestedDitheredQuantizer(Codec):
         be 0 for ranks < n1 (P1) and an odd coarse ratio >= 3 for the others; raises
         ValueError otherwise. Returns each rank's k."""
         ks = [lay.head for lay in self.check_payloads(payloads_by_rank, out)]
-        for r, k in enumerate(ks):
-            if r < self.n1 and k != 0:
-                raise ValueError(f"{self.name}: rank {r} is in P1 (ranks < {self.n1}) but its "
-                                 f"payload header says k={k} (a P2 payload: it decodes only "
-                                 f"with the P1 mean as side information): all ranks must "
-                                 f"build the codec with the same world_size and p1_fraction")
-            if r >= self.n1 and k == 0:
-                raise ValueError(f"{self.name}: rank {r} is in P2 (ranks >= {self.n1}) but its "
-                                 f"payload header says k={k}: all ranks must build the codec "
-                                 f"with the same world_size and p1_fraction")
+        check_groups(self.name, ks, self.n1)
         return ks
-
-    def check_inputs(self, inputs: Sequence[Any], size: int) -> None:
-        """The senders' vectors given to :meth:`decode_side_info`: one entry per rank, None or
-        ``size`` elements (the outage count reads them element by element)."""
-        if len(inputs) != self.world_size:
-            raise ValueError(f"{self.name}: got {len(inputs)} inputs for world_size="
-                             f"{self.world_size}: pass one per rank (None where unknown)")
-        for r, x in enumerate(inputs):
-            if x is None:
-                continue
-            count = _numel(x)
-            if count != size:
-                raise ValueError(f"{self.name}: input of rank {r} has {count} elements, the "
-                                 f"payloads size={size}")
 
     def combine_gathered(self, payloads: Sequence[Payload], seed: int,
                          out: np.ndarray | None = None) -> np.ndarray:

@@ -1,27 +1,11 @@
-"""Elias recursive (omega) coding of sparse level codes: QSGD Section 3.2, "Efficient Coding of
-Gradients" (Alistarh et al., 2017, ``../shared/papers/qsgd.md``).
+"""Elias recursive (omega) coding of sparse level codes (QSGD Section 3.2, "Efficient Coding
+of Gradients"): the numba kernels of ``qsgd(..., elias=True)``.
 
-Elias(k) for an integer k >= 1 (Elias, 1975, the "omega" code the QSGD paper calls recursive):
-write k in binary, prepend the code of (its length - 1), recursively, until that length is 1;
-end with a 0 bit. Elias(1) = ``0``, Elias(2) = ``10 0``, Elias(4) = ``10 100 0``,
-Elias(17) = ``10 100 10001 0``; ``|Elias(k)| = log k + log log k + ... + 1`` (:func:`elias_length`).
-
-Payload (``qsgd`` with ``elias=True``): ``[float32 scale per bucket][bit stream]``, the stream
-MSB first, zero-padded to a byte:
-
-    for each nonzero code in index order: Elias(gap) | sign bit | Elias(level)
-    then Elias(n - last nonzero index) (a gap landing exactly on n ends the stream)
-
-``gap`` is ``index + 1`` for the first nonzero and the distance to the previous nonzero after
-that; ``level`` is the magnitude index (>= 1) of the code ``sign << (bits - 1) | level``. The
-paper sends the gradient's norm first; with buckets every bucket's scale leads the stream, and
-positions run over the whole vector, so sparse buckets cost nothing but their scale. The
-terminating gap (rather than a leading count) keeps encoding to one pass; padding is never
-read as data.
-
-Encoding runs after the fixed-width encoder (:func:`.levels.encode_levels`), from its
-payload: the codes are the same by construction, and the extra pass reads only the packed
-codes (bits/32 of the input).
+A payload is ``[float32 scale per bucket][bit stream]``: per nonzero code in index order,
+Elias(gap) | sign bit | Elias(level), ending with the gap that lands on n. Encoding runs after
+the fixed-width encoder, from its payload; decoding checks every read and returns an
+``ELIAS_*`` status of the backend protocol. The stream, bit for bit: docs/formats.md ("Elias
+streams"). The CUDA backend has no Elias kernel (``MissingKernel``).
 """
 from __future__ import annotations
 
@@ -166,7 +150,7 @@ def elias_decode_ints(data: np.ndarray, count: int) -> np.ndarray:
 def elias_encode_levels(data, n, bucket, bits):
     """The Elias payload of a fixed-width level payload ``data`` (layout of
     :func:`.levels.encode_levels`: [float32 scale per bucket][packed codes]) holding n
-    codes of ``bits`` bits. Returns a new uint8 array (module doc)."""
+    codes of ``bits`` bits. Returns a new uint8 array (docs/formats.md, "Elias streams")."""
     nb = (n + bucket - 1) // bucket
     head = 4 * nb
     codes = np.empty(PACK_BLOCK + 8, np.uint8)
