@@ -46,7 +46,8 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
             CUDA-aware).
         size: elements per payload.
         bits: code width.
-        seed: the exchange seed (round keys: :func:`~horovod_quant.core.exponent_reduction.round_key`).
+        seed: the exchange seed (round keys:
+            :func:`~horovod_quant.core.exponent_reduction.round_key`).
         reduction: "tree" or "ring".
     """
     xp = array_module(data)

@@ -327,7 +327,8 @@ def decode_sparse(data, n, bits, table, scale, out):
     return SPARSE_OK
 
 
-#: Multipliers of the key halves of p's digit words t = 1, 2, 3 (docs/formats.md, "The exponent reduction").
+#: Multipliers of the key halves of p's digit words t = 1, 2, 3 (docs/formats.md, "The exponent
+#: reduction").
 _EXT0, _EXT1 = 0x632BE5AB, 0x85157AF5
 
 
@@ -388,7 +389,8 @@ def _combine_lanes(typingctx, a, b, h, smask):
 @numba.njit(nogil=True)
 def _up_exact(a, b, index, bits, k0, k1):
     """``[p < 2^-diff]`` for an element whose first 32 digits of p are zero: true up to
-    diff 32, decided on digit words t = 1, 2, 3 (docs/formats.md) beyond; false for a zero operand."""
+    diff 32, decided on digit words t = 1, 2, 3 (docs/formats.md) beyond; false for a zero
+    operand."""
     emask = (1 << (bits - 1)) - 1
     e1, e2 = a & emask, b & emask
     if e1 == 0 or e2 == 0:
