@@ -309,8 +309,9 @@ class Codec(abc.ABC):
         Args:
             payloads: every rank's payload, in rank order (``meta["seed"]`` set).
             seed: the exchange seed.
-            rank: this rank, whose input ``x`` it is: the outcome counts the side-information
-                failures of this rank's own values (no rank knows the others').
+            rank: this rank.
+            x: this rank's input vector: the outcome counts the side-information failures of
+                this rank's own values (no rank knows the others').
             out: destination of the estimate, or None for a new array.
 
         Every rank computes the same mean and moves the codec's state between exchanges the
