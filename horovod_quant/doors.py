@@ -10,7 +10,7 @@ from .exchange.collectives import Collectives, Handle
 from .core import available_codecs, get_codec
 from .core.registry import codec_class
 from .core.base import Codec, check_int
-from .exchange.exponent_allreduce import mpi_exchange_enabled
+from .process_sets import mpi_exchange_enabled
 from .exchange.plans import check_gather
 from .env import env_seconds
 from .policy import LayerPolicy, describe

@@ -1,5 +1,6 @@
 """The kernel interface every backend implements (:class:`Backend`), the parameters codecs
-pass to it (encode modes, norm kinds, sparse status codes) and :class:`MissingKernel`.
+pass to it (encode modes, norm kinds, status codes), the wire layout every backend writes
+(:data:`PACK_BLOCK`, :func:`packed_nbytes`) and :class:`MissingKernel`.
 
 Backends import this module, never the package :mod:`horovod_quant.backends` (which picks a
 backend and imports them).
@@ -24,6 +25,40 @@ SCALED_MODES = (MODE_UNIFORM, MODE_GEOMETRIC, MODE_DITHER, MODE_NESTED)
 NORM_L2, NORM_MAX, NORM_P, NORM_POW2 = 0, 1, 2, 3
 #: Status of ``Backend.decode_sparse``.
 SPARSE_OK, SPARSE_SHORT, SPARSE_BAD_POSITIONS = 0, -1, -2
+#: Status of ``Backend.elias_decode`` (:func:`elias_error` says what each means).
+ELIAS_OK, ELIAS_PAST_END, ELIAS_BAD_LEVEL, ELIAS_NO_TERMINATOR, ELIAS_TRAILING = 0, 1, 2, 3, 4
+_ELIAS_ERRORS = {
+    ELIAS_PAST_END: "a position past the end of the vector",
+    ELIAS_BAD_LEVEL: "a level past the code width",
+    ELIAS_NO_TERMINATOR: "the stream ends without its terminator",
+    ELIAS_TRAILING: "bytes after the terminator",
+}
+
+# -- wire layout of packed codes (docs/formats.md, "Packed codes") ---------------------------
+#: Elements per packing block. Part of the wire format: changing it changes payload bytes.
+PACK_BLOCK = 8192
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes taken by ``n`` codes of ``bits`` bits (1..8), packed block by block: a block of m
+    codes stores each binary digit group of ``bits`` (widths 1, 2, 4; or one 8-bit field) in a
+    plane of ``ceil(m * width / 8)`` bytes. Plain Python that the numba backend also compiles
+    (its kernels size buffers with it), so both backends and the codecs count alike."""
+    full = n // PACK_BLOCK
+    m = n - full * PACK_BLOCK
+    if bits == 8:
+        tail = m
+    else:
+        tail = 0
+        for width in (1, 2, 4):
+            if bits & width:
+                tail += (m * width + 7) // 8
+    return full * (PACK_BLOCK * bits // 8) + tail
+
+
+def elias_error(code: int) -> str:
+    """What a nonzero ``Backend.elias_decode`` status means."""
+    return _ELIAS_ERRORS.get(int(code), f"status {code}")
 
 Keys = tuple  # (k0, k1): the uint32 halves of an element key (rng.split_key)
 
@@ -38,7 +73,7 @@ class Backend(abc.ABC):
 
     Arrays are ``xp`` arrays (flat, C-contiguous); ``keys`` are ``(k0, k1)`` pairs of
     ``rng.split_key``; ``out`` arguments are written in place. Every entry point reproduces the
-    float32 operations and their order of the documented formats (``core`` module docs), so
+    float32 operations and their order of the documented formats (docs/formats.md), so
     backends agree bit for bit.
     """
 
@@ -183,16 +218,24 @@ class Backend(abc.ABC):
 
     def elias_decode(self, data: Any, n: int, bucket: int, bits: int, table: Any, out: Any,
                      accumulate: bool) -> int:
-        """Decode an Elias-coded levels payload; returns 0 or an error code of
-        :func:`horovod_quant.backends.numba.elias.elias_error`."""
+        """Decode an Elias-coded levels payload; returns ``ELIAS_OK`` or the ``ELIAS_*`` status
+        of the first violation (:func:`elias_error`)."""
         self.require("elias_decode")
+
+    def count_outside(self, x: Any, data: Any, offset: int, n: int, bucket: int, M: int, k: int,
+                      bits: int, am: float, y: Any, keys: Keys) -> int:
+        """NDQSG P2 elements of a payload ``data`` whose recovered fine index differs from the
+        one the sender computed from its input ``x`` (host arrays): the exact outage count a
+        simulation or a sender can take. A statistic, never on the decode path."""
+        self.require("count_outside")
 
 
 #: Entry points a backend may lack: what the error names, and what the caller can do instead.
 OPTIONAL_ENTRIES = {
-    entry: ("Elias coding (qsgd elias=True)",
-            "encode and decode on the host (NumPy arrays) or use elias=False")
-    for entry in ("elias_encode_levels", "elias_decode")
+    **{entry: ("Elias coding (qsgd elias=True)",
+               "encode and decode on the host (NumPy arrays) or use elias=False")
+       for entry in ("elias_encode_levels", "elias_decode")},
+    "count_outside": ("the NDQSG outage count", "count on the host (NumPy arrays)"),
 }
 
 

@@ -5,8 +5,9 @@ Nothing here imports torch, tensorflow, CuPy or horovod.
 """
 from .base import Codec, as_vector, worker_seed
 from .baselines import BF16, FP16, NoCompression
-from .dithered import DitheredQuantizer, NestedDitheredQuantizer
+from .dithered import DitheredQuantizer
 from .global_qsgd import GlobalQSGD
+from .nested_dithered import NestedDitheredQuantizer
 from .payload import Payload
 from .quantizers import QSGD, NUQSGD, NaturalCompression, NaturalDithering, StandardDithering
 from .registry import available_codecs, get_codec, register

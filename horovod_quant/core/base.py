@@ -63,6 +63,20 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
 MAX_PAYLOAD_SIZE = 1 << 40
 
 
+class SideInfoOutcome(NamedTuple):
+    """One rank's result of :meth:`Codec.combine_side_info`.
+
+    Attributes:
+        mean: the float32 mean estimate, the same on every rank.
+        own_outages: values of this rank's own payload whose side-information decode failed.
+        record: the exchange's statistics, completed by :meth:`Codec.finish_side_info`.
+    """
+
+    mean: Any
+    own_outages: int
+    record: Any
+
+
 class WireLayout(NamedTuple):
     """What a valid payload of ``size`` elements looks like on the wire (:meth:`Codec.wire_layout`).
 
@@ -138,15 +152,21 @@ class Codec(abc.ABC):
     horovod_allreduce: ClassVar[str | None] = None
     #: the constructor needs ``world_size`` (the framework doors fill it from the process set)
     needs_world_size: ClassVar[bool] = False
-    #: a gathered exchange ends by counting the ranks' side-information outages (NDQSG): an
-    #: integer allreduce of ``last_stats["outside_count"]`` (:mod:`horovod_quant.exchange.plans`)
+    #: the ranks this codec combines (codecs that :attr:`needs_world_size`), else None
+    world_size: int | None = None
+    #: decoding needs side information from other ranks' payloads (NDQSG): a gathered exchange
+    #: combines with :meth:`combine_side_info`, sums the ranks' ``own_outages`` with one integer
+    #: allreduce and hands the total to :meth:`finish_side_info`
+    #: (:mod:`horovod_quant.exchange.plans`)
     counts_outage: ClassVar[bool] = False
     #: the collective of :mod:`horovod_quant.exchange` that reduces this codec's payloads in place
     #: of an allgather (its factory may decline an instance it does not fit), or None
     custom_collective: ClassVar[str | None] = None
-    #: encoding needs the global norm of every rank's vector (``norm_statistic``,
-    #: ``norm_op``, ``norm_from_statistics``): the exchange gathers it first
+    #: encoding needs the global norm of every rank's vector (:meth:`norm_statistic`,
+    #: :attr:`norm_op`, :meth:`norm_from_statistics`): the exchange gathers it first
     needs_norm: ClassVar[bool] = False
+    #: how a rank's several statistics combine ("max" or "sum"), for codecs that needs_norm
+    norm_op: str = "max"
 
     def __init__(self, **params: Any) -> None:
         self.params = dict(params)
@@ -267,6 +287,44 @@ class Codec(abc.ABC):
             raise ValueError(f"{self.name}: payloads encode different lengths "
                              f"{[lay.size for lay in lays]}")
         return lays
+
+    # -- the global norm (codecs that needs_norm) ----------------------------------------------
+    def norm_statistic(self, x: Any) -> float:
+        """This rank's part of the global norm of ``x`` (float64; non-finite when x is);
+        statistics combine with :attr:`norm_op`."""
+        raise NotImplementedError(f"{self.name} does not normalize by a global norm "
+                                  f"(needs_norm is False)")
+
+    def norm_from_statistics(self, stats: Sequence[float]) -> np.float32:
+        """The global norm from every rank's statistic, given in rank order (the same float32
+        on every rank)."""
+        raise NotImplementedError(f"{self.name} does not normalize by a global norm "
+                                  f"(needs_norm is False)")
+
+    # -- side information (codecs that counts_outage) ------------------------------------------
+    def combine_side_info(self, payloads: Sequence[Payload], seed: int, rank: int, x: Any,
+                          out: Any | None = None) -> SideInfoOutcome:
+        """The mean estimate of a gathered exchange, decoded with side information.
+
+        Args:
+            payloads: every rank's payload, in rank order (``meta["seed"]`` set).
+            seed: the exchange seed.
+            rank: this rank.
+            x: this rank's input vector: the outcome counts the side-information failures of
+                this rank's own values (no rank knows the others').
+            out: destination of the estimate, or None for a new array.
+
+        Every rank computes the same mean and moves the codec's state between exchanges the
+        same way; the count is this rank's own.
+        """
+        raise NotImplementedError(f"{self.name} decodes without side information "
+                                  f"(counts_outage is False)")
+
+    def finish_side_info(self, outcome: SideInfoOutcome, total_outages: int) -> None:
+        """Complete an exchange's statistics with the sum over ranks of ``outcome.own_outages``
+        (what one integer allreduce gives every rank)."""
+        raise NotImplementedError(f"{self.name} decodes without side information "
+                                  f"(counts_outage is False)")
 
     def config(self) -> dict[str, Any]:
         """Everything that must agree across ranks (checked once at the first step)."""

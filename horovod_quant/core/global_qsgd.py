@@ -1,31 +1,17 @@
 """Global-QSGD (Global-QSGD paper, Definition 3.1, Algorithm 1): quantization by the GLOBAL norm.
 
 Every worker scales its vector by the norm of the concatenation of all workers' vectors (one
-scalar allreduce, Algorithm 1 line 2) instead of its own, so all workers share one grid and
-their codes can be combined without side information:
+scalar exchange, Algorithm 1 line 2) instead of its own, so all workers share one grid and
+their codes combine without side information:
 
-* ``levels="linear"`` (Global-L_s): levels j/s; worker values ``v in [-s, s]`` are stored as
-  ``v + s`` in fields of ``bits`` bits, ``F = 64 // bits`` per uint64 word. The default
-  ``s = floor((2^bits - 1) / (2n))`` leaves the headroom that makes a plain integer SUM of n
-  workers' words exact (``combine = "sum"``), on the 64-bit words of any allreduce (an int64
-  two's-complement sum wraps, and the fields guarantee the true sum fits).
-* ``levels="exponential"`` (Global-E_s): levels {0} U {2^-j, j < s}; after the division by
-  ``2^c >= 2n`` a value is ``sign * 2^-e`` with ``e = j + c``, sent as ``sign << (bits-1) | e``
-  and summed by the stochastic exponent reduction of :mod:`.exp_reduce`
-  (``combine = "custom"``).
+* ``levels="linear"`` (Global-L_s): levels j/s in summable fields of uint64 words, with the
+  headroom that makes a plain integer sum of n workers' words exact (``combine = "sum"``);
+* ``levels="exponential"`` (Global-E_s): codes ``sign << (bits-1) | e`` of values
+  ``sign * 2^-e``, summed by the stochastic exponent reduction of :mod:`.exponent_reduction`
+  (``combine = "custom"``);
 * ``mode="sparse"``: only the nonzero codes and their positions travel (``combine = "gather"``).
 
-Linear word layout. Words are cut into blocks of ``WORD_BLOCK`` = 1024 words
-(:mod:`horovod_quant.backends.numba.global_qsgd`) (``WORD_BLOCK * F``
-elements, the last block may be shorter). In a block of m elements with ``L = ceil(m / F)``
-words, word j holds elements ``j, j + L, ..., j + (F - 1) L`` of the block in fields 0..F-1
-(field f at bits ``f * bits``), so d elements take exactly ``ceil(d / F)`` words and the
-kernels read and write contiguous runs (the segment-strided layout of :mod:`horovod_quant.backends.numba.packing`).
-
-Rounding draws come from the element's counter-based hash (:mod:`.rng`). Given the float32
-ratio |x| s / norm (or |x| / norm) they are exact between two nonzero levels; between zero and
-the lowest nonzero level a probability p < 1/2 is compared on a 2^-24 grid, which rounds it up
-by less than 2^-24 (a bias below 2^-24 of that level, under float32 resolution).
+Word layouts, code tables and the rounding draws, bit for bit: docs/formats.md ("Global-QSGD").
 """
 from __future__ import annotations
 
@@ -41,10 +27,10 @@ from ..backends import (
     SPARSE_OK,
     SPARSE_SHORT,
     backend_of,
+    packed_nbytes,
 )
-from ..backends.numba.packing import packed_nbytes
 from .base import Codec, WireLayout, check_choice, check_int, worker_seed
-from .exp_reduce import (
+from .exponent_reduction import (
     REDUCTIONS,
     exponent_offset,
     partial_sum_sizes,
@@ -84,12 +70,91 @@ def exponential_omega(d: int, s: int) -> float:
     return 1 / 8 + min(d * low * low / 4, math.sqrt(d) * low)
 
 
+def linear_dense_levels(n: int, bits: int, num_levels: int | None) -> int:
+    """The default (or checked) s of linear dense fields: n workers' offsets v + s sum to at
+    most 2ns, which ``bits`` must hold."""
+    most = ((1 << bits) - 1) // (2 * n)
+    s = most if num_levels is None else num_levels
+    if s < 1 or s > most:
+        s = max(s, 1)
+        need = (2 * n * s).bit_length()  # ceil(log2(2ns + 1))
+        raise ValueError(
+            f"linear levels: {n} workers' sum with num_levels={s} needs fields of "
+            f"ceil(log2(2*n*s+1)) = {need} bits, got bits={bits}; use bits >= {need}"
+            + (f" or num_levels <= {most}" if most else "")
+            + f" (bits={bits} supports world_size <= {((1 << bits) - 1) // (2 * s)} "
+            f"at num_levels={s})")
+    return s
+
+def exponential_dense_levels(n: int, bits: int, num_levels: int | None, reduction: str) -> int:
+    """The default (or checked) s of exponential dense codes: after the offset c and R roundings
+    of the exponent reduction, exponents reach c + s - 1 + R, which ``bits`` must hold."""
+    top = (1 << (bits - 1)) - 1
+
+    def reach(m: int, s: int) -> int:
+        return exponent_offset(m, reduction) + s - 1 + reduction_rounds(m, reduction)
+
+    most = top - reach(n, 1) + 1
+    s = most if num_levels is None else num_levels
+    if s < 1 or s > most:
+        s = max(s, 1)
+        largest = 0
+        while reach(largest + 1, s) <= top:
+            largest += 1
+        raise ValueError(
+            f"exponential levels: {n} workers ({reduction} reduction) with num_levels={s} "
+            f"reach exponent c + s - 1 + R = {reach(n, s)}, which needs "
+            f"2^(bits-1) - 1 >= {reach(n, s)}, got bits={bits}; use bits >= "
+            f"{_bits_for(reach(n, s))}" + (f" or num_levels <= {most}" if most >= 1 else "")
+            + f" (bits={bits} supports world_size <= {largest} at num_levels={s})")
+    return s
+
+
+def theta_bound(levels: str, n: int, d: int, s: int, reduction: str, rounds: int) -> float:
+    """Bound on E||mean estimate - mean||^2 / ((1/n) sum_i ||x_i||^2) for n workers of d
+    elements each (Definition 2.2's theta), with ``rounds`` roundings of the exponent
+    reduction (0 for linear levels and sparse mode).
+
+    Quantization (Lemma 3.2: theta = omega / n with omega of the one-worker quantizer on
+    the concatenated n*d vector): linear levels use QSGD Lemma 3.1 (see
+    :func:`.quantizers.uniform_grid_omega`), exponential ones :func:`exponential_omega`.
+    The reduction adds ``sum_k (9/8)^(R-k) g_k / (8 n)`` and scales omega by ``(9/8)^R``
+    (derived in docs/formats.md, "Global-QSGD": the paper's factor bounds second moments,
+    not variances).
+    """
+    if levels == "linear":
+        omega = uniform_grid_omega(n * d, s, 2.0)
+    else:
+        omega = exponential_omega(n * d, s)
+    growth = 9 / 8
+    theta = growth ** rounds * omega / n
+    if rounds:
+        sizes = partial_sum_sizes(n, reduction)
+        theta += sum(growth ** (rounds - k) * g
+                     for k, g in enumerate(sizes, start=1)) / (8 * n)
+    return theta
+
+
+def signed_table(levels: str, bits: int, s: int, c: int) -> np.ndarray:
+    """Value of each sign-magnitude code (exponential: ±2^(c - e); linear: ±j/s), so that
+    decoded = table[code] * norm (divided by n for a reduced sum)."""
+    half = 1 << (bits - 1)
+    table = np.zeros(2 * half, np.float32)
+    mag = np.arange(half, dtype=np.int64)
+    if levels == "exponential":
+        lv = np.where(mag > 0, np.ldexp(1.0, c - mag), 0.0)
+    else:
+        lv = mag / s
+    table[:half] = lv
+    table[half:] = -lv
+    return table
+
+
 class GlobalQSGD(Codec):
     """Global-QSGD (Definition 3.1, Algorithm 1) with linear or exponential levels.
 
-    Every worker encodes with the global norm (``norm_statistic`` of each worker's vector,
-    combined across workers with ``norm_op``, then ``norm_from_statistic``); see the module doc
-    for the payload layouts and :mod:`.exp_reduce` for the exponent reduction.
+    Every worker encodes with the global norm (the ``Codec`` global-norm interface); payload
+    layouts: docs/formats.md ("Global-QSGD").
 
     Args:
         world_size: n, the number of workers whose payloads combine (required; it sets the
@@ -99,8 +164,8 @@ class GlobalQSGD(Codec):
         levels: "linear" (Global-L_s) or "exponential" (Global-E_s).
         num_levels: s; default the largest that fits (linear dense:
             ``floor((2^bits - 1) / (2n))``; exponential dense: ``2^(bits-1) - c - R`` with
-            ``c`` = :func:`.exp_reduce.exponent_offset` and R roundings per element; sparse:
-            ``2^(bits-1) - 1``).
+            ``c`` = :func:`.exponent_reduction.exponent_offset` and R roundings per element;
+            sparse: ``2^(bits-1) - 1``).
         norm: "max" (L-infinity, the paper's default) or "l2" (global L2 norm).
         mode: "dense" (allreduce-style exchange) or "sparse" (nonzeros with positions, gather).
         reduction: exponential dense only: "tree" (recursive halving/doubling, ceil(log2 n)
@@ -111,7 +176,8 @@ class GlobalQSGD(Codec):
     #: of the default configuration; each instance sets its own from ``levels`` and ``mode``
     combine = "custom"
     needs_world_size = True
-    #: the mpi4py exponent allreduce (dense exponential levels; it declines the other modes)
+    #: of the default configuration: the mpi4py exponent allreduce; None for the modes that
+    #: do not combine by the exponent reduction
     custom_collective = "exponent_allreduce"
     needs_norm = True
 
@@ -146,19 +212,20 @@ class GlobalQSGD(Codec):
         self.rounds = reduction_rounds(n, reduction) if dense and not linear else 0
         self.c = exponent_offset(n, reduction) if dense and not linear else 1
         if dense and linear:
-            self.s = self._linear_dense_levels(n, bits, num_levels)
+            self.s = linear_dense_levels(n, bits, num_levels)
         elif dense:
-            self.s = self._exp_dense_levels(n, bits, num_levels, reduction)
+            self.s = exponential_dense_levels(n, bits, num_levels, reduction)
         else:
             most = (1 << (bits - 1)) - 1
             self.s = most if num_levels is None else check_int(
                 "num_levels", num_levels, 1, most,
                 hint=f"{bits} bits hold at most {most} levels with the sign; raise bits.")
         self.combine = ("sum" if linear else "custom") if dense else "gather"
+        self.custom_collective = "exponent_allreduce" if self.combine == "custom" else None
         self.head_nbytes = 0 if dense else 4  # sparse: the uint32 count decides the length
         self.wire_dtype = np.dtype(np.uint64) if dense and linear else np.dtype(np.uint8)
         self.norm_op = "max" if norm == "max" else "sum"
-        self.table = self._signed_table()
+        self.table = signed_table(levels, bits, self.s, self.c)
         super().__init__(world_size=n, bits=bits, levels=levels, num_levels=self.s, norm=norm,
                          mode=mode, reduction=reduction)
 
@@ -166,59 +233,6 @@ class GlobalQSGD(Codec):
         """The same parameters for another world, with the levels the user asked for (the
         default fits the most levels that world allows)."""
         return {**self.params, "world_size": world_size, "num_levels": self.requested_levels}
-
-    @staticmethod
-    def _linear_dense_levels(n: int, bits: int, num_levels: int | None) -> int:
-        """s for summable linear fields: n workers' offsets v + s sum to at most 2ns."""
-        most = ((1 << bits) - 1) // (2 * n)
-        s = most if num_levels is None else num_levels
-        if s < 1 or s > most:
-            s = max(s, 1)
-            need = (2 * n * s).bit_length()  # ceil(log2(2ns + 1))
-            raise ValueError(
-                f"linear levels: {n} workers' sum with num_levels={s} needs fields of "
-                f"ceil(log2(2*n*s+1)) = {need} bits, got bits={bits}; use bits >= {need}"
-                + (f" or num_levels <= {most}" if most else "")
-                + f" (bits={bits} supports world_size <= {((1 << bits) - 1) // (2 * s)} "
-                f"at num_levels={s})")
-        return s
-
-    @staticmethod
-    def _exp_dense_levels(n: int, bits: int, num_levels: int | None, reduction: str) -> int:
-        """s for the exponent reduction: exponents reach c + s - 1 + R (module doc)."""
-        top = (1 << (bits - 1)) - 1
-
-        def reach(m: int, s: int) -> int:
-            return exponent_offset(m, reduction) + s - 1 + reduction_rounds(m, reduction)
-
-        most = top - reach(n, 1) + 1
-        s = most if num_levels is None else num_levels
-        if s < 1 or s > most:
-            s = max(s, 1)
-            largest = 0
-            while reach(largest + 1, s) <= top:
-                largest += 1
-            raise ValueError(
-                f"exponential levels: {n} workers ({reduction} reduction) with num_levels={s} "
-                f"reach exponent c + s - 1 + R = {reach(n, s)}, which needs "
-                f"2^(bits-1) - 1 >= {reach(n, s)}, got bits={bits}; use bits >= "
-                f"{_bits_for(reach(n, s))}" + (f" or num_levels <= {most}" if most >= 1 else "")
-                + f" (bits={bits} supports world_size <= {largest} at num_levels={s})")
-        return s
-
-    def _signed_table(self) -> np.ndarray:
-        """Value of each sign-magnitude code (exponential: ±2^(c - e); sparse linear: ±j/s),
-        so that decoded = table[code] * norm (divided by n for a reduced sum)."""
-        half = 1 << (self.bits - 1)
-        table = np.zeros(2 * half, np.float32)
-        mag = np.arange(half, dtype=np.int64)
-        if self.levels == "exponential":
-            lv = np.where(mag > 0, np.ldexp(1.0, self.c - mag), 0.0)
-        else:
-            lv = mag / self.s
-        table[:half] = lv
-        table[half:] = -lv
-        return table
 
     # -- global norm -----------------------------------------------------------------------
     def norm_statistic(self, x: Any) -> float:
@@ -387,7 +401,7 @@ class GlobalQSGD(Codec):
     def reduce(self, payloads: Sequence[Payload], seed: int) -> Payload:
         """The combined payload of n workers, as the dense exchange computes it: the wrapping
         uint64 sum of the words (linear) or the stochastic exponent reduction with the exchange
-        seed ``seed`` (exponential, :func:`.exp_reduce.reduce_packed`)."""
+        seed ``seed`` (exponential, :func:`.exponent_reduction.reduce_packed`)."""
         if self.mode == "sparse":
             raise ValueError("sparse payloads are gathered, not reduced: decode_add each one")
         n = len(payloads)
@@ -420,29 +434,5 @@ class GlobalQSGD(Codec):
 
     def theta(self, d: int) -> float:
         """Bound on E||mean estimate - mean||^2 / ((1/n) sum_i ||x_i||^2) for d elements per
-        worker (Definition 2.2's theta).
-
-        Quantization (Lemma 3.2: theta = omega / n with omega of the one-worker quantizer on
-        the concatenated n*d vector): linear levels use QSGD Lemma 3.1 (see
-        :func:`.quantizers.uniform_grid_omega`), exponential ones :func:`exponential_omega`.
-
-        Exponential dense adds the reduction; derived here, because the paper's factor
-        (9/8)^R bounds second moments, not variances (two workers at 1 and 1/2 quantize
-        exactly, yet their sum rounds with variance 1/4). A combination of independent unbiased
-        partial sums A, B adds at most E(A + B)^2 / 8 (C_nat), so
-        MSE_AB <= 9/8 (MSE_A + MSE_B) + ||x_A + x_B||^2 / 8; unrolled over the R roundings and
-        with ||x_node||^2 <= g_k sum_{i in node} ||x_i||^2 for the g_k workers of a k-th
-        rounding: theta = (9/8)^R omega / n + sum_k (9/8)^(R-k) g_k / (8 n).
-        """
-        n = self.world_size
-        if self.levels == "linear":
-            omega = uniform_grid_omega(n * d, self.s, 2.0)
-        else:
-            omega = exponential_omega(n * d, self.s)
-        growth = 9 / 8
-        theta = growth ** self.rounds * omega / n
-        if self.rounds:
-            sizes = partial_sum_sizes(n, self.reduction)
-            theta += sum(growth ** (self.rounds - k) * g
-                         for k, g in enumerate(sizes, start=1)) / (8 * n)
-        return theta
+        worker (Definition 2.2's theta; :func:`theta_bound`)."""
+        return theta_bound(self.levels, self.world_size, d, self.s, self.reduction, self.rounds)

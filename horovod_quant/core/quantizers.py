@@ -4,31 +4,8 @@ All five are "general dithering" (natural-compression paper, Definition 3): norm
 by a scale, round each magnitude stochastically to one of two neighbouring levels so that the
 expectation is exact, and send the sign with the level index. They share one kernel
 (``Backend.encode`` with a grid mode, :mod:`horovod_quant.backends`) and differ in the level grid
-and the scale.
-
-How ``bits`` maps to levels (``bits`` counts every bit sent per element, the sign included):
-
-=====================  ==========================================  ==============================
-codec                  levels                                      default from ``bits`` = b
-=====================  ==========================================  ==============================
-qsgd                   0, 1/s, ..., 1 (QSGD, L2 or max norm)       s = 2^(b-1) - 1 (b=4: s=7)
-standard_dithering     0, 1/s, ..., 1 (p-norm)                     s = 2^(b-1) - 1
-nuqsgd                 0, 2^-s, ..., 1/2, 1 (s internal levels)    s = 2^(b-1) - 2 (b=4: s=6)
-natural_dithering      0, 2^(1-s), ..., 1/2, 1 (s levels, p-norm)  s = 2^(b-1) - 1
-natural                C_nat: sign * 2^e                           e in 2^(b-1) - 1 exponents
-                                                                   below the bucket's top power
-=====================  ==========================================  ==============================
-
-Departures from the papers (also in docs/codecs.md):
-* QSGD's experiments count bits for the level only (their "4 bits" has s = 16 plus a sign and
-  Elias coding); here ``bits`` is the exact wire width, so 4 bits means s = 7.
-* C_nat (Definition 1) has a full 8-bit float exponent (9 bits). ``natural`` keeps the sign and
-  2^(b-1) - 1 exponents below a per-bucket power of two 2^T >= max|x| (sent as one float32):
-  with b = 8 that is 127 binades, so every normal float within 2^-126 of the bucket maximum is
-  rounded exactly as C_nat does; smaller values are rounded unbiasedly to 0 or the smallest
-  level (adding at most d * 4^(1-s) to omega, i.e. nothing measurable at b = 8).
-* Natural dithering's Theorem 4 states omega = 1/s + ...; its first term cannot be below C_nat's
-  own 1/8 (d = 2, y = (2^-0.5, 2^-0.5) gives 0.12), so bounds here use max(1/8, 1/s).
+and the scale. ``bits`` counts every bit sent per element, the sign included. How ``bits`` maps
+to each codec's levels, and where the codecs depart from their papers: docs/codecs.md.
 """
 from __future__ import annotations
 
@@ -45,9 +22,9 @@ from ..backends import (
     NORM_P,
     NORM_POW2,
     backend_of,
+    elias_error,
+    packed_nbytes,
 )
-from ..backends.numba.elias import elias_error
-from ..backends.numba.packing import packed_nbytes
 from .base import Codec, WireLayout, check_choice, check_int
 from .payload import Payload
 from .rng import derive_key, split_key
@@ -90,7 +67,8 @@ def geometric_grid_omega(d: int, s: int, p: float = 2.0, scale_slack: float = 1.
 
     Between powers of two the relative variance is at most 1/8 (C_nat, Theorem 1); below the
     smallest level l = 2^(1-s) it is at most min(l^2/4, y_i l). With r = min(p, 2) this is
-    natural dithering's Theorem 4 with its first term read as max(1/8, 1/s) (see module doc).
+    natural dithering's Theorem 4 with its first term read as max(1/8, 1/s) (docs/codecs.md,
+    "Departures from the papers").
     ``scale_slack`` bounds scale / ||x||_p (2 for C_nat's power-of-two scale).
     """
     if d == 0:

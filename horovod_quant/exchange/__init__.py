@@ -1,11 +1,11 @@
 """How payloads travel between ranks: the exchange plans (:mod:`.plans`, framing in
 :mod:`.wire`) and their runners, :class:`Exchange` over :class:`Collectives` (:mod:`.driver`)
 and :func:`mean_estimate` (:mod:`.reference`); the TensorFlow compressor is the third.
-:mod:`.staging` carries device payloads over host-only collectives, :mod:`.exponent_allreduce` is the
-mpi4py exponent allreduce of Global-QSGD (docs/architecture.md)."""
+:mod:`.staging` carries device payloads over host-only collectives; :mod:`.mpi_exponent_allreduce`
+runs Global-QSGD's exponent reduction between ranks over MPI (docs/architecture.md)."""
 from .collectives import Collectives, Done, Handle, LocalCollectives
 from .driver import CUSTOM_COLLECTIVES, Exchange, ExchangeStats, Pending
-from .exponent_allreduce import mpi_exponent_factory
+from .mpi_exponent_allreduce import mpi_exponent_factory
 from .reference import mean_estimate
 from .staging import HostStaged
 

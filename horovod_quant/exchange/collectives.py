@@ -1,8 +1,9 @@
 """The collectives an exchange needs, on NumPy arrays, independent of the framework.
 
 The framework doors implement :class:`Collectives` over Horovod (``horovod.torch``,
-``horovod.tensorflow``) or a torch.distributed process group (the DDP door); tests use
-:class:`LocalCollectives` and threaded ranks.
+``horovod.tensorflow``; their base is :class:`horovod_quant.process_sets.ProcessSetCollectives`)
+or a torch.distributed process group (the DDP door); tests use :class:`LocalCollectives` and
+threaded ranks. Nothing here imports a framework or Horovod.
 Every call names its collective, because Horovod matches operations across ranks by name.
 """
 from __future__ import annotations
@@ -162,20 +163,3 @@ class LocalCollectives(Collectives):
     def alltoall_async(self, arr, splits, name):
         return Done((np.array(arr, copy=True), list(splits)))
 
-
-class ProcessSetCollectives(Collectives):
-    """Base of the framework doors' collectives: the ranks of a Horovod process set.
-
-    Args:
-        process_set: the Horovod process set to run in (default: all ranks).
-    """
-
-    def __init__(self, process_set: Any = None) -> None:
-        if process_set is None:
-            from horovod.common.process_sets import global_process_set
-
-            process_set = global_process_set
-        self.process_set = process_set
-        self.rank = process_set.rank()
-        self.size = process_set.size()
-        self.group_id = str(process_set.process_set_id)

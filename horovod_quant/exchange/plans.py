@@ -8,27 +8,13 @@ returns the float32 mean estimate, the same on every rank. Runners: :class:`.dri
 (asynchronous collectives), the TensorFlow compressor (graph ops, laid out by
 :func:`signature`) and :func:`.reference.mean_estimate` (n ranks in lockstep).
 
-:func:`plan_kind` picks the plan from the codec's declared capabilities:
-
-* ``"sum"``: the payload's words (uint64 as int64, whose wrapping sum is exact) -> allreduce ->
-  ``decode_sum``;
-* ``"allgather"`` (gather codecs; custom codecs whose collective is not available): framed
-  payloads -> allgather -> every rank combines the n payloads in rank order; codecs that
-  ``counts_outage`` (NDQSG) end with an allreduce of each rank's wrong coarse bins;
-* ``"custom"``: the payload -> the codec's collective (``custom_collective``), which returns
-  the mean;
-* ``"sra"`` (scatter-reduce-allgather, natural compression paper, Algorithm 1): rank r sends
-  chunk c, encoded with :func:`chunk_seed`, to rank c (alltoall); rank c combines its chunk's n
-  payloads, re-encodes the mean with :func:`reencode_seed`, and the chunks are allgathered.
-  Receive volume about 2 (n - 1) / n * P instead of (n - 1) * P, for a second quantization.
-
-Codecs that ``needs_norm`` first run :func:`norm_plan` over the whole vector (statistics
-gathered and combined in rank order: an allreduce would add in the backend's order, not
-bit-exact for n >= 3, and MPI's max of a NaN is implementation-defined). Pipelining: a vector
-longer than ``pipeline_elems`` is exchanged as pieces (:func:`pipeline_bounds`), each its own
-plan with seed :func:`pipeline_seed`; runners start every piece before finishing any, so piece
-k is on the wire while k + 1 is encoded, and a stateful codec (NDQSG) encodes every piece with
-one state.
+:func:`plan_kind` picks the plan from what the codec declares (``combine``,
+``custom_collective``, ``needs_norm``, ``counts_outage``): ``"sum"``, ``"allgather"``,
+``"custom"``, ``"sra"`` (scatter-reduce-allgather) or ``"hierarchical-<inner>"``; the table
+of docs/exchange.md says which codec takes which and what each sends. A vector longer than
+``pipeline_elems`` is exchanged as pieces (:func:`pipeline_bounds`), each its own plan with
+seed :func:`pipeline_seed`; runners start every piece before finishing any, so a stateful codec
+(NDQSG) encodes every piece with one state.
 """
 from __future__ import annotations
 
@@ -38,7 +24,7 @@ from typing import Any, Callable, Generator, NamedTuple, Sequence, Union
 import numpy as np
 
 from ..core.base import Codec, array_module, as_vector, worker_seed
-from ..core.exp_reduce import chunk_bounds
+from ..core.exponent_reduction import chunk_bounds
 from ..core.payload import Payload
 from ..core.rng import derive_key
 from . import wire
@@ -163,19 +149,16 @@ def allgather_plan(p: Piece) -> Plan:
     codec, n = p.codec, p.n
     payload = codec.encode_worker(as_vector(p.x), p.seed, p.rank, p.norm)
     gathered = yield Allgather(wire.frame(payload, p.tag), payload_bytes=payload.nbytes)
-    seeds = [worker_seed(p.seed, r) for r in range(n)]
-    payloads = [codec.payload_from_wire(b, p.x.size, **{**payload.meta, "seed": s})
-                for b, s in zip(wire.unframe_all(gathered, n, "framed payloads", p.label), seeds)]
+    payloads = [codec.payload_from_wire(b, p.x.size, **{**payload.meta,
+                                                        "seed": worker_seed(p.seed, r)})
+                for r, b in enumerate(wire.unframe_all(gathered, n, "framed payloads", p.label))]
     if not codec.counts_outage:
         return codec.combine_gathered(payloads, p.seed, out=p.out)
-    # NDQSG: this rank counts its own wrong coarse bins; one allreduce sums every rank's count
-    inputs: list[Any] = [None] * n
-    inputs[p.rank] = p.x
-    mean = codec.decode_side_info(payloads, seeds, inputs=inputs, out=p.out)
-    count = np.array([codec.last_stats.get("outside_count", 0)], np.int64)  # read before a
-    total = yield Allreduce(count, ".outage")  # lockstep runner's next rank combines
-    codec.set_outside_total(int(np.asarray(total).reshape(-1)[0]))
-    return mean
+    # side information: each rank counts its own outages; one allreduce sums the counts
+    outcome = codec.combine_side_info(payloads, p.seed, p.rank, p.x, out=p.out)
+    total = yield Allreduce(np.array([outcome.own_outages], np.int64), ".outage")
+    codec.finish_side_info(outcome, int(np.asarray(total).reshape(-1)[0]))
+    return outcome.mean
 
 
 def custom_plan(p: Piece) -> Plan:

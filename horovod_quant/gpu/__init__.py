@@ -64,8 +64,8 @@ def exp_combine(a_codes_packed: Any, b_codes_packed: Any, out_packed: Any, n_ele
 
 
 def reduce_packed(buffers: Sequence[Any], size: int, bits: int, seed: int, reduction: str) -> Any:
-    """:func:`horovod_quant.core.exp_reduce.reduce_packed` on the buffers' backend."""
-    from ..core.exp_reduce import reduce_packed as reduce
+    """:func:`horovod_quant.core.exponent_reduction.reduce_packed` on the buffers' backend."""
+    from ..core.exponent_reduction import reduce_packed as reduce
 
     with device_scope(*buffers):
         return reduce(buffers, size, bits, seed, reduction)

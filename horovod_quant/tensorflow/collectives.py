@@ -20,8 +20,8 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from ..exchange.collectives import Handle, ProcessSetCollectives, Then
-from ..exchange.exponent_allreduce import world_communicator
+from ..exchange.collectives import Handle, Then
+from ..process_sets import ProcessSetCollectives, world_communicator
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
 

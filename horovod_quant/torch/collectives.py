@@ -13,8 +13,8 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from ..exchange.collectives import Collectives, Handle, ProcessSetCollectives
-from ..exchange.exponent_allreduce import world_communicator
+from ..exchange.collectives import Collectives, Handle
+from ..process_sets import ProcessSetCollectives, world_communicator
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
 

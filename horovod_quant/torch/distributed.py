@@ -16,8 +16,9 @@ Every exchange still carries its tag in its data, so a rank that pairs another t
   first call, a payload that grew) follows in a second ``all_gather`` when it is waited for,
   on every rank, since every rank sees every length;
 * alltoall: one ``all_to_all_single`` of the split sizes, then one of the data;
-* the exponent allreduce of Global-QSGD (:mod:`horovod_quant.exchange.exponent_allreduce`) over
-  point-to-point ``isend``/``irecv`` (:class:`PointToPoint`), on the exchange's worker thread.
+* the exponent allreduce of Global-QSGD (:mod:`horovod_quant.exchange.mpi_exponent_allreduce`)
+  over point-to-point ``isend``/``irecv`` (:class:`PointToPoint`), on the exchange's worker
+  thread.
 
 NCCL groups move device (CuPy) arrays as CUDA tensors, and host arrays through the device;
 the others take host arrays (device payloads are staged through host memory by
@@ -268,7 +269,7 @@ class _Request:
 
 
 class PointToPoint:
-    """The mpi4py communicator calls of :func:`~horovod_quant.exchange.exponent_allreduce.
+    """The mpi4py communicator calls of :func:`~horovod_quant.exchange.mpi_exponent_allreduce.
     allreduce_exponent_codes` (``Get_rank``, ``Get_size``, ``Isend``, ``Irecv``, ``Allgatherv``)
     over ``isend``/``irecv`` of a torch.distributed process group.
 

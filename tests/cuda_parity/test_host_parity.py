@@ -29,7 +29,7 @@ from horovod_quant.backends import use_backend
 from horovod_quant.backends.numba import global_qsgd as NG
 from horovod_quant.backends.numba import packing
 from horovod_quant.backends.numba import rng as NR
-from horovod_quant.core import exp_reduce as ER
+from horovod_quant.core import exponent_reduction
 from horovod_quant.core import rng as R
 from horovod_quant.core.base import as_vector, worker_seed
 
@@ -414,7 +414,7 @@ def test_exp_combine(host_cuda, host_cuda_small, bits):
     for size, i0 in ((1, 0), (9, 0), (PB, 0), (PB + 5, 0), (3 * PB + 17, PB), (2 * PB, 2 * PB)):
         a = packing.pack(_random_exp_codes(rng, size, bits), bits)
         b = packing.pack(_random_exp_codes(rng, size, bits), bits)
-        lo, hi = ER.packed_range(i0, size, size, bits)
+        lo, hi = exponent_reduction.packed_range(i0, size, size, bits)
         k0, k1 = (int(v) for v in R.split_key(R.derive_key(size, bits)))
         ref = a.copy()
         NG.exp_combine(ref[lo:hi], b[lo:hi], ref[lo:hi], size - i0, i0, bits, k0, k1)
@@ -471,8 +471,8 @@ def test_reduce_packed_matches(host_cuda):
         for n in (2, 3, 5, 8):
             for size in (1, PB + 3, 5 * PB + 9):
                 bufs = [packing.pack(_random_exp_codes(rng, size, 8, top=20), 8) for _ in range(n)]
-                ref = ER.reduce_packed(bufs, size, 8, 77, reduction)
-                got = on(host_cuda, ER.reduce_packed, bufs, size, 8, 77, reduction)
+                ref = exponent_reduction.reduce_packed(bufs, size, 8, 77, reduction)
+                got = on(host_cuda, exponent_reduction.reduce_packed, bufs, size, 8, 77, reduction)
                 assert same(got, ref), (reduction, n, size)
 
 

@@ -18,7 +18,7 @@ import pytest
 import horovod_quant as hq
 from horovod_quant.backends.numba import global_qsgd as NG
 from horovod_quant.backends.numba import packing
-from horovod_quant.core import exp_reduce as ER
+from horovod_quant.core import exponent_reduction
 from horovod_quant.core import rng as R
 from horovod_quant.core.base import worker_seed
 
@@ -268,7 +268,7 @@ def test_exp_combine(cp, bits):
             return np.where(e > 0, e | s, 0).astype(np.uint8)
 
         a, b = packing.pack(codes(), bits), packing.pack(codes(), bits)
-        lo, hi = ER.packed_range(i0, size, size, bits)
+        lo, hi = exponent_reduction.packed_range(i0, size, size, bits)
         k0, k1 = (int(v) for v in R.split_key(R.derive_key(size, bits)))
         ref = a.copy()
         NG.exp_combine(ref[lo:hi], b[lo:hi], ref[lo:hi], size - i0, i0, bits, k0, k1)

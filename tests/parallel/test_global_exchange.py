@@ -1,8 +1,8 @@
 """Global-QSGD and NDQSG exchanges between real ranks (issue: custom exchanges over MPI).
 
 Run by tests/parallel/run.sh under 2, 3 and 4 ranks, gloo and MPI. Under MPI with thread
-support the exponent reduction runs on mpi4py (horovod_quant.exchange.exponent_allreduce); under gloo it
-falls back to allgather + local reduction. Both must equal mean_estimate bit for bit.
+support the exponent reduction runs on mpi4py (horovod_quant.exchange.mpi_exponent_allreduce);
+under gloo it falls back to allgather + local reduction. Both must equal mean_estimate bit for bit.
 """
 import os
 
@@ -12,7 +12,7 @@ import horovod.torch as hvd
 
 import horovod_quant as hq
 from horovod_quant.exchange import Exchange
-from horovod_quant.exchange.exponent_allreduce import MpiExponentReduce
+from horovod_quant.exchange.mpi_exponent_allreduce import MpiExponentReduce
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 
 from conftest import rank_gradients

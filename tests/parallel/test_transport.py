@@ -12,7 +12,7 @@ import horovod_quant as hq
 import horovod_quant.torch as hqt
 from horovod_quant.core.rng import derive_key
 from horovod_quant.exchange import Exchange, mean_estimate
-from horovod_quant.exchange.exponent_allreduce import EXPONENT_LANES
+from horovod_quant.exchange.mpi_exponent_allreduce import EXPONENT_LANES
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 from horovod_quant.torch.distributed import StandaloneGroupCollectives
 from horovod_quant.torch.transport import (collectives_for, gloo_group_beside_horovod,

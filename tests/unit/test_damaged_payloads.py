@@ -30,7 +30,7 @@ from horovod_quant.backends.numba.global_qsgd import exp_combine  # noqa: E402
 from horovod_quant.backends.numba.packing import PACK_BLOCK, packed_nbytes  # noqa: E402
 from horovod_quant.core import worker_seed  # noqa: E402
 from horovod_quant.core.base import MAX_PAYLOAD_SIZE  # noqa: E402
-from horovod_quant.core.exp_reduce import reduce_packed  # noqa: E402
+from horovod_quant.core.exponent_reduction import reduce_packed  # noqa: E402
 from horovod_quant.core.payload import Payload  # noqa: E402
 
 SETTINGS = settings(max_examples=60, deadline=None, database=None, print_blob=True,

@@ -23,7 +23,7 @@ from horovod_quant.backends import use_backend
 from horovod_quant.backends.cuda import CudaBackend
 from horovod_quant.core import worker_seed
 from horovod_quant.core.base import MAX_PAYLOAD_SIZE
-from horovod_quant.core.dithered import HEADER
+from horovod_quant.core.nested_dithered import HEADER
 from horovod_quant.core.payload import Payload
 
 RNG = np.random.default_rng(7)

@@ -1,7 +1,7 @@
 """dithered (DQSG) and nested_dithered (NDQSG) against the nested-dithered-quantization paper.
 
 The NumPy reference below is written from the paper (eq. (2), (6)-(7)) and the wire format in
-``horovod_quant/core/dithered.py``'s module doc, not from the kernels. Statistical checks use
+docs/formats.md ("Dithered codes"), not from the kernels. Statistical checks use
 fixed seeds and tolerances derived from the exact distribution of the error (uniform on
 [-Delta/2, Delta/2] per element, independent across elements), at 5 sigma; each kind of check
 also runs a negative control that must fail it.
@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.core.dithered import (
-    HEADER, coarse_bits, fine_levels, outage_bound, theorem6_ratio,
-)
+from horovod_quant.core.dithered import fine_levels
+from horovod_quant.core.nested_dithered import HEADER, coarse_bits, outage_bound, theorem6_ratio
 from horovod_quant.backends.numba.packing import packed_nbytes, unpack
 from horovod_quant.backends.numba.rng import uniforms
 from horovod_quant.core.rng import derive_key
@@ -434,6 +433,32 @@ def test_nested_adaptive_ratio_and_state_agree_with_distributed_decode(alpha):
 
 def rng_uniform(d, seed):
     return np.random.default_rng(seed).uniform(-0.5, 0.5, d)
+
+
+def test_side_information_interface_keeps_each_exchange_to_itself():
+    """``combine_side_info`` returns this rank's own outage count and the exchange's record;
+    ``finish_side_info`` completes that record, not whichever exchange was decoded last; the
+    state (sigma2, next k) moves once per combine, as ``decode_side_info`` moves it."""
+    n, bits, d = 4, 4, 3000  # P2: ranks 2, 3; each knows only its own input
+    a, b = correlated(n, d, noise=0.3, seed=3), correlated(n, d, noise=0.001, seed=4)
+    codec, ref = nested(n, bits=bits, coarse_ratio=3), nested(n, bits=bits, coarse_ratio=3)
+    ref_a, _ = hq.mean_estimate(ref, a, seed=5)
+    share_a = ref.last_stats["outside_share"]
+    outcomes = {}
+    for name, xs, seed in (("a", a, 5), ("b", b, 6)):
+        payloads = [codec.payload_from_wire(codec.encode_worker(x, seed, r).data, d,
+                                            seed=hq.worker_seed(seed, r))
+                    for r, x in enumerate(xs)]
+        outcomes[name] = [codec.combine_side_info(payloads, seed, r, xs[r]) for r in range(n)]
+    np.testing.assert_array_equal(outcomes["a"][0].mean, ref_a)
+    assert outcomes["a"][0].own_outages == 0  # rank 0 is in P1: no values of its own to miss
+    wrong = sum(o.own_outages for o in outcomes["a"])
+    assert wrong > 0 and codec.last_stats is outcomes["b"][-1].record
+    codec.finish_side_info(outcomes["a"][-1], wrong)
+    assert outcomes["a"][-1].record["outside_share"] == share_a
+    assert codec.last_stats["outside_share"] is None  # b is not finished
+    with pytest.raises(NotImplementedError, match="counts_outage is False"):
+        hq.get_codec("dithered").combine_side_info([], 0, 0, None)
 
 
 def test_nested_payload_carries_its_ratio():

@@ -2,8 +2,8 @@
 reduction and its schedules.
 
 References here are written from the paper (Definition 3.1, Appendix B Algorithm 2) and from
-the documented wire formats (module docs of ``global_qsgd`` and ``exp_reduce``), not from the
-kernels. Statistical tolerances are 5 sigma from exact or empirical variances with fixed seeds.
+the documented wire formats (docs/formats.md, "Global-QSGD" and "The exponent reduction"), not
+from the kernels. Statistical tolerances are 5 sigma from exact or empirical variances with fixed seeds.
 """
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import math
 
 import numpy as np
 
-from horovod_quant.core.exp_reduce import chunk_bounds
+from horovod_quant.core.exponent_reduction import chunk_bounds
 import pytest
 
 from horovod_quant import get_codec, mean_estimate, worker_seed
 from horovod_quant.backends.numba.global_qsgd import WORD_BLOCK, exp_combine
 from horovod_quant.backends.numba.packing import PACK_BLOCK, pack, packed_nbytes, unpack
 from horovod_quant.backends.numba.rng import uniforms
-from horovod_quant.core.exp_reduce import (
+from horovod_quant.core.exponent_reduction import (
     packed_range,
     reduction_rounds,
     round_key,
@@ -301,8 +301,8 @@ def test_schedule_structure(n, reduction):
 
 def message_passing_reduce(bufs: list[np.ndarray], size: int, bits: int, seed: int,
                            reduction: str) -> list[np.ndarray]:
-    """The reduction as n ranks run it, written from the exp_reduce module doc: every message is
-    a snapshot taken before the round's combinations; allgathers copy bytes."""
+    """The reduction as n ranks run it, written from docs/formats.md ("The exponent reduction"):
+    every message is a snapshot taken before the round's combinations; allgathers copy bytes."""
     n = len(bufs)
     bufs = [b.copy() for b in bufs]
     nb = -(-size // PACK_BLOCK)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.core.exp_reduce import chunk_bounds
+from horovod_quant.core.exponent_reduction import chunk_bounds
 from horovod_quant.core.registry import codec_class
 from horovod_quant.exchange import Exchange, plans
 from horovod_quant.exchange.collectives import joined

@@ -4,24 +4,9 @@
 arguments; one module per ``kernels/*.cu`` file, twins of the numba backend's kernel modules:
 ``levels``, ``global_qsgd``, ``dithered``) and hands each launch to a *kernel launcher*:
 :class:`.kernels.CupyKernels` on a GPU (CuPy RawModules, NVRTC-compiled), or the host build of
-the same block programs that ``tests/cuda_parity`` replays on NumPy arrays. So everything here runs
-on machines without a GPU too. Launcher interface (one method per kernel of ``kernels/*.cu``;
-arrays are ``xp`` arrays, views where a kernel writes into part of a buffer):
-
-* ``xp``, ``to_host(a)``
-* ``encode(x, n, bucket, mode, bits, norm_kind, p, s, c, M, k, am, gnorm, k0, k1, out,
-  scales_off, codes_off, fused)``: ``hq_encode``, one block per packing block
-* ``scales(x, n, bucket, kind, p, scales)``: ``hq_scales`` (lane-ordered norms);
-  ``max_scales(x, n, bucket, kind, scales)``: ``hq_max_bits`` + ``hq_scales_from_bits``
-* ``decode_levels(pays, scales_off, codes_off, gscale, n, bucket, bits, table, out, accumulate,
-  post)``: ``hq_decode_levels`` over several payloads
-* ``codes``, ``pack``, ``unpack``, ``scale``, ``to_f32``, ``decode_sparse``
-* ``decode_dither(pays, scales_off, codes_off, keys, n, bucket, bits, M, out, accumulate,
-  post)``, ``decode_nested(d, scales_off, codes_off, n, bucket, M, k, bits, am, alpha, y, k0,
-  k1, out) -> (sum, count)``
-* ``linear_encode(x, n, bits, s, norm, k0, k1, words)``, ``linear_decode(words, n, bits,
-  offset, scale, out, accumulate)``, ``exp_combine(a, b, out, n, first, bits, k0, k1)``,
-  ``max_abs_bits(x, n) -> int``, ``sum_squares(x, n) -> float``
+the same block programs that ``tests/cuda_parity`` replays on NumPy arrays. So everything here
+runs on machines without a GPU too. The launcher interface (one method per kernel of
+``kernels/*.cu``): docs/architecture.md ("Backends").
 """
 from __future__ import annotations
 

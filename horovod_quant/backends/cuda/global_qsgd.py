@@ -6,8 +6,15 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol import MODE_EXP, MODE_LINEAR_SM, SPARSE_BAD_POSITIONS, SPARSE_OK, Keys
-from ..numba.packing import PACK_BLOCK, packed_nbytes
+from ..protocol import (
+    MODE_EXP,
+    MODE_LINEAR_SM,
+    PACK_BLOCK,
+    SPARSE_BAD_POSITIONS,
+    SPARSE_OK,
+    Keys,
+    packed_nbytes,
+)
 from .launch import Launches, int_keys
 
 

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..numba.packing import PACK_BLOCK
+from ..protocol import PACK_BLOCK
 from .source import load_source, nvrtc_options
 
 THREADS = 256  # HQ_THREADS of the .cu files

@@ -6,8 +6,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..protocol import MODE_DITHER, MODE_NESTED, NORM_MAX, NORM_POW2, SCALED_MODES, Keys
-from ..numba.packing import PACK_BLOCK
+from ..protocol import (
+    MODE_DITHER,
+    MODE_NESTED,
+    NORM_MAX,
+    NORM_POW2,
+    PACK_BLOCK,
+    SCALED_MODES,
+    Keys,
+)
 from .launch import ENCODE_MODES, Launches, int_keys
 
 

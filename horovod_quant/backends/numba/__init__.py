@@ -21,10 +21,7 @@ from ..protocol import (
     Backend,
     Keys,
 )
-from . import dithered as D
-from . import elias as E
-from . import global_qsgd as G
-from . import levels as L
+from . import dithered, elias, global_qsgd, levels
 
 
 def _flat(a: Any) -> np.ndarray:
@@ -55,86 +52,86 @@ class NumbaBackend(Backend):
                M: int = 0, k: int = 0, am: float = 0.0, gnorm: float = 0.0) -> None:
         k0, k1 = keys
         if mode in (MODE_UNIFORM, MODE_GEOMETRIC):
-            L.encode_levels(x, bucket, norm_kind, p, mode, s, bits, k0, k1, out[offset:])
+            levels.encode_levels(x, bucket, norm_kind, p, mode, s, bits, k0, k1, out[offset:])
         elif mode in (MODE_DITHER, MODE_NESTED):
-            D.encode_dithered(x, bucket, M, np.float32(am), k, bits, k0, k1, out, offset)
+            dithered.encode_dithered(x, bucket, M, np.float32(am), k, bits, k0, k1, out, offset)
         elif mode == MODE_EXP:
-            G.encode_exp(x, np.float32(gnorm), s, c, bits, k0, k1, out[offset:])
+            global_qsgd.encode_exp(x, np.float32(gnorm), s, c, bits, k0, k1, out[offset:])
         else:
             raise ValueError(f"encode: unknown mode {mode}: use one of the MODE_* constants of "
                              f"horovod_quant.backends")
 
     def decode_levels(self, data: Any, n: int, bucket: int, bits: int, table: Any, out: Any,
                       accumulate: bool) -> None:
-        L.decode_levels(data, n, bucket, bits, table, out, accumulate)
+        levels.decode_levels(data, n, bucket, bits, table, out, accumulate)
 
     def combine_levels(self, datas: Sequence[Any], n: int, bucket: int, bits: int, table: Any,
                        inv_count: float, out: Any) -> None:
-        L.combine_levels(tuple(datas), n, bucket, bits, table, np.float32(inv_count), out)
+        levels.combine_levels(tuple(datas), n, bucket, bits, table, np.float32(inv_count), out)
 
     def decode_codes(self, data: Any, n: int, bits: int, table: Any, scale: float, out: Any,
                      accumulate: bool) -> None:
-        G.decode_packed(data, n, bits, table, np.float32(scale), out, accumulate)
+        global_qsgd.decode_packed(data, n, bits, table, np.float32(scale), out, accumulate)
 
     # -- global_qsgd -------------------------------------------------------------------------
     def max_abs(self, x: Any) -> float:
-        return float(G._max_abs(x))
+        return float(global_qsgd._max_abs(x))
 
     def sum_squares(self, x: Any) -> float:
-        return float(G._sum_squares(x))
+        return float(global_qsgd._sum_squares(x))
 
     def linear_encode(self, x: Any, bits: int, s: int, norm: float, keys: Keys,
                       words: Any) -> None:
-        G.encode_linear(x, np.float32(norm), s, bits, keys[0], keys[1], words)
+        global_qsgd.encode_linear(x, np.float32(norm), s, bits, keys[0], keys[1], words)
 
     def linear_decode(self, words: Any, n: int, bits: int, offset: int, scale: float, out: Any,
                       accumulate: bool) -> None:
-        G.decode_linear(words, n, bits, offset, np.float32(scale), out, accumulate)
+        global_qsgd.decode_linear(words, n, bits, offset, np.float32(scale), out, accumulate)
 
     def encode_sparse(self, x: Any, mode: int, norm: float, s: int, c: int, bits: int,
                       keys: Keys) -> np.ndarray:
         if mode not in (MODE_EXP, MODE_LINEAR_SM):
             raise ValueError(f"encode_sparse: mode {mode} is not MODE_EXP or MODE_LINEAR_SM")
-        return G.encode_sparse(x, mode == MODE_EXP, np.float32(norm), s, c, bits, keys[0],
-                               keys[1])
+        return global_qsgd.encode_sparse(x, mode == MODE_EXP, np.float32(norm), s, c, bits,
+                                         keys[0], keys[1])
 
     def decode_sparse(self, data: Any, n: int, bits: int, table: Any, scale: float,
                       out: Any) -> int:
-        return int(G.decode_sparse(data, n, bits, table, np.float32(scale), out))
+        return int(global_qsgd.decode_sparse(data, n, bits, table, np.float32(scale), out))
 
     def exp_combine(self, a: Any, b: Any, out: Any, n_elements: int, first_element_index: int,
                     bits: int, k0: int, k1: int) -> int:
-        return int(G.exp_combine(a, b, out, n_elements, first_element_index, bits, k0, k1))
+        return int(global_qsgd.exp_combine(a, b, out, n_elements, first_element_index, bits, k0,
+                                           k1))
 
     # -- dithered ----------------------------------------------------------------------------
     def decode_dither(self, datas: Sequence[Any], keys: Sequence[Keys], offset: int, n: int,
                       bucket: int, bits: int, M: int, out: Any, accumulate: bool,
                       post: float | None = None) -> None:
         for i, (data, (k0, k1)) in enumerate(zip(datas, keys)):
-            D.decode_dithered(data, offset, n, bucket, M, bits, k0, k1, out, accumulate or i > 0)
+            dithered.decode_dithered(data, offset, n, bucket, M, bits, k0, k1, out,
+                                     accumulate or i > 0)
         if post is not None:
             out *= np.float32(post)
 
     def decode_nested(self, data: Any, offset: int, n: int, bucket: int, M: int, k: int,
                       bits: int, am: float, alpha: float, y: Any, keys: Keys,
                       out: Any) -> tuple[float, int]:
-        s2, count = D.decode_nested(data, offset, n, bucket, M, k, bits, np.float32(am),
-                                    np.float32(alpha), y, keys[0], keys[1], out)
+        s2, count = dithered.decode_nested(data, offset, n, bucket, M, k, bits, np.float32(am),
+                                           np.float32(alpha), y, keys[0], keys[1], out)
         return float(s2), int(count)
 
     def count_outside(self, x: Any, data: Any, offset: int, n: int, bucket: int, M: int, k: int,
                       bits: int, am: float, y: Any, keys: Keys) -> int:
-        """NDQSG P2 elements whose recovered fine index differs from the sender's (the sender's
-        input ``x`` known): the exact outage count of a simulation. Host statistics only."""
         am = np.float32(am)
-        fine = D.fine_indices(x, bucket, am, keys[0], keys[1])
-        return int(D.nested_outside(data, offset, n, bucket, M, k, bits, am, y, keys[0],
-                                    keys[1], fine))
+        fine = dithered.fine_indices(x, bucket, am, keys[0], keys[1])
+        return int(dithered.nested_outside(data, offset, n, bucket, M, k, bits, am, y, keys[0],
+                                           keys[1], fine))
 
     # -- elias -------------------------------------------------------------------------------
     def elias_encode_levels(self, fixed: Any, n: int, bucket: int, bits: int) -> np.ndarray:
-        return E.elias_encode_levels(fixed, n, bucket, bits)
+        return elias.elias_encode_levels(fixed, n, bucket, bits)
 
     def elias_decode(self, data: Any, n: int, bucket: int, bits: int, table: Any, out: Any,
                      accumulate: bool) -> int:
-        return int(E.elias_decode(data, n, bucket, bits, table, out, accumulate))
+        return int(elias.elias_decode(data, n, bucket, bits, table, out, accumulate))

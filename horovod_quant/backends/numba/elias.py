@@ -1,34 +1,26 @@
-"""Elias recursive (omega) coding of sparse level codes: QSGD Section 3.2, "Efficient Coding of
-Gradients" (Alistarh et al., 2017, ``../shared/papers/qsgd.md``).
+"""Elias recursive (omega) coding of sparse level codes (QSGD Section 3.2, "Efficient Coding
+of Gradients"): the numba kernels of ``qsgd(..., elias=True)``.
 
-Elias(k) for an integer k >= 1 (Elias, 1975, the "omega" code the QSGD paper calls recursive):
-write k in binary, prepend the code of (its length - 1), recursively, until that length is 1;
-end with a 0 bit. Elias(1) = ``0``, Elias(2) = ``10 0``, Elias(4) = ``10 100 0``,
-Elias(17) = ``10 100 10001 0``; ``|Elias(k)| = log k + log log k + ... + 1`` (:func:`elias_length`).
-
-Payload (``qsgd`` with ``elias=True``): ``[float32 scale per bucket][bit stream]``, the stream
-MSB first, zero-padded to a byte:
-
-    for each nonzero code in index order: Elias(gap) | sign bit | Elias(level)
-    then Elias(n - last nonzero index) (a gap landing exactly on n ends the stream)
-
-``gap`` is ``index + 1`` for the first nonzero and the distance to the previous nonzero after
-that; ``level`` is the magnitude index (>= 1) of the code ``sign << (bits - 1) | level``. The
-paper sends the gradient's norm first; with buckets every bucket's scale leads the stream, and
-positions run over the whole vector, so sparse buckets cost nothing but their scale. The
-terminating gap (rather than a leading count) keeps encoding to one pass; padding is never
-read as data.
-
-Encoding runs after the fixed-width encoder (:func:`.levels.encode_levels`), from its
-payload: the codes are the same by construction, and the extra pass reads only the packed
-codes (bits/32 of the input).
+A payload is ``[float32 scale per bucket][bit stream]``: per nonzero code in index order,
+Elias(gap) | sign bit | Elias(level), ending with the gap that lands on n. Encoding runs after
+the fixed-width encoder, from its payload; decoding checks every read and returns an
+``ELIAS_*`` status of the backend protocol. The stream, bit for bit: docs/formats.md ("Elias
+streams"). The CUDA backend has no Elias kernel (``MissingKernel``).
 """
 from __future__ import annotations
 
 import numba
 import numpy as np
 
-from .packing import PACK_BLOCK, unpack_block
+from ..protocol import (
+    ELIAS_BAD_LEVEL,
+    ELIAS_NO_TERMINATOR,
+    ELIAS_OK,
+    ELIAS_PAST_END,
+    ELIAS_TRAILING,
+    PACK_BLOCK,
+)
+from .packing import unpack_block
 
 #: Longest binary group the reader takes (values < 2^56, far above any position): a longer one
 #: only comes from a corrupt stream, and reading it would overrun the 64-bit bit buffer
@@ -154,26 +146,11 @@ def elias_decode_ints(data: np.ndarray, count: int) -> np.ndarray:
     return out
 
 
-#: status codes of :func:`elias_decode`
-ELIAS_OK, ELIAS_PAST_END, ELIAS_BAD_LEVEL, ELIAS_NO_TERMINATOR, ELIAS_TRAILING = 0, 1, 2, 3, 4
-_ELIAS_ERRORS = {
-    ELIAS_PAST_END: "a position past the end of the vector",
-    ELIAS_BAD_LEVEL: "a level past the code width",
-    ELIAS_NO_TERMINATOR: "the stream ends without its terminator",
-    ELIAS_TRAILING: "bytes after the terminator",
-}
-
-
-def elias_error(code: int) -> str:
-    """What a nonzero :func:`elias_decode` status means."""
-    return _ELIAS_ERRORS.get(int(code), f"status {code}")
-
-
 @numba.njit(cache=True, nogil=True)
 def elias_encode_levels(data, n, bucket, bits):
     """The Elias payload of a fixed-width level payload ``data`` (layout of
     :func:`.levels.encode_levels`: [float32 scale per bucket][packed codes]) holding n
-    codes of ``bits`` bits. Returns a new uint8 array (module doc)."""
+    codes of ``bits`` bits. Returns a new uint8 array (docs/formats.md, "Elias streams")."""
     nb = (n + bucket - 1) // bucket
     head = 4 * nb
     codes = np.empty(PACK_BLOCK + 8, np.uint8)

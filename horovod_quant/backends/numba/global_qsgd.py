@@ -1,7 +1,7 @@
 """Numba kernels of Global-QSGD: global norm statistics, the linear (summable uint64 words),
 exponential and sparse encoders and decoders, and the exponent combination of the stochastic
-reduction (Algorithm 2). Formats and arithmetic: :mod:`horovod_quant.core.global_qsgd` and
-:mod:`horovod_quant.core.exp_reduce`; mirrored in ``kernels/global_qsgd.cu``.
+reduction (Algorithm 2). Formats and arithmetic: docs/formats.md ("Global-QSGD", "The
+exponent reduction"); mirrored in ``kernels/global_qsgd.cu``.
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from ..protocol import SPARSE_BAD_POSITIONS, SPARSE_OK, SPARSE_SHORT
+from ..protocol import PACK_BLOCK, SPARSE_BAD_POSITIONS, SPARSE_OK, SPARSE_SHORT
 from .levels import _sumsq_lanes
-from .packing import PACK_BLOCK, pack_block, packed_nbytes, unpack_block
+from .packing import pack_block, packed_nbytes, unpack_block
 from .rng import block_key, hash32_lo, u24_float
 
 WORD_BLOCK = 1024
@@ -124,7 +124,7 @@ def _linear_fields(x, lo, hi, words, sh, boost, mult, fs, s, k0, k1):
 
 @numba.njit(cache=True, nogil=True)
 def encode_linear(x, norm, s, bits, k0, k1, out):
-    """Encode float32 x into the uint64 words ``out`` (layout: module doc).
+    """Encode float32 x into the uint64 words ``out`` (layout: docs/formats.md).
 
     Args:
         x: float32 vector.
@@ -327,7 +327,8 @@ def decode_sparse(data, n, bits, table, scale, out):
     return SPARSE_OK
 
 
-#: Multipliers of the key halves of p's digit words t = 1, 2, 3 (see module doc).
+#: Multipliers of the key halves of p's digit words t = 1, 2, 3 (docs/formats.md, "The exponent
+#: reduction").
 _EXT0, _EXT1 = 0x632BE5AB, 0x85157AF5
 
 
@@ -388,7 +389,8 @@ def _combine_lanes(typingctx, a, b, h, smask):
 @numba.njit(nogil=True)
 def _up_exact(a, b, index, bits, k0, k1):
     """``[p < 2^-diff]`` for an element whose first 32 digits of p are zero: true up to
-    diff 32, decided on digit words t = 1, 2, 3 (module doc) beyond; false for a zero operand."""
+    diff 32, decided on digit words t = 1, 2, 3 (docs/formats.md) beyond; false for a zero
+    operand."""
     emask = (1 << (bits - 1)) - 1
     e1, e2 = a & emask, b & emask
     if e1 == 0 or e2 == 0:

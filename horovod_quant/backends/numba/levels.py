@@ -24,8 +24,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from ..protocol import MODE_UNIFORM, NORM_L2, NORM_MAX, NORM_P, NORM_POW2
-from .packing import PACK_BLOCK, pack_block, unpack_block
+from ..protocol import MODE_UNIFORM, NORM_L2, NORM_MAX, NORM_P, NORM_POW2, PACK_BLOCK
+from .packing import pack_block, unpack_block
 from .rng import block_key, hash32_at, u24_float
 
 _LANES = 8

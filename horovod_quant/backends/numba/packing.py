@@ -1,23 +1,19 @@
-"""Bit packing of b-bit codes (b = 1..8) into bytes, in a layout that vectorizes.
-
-Layout. Codes are cut into blocks of ``PACK_BLOCK`` elements (the last block may be shorter).
-A b-bit code is split by the binary digits of b into fields of width 1, 2, 4 (or a single
-8-bit field when b = 8): b = 3 -> 1 + 2, b = 5 -> 1 + 4, b = 7 -> 1 + 2 + 4. Each field of
-width w is stored in its own plane of ``ceil(m * w / 8)`` bytes (m = codes in the block),
-"segment-strided": with ``per = 8 // w`` fields per byte and ``L = ceil(m / per)``, byte j holds
-the fields of codes ``j, j + L, j + 2L, ...``. Packing and unpacking are then plain vertical
-operations over j (no cross-lane shuffles), which compilers turn into SIMD code, and a block of
-m codes takes exactly ``ceil(m * b / 8)`` bytes up to one byte of rounding per plane.
-
-The same layout is implemented in ``kernels/hq_common.cuh``.
+"""Bit packing of b-bit codes (b = 1..8) into bytes, block by block, in the layout of
+docs/formats.md ("Packed codes"): each binary digit group of b in its own plane, segment-strided
+so that packing and unpacking are plain vertical loops that compilers vectorize. The CUDA twin
+is ``kernels/hq_common.cuh``; block size and byte counts are the protocol's
+(:data:`~horovod_quant.backends.protocol.PACK_BLOCK`, :func:`~..protocol.packed_nbytes`).
 """
 from __future__ import annotations
 
 import numba
 import numpy as np
 
-#: Elements per packing block. Part of the wire format: changing it changes payload bytes.
-PACK_BLOCK = 8192
+from .. import protocol
+from ..protocol import PACK_BLOCK
+
+#: :func:`horovod_quant.backends.protocol.packed_nbytes` compiled, for kernels that size buffers
+packed_nbytes = numba.njit(cache=True, nogil=True)(protocol.packed_nbytes)
 
 
 @numba.njit(inline="always")
@@ -34,25 +30,6 @@ def _plane_shift(bits, plane):
             k += 1
             shift += w
     return (0, 0)
-
-
-@numba.njit(inline="always")
-def block_nbytes(m, bits):
-    """Bytes taken by ``m`` codes of ``bits`` bits in one block."""
-    total = 0
-    for plane in range(4):
-        w, _ = _plane_shift(bits, plane)
-        if w == 0:
-            break
-        total += (m * w + 7) // 8
-    return total
-
-
-@numba.njit(cache=True, nogil=True)
-def packed_nbytes(n, bits):
-    """Bytes taken by ``n`` codes of ``bits`` bits (all blocks)."""
-    full = n // PACK_BLOCK
-    return full * (PACK_BLOCK * bits // 8) + block_nbytes(n - full * PACK_BLOCK, bits)
 
 
 @numba.njit(inline="always")

@@ -1,48 +1,14 @@
-"""Stochastic exponent reduction of Global-QSGD exponential levels (Global-QSGD paper, App. B).
+"""Global-QSGD's stochastic exponent reduction (Global-QSGD paper, App. B): its rounds and a
+run of them in one process.
 
-Values. After the global normalization each worker holds values ``sign * 2^-e`` (``e >= 1``;
-``e = 0`` is zero) whose magnitudes are at most ``2^-c``, ``c`` = :func:`exponent_offset`. A
-value travels as the ``bits``-wide code ``sign << (bits - 1) | e``, packed with the layout of
-:mod:`horovod_quant.backends.numba.packing`; zero is always code 0.
-
-Combination. Two values combine into ``C_nat(x1 + x2)``: the sum rounded to one of its two
-neighbouring powers of two with the probabilities that keep it unbiased (Algorithm 2). With
-``leq`` selecting the larger magnitude, ``sign12`` = +1 / -1 / 0 for equal signs / opposite
-signs / a zero operand, ``diff = |e1 - e2| - (1 - sign12) // 2`` and a uniform ``p`` in [0, 1),
-the result has the larger operand's sign and the exponent ``emin - sign12 * [p < 2^-diff]``
-(``emin``: the smaller nonzero exponent), or is zero when two equal magnitudes cancel. The
-paper draws ``k = -floor(log2(p))`` capped at ``m = s + 1``; differences here can reach
-``2^(bits-1) - 2`` (cancellations push exponents past the encoder's range), so
-``[p < 2^-diff]`` is decided exactly on the binary digits of p:
-its first 32 digits are ``hash32(i, k0, k1)`` for element index i, and digit words t = 1, 2, 3
-(consulted only when all earlier digits are zero, probability 2^-32) are
-``hash32(i, k0 ^ (t * 0x632BE5AB), k1 ^ (t * 0x85157AF5))`` (products modulo 2^32).
-
-Schedules (n ranks, d elements, ``nb = ceil(d / PACK_BLOCK)`` packing blocks). Chunks are whole
-packing blocks, so every exchanged byte range is :func:`packed_range` of its elements and the
-combination kernel (``Backend.exp_combine``) runs on packed bytes. Every combination in round ``t``
-computed by rank ``g`` draws its p from ``derive_key(seed, t, g)`` (``seed`` is the exchange
-seed, not a worker seed) at the global element index, so independent combinations get
-independent bits, the result does not depend on how a range is cut into calls, and any rank
-that recomputes a combination gets the same bits. ``combine(own, received)`` is symmetric in
-its operands.
-
-* ``"tree"``: with ``P = 2^floor(log2 n)``: round 0 (only when n > P) folds rank ``r >= P``
-  into rank ``g = r - P`` over all blocks. Rounds ``t = 1 .. log2 P`` reduce-scatter by
-  recursive halving among ranks ``g < P``: ``mask = P >> t``, partner ``g ^ mask``; the pair's
-  current block range ``[b0, b1)`` (initially ``[0, nb)``) splits at
-  ``mid = b0 + (b1 - b0 + 1) // 2``; rank g keeps ``[b0, mid)`` if ``g & mask == 0``, else
-  ``[mid, b1)``, receives the partner's bytes of the kept range and combines them into its own.
-  Rank g then owns its final range; ranks ``< P`` allgather the owned ranges by recursive
-  doubling and send the whole result to rank ``g + P`` where it exists. Each element is rounded
-  ``ceil(log2 n)`` times.
-* ``"ring"``: the blocks split into n chunks by :func:`chunk_bounds`; in round
-  ``t = 0 .. n - 2`` rank g receives chunk ``(g - t - 1) mod n`` from rank ``g - 1`` and combines
-  it into its own (chunk c is accumulated in rank order c, c + 1, ...). Rank g owns chunk
-  ``(g + 1) mod n`` and a ring allgather copies the owned chunks. Each element is rounded
-  ``n - 1`` times.
-
-Allgathers copy bytes, so every rank ends with the same final codes.
+Values are exponent codes ``sign << (bits - 1) | e`` of ``sign * 2^-e`` (zero is code 0),
+packed in the protocol's layout. Two values combine into an unbiased power-of-two rounding of
+their sum (``Backend.exp_combine``), with random bits keyed by the exchange seed, the round and
+the combining rank (:func:`round_key`), so any rank that recomputes a combination gets the same
+bits. :func:`schedule` lists the combinations of a "tree" (fold, then recursive halving) or
+"ring" reduce-scatter over whole packing blocks; :func:`reduce_packed` runs them in one
+process, :mod:`horovod_quant.exchange.mpi_exponent_allreduce` between ranks over MPI. The
+combination rule and both schedules, bit for bit: docs/formats.md ("The exponent reduction").
 """
 from __future__ import annotations
 
@@ -50,8 +16,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from ..backends import backend_of
-from ..backends.numba.packing import PACK_BLOCK, packed_nbytes
+from ..backends import PACK_BLOCK, backend_of, packed_nbytes
 from .base import check_payload_size
 from .rng import derive_key, split_key
 
@@ -126,7 +91,8 @@ class Combination(NamedTuple):
 
 def schedule(n: int, n_blocks: int, reduction: str
              ) -> tuple[list[list[Combination]], list[tuple[int, int, int]]]:
-    """The combinations of a reduce-scatter over n ranks (module doc) and who owns what after it.
+    """The combinations of a reduce-scatter over n ranks (docs/formats.md) and who owns what
+    after it.
 
     Args:
         n: number of ranks.
@@ -199,7 +165,7 @@ def reduce_packed(buffers: Sequence[Any], size: int, bits: int, seed: int, reduc
             order; not modified.
         size: elements per payload.
         bits: code width.
-        seed: the exchange seed (keys: module doc).
+        seed: the exchange seed (keys: :func:`round_key`).
         reduction: "tree" or "ring".
 
     Returns:

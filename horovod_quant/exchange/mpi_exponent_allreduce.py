@@ -1,28 +1,14 @@
-"""The Global-QSGD exponent allreduce over MPI (mpi4py): the paper's custom reduction.
+"""Global-QSGD's exponent reduction run between ranks over MPI point-to-point (mpi4py, or an
+object with its method names): the rounds of :func:`horovod_quant.core.exponent_reduction.
+schedule`, then an allgather of the owned ranges, so every rank holds the same codes as the
+one-process :func:`~horovod_quant.core.exponent_reduction.reduce_packed`.
 
-Exponential-level payloads (``sign * 2^-e`` codes) do not add under a plain allreduce: two
-values combine into one unbiased C_nat rounding of their sum (Global-QSGD, Appendix B). This
-module runs exactly the schedule of :func:`horovod_quant.core.exp_reduce.schedule` between
-real ranks: per round every rank posts its sends (its current bytes of the ranges its partners
-combine) and receives, waits, then combines what it received into its own bytes with
-:func:`horovod_quant.gpu.exp_combine` (the kernel of the buffers' backend) and the round's key. "tree" folds the ranks
-beyond the largest power of two, reduce-scatters by recursive halving (ceil(log2 n) roundings
-per element at ring-like bandwidth); "ring" is the n - 1 round alternative. The owned ranges
-are then allgathered (``Allgatherv``, bytes copied), so every rank holds the same codes, equal
-to the single-process :func:`~horovod_quant.core.exp_reduce.reduce_packed`.
-
-Under the Horovod doors the communicator is a duplicate of ``MPI.COMM_WORLD`` (so nothing
-collides with Horovod's own traffic); the DDP door passes an object with mpi4py's method names
-over its process group's ``isend``/``irecv`` (:class:`horovod_quant.torch.distributed.
-PointToPoint`). The Horovod doors use MPI only when Horovod itself runs on MPI with ``MPI_THREAD_MULTIPLE`` (the
-reductions run on worker threads, :data:`EXPONENT_LANES` of them with a communicator each, to
-overlap with backward and with each other, beside Horovod's background thread); otherwise, e.g. under gloo, the runners (``Exchange``, the TensorFlow compressor) fall
-back to the allgather plan: the payloads gathered and reduced locally with the same schedule
-(same result, O(n) receive volume). ``HQ_MPI_EXCHANGE=0`` (or false/no/off) forces the fallback.
-
-Device payloads (CuPy) are reduced on the device, each round's combine a kernel, and sent as
-device buffers when the MPI is CUDA-aware (:func:`horovod_quant.gpu.cuda_aware_mpi`); otherwise
-the packed codes are copied to host memory, reduced there, and copied back for decoding.
+Each round posts every send and receive, waits, and combines what arrived with the buffers'
+backend kernel (:func:`horovod_quant.gpu.exp_combine`). Device payloads stay on the device when
+the MPI is CUDA-aware, else they are staged through host memory. Where no communicator is given
+(gloo, ``HQ_MPI_EXCHANGE=0``) the runners take the allgather plan instead: the same bits.
+When the doors hand out a communicator, and why reductions run on several lanes:
+docs/exchange.md ("The exponent allreduce over MPI").
 """
 from __future__ import annotations
 
@@ -33,39 +19,11 @@ from typing import Any
 import numpy as np
 
 from .. import gpu
-from ..backends.numba.packing import PACK_BLOCK
-from ..env import env_flag
-from ..core.base import array_module
-from ..core.exp_reduce import block_byte_range, round_key, schedule
+from ..backends import PACK_BLOCK
+from ..core.base import Codec, array_module
+from ..core.exponent_reduction import block_byte_range, round_key, schedule
 from ..core.payload import Payload
-from .collectives import Handle
-
-
-def mpi_exchange_enabled() -> bool:
-    """``HQ_MPI_EXCHANGE`` (default on): whether the Horovod doors may run the MPI reduction."""
-    return env_flag("HQ_MPI_EXCHANGE", default=True)
-
-
-def world_communicator(horovod_module: Any) -> Any | None:
-    """A duplicate of MPI.COMM_WORLD when the custom MPI reduction may run, else None.
-
-    Args:
-        horovod_module: ``horovod.torch`` or ``horovod.tensorflow`` (already initialized).
-    """
-    if not mpi_exchange_enabled():
-        return None
-    if not (horovod_module.mpi_enabled() and horovod_module.mpi_threads_supported()):
-        return None
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return None
-    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-        return None
-    world = MPI.COMM_WORLD
-    if world.Get_size() != horovod_module.size() or world.Get_rank() != horovod_module.rank():
-        return None
-    return world.Dup()
+from .collectives import Collectives, Handle
 
 
 class _FutureHandle(Handle):
@@ -88,7 +46,8 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
             CUDA-aware).
         size: elements per payload.
         bits: code width.
-        seed: the exchange seed (round keys: :func:`~horovod_quant.core.exp_reduce.round_key`).
+        seed: the exchange seed (round keys:
+            :func:`~horovod_quant.core.exponent_reduction.round_key`).
         reduction: "tree" or "ring".
     """
     xp = array_module(data)
@@ -129,9 +88,8 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
     return out
 
 
-#: reductions in flight at once (pipelined pieces of one exchange): one large point-to-point
-#: transfer at a time moved about half of an emulated 1 Gbit/s link, several at once filled it
-#: (docs/cluster.md); each lane is a worker thread with a communicator of its own
+#: reductions in flight at once (pipelined pieces of one exchange), each lane a worker thread
+#: with a communicator of its own; why several: docs/exchange.md ("The exponent allreduce over MPI")
 EXPONENT_LANES = 4
 
 
@@ -146,12 +104,13 @@ class MpiExponentReduce:
     its device and complete (its stream synchronized) when the handle returns it.
 
     Args:
-        codec: the exponential Global-QSGD codec.
+        codec: a codec with dense exponent codes (exponential Global-QSGD): its ``bits`` and
+            ``reduction`` parameters and its ``decode_sum``.
         comms: one communicator per lane (mpi4py's, or :class:`~horovod_quant.torch.
             distributed.PointToPoint`), created in the same order on every rank.
     """
 
-    def __init__(self, codec: Any, comms: list[Any]) -> None:
+    def __init__(self, codec: Codec, comms: list[Any]) -> None:
         if not comms:
             raise ValueError("MpiExponentReduce needs at least one communicator")
         self.codec = codec
@@ -175,8 +134,8 @@ class MpiExponentReduce:
             with codes.device if on_device else contextlib.nullcontext():
                 reduced = allreduce_exponent_codes(comm,
                                                    gpu.to_host(codes) if staged else codes,
-                                                   payload.size, codec.bits, seed,
-                                                   codec.reduction)
+                                                   payload.size, codec.params["bits"], seed,
+                                                   codec.params["reduction"])
                 if staged:
                     reduced = gpu.to_device(reduced, codes)
                 mean = codec.decode_sum(Payload(reduced, payload.size, dict(payload.meta)), n)
@@ -187,12 +146,12 @@ class MpiExponentReduce:
         return _FutureHandle(self._lanes[lane].submit(run))
 
 
-def mpi_exponent_factory(codec: Any, collectives: Any) -> MpiExponentReduce | None:
-    """Use the MPI reduction when the collectives expose an MPI communicator and the codec is
-    dense exponential Global-QSGD; None means "fall back to allgather + local reduction".
-    Collective: asks for :data:`EXPONENT_LANES` communicators, in order, on every rank."""
-    if getattr(codec, "levels", None) != "exponential" or codec.mode != "dense":
-        return None
+def mpi_exponent_factory(codec: Codec, collectives: Collectives) -> MpiExponentReduce | None:
+    """The collective of codecs whose ``custom_collective`` is ``"exponent_allreduce"`` (packed
+    exponent codes, reduced with the codec's ``bits`` and ``reduction`` parameters) when the
+    collectives expose an MPI communicator; None means "fall back to allgather + local
+    reduction". Collective: asks for :data:`EXPONENT_LANES` communicators, in order, on every
+    rank."""
     comm = collectives.mpi_communicator()
     if comm is None:
         return None
