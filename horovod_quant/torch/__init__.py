@@ -6,11 +6,12 @@
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression=hq.Compression.qsgd(bits=4, bucket_size=512))
 """
+from ..doors import DoorOptions
 from ..policy import LayerPolicy
 from ..stats import StepStats
 from .compression import Compression, QuantizedCompressor
 from .optimizer import DistributedOptimizer
 from .reporting import StatsLogger
 
-__all__ = ["Compression", "DistributedOptimizer", "LayerPolicy", "QuantizedCompressor",
+__all__ = ["Compression", "DoorOptions", "DistributedOptimizer", "LayerPolicy", "QuantizedCompressor",
            "StatsLogger", "StepStats"]

@@ -1,12 +1,12 @@
-"""The fallback rule of horovod_quant.exchange.fallback: which buckets leave their codec, and that
+"""The fallback rule of horovod_quant.fallback: which buckets leave their codec, and that
 every rank decides the same from timings that differ between ranks (no real timing here)."""
 import time
 
 import numpy as np
 import pytest
 
-from horovod_quant.exchange import fallback
-from horovod_quant.exchange.fallback import (FALLBACK_CLEAR_WIN, FALLBACK_MARGIN,
+from horovod_quant import fallback
+from horovod_quant.fallback import (FALLBACK_CLEAR_WIN, FALLBACK_MARGIN,
                                              FALLBACK_MIN_SAVING_S, BucketTrial, StepChecker,
                                              check_fallback, decide, measure_and_decide,
                                              needs_step_check)
