@@ -1,4 +1,4 @@
-"""The fallback controller: Horovod's float32 allreduce carries the buckets whose codec does not pay.
+"""The fallback controller: the float32 allreduce carries the buckets whose codec does not pay.
 
 A codec's own cost (encode, decode, extra collectives) can exceed the wire time it saves on a
 fast link, so a door decides once, in two stages (measurements: docs/pytorch.md, "Falling back

@@ -13,4 +13,5 @@ from ..stats import StepStats
 from .compression import Compression, QuantizedCompressor
 from .reporting import StatsCallback
 
-__all__ = ["Compression", "DoorOptions", "LayerPolicy", "QuantizedCompressor", "StatsCallback", "StepStats"]
+__all__ = ["Compression", "DoorOptions", "LayerPolicy", "QuantizedCompressor", "StatsCallback",
+           "StepStats"]

@@ -122,7 +122,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             codec = self.policy.codec_for(self.codec, tensor.shape, name)
         wire = horovod_dtype(codec, tensor)
         if wire is not None:
-            self.stats.add_raw(tensor.numel() * wire.itemsize, tensor.numel() * tensor.element_size())
+            self.stats.add_raw(tensor.numel() * wire.itemsize,
+                               tensor.numel() * tensor.element_size())
             return (tensor, None) if wire == tensor.dtype else (tensor.to(wire), tensor.dtype)
         if self._decompressing:  # first compress after a decompress: a new step
             self._unnamed, self._decompressing = 0, False
