@@ -50,9 +50,9 @@ UNSET: Any = _Unset()
 
 @dataclasses.dataclass(frozen=True)
 class DoorOptions:
-    """The settings of the framework doors, with one default each, the same in every door: the
-    same codec, seed and gradients give the same bits through each of them (docs/pytorch.md,
-    "One set of options").
+    """The settings of the framework doors, with one default each, the same in every door: a
+    tensor exchanged with the same codec and exchange seed gets the same bits through each of
+    them (docs/pytorch.md, "One set of options").
 
     Every door takes ``options=DoorOptions(...)`` and each setting as a keyword argument of
     the same name; a keyword argument given as None (``pipeline_elems``: not given) takes the
@@ -92,7 +92,7 @@ class DoorOptions:
         if self.policy is None:
             object.__setattr__(self, "policy", LayerPolicy())
         check_gather(self.gather)
-        if self.policy is not None and not isinstance(self.policy, LayerPolicy):
+        if not isinstance(self.policy, LayerPolicy):
             raise ValueError(f"policy={self.policy!r} is not a horovod_quant LayerPolicy")
         check_pipeline_elems(self.pipeline_elems)
         check_int("fusion_bytes", self.fusion_bytes, 1)
