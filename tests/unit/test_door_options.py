@@ -101,7 +101,7 @@ def test_torch_compressor_keeps_its_settings_for_the_optimizer():
     assert (compressor.seed, compressor.pipeline_elems, compressor.gather) == (6, None, "auto")
     assert compressor.codec.config_key() == hq.get_codec("qsgd", bits=4).config_key()
     shared = DoorOptions(seed=8, fusion_bytes=4096)
-    assert hqt.Compression.qsgd(options=shared).options is shared
+    assert hqt.Compression.qsgd(options=shared).options == shared
 
 
 def test_tensorflow_door_refuses_optimizer_only_settings():
