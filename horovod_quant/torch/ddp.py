@@ -32,7 +32,7 @@ from ..core.rng import derive_key
 from ..policy import LayerPolicy
 from .collectives import as_array, as_tensor
 from .compression import QuantizedCompressor
-from .tensors import flat_array, stream_of
+from .tensors import flat_array, parameter_names, stream_of
 from .distributed import process_group_collectives
 
 __all__ = ["QuantizationState", "quantization_hook"]
@@ -148,7 +148,7 @@ class QuantizationState(CompressorSettings):
         settings = door_options(options, inherited, seed=seed, gather=gather,
                                 pipeline_elems=pipeline_elems, policy=policy)
         super().__init__(codec, settings.check_door("DDP hook"))
-        self._names = _parameter_names(named_parameters)
+        self._names = parameter_names(named_parameters)
         if self.policy.rules and self._names is None:
             raise ValueError(
                 f"the policy has name rules ({[p for p, _ in self.policy.rules]}) but the "
@@ -300,22 +300,6 @@ class QuantizationState(CompressorSettings):
                 if not job.future.done():
                     job.future.set_exception(exc)
             raise
-
-
-def _parameter_names(named_parameters: Iterable | None
-                     ) -> dict[int, tuple[str, torch.Tensor]] | None:
-    """``{id(parameter): (name, parameter)}`` from ``named_parameters`` (None: no names)."""
-    if named_parameters is None:
-        return None
-    named = list(named_parameters)
-    if any(not isinstance(t, tuple) or len(t) != 2 or not isinstance(t[0], str) for t in named):
-        raise ValueError("named_parameters should be (name, parameter) pairs, usually "
-                         "model.named_parameters()")
-    names = [n for n, _ in named]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"parameter names must be unique; duplicates: {duplicates}")
-    return {id(p): (n, p) for n, p in named}
 
 
 def quantization_hook(state: QuantizationState, bucket: dist.GradBucket

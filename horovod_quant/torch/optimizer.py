@@ -32,7 +32,7 @@ from .buckets import Bucket, BucketLayout
 from .collectives import HorovodTorchCollectives, as_tensor
 from .compression import QuantizedCompressor
 from .schedule import ExchangeSchedule, HorovodPath
-from .tensors import on_gpu, stream_of
+from .tensors import on_gpu, parameter_names, stream_of
 from .transport import resolve_transport, transport_collectives, transport_of
 
 
@@ -54,23 +54,17 @@ def _resolve_codec(compression: Any) -> tuple[Codec, DoorOptions | None]:
                      "hvd.Compression.none/fp16")
 
 
-def _parameter_names(named_parameters: Any, params: list) -> dict[int, str]:
-    """``{id(parameter): name}``: from ``named_parameters``, else ``param.<i>``."""
-    if named_parameters is None:
+def _names_of(named_parameters: Any, params: list) -> dict[int, str]:
+    """``{id(parameter): name}`` of the optimizer's parameters: from ``named_parameters``
+    (every one must be there), else ``param.<i>``."""
+    named = parameter_names(named_parameters)
+    if named is None:
         return {id(p): f"param.{i}" for i, p in enumerate(params)}
-    named = list(named_parameters)
-    if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
-        raise ValueError("named_parameters should be a sequence of (name, parameter) "
-                         "tuples, usually model.named_parameters()")
-    names = {id(p): n for n, p in named}
-    duplicates = {n for n in names.values() if list(names.values()).count(n) > 1}
-    if duplicates:
-        raise ValueError(f"parameter names must be unique; duplicates: {sorted(duplicates)}")
-    missing = [p for p in params if id(p) not in names]
+    missing = [p for p in params if id(p) not in named]
     if missing:
         raise ValueError(f"{len(missing)} optimizer parameters are missing from "
                          "named_parameters")
-    return names
+    return {key: name for key, (name, _) in named.items()}
 
 
 class _QuantDistributedOptimizer(torch.optim.Optimizer):
@@ -93,7 +87,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._fallback = FallbackController(options.fallback)
         all_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._all_params = all_params
-        self._layout = BucketLayout(all_params, _parameter_names(named_parameters, all_params),
+        self._layout = BucketLayout(all_params, _names_of(named_parameters, all_params),
                                     codec, options.policy, groups, options.fusion_bytes)
         self._densified: set[int] = set()  # sparse this step, exchanged dense (sparse_as_dense)
         self._delay = {id(p): backward_passes_per_step for p in all_params}

@@ -1,15 +1,16 @@
-"""Where a torch tensor's codec work runs, and the tensor as the flat float32 array a codec takes.
+"""Where a torch tensor's codec work runs, the tensor as the flat float32 array a codec takes,
+and the parameters' names: what every torch door needs of a tensor.
 
 CUDA tensors are encoded and decoded on their GPU by the CUDA kernels (``horovod_quant.gpu``,
 needs CuPy) on torch's current stream; without CuPy they are copied to host memory and encoded
-there (one warning). Every torch door uses these helpers.
+there (one warning).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import warnings
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterable
 
 import torch
 
@@ -65,3 +66,23 @@ def horovod_dtype(codec: Codec | None, tensor: torch.Tensor) -> torch.dtype | No
     if codec.horovod_allreduce is not None:
         return getattr(torch, codec.horovod_allreduce)
     return None
+
+
+def parameter_names(named_parameters: Iterable | None
+                    ) -> dict[int, tuple[str, torch.Tensor]] | None:
+    """``{id(parameter): (name, parameter)}`` from ``named_parameters`` (None: no names).
+
+    Raises:
+        ValueError: an item is not a ``(str, parameter)`` pair, or a name repeats.
+    """
+    if named_parameters is None:
+        return None
+    named = list(named_parameters)
+    if any(not isinstance(t, tuple) or len(t) != 2 or not isinstance(t[0], str) for t in named):
+        raise ValueError("named_parameters should be (name, parameter) pairs, usually "
+                         "model.named_parameters()")
+    names = [n for n, _ in named]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"parameter names must be unique; duplicates: {duplicates}")
+    return {id(p): (n, p) for n, p in named}
