@@ -47,7 +47,7 @@ from emulator import NIC_ENV, nic_counters
 from horovod_quant.core.registry import codec_class, get_codec
 from horovod_quant.exchange import Exchange
 from horovod_quant.torch.collectives import HorovodTorchCollectives
-from horovod_quant.torch.transport import collectives_for
+from horovod_quant.torch.transport import transport_collectives
 
 MB = 1 << 20
 
@@ -136,11 +136,11 @@ def make_exchange(cfg: dict, comm, pipeline_elems):
 
 def choose_fallbacks(item: dict, state: dict, x: np.ndarray) -> None:
     """What ``hq.DistributedOptimizer(fallback="auto")`` does for a bucket of this size, with
-    the package's own rule (``exchange.fallback.measure_and_decide``: the median of 3-15
+    the package's own rule (``fallback.measure_and_decide``: the median of 3-15
     blocking runs of the codec exchange and of Horovod's float32 allreduce of the same vector,
     alternating, slowest rank; a codec must save 5% and 2 ms): the configurations whose codec
     did not run Horovod's float32 allreduce from here on, and their rows say so."""
-    from horovod_quant.exchange.fallback import BucketTrial, measure_and_decide
+    from horovod_quant.fallback import BucketTrial, measure_and_decide
 
     buf = torch.from_numpy(x.copy())
     trials, ids = [], []
@@ -166,7 +166,7 @@ def run_exchange(item: dict, emit) -> None:
     """All configurations of one size, interleaved: round r runs every configuration once, so
     load changes on a shared machine hit every configuration alike."""
     n = int(item["size_mb"] * MB) // 4
-    comm = collectives_for(transport=item.get("transport", "horovod"))
+    comm = transport_collectives(transport=item.get("transport", "horovod"))
     x = gradient(n)
     state = {}
     for cfg in item["configs"]:
@@ -563,7 +563,7 @@ def _torch_group(item: dict):
 
 def _peers():
     """The package's gloo group beside Horovod (``transport="gloo"``; built once)."""
-    return collectives_for(transport="gloo")
+    return transport_collectives(transport="gloo")
 
 
 def _mpi_comm():

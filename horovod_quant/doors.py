@@ -1,7 +1,14 @@
-"""What the framework doors (Horovod torch, Horovod TensorFlow, DDP) share: the compressors'
-settings, the cross-rank configuration check and the ``Compression.<codec>(...)`` namespace."""
+"""What the four framework doors share: their settings (:class:`DoorOptions`, one default
+each), the cross-rank configuration check and the ``Compression.<codec>(...)`` namespace.
+
+The doors: Horovod PyTorch's ``compression=`` (:mod:`horovod_quant.torch.compression`),
+``hq.torch.DistributedOptimizer`` (:mod:`horovod_quant.torch.optimizer`), the DDP hook
+(:mod:`horovod_quant.torch.ddp`) and Horovod TensorFlow's ``compression=``
+(:mod:`horovod_quant.tensorflow.compression`).
+"""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, Iterable
@@ -11,8 +18,9 @@ from .core import available_codecs, get_codec
 from .core.registry import codec_class
 from .core.base import Codec, check_int
 from .process_sets import mpi_exchange_enabled
-from .exchange.plans import check_gather
+from .exchange.plans import DEFAULT_PIPELINE_ELEMS, check_gather, check_pipeline_elems
 from .env import env_seconds
+from .fallback import check_fallback
 from .policy import LayerPolicy, describe
 from .stats import StepStats
 
@@ -21,6 +29,116 @@ log = logging.getLogger("horovod_quant")
 #: default of ``HQ_CONFIG_TIMEOUT``: how long a rank waits for the others' configuration
 CONFIG_TIMEOUT_S = 600.0
 
+#: default of :attr:`DoorOptions.fusion_bytes`
+DEFAULT_FUSION_BYTES = 32 << 20
+#: what :attr:`DoorOptions.transport` takes besides None
+TRANSPORTS = ("auto", "horovod", "gloo")
+#: the settings of :class:`DoorOptions` that only ``hq.torch.DistributedOptimizer`` uses
+OPTIMIZER_ONLY = ("fusion_bytes", "transport", "fallback", "on_step")
+
+
+class _Unset:
+    """The default of a door's ``pipeline_elems=`` argument, whose None means "whole
+    vectors": the value then comes from the door's :class:`DoorOptions`."""
+
+    def __repr__(self) -> str:
+        return "DoorOptions.pipeline_elems"
+
+
+UNSET: Any = _Unset()
+
+
+@dataclasses.dataclass(frozen=True)
+class DoorOptions:
+    """The settings of the framework doors, with one default each, the same in every door: a
+    tensor exchanged with the same codec and exchange seed gets the same bits through each of
+    them (docs/pytorch.md, "One set of options").
+
+    Every door takes ``options=DoorOptions(...)`` and each setting as a keyword argument of
+    the same name; a keyword argument given as None (``pipeline_elems``: not given) takes the
+    value from ``options``, else from the compressor a door was given, else the default here.
+
+    Args:
+        seed: base seed of every random draw (an integer).
+        gather: schedule for gather codecs: "auto", "allgather" or "sra".
+        policy: which tensors are compressed, and with which codec (None:
+            :class:`~horovod_quant.policy.LayerPolicy`'s defaults).
+        pipeline_elems: vectors longer than this are exchanged in pieces of this many elements
+            (:class:`~horovod_quant.exchange.Exchange`); None sends every vector whole.
+        fusion_bytes: float32 bytes per fused bucket (``hq.torch.DistributedOptimizer`` only).
+        transport: what carries the payloads, "auto", "horovod" or "gloo"; None: the
+            ``HQ_TRANSPORT`` environment variable, else "auto" (the optimizer only).
+        fallback: "auto" (Horovod's float32 allreduce carries the buckets whose codec does not
+            pay, :mod:`horovod_quant.fallback`) or "never" (the optimizer only).
+        on_step: called with each step's :class:`~horovod_quant.stats.StepStats` (the
+            optimizer only).
+
+    The settings the optimizer alone uses are kept by a torch ``Compression`` (and used where
+    it is passed to the optimizer); the TensorFlow door and the DDP hook raise ValueError when
+    one of them is not at its default.
+    """
+
+    seed: int = 0
+    gather: str = "auto"
+    policy: LayerPolicy | None = None
+    pipeline_elems: int | None = DEFAULT_PIPELINE_ELEMS
+    fusion_bytes: int = DEFAULT_FUSION_BYTES
+    transport: str | None = None
+    fallback: str = "auto"
+    on_step: Callable[[StepStats], None] | None = None
+
+    def __post_init__(self) -> None:
+        check_seed(self.seed)
+        if self.policy is None:
+            object.__setattr__(self, "policy", LayerPolicy())
+        check_gather(self.gather)
+        if not isinstance(self.policy, LayerPolicy):
+            raise ValueError(f"policy={self.policy!r} is not a horovod_quant LayerPolicy")
+        check_pipeline_elems(self.pipeline_elems)
+        check_int("fusion_bytes", self.fusion_bytes, 1)
+        if self.transport is not None and self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} is not valid: choose one of "
+                             f"{list(TRANSPORTS)} ('auto': a gloo group beside Horovod for CPU "
+                             "gradients) or None (the HQ_TRANSPORT environment variable)")
+        check_fallback(self.fallback)
+        if self.on_step is not None and not callable(self.on_step):
+            raise ValueError(f"on_step={self.on_step!r} must be callable or None")
+
+    def check_door(self, door: str) -> "DoorOptions":
+        """``self``, for a door that does not use the optimizer-only settings; ValueError
+        naming each one not at its default."""
+        set_here = [f"{name}={getattr(self, name)!r}" for name in OPTIMIZER_ONLY
+                    if getattr(self, name) != _DEFAULTS[name]]
+        if set_here:
+            raise ValueError(f"{', '.join(set_here)}: the {door} does not take these settings "
+                             "(hq.torch.DistributedOptimizer alone does); leave them at their "
+                             "defaults")
+        return self
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DoorOptions)}
+
+
+def door_options(options: DoorOptions | None = None, inherited: DoorOptions | None = None,
+                 **given: Any) -> DoorOptions:
+    """A door's settings: ``given`` keyword arguments (None, and :data:`UNSET`, for "not
+    given"; ``pipeline_elems=None`` is given), over ``options``, else over ``inherited`` (the
+    settings of a compressor the door was handed), else over the defaults.
+
+    Raises:
+        ValueError: a setting is given both ways, or is invalid.
+    """
+    if options is not None and not isinstance(options, DoorOptions):
+        raise ValueError(f"options={options!r} is not a horovod_quant DoorOptions")
+    given = {k: v for k, v in given.items()
+             if v is not UNSET and (v is not None or k == "pipeline_elems")}
+    if options is not None:
+        twice = sorted(k for k in given if getattr(options, k) != given[k])
+        if twice:
+            raise ValueError(f"{', '.join(twice)} given both as keyword arguments and in "
+                             "options=: set each setting in one place")
+    base = options if options is not None else inherited if inherited is not None else None
+    return dataclasses.replace(base, **given) if base is not None else DoorOptions(**given)
 
 
 class _CheckNumbers:
@@ -146,36 +264,30 @@ class CodecRequest:
 
 
 class CompressorSettings:
-    """The settings both Horovod doors' ``QuantizedCompressor`` hold (validated here).
+    """The codec and settings a door holds (the Horovod doors' compressors, the DDP state).
 
     Args:
         codec: the codec (see :func:`horovod_quant.get_codec`), or a :class:`CodecRequest`
             and the function giving its world size, built when first used (a world-sized
             codec asked for before Horovod is initialized).
-        seed: base seed of every random draw (an integer).
-        gather: schedule for gather codecs: "auto", "allgather" or "sra".
-        policy: which tensors are compressed, and with which codec (default
-            :class:`LayerPolicy`: small and 1-D tensors travel uncompressed through Horovod's
-            own allreduce).
+        options: the door's :class:`DoorOptions`.
         process_set: Horovod process set of the optimizer or tape, if not the global one.
 
     Attributes:
+        options: the :class:`DoorOptions`; ``seed``, ``gather``, ``policy`` and
+            ``pipeline_elems`` read them.
         stats: :class:`~horovod_quant.stats.StepStats` since the last ``stats.reset()``.
         codec_request: how ``Compression.<name>(...)`` asked for the codec, or None.
     """
 
-    def __init__(self, codec: Codec | tuple[CodecRequest, Callable[[], int]], seed: int = 0,
-                 gather: str = "auto", policy: LayerPolicy | None = None,
-                 process_set: Any = None) -> None:
-        check_gather(gather)
+    def __init__(self, codec: Codec | tuple[CodecRequest, Callable[[], int]],
+                 options: DoorOptions, process_set: Any = None) -> None:
         self.codec_request: CodecRequest | None = None
         self._world_size: Callable[[], int] | None = None
         if isinstance(codec, tuple):
             (self.codec_request, self._world_size), codec = codec, None
         self._codec = codec
-        self.seed = check_seed(seed)
-        self.gather = gather
-        self.policy = policy if policy is not None else LayerPolicy()
+        self.options = options
         self.process_set = process_set
         self.stats = StepStats()
 
@@ -186,10 +298,27 @@ class CompressorSettings:
             self._codec = self.codec_request.build(self._world_size)
         return self._codec
 
+    @property
+    def seed(self) -> int:
+        return self.options.seed
+
+    @property
+    def gather(self) -> str:
+        return self.options.gather
+
+    @property
+    def policy(self) -> LayerPolicy:
+        return self.options.policy
+
+    @property
+    def pipeline_elems(self) -> int | None:
+        return self.options.pipeline_elems
+
     def shared_config(self) -> dict:
         """What must agree across ranks (see :class:`ConfigCheck`)."""
         return {"door": "compressor", **self.codec.config(), "seed": self.seed,
-                "gather": self.gather, "policy": describe(self.policy)}
+                "gather": self.gather, "pipeline_elems": self.pipeline_elems,
+                "policy": describe(self.policy)}
 
 
 def mpi_exchange_config(codecs: Iterable[Codec]) -> dict:
@@ -216,7 +345,7 @@ class CompressionNamespace:
 
     Args:
         compressor_cls: the door's compressor class, built as
-            ``compressor_cls(codec, seed=, gather=, policy=, process_set=)``.
+            ``compressor_cls(codec, process_set=, options=)``.
         global_process_set: the framework's ``hvd.global_process_set`` (fills ``world_size``).
         framework: named in the generated docstrings.
     """
@@ -232,8 +361,11 @@ class CompressionNamespace:
         if name not in available_codecs():
             raise AttributeError(f"no codec {name!r}; valid: {', '.join(available_codecs())}")
 
-        def make(seed: int = 0, gather: str = "auto", policy: Any = None,
-                 process_set: Any = None, **params: Any) -> Any:
+        def make(seed: int | None = None, gather: str | None = None, policy: Any = None,
+                 pipeline_elems: int | None = UNSET, process_set: Any = None,
+                 options: DoorOptions | None = None, **params: Any) -> Any:
+            settings = door_options(options, seed=seed, gather=gather, policy=policy,
+                                    pipeline_elems=pipeline_elems)
             request = CodecRequest(name, params)
             size = (process_set if process_set is not None else self._global).size
             try:
@@ -242,15 +374,14 @@ class CompressionNamespace:
                 if not request.needs_world_size or _initialized(size):
                     raise
                 codec = (request, size)  # Horovod not initialized: built at the first use
-            compressor = self._cls(codec, seed=seed, gather=gather, policy=policy,
-                                   process_set=process_set)
+            compressor = self._cls(codec, process_set=process_set, options=settings)
             compressor.codec_request = request
             return compressor
 
         make.__name__ = name
         make.__doc__ = (f"A Horovod {self._framework} Compressor running the ``{name}`` codec.\n\n"
-                        f"Args: seed, gather, policy, process_set (see QuantizedCompressor) and "
-                        f"the codec's own parameters (docs/codecs.md).")
+                        f"Args: seed, gather, policy, pipeline_elems, options (DoorOptions), "
+                        f"process_set and the codec's own parameters (docs/codecs.md).")
         return make
 
     def __dir__(self) -> list[str]:

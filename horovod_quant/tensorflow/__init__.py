@@ -7,9 +7,11 @@ Keras ``hvd.DistributedOptimizer`` (horovod.tensorflow.keras), eager and inside 
 
 Use tf-keras (``TF_USE_LEGACY_KERAS=1``) for the Keras door; see docs/tensorflow.md.
 """
+from ..doors import DoorOptions
 from ..policy import LayerPolicy
 from ..stats import StepStats
 from .compression import Compression, QuantizedCompressor
 from .reporting import StatsCallback
 
-__all__ = ["Compression", "LayerPolicy", "QuantizedCompressor", "StatsCallback", "StepStats"]
+__all__ = ["Compression", "DoorOptions", "LayerPolicy", "QuantizedCompressor", "StatsCallback",
+           "StepStats"]

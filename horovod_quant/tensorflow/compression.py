@@ -1,46 +1,17 @@
 """``hq.tensorflow.Compression.<codec>(**params)``: Horovod ``Compressor`` objects for TensorFlow.
 
-They plug into ``hvd.DistributedGradientTape(tape, compression=...)``, the Keras
-``horovod.tensorflow.keras.DistributedOptimizer(opt, compression=...)``, the legacy
-``hvd.DistributedOptimizer`` and ``hvd.allreduce``/``hvd.grouped_allreduce(...,
-compression=...)``, eagerly and inside ``tf.function`` (Horovod itself wraps the gradient
-allreduce of an eagerly built tape/optimizer in a ``tf.function``, so ``compress`` is normally
-called while a graph is traced).
+They plug into ``hvd.DistributedGradientTape``, the Keras and legacy ``DistributedOptimizer``
+and ``hvd.allreduce``/``grouped_allreduce(..., compression=...)``, eagerly and inside
+``tf.function``. ``compress`` runs the codec's exchange plan (:mod:`horovod_quant.exchange.plans`,
+the generators ``Exchange`` and ``mean_estimate`` run too) as graph ops: ``tf.numpy_function``
+callbacks around Horovod TF collectives. Horovod reduces a one-element placeholder holding 1.0,
+whose reduced value is the factor of the user's op, which ``decompress`` applies.
 
-Horovod allreduces whatever ``compress`` returns with the user's ``op``, which would destroy
-quantized codes, so ``compress`` runs the codec's exchange plan
-(:mod:`horovod_quant.exchange.plans`, the generators that ``Exchange`` and ``mean_estimate`` run too) as graph ops: a
-``tf.numpy_function`` callback starts the plan, and each collective it asks for is a Horovod TF
-op (laid out by :func:`~horovod_quant.exchange.plans.signature`) followed by a callback that
-resumes the plan with the op's result; a custom collective (the mpi4py exponent allreduce) runs
-inside a callback. The mean estimate stays in ``ctx`` and Horovod reduces a one-element float32
-placeholder holding 1.0, whose reduced value is the factor the user's op and pre/postscale
-factors imply (1 for Average, n for Sum); ``decompress`` applies that factor, reshapes and
-casts back to the gradient's dtype.
-
-Seeds. Each compressor owns an int64 ``tf.Variable`` call counter. Every compressed tensor
-takes the counter's value k and increments it (``assign_add`` inside the graph, so the count
-advances each time the graph runs, not once per trace) and is exchanged with seed
-``derive_key(seed, k)``, whichever codec the policy chose for it. The ops of one compressor all
-use that variable, so TensorFlow's automatic control dependencies run them in program order: k
-follows the order in which Horovod calls ``compress``, which is the order of the gradient list
-(``sources`` of the tape, ``model.trainable_variables`` for Keras; group by group for
-``groups``/``num_groups``), the same on every rank. Tensors left uncompressed (policy, ``none``,
-``fp16``, integer and boolean tensors) take no k.
-
-Which tensor is which. The compressor reads the tensor's name from Horovod's own call
-(:func:`horovod_name`: the variable's name in ``DistributedGradientTape`` and the optimizers,
-the ``name=`` of ``hvd.allreduce``/``grouped_allreduce``; 0.28.1 is Horovod's final release,
-so these call sites are fixed). The policy's name rules choose the codec by that name. Every
-exchange carries a tag of the name (``#k`` for unnamed tensors), k and the static shape;
-ranks whose tags differ (a variable of another shape or name on some rank, a call counter that
-went apart) raise the same ValueError on every rank at the exchange's first collective, so
-different tensors are never combined.
-
-Before its first exchange a compressor checks that every rank built the same configuration
-(:class:`~horovod_quant.doors.ConfigCheck`, eagerly, even while a ``tf.function`` is
-traced: every rank traces its first step); a rank whose peers never join gives up after
-``HQ_CONFIG_TIMEOUT`` seconds with a RuntimeError.
+Seeds: each compressor's int64 call counter gives the k-th compressed tensor (in the order
+Horovod calls ``compress``, the same on every rank) the seed ``derive_key(seed, k)``. Tensors
+are named after Horovod's own call (:func:`horovod_name`) and every exchange carries a tag of
+name, k and shape, so ranks whose tensors differ raise the same ValueError. A cross-rank
+configuration check runs before the first exchange. docs/tensorflow.md tells the whole story.
 """
 from __future__ import annotations
 
@@ -56,7 +27,8 @@ import numpy as np
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
-from ..doors import CompressionNamespace, CompressorSettings, ConfigCheck, mpi_exchange_config
+from ..doors import (UNSET, CompressionNamespace, CompressorSettings, ConfigCheck, DoorOptions,
+                     door_options, mpi_exchange_config)
 from ..exchange import plans, wire
 from ..exchange.driver import custom_collective
 from ..core.base import Codec
@@ -172,14 +144,14 @@ class _Ctx(NamedTuple):
 class QuantizedCompressor(CompressorSettings, Compressor):
     """A ``horovod.tensorflow.compression.Compressor`` running a horovod_quant codec.
 
-    Args: see :class:`~horovod_quant.doors.CompressorSettings`. Here the k-th tensor
-    compressed (from 0) uses seed ``derive_key(seed, k)`` (module doc), the policy's name rules
-    see the variable names (``dense/kernel:0``) or the ``name=`` of ``hvd.allreduce``, tensors
-    whose static shape is not fully known travel uncompressed too, and integer and boolean
-    tensors always pass to Horovod unchanged (exact). ``pipeline_elems``: tensors longer than
-    this are exchanged in pieces of this many elements (as
-    :class:`~horovod_quant.exchange.Exchange` does: same pieces, seeds and bits); None (the
-    default, which keeps the seeds of earlier releases) exchanges every tensor whole.
+    Args: the codec, the settings of :class:`~horovod_quant.doors.DoorOptions` (seed, gather,
+    policy, pipeline_elems, or ``options=``; the optimizer-only ones raise ValueError) and
+    ``process_set``. Here the k-th tensor compressed (from 0) uses seed ``derive_key(seed, k)``
+    (module doc), the policy's name rules see the variable names (``dense/kernel:0``) or the
+    ``name=`` of ``hvd.allreduce``, tensors whose static shape is not fully known travel
+    uncompressed too, and integer and boolean tensors always pass to Horovod unchanged
+    (exact). Tensors longer than ``pipeline_elems`` are exchanged in pieces, as
+    :class:`~horovod_quant.exchange.Exchange` does (same pieces, seeds and bits).
 
     Attributes:
         stats: :class:`~horovod_quant.stats.StepStats` of the compressed exchanges since the
@@ -189,11 +161,13 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             stateful op and so would serialize Horovod's allreduces of those tensors.
     """
 
-    def __init__(self, codec: Codec, seed: int = 0, gather: str = "auto",
+    def __init__(self, codec: Codec, seed: int | None = None, gather: str | None = None,
                  policy: LayerPolicy | None = None, process_set: Any = None,
-                 pipeline_elems: int | None = None) -> None:
-        super().__init__(codec, seed, gather, policy, process_set)
-        self.pipeline_elems = plans.check_pipeline_elems(pipeline_elems)
+                 pipeline_elems: int | None = UNSET,
+                 options: DoorOptions | None = None) -> None:
+        settings = door_options(options, seed=seed, gather=gather, policy=policy,
+                                pipeline_elems=pipeline_elems)
+        super().__init__(codec, settings.check_door("TensorFlow door"), process_set)
         self._id = next(_IDS)
         # Created eagerly with the compressor, not by the first compress: a tf.function whose
         # first trace creates a variable and then raises (a configuration mismatch) is not
@@ -209,8 +183,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._lock = threading.Lock()
 
     def shared_config(self) -> dict:
-        return {**super().shared_config(), "pipeline_elems": self.pipeline_elems,
-                **mpi_exchange_config(self.policy.codecs(self.codec))}
+        return {**super().shared_config(), **mpi_exchange_config(self.policy.codecs(self.codec))}
 
     # -- bookkeeping ---------------------------------------------------------------------------
     @property

@@ -3,7 +3,7 @@
 NumPy arrays travel as CPU tensors. CuPy arrays (payloads of CUDA gradients) travel as CUDA
 tensors through DLPack when Horovod's collectives take device buffers, else through
 :class:`~horovod_quant.exchange.staging.HostStaged`
-(:func:`horovod_quant.torch.transport.collectives_for` decides).
+(:func:`horovod_quant.torch.transport.transport_collectives` decides).
 """
 from __future__ import annotations
 

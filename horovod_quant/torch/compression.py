@@ -1,76 +1,38 @@
 """``hq.torch.Compression.<codec>(**params)``: Horovod ``Compressor`` objects for every codec.
 
-Horovod's ``DistributedOptimizer`` allreduces whatever ``compress`` returns, with the user's
-``op``. Quantized payloads do not survive that (Horovod's torch allreduce has no int8, Average
-truncates integers, gathered codes do not add), so a :class:`QuantizedCompressor` carries its
-own exchange: ``compress`` encodes the gradient and *starts* the codec's collective
-asynchronously (so communication still overlaps the rest of backward), keeps the handle in
-``ctx``, and hands Horovod a one-element placeholder holding 1.0. Horovod reduces the
-placeholder with the user's op, pre/postscale factors and process set, which tells
-``decompress`` the exact factor to apply to the mean estimate: 1 for Average, n for Sum.
-``none`` and ``fp16`` keep Horovod's own path (a cast, reduced by Horovod).
+``compress`` encodes the gradient and starts the codec's own exchange without blocking (Horovod
+would reduce quantized codes with the user's ``op``), keeps it in ``ctx`` and hands Horovod a
+one-element placeholder holding 1.0; the placeholder's reduced value is the factor of the user's
+op and pre/postscale factors, which ``decompress`` applies to the mean. ``none`` and ``fp16``
+keep Horovod's own path.
 
-Which tensor is which. Ranks may compress their tensors in different orders (a layer used on
-some ranks only: Horovod zero-fills its gradient on the others in ``synchronize()``, after the
-rest), so exchanges are matched by name, as Horovod matches its own: the name the user gave
-Horovod for the tensor (the parameter name in ``DistributedOptimizer``, grouped or not; the
-``name=`` of ``hvd.allreduce``/``grouped_allreduce``), found by the tensor's identity in
-Horovod's call (:mod:`~horovod_quant.torch.horovod_calls`). Tensor ``key``'s u-th exchange (u
-from 0) uses seed ``derive_key(seed, u, name_key(key))`` and collective
-``<check prefix>.<key>``. Unnamed tensors get the key ``#j``: the j-th compressed tensor of the
-step (a step is a run of ``compress`` calls ended by the first ``decompress``). Every exchange also
-carries a tag of its key and shape; ranks whose tags differ (another shape under one name,
-unnamed tensors in another order) raise the same ValueError, so different tensors are never
-combined. The policy's name rules need the name: a compressor whose policy has rules warns once
-when a tensor comes without one.
-
-Nothing that waits for a peer runs before the ranks' configurations are known to agree: the
-first step's exchanges start at its first ``decompress``, after the configuration check, and
-exchanges that pair data by call order (the MPI exponent allreduce) always start there, in key
-order, which is the same on every rank. Global-QSGD's exchanges start in ``compress`` with
-their norm's allgather, which does not wait for a peer. The first ``decompress`` of a step
-puts every exchange's pieces on the wire (waiting for the global norms), then finishes every
-exchange, each in key order: some finish with a collective of their own (NDQSG's outage
-count, the second round of scatter-reduce-allgather), and Horovod calls ``decompress`` in each
-rank's own order.
-
-CUDA gradients are encoded and decoded on their GPU by the CUDA kernels (``horovod_quant.gpu``,
-needs CuPy) on torch's current stream; only payloads move, through Horovod's GPU collectives or
-staged through host memory (:func:`~.transport.collectives_for`). Without CuPy they are copied
-to host memory and encoded there.
+Tensors are matched across ranks by the name the user gave Horovod
+(:mod:`~horovod_quant.torch.horovod_calls`); tensor ``key``'s u-th exchange uses seed
+``derive_key(seed, u, name_key(key))`` and collective ``<check prefix>.<key>``; unnamed tensors
+are keyed ``#j`` (the j-th of the step). No exchange that waits for a peer starts before the
+configuration check passed; the first ``decompress`` of a step puts every exchange on the wire
+and finishes them in key order. docs/pytorch.md, section 1, tells the whole story.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import warnings
-from typing import Any, ContextManager
+from typing import Any
 
 import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
-from ..doors import CompressionNamespace, CompressorSettings, ConfigCheck, mpi_exchange_config
+from ..doors import (UNSET, CompressionNamespace, CompressorSettings, ConfigCheck, DoorOptions,
+                     door_options, mpi_exchange_config)
 from ..exchange.driver import Exchange
 from ..exchange.wire import exchange_tag
 from ..core.base import Codec
 from ..core.rng import derive_key, name_key
 from ..policy import LayerPolicy
-from .collectives import as_array, as_tensor
+from .collectives import as_tensor
 from .horovod_calls import horovod_call
-from .transport import collectives_for
-
-
-def on_gpu(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s codec work runs on its GPU (a CUDA tensor and CuPy installed)."""
-    if not tensor.is_cuda:
-        return False
-    from .. import gpu
-
-    if gpu.available():
-        return True
-    _warn_host_copies()
-    return False
+from .tensors import flat_array, horovod_dtype, stream_of
+from .transport import transport_collectives
 
 
 def _warn_unnamed(policy: LayerPolicy) -> None:
@@ -78,44 +40,6 @@ def _warn_unnamed(policy: LayerPolicy) -> None:
                   f"LayerPolicy's name rules ({', '.join(p for p, _ in policy.rules)}) do not "
                   "apply to it, only the size rules: pass name= to hvd.allreduce / "
                   "grouped_allreduce", RuntimeWarning, stacklevel=3)
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_host_copies() -> None:
-    warnings.warn("horovod_quant: CUDA gradients are copied to host memory and encoded on the "
-                  "CPU because CuPy (or a CUDA device it can use) is missing; pip install "
-                  "cupy-cuda12x (or cupy-cuda13x) to encode them on the GPU", RuntimeWarning,
-                  stacklevel=4)
-
-
-def flat_array(tensor: torch.Tensor) -> Any:
-    """A gradient as a flat float32 array: a view where possible (NumPy for CPU tensors, CuPy
-    for CUDA tensors when :func:`on_gpu`), else a float32 copy on the host."""
-    flat = tensor.detach().reshape(-1)
-    device = flat.device if on_gpu(flat) else torch.device("cpu")
-    if flat.dtype != torch.float32 or flat.device != device:
-        flat = flat.to(device=device, dtype=torch.float32)
-    return as_array(flat)
-
-
-def stream_of(tensor: torch.Tensor) -> ContextManager[None]:
-    """Where a tensor's codec kernels and copies are queued: torch's current CUDA stream for
-    a tensor :func:`on_gpu`, nothing for the others."""
-    if not on_gpu(tensor):
-        return contextlib.nullcontext()
-    from .. import gpu
-
-    return gpu.device_scope(tensor)
-
-
-def horovod_dtype(codec: Codec | None, tensor: torch.Tensor) -> torch.dtype | None:
-    """The dtype in which Horovod's own allreduce carries ``tensor`` (no codec, or a codec that
-    declares ``horovod_allreduce``), or None when the codec's exchange carries it."""
-    if codec is None or codec.horovod_allreduce == "keep":
-        return tensor.dtype
-    if codec.horovod_allreduce is not None:
-        return getattr(torch, codec.horovod_allreduce)
-    return None
 
 
 class _Job:
@@ -137,15 +61,20 @@ class _Job:
 class QuantizedCompressor(CompressorSettings, Compressor):
     """A ``horovod.torch.compression.Compressor`` running a horovod_quant codec.
 
-    Args: see :class:`~horovod_quant.doors.CompressorSettings` (codec, seed, gather,
-    policy, process_set; ``stats`` holds the :class:`~horovod_quant.stats.StepStats`). The
-    policy's name rules apply to tensors Horovod names (module doc). Integer, boolean and
-    sparse tensors pass to Horovod unchanged (exact), never quantized.
+    Args: the codec, the settings of :class:`~horovod_quant.doors.DoorOptions` (seed,
+    gather, policy, pipeline_elems; the optimizer-only ones are kept for
+    ``hq.torch.DistributedOptimizer``) and ``process_set``; ``stats`` holds the
+    :class:`~horovod_quant.stats.StepStats`. The policy's name rules apply to tensors Horovod
+    names (module doc). Integer, boolean and sparse tensors pass to Horovod unchanged (exact),
+    never quantized.
     """
 
-    def __init__(self, codec: Codec, seed: int = 0, gather: str = "auto",
-                 policy: LayerPolicy | None = None, process_set: Any = None) -> None:
-        super().__init__(codec, seed, gather, policy, process_set)
+    def __init__(self, codec: Codec, seed: int | None = None, gather: str | None = None,
+                 policy: LayerPolicy | None = None, process_set: Any = None,
+                 pipeline_elems: int | None = UNSET,
+                 options: DoorOptions | None = None) -> None:
+        super().__init__(codec, door_options(options, seed=seed, gather=gather, policy=policy,
+                                             pipeline_elems=pipeline_elems), process_set)
         self._check: ConfigCheck | None = None
         self._comm: Any = None
         self._exchanges: dict[str, Exchange] = {}
@@ -167,7 +96,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         them, each in key order."""
         if not self._exchanges:
             self._check.wait()
-            self._exchanges = {c.config_key(): Exchange(c, self._comm, gather=self.gather)
+            self._exchanges = {c.config_key(): Exchange(c, self._comm, gather=self.gather,
+                                                         pipeline_elems=self.pipeline_elems)
                                for c in self.policy.codecs(self.codec)}
         by_key = lambda j: j.key  # noqa: E731
         jobs, self._deferred = sorted(self._deferred, key=by_key), []
@@ -192,7 +122,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             codec = self.policy.codec_for(self.codec, tensor.shape, name)
         wire = horovod_dtype(codec, tensor)
         if wire is not None:
-            self.stats.add_raw(tensor.numel() * wire.itemsize, tensor.numel() * tensor.element_size())
+            self.stats.add_raw(tensor.numel() * wire.itemsize,
+                               tensor.numel() * tensor.element_size())
             return (tensor, None) if wire == tensor.dtype else (tensor.to(wire), tensor.dtype)
         if self._decompressing:  # first compress after a decompress: a new step
             self._unnamed, self._decompressing = 0, False
@@ -203,7 +134,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         if self._check is None:  # the first compressed tensor: the check starts, unawaited
             # Horovod's collectives: a transport that pairs by call order would need the jobs
             # started in one order, and Horovod calls compress in each rank's hook order
-            self._comm = collectives_for(self.process_set, "horovod")
+            self._comm = transport_collectives(self.process_set, "horovod")
             self._check = ConfigCheck(self._comm, self.shared_config())
         job = _Job(name, codec, flat_array(tensor), derive_key(self.seed, use, name_key(name)),
                    f"{self._check.prefix}.{name}", exchange_tag(name, tensor.shape), tensor)

@@ -7,46 +7,15 @@
     state = ddp.QuantizationState(hq.get_codec("qsgd", bits=8, bucket_size=512))
     model.register_comm_hook(state, ddp.quantization_hook)
 
-DDP hands the hook its gradient buckets in bucket order on every rank (a bucket's hook runs
-once every bucket before it has been launched). The hook starts the bucket's exchanges
-(:class:`~horovod_quant.exchange.Exchange` over the process group's collectives,
-:mod:`horovod_quant.torch.distributed`) and returns a ``torch.futures.Future``; the hook of the
-last bucket finishes every exchange of the step in bucket order, writes each mean into its
-bucket and completes the futures. So the transfers overlap the rest of the backward pass, and
-every collective (also those that finish an exchange: the second round of
-scatter-reduce-allgather, NDQSG's outage count) is issued from one thread in an order that is
-the same on every rank, which torch.distributed, matching collectives by call order, needs.
-
-Which parameters are compressed is the state's :class:`~horovod_quant.policy.LayerPolicy`
-(default: small and 1-D tensors, such as biases and norm scales, travel uncompressed, as in
-the Horovod doors). In each bucket the gradients of the exempt parameters are averaged exactly,
-by one float32 allreduce (a sum divided by the group's size, as DDP's own reducer does), and
-the others go through the exchange of the codec the policy gives them: one exchange per codec
-and bucket, the codecs in the order of ``state.codecs`` (the state's codec first, then those of
-the policy's name rules), after the exact allreduce.
-
-Reproducibility: in bucket ``i`` of step ``t`` (``t`` counts the steps whose gradients were
-exchanged; ``no_sync()`` passes do not count), the exchange of codec ``k = state.codecs.index(
-codec)`` carries the concatenation, in bucket order, of the gradients of the bucket's
-parameters that the policy gives that codec. Its seed is ``state.seed_of(t, i, k)``:
-``derive_key(seed, t, i)`` for the state's codec (k = 0), ``derive_key(seed, t, i, k)`` for a
-rule's; its name ``<check prefix>.b<i>`` (k = 0) or ``<check prefix>.b<i>.c<k>``, its tag
-``exchange_tag(name, (numel,))``. So ``mean_estimate(codec, [that vector on each rank],
-state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems)`` reproduces
-that part of the bucket exactly. DDP gives every rank the same buckets, also after it rebuilds
-them following the first step (their order then follows the gradients' readiness, decided by
-rank 0); a rank whose bucket differs raises, through the tag, on every rank. Global-norm codecs
-(Global-QSGD) take the norm of the vector they exchange (one allgather before its exchange,
-waited for in the bucket's hook: the pieces' collectives that follow it must be issued at the
-same point on every rank).
-
-The first hook runs the cross-rank configuration check (:class:`~horovod_quant.doors.
-ConfigCheck`): a rank with another codec, seed, schedule, policy or parameter names raises the
-same ValueError on every rank before anything is combined.
-
-The collectives' tensors stay referenced from Python until the process group has dropped them
-(``horovod_quant.torch.distributed.HANDED``): gloo's worker threads never free a Python object,
-and a job exits cleanly after its last step with nothing to call (docs/ddp.md).
+The hook starts a bucket's exchanges and returns a future; the last bucket's hook finishes every
+exchange of the step in bucket order, from one thread, as torch.distributed's call-order pairing
+needs. In each bucket the parameters the state's :class:`~horovod_quant.policy.LayerPolicy`
+exempts are averaged exactly (one float32 allreduce); the others go through one exchange per
+codec, the codecs in the order of ``state.codecs``. The exchange of codec ``k`` in bucket ``i``
+of step ``t`` uses seed ``state.seed_of(t, i, k)``, so ``mean_estimate(codec, [that vector on
+each rank], state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems)``
+reproduces it exactly. The first hook runs the cross-rank configuration check. docs/ddp.md
+tells the whole story (seeds, names, clean exit).
 """
 from __future__ import annotations
 
@@ -55,15 +24,16 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ..doors import CodecRequest, CompressorSettings, ConfigCheck
+from ..doors import (UNSET, CodecRequest, CompressorSettings, ConfigCheck, DoorOptions,
+                     door_options)
 from ..exchange.driver import Exchange
 from ..core.base import Codec
 from ..core.rng import derive_key
-from ..exchange.plans import DEFAULT_PIPELINE_ELEMS, check_pipeline_elems
 from ..policy import LayerPolicy
 from .collectives import as_array, as_tensor
-from .compression import QuantizedCompressor, flat_array, stream_of
-from .distributed import collectives_for
+from .compression import QuantizedCompressor
+from .tensors import flat_array, parameter_names, stream_of
+from .distributed import process_group_collectives
 
 __all__ = ["QuantizationState", "quantization_hook"]
 
@@ -133,15 +103,11 @@ class QuantizationState(CompressorSettings):
             schedule and policy). A world-sized codec asked for by name or through
             ``Compression`` without ``world_size`` gets the process group's size.
         process_group: the DDP model's process group (None: the default group).
-        seed: base seed of every random draw (default: the compressor's, else 0).
-        gather: schedule for gather codecs, "auto", "allgather" or "sra" (default: the
-            compressor's, else "auto").
-        pipeline_elems: vectors longer than this are exchanged in pieces of this many elements
-            (see :class:`horovod_quant.exchange.Exchange`); None sends every vector whole.
-        policy: which parameters are compressed, and with which codec (default: the
-            compressor's, else :class:`~horovod_quant.policy.LayerPolicy`: tensors under 1024
-            elements and 1-D tensors are averaged exactly); ``LayerPolicy.everything()``
-            compresses every parameter.
+        seed, gather, pipeline_elems, policy, options: the settings of
+            :class:`~horovod_quant.doors.DoorOptions`; one not given comes from ``options``,
+            else from the compressor, else is DoorOptions' default
+            (``LayerPolicy.everything()`` compresses every parameter). The optimizer-only
+            settings raise ValueError here.
         named_parameters: ``(name, parameter)`` pairs of the model (``model.named_parameters()``),
             needed by a policy with name rules (ValueError without them); the names are part
             of the cross-rank check.
@@ -156,17 +122,16 @@ class QuantizationState(CompressorSettings):
 
     def __init__(self, codec: Codec | str | QuantizedCompressor, process_group: Any = None,
                  seed: int | None = None, gather: str | None = None,
-                 pipeline_elems: int | None = DEFAULT_PIPELINE_ELEMS,
-                 policy: LayerPolicy | None = None,
-                 named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None
-                 ) -> None:
+                 pipeline_elems: int | None = UNSET, policy: LayerPolicy | None = None,
+                 named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+                 options: DoorOptions | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("horovod_quant DDP hook: call torch.distributed.init_process_group"
                                " before building a QuantizationState")
-        comm = collectives_for(process_group)
-        settings: dict = {}
+        comm = process_group_collectives(process_group)
+        inherited = None
         if isinstance(codec, QuantizedCompressor):
-            settings = {"seed": codec.seed, "gather": codec.gather, "policy": codec.policy}
+            inherited = codec.options
             request = codec.codec_request
             codec = (request.build(lambda: comm.size) if request is not None
                      and request.needs_world_size else codec.codec)
@@ -180,20 +145,16 @@ class QuantizationState(CompressorSettings):
                              f"{codec.params.get('world_size')}, but the process group has "
                              f"{comm.size} ranks: leave world_size out (it is filled in) or "
                              f"pass world_size={comm.size}")
-        policy = policy if policy is not None else settings.get("policy")
-        if policy is not None and not isinstance(policy, LayerPolicy):
-            raise ValueError(f"policy={policy!r} is not a horovod_quant LayerPolicy")
-        super().__init__(codec, seed if seed is not None else settings.get("seed", 0),
-                         gather if gather is not None else settings.get("gather", "auto"),
-                         policy)
-        self._names = _parameter_names(named_parameters)
+        settings = door_options(options, inherited, seed=seed, gather=gather,
+                                pipeline_elems=pipeline_elems, policy=policy)
+        super().__init__(codec, settings.check_door("DDP hook"))
+        self._names = parameter_names(named_parameters)
         if self.policy.rules and self._names is None:
             raise ValueError(
                 f"the policy has name rules ({[p for p, _ in self.policy.rules]}) but the "
                 "QuantizationState has no parameter names: pass "
                 "named_parameters=model.named_parameters()")
         self.process_group = process_group
-        self.pipeline_elems = check_pipeline_elems(pipeline_elems)
         self.step = 0
         unique = {self.codec.config_key(): self.codec}
         for _, c in self.policy.rules:
@@ -212,7 +173,7 @@ class QuantizationState(CompressorSettings):
         self._open: list[_BucketJob] = []
 
     def shared_config(self) -> dict:
-        config = {**super().shared_config(), "door": "ddp", "pipeline_elems": self.pipeline_elems}
+        config = {**super().shared_config(), "door": "ddp"}
         if self._names is not None:
             config["parameters"] = [[name, list(p.shape)] for name, p in self._names.values()]
         return config
@@ -339,22 +300,6 @@ class QuantizationState(CompressorSettings):
                 if not job.future.done():
                     job.future.set_exception(exc)
             raise
-
-
-def _parameter_names(named_parameters: Iterable | None
-                     ) -> dict[int, tuple[str, torch.Tensor]] | None:
-    """``{id(parameter): (name, parameter)}`` from ``named_parameters`` (None: no names)."""
-    if named_parameters is None:
-        return None
-    named = list(named_parameters)
-    if any(not isinstance(t, tuple) or len(t) != 2 or not isinstance(t[0], str) for t in named):
-        raise ValueError("named_parameters should be (name, parameter) pairs, usually "
-                         "model.named_parameters()")
-    names = [n for n, _ in named]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"parameter names must be unique; duplicates: {duplicates}")
-    return {id(p): (n, p) for n, p in named}
 
 
 def quantization_hook(state: QuantizationState, bucket: dist.GradBucket

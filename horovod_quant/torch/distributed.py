@@ -1,28 +1,22 @@
 """:class:`Collectives` over a ``torch.distributed`` process group: the DDP door's transport
-(:class:`ProcessGroupCollectives`), and the Horovod optimizer's gloo transport beside Horovod
-(:class:`StandaloneGroupCollectives`).
+(:class:`ProcessGroupCollectives`, :func:`process_group_collectives`), and the Horovod
+optimizer's gloo transport beside Horovod (:class:`StandaloneGroupCollectives`).
 
 ``torch.distributed`` matches collectives by call order per process group, not by name: the
-names an :class:`~horovod_quant.exchange.Exchange` passes are not sent, and the callers issue their
-collectives in the same order on every rank (the DDP door does: one thread, bucket order).
-Every exchange still carries its tag in its data, so a rank that pairs another tensor raises.
+names an :class:`~horovod_quant.exchange.Exchange` passes are not sent, and the callers issue
+their collectives in the same order on every rank. Every exchange still carries its tag in its
+data, so a rank that pairs another tensor raises.
 
 * allreduce: ``all_reduce`` on a copy (int64 sums wrap exactly, on gloo and NCCL);
-* allgather of arrays whose lengths may differ (framed payloads): one ``all_gather`` of
-  ``[int64 byte length][the bytes, padded to a bound]``, the bound being the longest array
-  of the previous allgather under the same name (the same on every rank: all saw it). Payloads
-  of a fixed layout fit from the second step on, so the gather is one collective started at
-  once and the exchange's pipeline keeps encoding while it moves; what does not fit (the
-  first call, a payload that grew) follows in a second ``all_gather`` when it is waited for,
-  on every rank, since every rank sees every length;
+* allgather of arrays whose lengths may differ: one ``all_gather`` of ``[int64 byte
+  length][the bytes, padded to the longest array of the previous allgather of that name]``;
+  what does not fit follows in a second ``all_gather`` on every rank;
 * alltoall: one ``all_to_all_single`` of the split sizes, then one of the data;
-* the exponent allreduce of Global-QSGD (:mod:`horovod_quant.exchange.mpi_exponent_allreduce`)
-  over point-to-point ``isend``/``irecv`` (:class:`PointToPoint`), on the exchange's worker
-  thread.
+* Global-QSGD's exponent allreduce (:mod:`horovod_quant.exchange.mpi_exponent_allreduce`) over
+  ``isend``/``irecv`` (:class:`PointToPoint`).
 
-NCCL groups move device (CuPy) arrays as CUDA tensors, and host arrays through the device;
-the others take host arrays (device payloads are staged through host memory by
-:class:`~horovod_quant.exchange.staging.HostStaged`, :func:`collectives_for`).
+NCCL groups move device (CuPy) arrays as CUDA tensors; the others take host arrays (device
+payloads are staged through host memory, :class:`~horovod_quant.exchange.staging.HostStaged`).
 """
 from __future__ import annotations
 
@@ -416,7 +410,7 @@ def hierarchy_of(comm: ProcessGroupCollectives, topology: Topology) -> Hierarchy
     return _hierarchies[comm.group_id]
 
 
-def collectives_for(group: Any = None) -> Collectives:
+def process_group_collectives(group: Any = None) -> Collectives:
     """The collectives of ``group``'s exchanges, with a :class:`~horovod_quant.exchange.
     topology.Hierarchy` where its ranks share nodes (torchrun's ``GROUP_RANK``), and device
     payloads staged through host memory (:class:`~horovod_quant.exchange.staging.HostStaged`)

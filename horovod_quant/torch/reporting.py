@@ -20,8 +20,9 @@ class StatsLogger(stats.StatsLogger):
 
     Example::
 
-        log = hq.StatsLogger(every=100)
-        opt = hq.DistributedOptimizer(opt, model.named_parameters(), compression=..., on_step=log)
+        log = hqt.StatsLogger(every=100)
+        opt = hqt.DistributedOptimizer(opt, model.named_parameters(), compression=...,
+                                    on_step=log)
         # or, with hvd.DistributedOptimizer(compression=comp): log.step(comp) after opt.step()
     """
 

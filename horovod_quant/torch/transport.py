@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import gpu
+from ..doors import TRANSPORTS
 from ..env import env_choice
 from ..exchange.collectives import Collectives
 from ..exchange.shared_memory import host_collectives
@@ -38,8 +39,6 @@ from .distributed import StandaloneGroupCollectives
 
 log = logging.getLogger("horovod_quant")
 
-#: what ``transport=`` takes
-TRANSPORTS = ("auto", "horovod", "gloo")
 #: how long building the group may take: connecting every pair of ranks, then a first
 #: collective (a peer that cannot be reached fails the build here, on every rank)
 CONNECT_TIMEOUT = timedelta(seconds=20)
@@ -201,7 +200,7 @@ def horovod_topology(comm: HorovodTorchCollectives) -> Topology:
     return topology
 
 
-def collectives_for(process_set: Any = None, transport: str | None = None) -> Collectives:
+def transport_collectives(process_set: Any = None, transport: str | None = None) -> Collectives:
     """The collectives the exchanges of ``process_set`` run on (collective on first use).
 
     Args:

@@ -12,6 +12,9 @@ export OMPI_MCA_mpi_yield_when_idle=1 HOROVOD_CYCLE_TIME=${HOROVOD_CYCLE_TIME:-1
 : "${HQ_PARALLEL_CONTROLLERS:=gloo mpi}"
 : "${HQ_PARALLEL_TIMEOUT:=900}"
 status=0
+# this runner's 2-rank door jobs write their results for tests/doors (compared at the end)
+export HQ_DOORS_DIR=${HQ_DOORS_DIR:-${TMPDIR:-/tmp}/hq-doors}
+bash tests/doors/compare.sh clear torch_compressor optimizer
 names=(localhost 127.0.0.1 "$(hostname)")  # names horovodrun runs locally, as distinct hosts
 for world in $HQ_PARALLEL_WORLDS; do
   if [[ $world == *x* ]]; then  # HOSTSxRANKS
@@ -42,4 +45,9 @@ for ctrl in $HQ_PARALLEL_CONTROLLERS; do
     status=1
   fi
 done
+# the doors' results agree; those this runner wrote must be there unless its worlds or
+# arguments left the 2-rank door jobs out
+required=""
+[[ " $HQ_PARALLEL_WORLDS " == *" 2 "* && $# -eq 0 ]] && required="torch_compressor optimizer"
+bash tests/doors/compare.sh $required || status=1
 exit $status

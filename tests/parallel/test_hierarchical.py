@@ -13,7 +13,7 @@ from horovod_quant.core.rng import derive_key
 from horovod_quant.exchange import Exchange, mean_estimate, plans
 from horovod_quant.exchange.wire import exchange_tag
 from horovod_quant.torch.collectives import HorovodTorchCollectives
-from horovod_quant.torch.transport import collectives_for, horovod_topology
+from horovod_quant.torch.transport import transport_collectives, horovod_topology
 
 from conftest import Linear, codec_params, rank_gradients
 
@@ -29,7 +29,7 @@ def _reference_topology():
 
 
 def test_the_transport_builds_a_group_per_host_and_per_shard():
-    comm = collectives_for(transport="gloo")
+    comm = transport_collectives(transport="gloo")
     topology = _topology()
     assert topology.size == hvd.size()
     assert topology.hierarchical == (hvd.local_size() > 1 and hvd.cross_size() > 1)
@@ -51,7 +51,7 @@ def test_every_codec_gives_the_reference_bits(name):
     codec = hq.get_codec(name, **codec_params(name))
     xs = [np.random.default_rng([q, 5]).standard_normal(70_001).astype(np.float32)
           for q in range(hvd.size())]
-    exchange = Exchange(codec, collectives_for(transport="gloo"), pipeline_elems=1 << 14)
+    exchange = Exchange(codec, transport_collectives(transport="gloo"), pipeline_elems=1 << 14)
     pending = exchange.start(xs[hvd.rank()], 13, f"t.h.{name}")
     got = pending.wait()
     want, _ = mean_estimate(codec, xs, seed=13, gather="auto", pipeline_elems=1 << 14,
@@ -102,7 +102,7 @@ def test_a_rank_exchanging_another_tensor_fails_every_rank():
     the same kind of error at the first collective between hosts; nothing hangs."""
     if hvd.size() == 1:
         pytest.skip("needs several ranks")
-    exchange = Exchange(hq.get_codec("qsgd"), collectives_for(transport="gloo"))
+    exchange = Exchange(hq.get_codec("qsgd"), transport_collectives(transport="gloo"))
     key = "other" if hvd.rank() == hvd.size() - 1 else "t.tag"
     with pytest.raises(ValueError, match="different tensors"):
         exchange.start(np.ones(5000, np.float32), 1, "t.tag",

@@ -154,7 +154,7 @@ def test_global_qsgd_buckets_take_their_own_norm(levels):
                                        seed=8, policy=EVERYTHING, **params),
                                    fusion_bytes=600, pipeline_elems=500,
                                    fallback="never")  # the same buckets at every step
-    assert len(opt._buckets) >= 3
+    assert len(opt._layout.buckets) >= 3
     position = {id(p): i for i, p in enumerate(model.ps)}
 
     def grads(step, rank):
@@ -164,16 +164,16 @@ def test_global_qsgd_buckets_take_their_own_norm(levels):
         opt.zero_grad()
         model.loss(grads(step, hvd.rank())).backward()
         if hvd.size() > 1:
-            for b in opt._buckets:
+            for b in opt._layout.buckets:
                 # over a transport that pairs by call order (gloo) every bucket starts in
                 # bucket order from the hooks; over Horovod's, custom collectives wait
-                assert (b.pending is not None) == (opt._comm.pairs_by_order
-                                                   or not opt._exchange_of(b).blocks_on_peers)
+                blocks = opt._schedule.exchange_of(b).blocks_on_peers
+                assert (b.pending is not None) == (opt._comm.pairs_by_order or not blocks)
         opt.step()
         if hvd.size() == 1:
             continue
         per_rank = [grads(step, r) for r in range(hvd.size())]
-        for b in opt._buckets:
+        for b in opt._layout.buckets:
             flats = [np.concatenate([gs[position[id(p)]].reshape(-1) for p in b.params])
                      for gs in per_rank]
             want, _ = hq.mean_estimate(hq.get_codec("global_qsgd", **params), flats,

@@ -13,8 +13,8 @@ import horovod.torch as hvd
 import horovod_quant as hq
 import horovod_quant.torch as hqt
 from horovod_quant.core.rng import derive_key
-from horovod_quant.exchange import fallback
-from horovod_quant.exchange.fallback import FALLBACK_STEP, STEP_CHECK_ROUNDS
+from horovod_quant import fallback
+from horovod_quant.fallback import FALLBACK_STEP, STEP_CHECK_ROUNDS
 
 from conftest import Linear, codec_params, rank_gradients
 

@@ -15,7 +15,7 @@ from horovod_quant.exchange import Exchange, mean_estimate
 from horovod_quant.exchange.mpi_exponent_allreduce import EXPONENT_LANES
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 from horovod_quant.torch.distributed import StandaloneGroupCollectives
-from horovod_quant.torch.transport import (collectives_for, gloo_group_beside_horovod,
+from horovod_quant.torch.transport import (transport_collectives, gloo_group_beside_horovod,
                                            resolve_transport)
 
 from conftest import Linear, codec_params, rank_gradients
@@ -24,7 +24,7 @@ EVERYTHING = hqt.LayerPolicy.everything()
 
 
 def _peers():
-    comm = collectives_for(transport="gloo")
+    comm = transport_collectives(transport="gloo")
     assert isinstance(comm, StandaloneGroupCollectives) == (hvd.size() > 1)
     return comm
 

@@ -9,6 +9,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 NUMBA_NUM_
 : "${HQ_PARALLEL_WORLDS:=2 4 2x2}"
 : "${HQ_PARALLEL_TIMEOUT:=900}"
 status=0
+# this runner's 2-rank door jobs write their results for tests/doors (compared at the end)
+export HQ_DOORS_DIR=${HQ_DOORS_DIR:-${TMPDIR:-/tmp}/hq-doors}
+bash tests/doors/compare.sh clear ddp
 run() {
   local np=$1; shift
   echo "== tests/parallel_ddp: $np ranks, gloo $* =="
@@ -41,6 +44,10 @@ for world in $HQ_PARALLEL_WORLDS; do
 done
 run 3 tests/parallel_ddp/test_ddp_exact.py -k "global_qsgd or nested"
 
+# the doors' results agree; the DDP hook's must be there when the 2-rank world ran
+required=""
+[[ " $HQ_PARALLEL_WORLDS " == *" 2 "* ]] && required="ddp"
+bash tests/doors/compare.sh $required || status=1
 # a DDP job with the hook exits 0, every time (docs/ddp.md)
 : "${HQ_EXIT_RUNS:=20}"
 echo "== tests/parallel_ddp: exit_job.py, $HQ_EXIT_RUNS runs of 2 ranks, each must exit 0 =="

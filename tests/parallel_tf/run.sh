@@ -18,6 +18,9 @@ if ! "$PY" -c "import tensorflow, tf_keras, horovod.tensorflow" >/dev/null 2>&1;
   exit 0
 fi
 status=0
+# this runner's 2-rank door jobs write their results for tests/doors (compared at the end)
+export HQ_DOORS_DIR=${HQ_DOORS_DIR:-${TMPDIR:-/tmp}/hq-doors}
+bash tests/doors/compare.sh clear tensorflow
 for np in $HQ_PARALLEL_TF_WORLDS; do
   for ctrl in $HQ_PARALLEL_CONTROLLERS; do
     echo "== tests/parallel_tf: $np ranks, $ctrl =="
@@ -31,4 +34,9 @@ for np in $HQ_PARALLEL_TF_WORLDS; do
     echo "== tests/parallel_tf: $np ranks, $ctrl: $((SECONDS - start)) s =="
   done
 done
+# the doors' results agree; those this runner wrote must be there unless its worlds or
+# arguments left the 2-rank door jobs out
+required=""
+[[ " $HQ_PARALLEL_TF_WORLDS " == *" 2 "* && $# -eq 0 ]] && required="tensorflow"
+bash tests/doors/compare.sh $required || status=1
 exit $status

@@ -207,14 +207,6 @@ FRAMEWORKS = ("horovod", "torch", "tensorflow")
 FRAMEWORK_FREE_LAYERS = ("codecs", "gpu helpers", "exchange")
 MAX_CLASS_LINES = 300
 MAX_MODULE_DOC_LINES = 20
-#: Oversized classes and module docstrings in modules being split elsewhere: each entry must
-#: still break its rule (remove it once it does not).
-PENDING_LONG_CLASSES = {"horovod_quant.torch.optimizer._QuantDistributedOptimizer"}
-PENDING_LONG_DOCSTRINGS = {
-    "horovod_quant.exchange.fallback", "horovod_quant.tensorflow.compression",
-    "horovod_quant.torch.compression", "horovod_quant.torch.ddp",
-    "horovod_quant.torch.distributed", "horovod_quant.torch.optimizer",
-}
 #: What ``Codec`` declares: the names the exchange may use on a codec.
 CODEC_DECLARES = set(dir(Codec)) | set(Codec.__annotations__) | {"params"}
 ISSUE_REFERENCE = re.compile(r"\b(?:issues?|PR|pull request)\s*#?\s*\d+\b|/issues/\d+"
@@ -339,35 +331,18 @@ def test_the_exchange_uses_only_what_codec_declares() -> None:
 
 
 def test_no_class_is_over_300_lines() -> None:
-    found, pending = [], set()
-    for module, path in package_modules().items():
-        for name, lines in long_classes(path):
-            if f"{module}.{name}" in PENDING_LONG_CLASSES:
-                pending.add(f"{module}.{name}")
-            else:
-                found.append(f"{module}.{name}: {lines} lines")
+    found = [f"{module}.{name}: {lines} lines" for module, path in package_modules().items()
+             for name, lines in long_classes(path)]
     assert not found, (f"classes over {MAX_CLASS_LINES} lines (split them by idea):\n"
                        + "\n".join(found))
-    assert pending == PENDING_LONG_CLASSES, (
-        f"no longer over {MAX_CLASS_LINES} lines: remove from PENDING_LONG_CLASSES: "
-        f"{sorted(PENDING_LONG_CLASSES - pending)}")
 
 
 def test_module_docstrings_state_the_contract_in_20_lines() -> None:
-    found, pending = [], set()
-    for module, path in package_modules().items():
-        lines = module_doc_lines(path)
-        if lines > MAX_MODULE_DOC_LINES:
-            if module in PENDING_LONG_DOCSTRINGS:
-                pending.add(module)
-            else:
-                found.append(f"{module}: {lines} lines")
+    found = [f"{module}: {lines} lines" for module, path in package_modules().items()
+             for lines in [module_doc_lines(path)] if lines > MAX_MODULE_DOC_LINES]
     assert not found, (f"module docstrings over {MAX_MODULE_DOC_LINES} lines (move "
                        f"measurements and derivations into docs/ and cite them):\n"
                        + "\n".join(found))
-    assert pending == PENDING_LONG_DOCSTRINGS, (
-        f"no longer over {MAX_MODULE_DOC_LINES} lines: remove from PENDING_LONG_DOCSTRINGS: "
-        f"{sorted(PENDING_LONG_DOCSTRINGS - pending)}")
 
 
 def test_no_one_letter_module_aliases() -> None:

@@ -1,15 +1,15 @@
-"""The fallback rule of horovod_quant.exchange.fallback: which buckets leave their codec, and that
+"""The fallback controller of horovod_quant.fallback: which buckets leave their codec, and that
 every rank decides the same from timings that differ between ranks (no real timing here)."""
 import time
 
 import numpy as np
 import pytest
 
-from horovod_quant.exchange import fallback
-from horovod_quant.exchange.fallback import (FALLBACK_CLEAR_WIN, FALLBACK_MARGIN,
-                                             FALLBACK_MIN_SAVING_S, BucketTrial, StepChecker,
-                                             check_fallback, decide, measure_and_decide,
-                                             needs_step_check)
+from horovod_quant import fallback
+from horovod_quant.fallback import (FALLBACK_CLEAR_WIN, FALLBACK_MARGIN, FALLBACK_MIN_SAVING_S,
+                                    FALLBACK_STEP, STEP_CHECK_ROUNDS, BucketTrial,
+                                    FallbackController, StepChecker, check_fallback, decide,
+                                    measure_and_decide, needs_step_check)
 
 from threaded_comm import run_ranks
 
@@ -204,6 +204,8 @@ def test_step_check_decides_on_the_median_steps(monkeypatch, durations, falls_ba
 class _Local:
     """One rank's collectives: the max over one rank is its own numbers."""
 
+    rank = 0
+
     def allreduce_async(self, x, name, op):
         assert op == "max"
 
@@ -278,3 +280,53 @@ def test_measure_and_decide_syncs_through_the_collectives():
     assert decisions[0] == decisions[1]
     # without the barrier rank 1's float32 run would include rank 0's 50 ms
     assert decisions[0].fp32_s < 0.04 and decisions[0].codec_s >= 0.05
+
+
+# -- the controller: the trial, then the step check, as a door drives them ------------------------
+def _drive(monkeypatch, trial_seconds, step_seconds=()):
+    """A door's steps through a :class:`FallbackController` (two buckets of keys {1, 2} and
+    {3}): returns the controller and, per step, (relayout, fallen_back) after its end."""
+    monkeypatch.setattr(fallback, "measure_bucket", _injected)
+    monkeypatch.setattr(fallback, "clock", _FakeClock(step_seconds))
+    controller = FallbackController("auto")
+    buckets = [{1, 2}, {3}]
+    built = []
+    history = []
+    for step in range(FALLBACK_STEP + 1 + (2 * STEP_CHECK_ROUNDS if step_seconds else 0)):
+        controller.exchange_started()
+        controller.exchange_started()  # a later hook of the step: changes nothing
+        relayout = controller.end_step(_Local(), "fb", step, buckets,
+                                       lambda: built.append(step) or _trials(2, trial_seconds))
+        history.append((relayout, set(controller.fallen_back)))
+    assert built == [FALLBACK_STEP]  # the trials are built once, at the trial's step
+    return controller, history
+
+
+def test_controller_trial_moves_the_slow_buckets(monkeypatch):
+    controller, history = _drive(monkeypatch, [(0.050, 0.040), (0.010, 0.040)])
+    assert history == [(False, set()), (True, {1, 2})]
+    assert [d.fallback for d in controller.decisions] == [True, False]
+    assert controller.step_check is None and not controller.checking
+    assert controller.settled(FALLBACK_STEP + 1) and not controller.settled(FALLBACK_STEP)
+
+
+def test_controller_step_check_alternates_then_decides(monkeypatch):
+    codec_steps, fp32_steps = [0.6] * STEP_CHECK_ROUNDS, [0.5] * STEP_CHECK_ROUNDS
+    steps = [s for pair in zip(codec_steps, fp32_steps) for s in pair]
+    controller, history = _drive(monkeypatch, [(0.035, 0.040), (0.010, 0.040)], steps)
+    after_trial = history[FALLBACK_STEP]
+    assert after_trial == (False, set())  # kept both, the check's first step runs the codec
+    layouts = [fallen for _, fallen in history[FALLBACK_STEP + 1:-1]]
+    assert layouts == [{1, 2, 3}, set()] * (STEP_CHECK_ROUNDS - 1) + [{1, 2, 3}]
+    assert controller.step_check.fallback and history[-1] == (True, {1, 2, 3})
+    assert not controller.checking
+
+
+def test_controller_never_measures(monkeypatch):
+    monkeypatch.setattr(fallback, "measure_bucket", lambda *a, **k: pytest.fail("measured"))
+    controller = FallbackController("never")
+    for step in range(4):
+        assert controller.end_step(None, "fb", step, [{1}], lambda: pytest.fail("trials")) is False
+    assert controller.settled(0) and controller.decisions == [] and controller.fallen_back == set()
+    with pytest.raises(ValueError, match="fallback='sometimes'"):
+        FallbackController("sometimes")

@@ -1,42 +1,35 @@
-"""Falling back to the framework's float32 allreduce where a codec does not pay.
+"""The fallback controller: the float32 allreduce carries the buckets whose codec does not pay.
 
-On a fast link a codec's own cost (encode, decode, its extra collectives) can exceed the wire
-time it saves: on an emulated 10 Gbit/s link Horovod's float32 allreduce moved 256 MB in
-387 ms and every codec but one was slower, while at 1 Gbit/s the codecs were 2-5x faster. So a
-door decides, once, in two stages:
+A codec's own cost (encode, decode, extra collectives) can exceed the wire time it saves on a
+fast link, so a door decides once, in two stages (measurements: docs/pytorch.md, "Falling back
+to Horovod's allreduce where a codec does not pay"):
 
-1. The isolated trial (end of step :data:`FALLBACK_STEP`): each fused bucket's codec exchange
-   and the float32 allreduce of the same vector are timed alone; a bucket whose codec was
-   slower leaves it (:func:`measure_and_decide`).
-2. The step check, when a kept codec won the trial by less than :data:`FALLBACK_CLEAR_WIN`: a
-   codec that wins alone can lose inside a training step, where its encode and decode compete
-   with backward for the cores (qsgd:4 on the emulated 10 Gbit/s cluster: 1.37x faster alone,
-   0.90x in training). The next steps alternate between the trial's layout and the float32
-   allreduce carrying every bucket (:class:`StepChecker`), each step's exchange timed on every
-   rank from its first gradient ready to the end of its exchange; when the float32 steps'
-   exchanges were the faster, every bucket falls back.
+1. The isolated trial (end of step :data:`FALLBACK_STEP`): each bucket's codec exchange and
+   the float32 allreduce of the same vector are timed alone; a bucket whose codec was slower
+   leaves it (:func:`measure_and_decide`).
+2. The step check, when a kept codec won the trial by less than :data:`FALLBACK_CLEAR_WIN`:
+   the next steps alternate between the trial's layout and the float32 allreduce carrying
+   every bucket (:class:`StepChecker`); when the float32 steps were the faster, every bucket
+   falls back.
 
-This module is the framework-free part a door reuses: the argument's check, the timing of one
-bucket (:func:`measure_bucket`), the agreement of the ranks on the numbers, the rules
-(:func:`decide`, :func:`needs_step_check`, :meth:`StepChecker.decide`) and the records of the
-decisions with their log lines (:class:`FallbackDecision`, :class:`StepCheck`). The door
-supplies the trial runs and the steps, and moves the fallen-back tensors onto its allreduce path.
-
-Tests force an outcome without real timing by replacing :func:`measure_bucket` and
-:func:`clock` (both looked up at call time) with functions returning chosen seconds; nothing
-else is meant to be replaced.
+:class:`FallbackController` runs both for a door, which supplies the bucket trials and moves
+the fallen-back tensors onto its allreduce path. Tests force an outcome by replacing
+:func:`measure_bucket` and :func:`clock` (looked up at call time).
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 
-from ..core.base import check_choice
-from .collectives import Collectives
+from .core.base import check_choice
+from .exchange.collectives import Collectives
+
+log = logging.getLogger("horovod_quant")
 
 #: values of a door's ``fallback`` argument: "auto" measures and decides, "never" always
 #: keeps the codec
@@ -52,10 +45,8 @@ FALLBACK_STEP = 1
 FALLBACK_TRIALS = 3
 
 #: ... and at most: a trial keeps adding pairs of runs until the slowest rank has spent
-#: :data:`FALLBACK_TRIAL_SECONDS` on it, so a bucket whose runs are short is decided from many
-#: (4 MB at 10 Gbit/s: ~5 ms a run, scattered over 3.6-7.5 ms on shared cores; 64 MB: float32
-#: runs of 65 or 95 ms, bimodal), a large one on a slow link (256 MB at 1 Gbit/s: ~2.3 s a
-#: float32 run) from three
+#: :data:`FALLBACK_TRIAL_SECONDS` on it, so a bucket of short runs is decided from many and a
+#: large one on a slow link from three (run times: docs/pytorch.md)
 FALLBACK_MAX_TRIALS = 15
 
 #: the time budget of one bucket's trial (both sides), see :data:`FALLBACK_MAX_TRIALS`: the
@@ -64,23 +55,18 @@ FALLBACK_MAX_TRIALS = 15
 FALLBACK_TRIAL_SECONDS = 2.0
 
 #: a bucket falls back unless its codec exchange took at most this times the float32 allreduce
-#: (and the step check's steps likewise): a codec must save 5% to stay, since differences
-#: below that are within the noise of runs on shared cores (docs/cluster.md: identical
-#: float32 paths measured 0.94-1.05x of each other) and the float32 allreduce is exact
+#: (and the step check's steps likewise): smaller differences are within the noise of runs on
+#: shared cores (docs/cluster.md) and the float32 allreduce is exact
 FALLBACK_MARGIN = 0.95
 
-#: ... and the codec must save at least this many seconds per exchange: on shared cores single
-#: runs scatter by about a scheduler wake-up (4 MB float32 allreduce at 10 Gbit/s: 3.7 or
-#: 5.5 ms, bimodal; docs/cluster.md), a codec exchange hands work between threads several times
-#: where the allreduce does once, and a 4 MB bucket that saved 0.3 ms in its trial ran 0.63x
-#: the allreduce's speed in the rounds after it; a saving this small is not measurable here and
-#: the exact allreduce keeps it
+#: ... and the codec must save at least this many seconds per exchange: single runs on shared
+#: cores scatter by about a scheduler wake-up, so a smaller saving is not measurable and the
+#: exact allreduce keeps the bucket (docs/pytorch.md)
 FALLBACK_MIN_SAVING_S = 0.002
 
 #: a kept bucket whose codec exchange took at most this share of the float32 allreduce's time
-#: keeps its codec without the step check: the largest in-step loss measured against an
-#: isolated win was 1.37x alone -> 0.90x in training (qsgd:4, 10 Gbit/s, docs/cluster.md),
-#: while every codec at 1 Gbit/s wins 4-8x alone, so these skip the check's float32 steps
+#: keeps its codec without the step check (the largest in-step loss against an isolated win
+#: measured: docs/pytorch.md)
 FALLBACK_CLEAR_WIN = 0.5
 
 #: the step check runs this many steps of each layout, alternating (codec first); the median
@@ -378,3 +364,94 @@ class StepChecker:
         fp32_s = float(np.median([s for s, fp32 in zip(agreed, self._fp32_steps) if fp32]))
         return StepCheck(self.first_step, codec_s, fp32_s, self.rounds,
                          _falls_back(codec_s, fp32_s, margin), margin)
+
+
+class FallbackController:
+    """The fallback of one door: the trial at the end of step :data:`FALLBACK_STEP`, then the
+    step check where a kept codec won narrowly.
+
+    The door names its tensors by keys of its choice (the torch optimizer: ``id`` of each
+    parameter) and keeps the tensors of :attr:`fallen_back` on its float32 allreduce path. It
+    calls :meth:`exchange_started` when a step's first gradient is ready and
+    :meth:`end_step` at the end of every step; :meth:`end_step` returns whether the door must
+    form its buckets again (:attr:`fallen_back` changed). The decisions are the same on every
+    rank.
+
+    Args:
+        mode: "auto" (measure and decide) or "never" (always the codec).
+
+    Attributes:
+        decisions: the :class:`FallbackDecision` of every bucket once measured, else empty.
+        step_check: the :class:`StepCheck` once one ran, else None.
+        fallen_back: the keys of the tensors the float32 allreduce carries now.
+    """
+
+    def __init__(self, mode: str) -> None:
+        self.mode = check_fallback(mode)
+        self.decisions: list[FallbackDecision] = []
+        self.step_check: StepCheck | None = None
+        self.fallen_back: set = set()
+        self._checker: StepChecker | None = None
+
+    @property
+    def checking(self) -> bool:
+        """Whether the step check is under way (the layout changes from step to step)."""
+        return self._checker is not None
+
+    def settled(self, step: int) -> bool:
+        """Whether the layout no longer changes for the fallback's sake from ``step`` on
+        (always with ``mode="never"``)."""
+        return self.mode == "never" or (step > FALLBACK_STEP and self._checker is None)
+
+    def exchange_started(self) -> None:
+        """A step's exchange begins now (its first gradient is ready): the step check times
+        it from here; later calls in the same step change nothing."""
+        if self._checker is not None:
+            self._checker.start()
+
+    def end_step(self, comm: Collectives, name: str, step: int,
+                 buckets: Sequence[Collection], trials: Callable[[], list[BucketTrial]]) -> bool:
+        """The fallback's work at the end of ``step``: the trial at :data:`FALLBACK_STEP`,
+        then each step of the step check, and its decision once every step ran. Collective
+        where it measures or decides.
+
+        Args:
+            comm: the collectives of the ranks (the agreement on the times).
+            name: prefix of the agreements' collective names.
+            step: the step that ends (counted from 0).
+            buckets: the keys of each bucket's tensors, in bucket order.
+            trials: builds one :class:`BucketTrial` per bucket, in the same order (called at
+                the trial only).
+
+        Returns:
+            Whether :attr:`fallen_back` changed (the door forms its buckets again).
+        """
+        if self.mode == "never":
+            return False
+        checker = self._checker
+        if checker is not None:
+            checker.stop()
+            if not checker.complete:
+                self.fallen_back = set(checker.next_layout())
+                return True
+            self._checker = None
+            self.step_check = checker.decide(comm, f"{name}.steps")
+            self.fallen_back = set(checker.layouts[self.step_check.fallback])
+            if comm.rank == 0:
+                (log.warning if self.step_check.fallback else log.info)(self.step_check.message())
+            return True
+        if step != FALLBACK_STEP:
+            return False
+        self.decisions = measure_and_decide(comm, trials(), step, name)
+        for members, decision in zip(buckets, self.decisions):
+            if decision.fallback:
+                self.fallen_back.update(members)
+                if comm.rank == 0:
+                    log.warning(decision.message())
+        relayout = any(d.fallback for d in self.decisions)
+        if needs_step_check(self.decisions):
+            kept = frozenset(self.fallen_back)
+            everything = kept.union(*buckets)
+            self._checker = StepChecker(step + 1, kept, everything)
+            self.fallen_back = set(self._checker.next_layout())
+        return relayout

@@ -1,0 +1,179 @@
+"""When ``hq.torch.DistributedOptimizer``'s exchanges start and finish.
+
+A bucket's exchange starts from the backward hook of its last gradient, so communication
+overlaps the rest of backward. Over collectives that pair by call order (the gloo transport)
+buckets start in bucket order, each once the ones before it have; a bucket whose exchange
+blocks on its peers (an exchange that pairs by call order over Horovod's collectives) starts at
+``synchronize()``, in bucket order. Bucket ``i`` of step ``t`` is exchanged with seed
+``derive_key(seed, t, i)`` under the collective name ``<check prefix>.b<i>``. Gradients the
+layout leaves to Horovod go through Horovod's own allreduce (:class:`HorovodPath`).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import horovod.torch as hvd
+import torch
+
+from ..core.rng import derive_key
+from ..exchange.collectives import Collectives
+from ..exchange.driver import Exchange
+from ..stats import StepStats
+from .buckets import Bucket
+from .collectives import as_tensor
+from .tensors import stream_of
+
+#: gives a bucket's input vector (its gradients, flat)
+FlatOf = Callable[[Bucket], Any]
+
+
+class ExchangeSchedule:
+    """Starts and finishes the buckets' exchanges of each step.
+
+    Args:
+        comm: the collectives the exchanges run on.
+        exchanges: the exchange of each codec, by ``config_key()``.
+        seed: the base seed.
+        prefix: the configuration check's prefix (names the collectives).
+    """
+
+    def __init__(self, comm: Collectives, exchanges: dict[tuple, Exchange], seed: int,
+                 prefix: str) -> None:
+        self._comm, self._exchanges = comm, exchanges
+        self._seed, self._prefix = seed, prefix
+        self.buckets: list[Bucket] = []
+        self._next = 0  # the first bucket not started, over collectives that pair by order
+
+    def use(self, buckets: list[Bucket]) -> None:
+        """The buckets of the layout from now on."""
+        self.buckets = buckets
+        self._next = 0
+
+    def exchange_of(self, bucket: Bucket) -> Exchange:
+        return self._exchanges[bucket.codec.config_key()]
+
+    def seed_of(self, step: int, bucket: Bucket) -> int:
+        """The seed of ``bucket``'s exchange at ``step``."""
+        return derive_key(self._seed, step, bucket.index)
+
+    def start(self, bucket: Bucket, step: int, flat_of: FlatOf) -> None:
+        """Start ``bucket``'s exchange of ``flat_of(bucket)`` (its name is the same every step:
+        Horovod caches it)."""
+        with stream_of(bucket.params[0]):
+            bucket.pending = self.exchange_of(bucket).start(
+                flat_of(bucket), self.seed_of(step, bucket), f"{self._prefix}.b{bucket.index}",
+                out=bucket.mean)
+
+    def bucket_ready(self, bucket: Bucket, step: int, flat_of: FlatOf) -> None:
+        """One more of ``bucket``'s gradients is ready: start what may start now
+        (``flat_of(bucket)`` gives a bucket's input vector)."""
+        bucket.ready += 1
+        if self._comm.pairs_by_order:
+            self._start_in_order(step, flat_of)
+        elif (bucket.ready == len(bucket.params)
+              and not self.exchange_of(bucket).blocks_on_peers):
+            self.start(bucket, step, flat_of)
+
+    def _start_in_order(self, step: int, flat_of: FlatOf) -> None:
+        """Start each bucket whose gradients are all here once the buckets before it have
+        started, and put its pieces on the wire at once (waiting for its norm), so that every
+        rank issues the same collectives in the same order whatever order its hooks ran in,
+        as DDP's reducer does."""
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if bucket.ready < len(bucket.params):
+                return
+            self.start(bucket, step, flat_of)
+            with stream_of(bucket.params[0]):
+                bucket.pending.advance(block=True)
+            self._next += 1
+
+    def advance(self) -> None:
+        """Put on the wire the pieces of the started buckets whose global norm has arrived,
+        so that they are encoded and sent during the rest of backward."""
+        for b in self.buckets:
+            if b.pending is not None and not b.pending.issued:
+                with stream_of(b.params[0]):
+                    b.pending.advance()
+
+    def finish(self, step: int, flat_of: FlatOf, stats: StepStats) -> Iterator[tuple[Bucket, Any]]:
+        """Start the buckets not started yet (in bucket order), put every bucket's pieces on
+        the wire in bucket order (so no bucket's transfer waits for the one before it to
+        finish), then yield each bucket with its mean (a tensor), in bucket order."""
+        for b in self.buckets:
+            if b.pending is None:
+                self.start(b, step, flat_of)
+        for b in self.buckets:
+            with stream_of(b.params[0]):
+                b.pending.advance(block=True)
+        for b in self.buckets:
+            with stream_of(b.params[0]):
+                mean = as_tensor(b.pending.wait())
+            stats.add(b.pending.stats)
+            yield b, mean
+            b.pending = None
+            b.ready = 0
+        self._next = 0
+
+    @property
+    def in_flight(self) -> bool:
+        return any(b.pending is not None for b in self.buckets)
+
+
+class HorovodPath:
+    """The gradients Horovod's own allreduce carries (uncompressed, cast, sparse), with the
+    optimizer's ``op``, ``gradient_predivide_factor`` and process set.
+
+    Args:
+        op: ``hvd.Average`` or ``hvd.Sum``.
+        gradient_predivide_factor: as in Horovod.
+        process_set: the Horovod process set.
+        prefix: the configuration check's prefix (names the collectives).
+    """
+
+    def __init__(self, op: Any, gradient_predivide_factor: float, process_set: Any,
+                 prefix: str) -> None:
+        self._op, self._factor = op, gradient_predivide_factor
+        self._process_set, self._prefix = process_set, prefix
+        self._handles: dict[int, tuple[torch.nn.Parameter, Any]] = {}
+
+    def carries(self, p: torch.nn.Parameter) -> bool:
+        """Whether ``p``'s gradient travels here this step."""
+        return id(p) in self._handles
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._handles)
+
+    def start(self, p: torch.nn.Parameter, name: str, dtype: torch.dtype | None,
+              stats: StepStats) -> None:
+        """Horovod's allreduce of ``p``'s gradient (sparse: Horovod's sparse path; ``dtype``:
+        a cast copy, as Horovod's ``Compression.fp16``)."""
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        name = f"{self._prefix}.raw.{name}"
+        wire = p.grad
+        if wire.is_sparse:
+            handle = hvd.sparse_allreduce_async(wire, name=name, op=self._op,
+                                                process_set=self._process_set)
+        else:
+            wire = wire.to(dtype or wire.dtype)
+            handle = self.allreduce_async_(wire, name)
+        stats.add_raw(wire.numel() * wire.element_size(), p.grad.numel() * p.grad.element_size())
+        self._handles[id(p)] = (p, handle)
+
+    def allreduce_async_(self, tensor: torch.Tensor, name: str) -> Any:
+        """Horovod's in-place allreduce of ``tensor`` with the configured op and factors."""
+        scale = self._factor if self._op == hvd.Average else 1.0
+        return hvd.allreduce_async_(tensor, name=name, op=self._op, prescale_factor=1.0 / scale,
+                                    postscale_factor=scale, process_set=self._process_set)
+
+    def finish(self) -> None:
+        """Wait for every allreduce of the step and write the results into the gradients."""
+        for p, handle in self._handles.values():
+            out = handle() if callable(handle) else hvd.synchronize(handle)  # sparse: callable
+            if p.grad.is_sparse:
+                p.grad = out
+            elif out.data_ptr() != p.grad.data_ptr():  # a cast copy travelled
+                p.grad.copy_(out)
+        self._handles.clear()

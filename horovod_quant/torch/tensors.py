@@ -1,0 +1,88 @@
+"""Where a torch tensor's codec work runs, the tensor as the flat float32 array a codec takes,
+and the parameters' names: what every torch door needs of a tensor.
+
+CUDA tensors are encoded and decoded on their GPU by the CUDA kernels (``horovod_quant.gpu``,
+needs CuPy) on torch's current stream; without CuPy they are copied to host memory and encoded
+there (one warning).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from typing import Any, ContextManager, Iterable
+
+import torch
+
+from ..core.base import Codec
+from .collectives import as_array
+
+
+def on_gpu(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s codec work runs on its GPU (a CUDA tensor and CuPy installed)."""
+    if not tensor.is_cuda:
+        return False
+    from .. import gpu
+
+    if gpu.available():
+        return True
+    _warn_host_copies()
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_host_copies() -> None:
+    warnings.warn("horovod_quant: CUDA gradients are copied to host memory and encoded on the "
+                  "CPU because CuPy (or a CUDA device it can use) is missing; pip install "
+                  "cupy-cuda12x (or cupy-cuda13x) to encode them on the GPU", RuntimeWarning,
+                  stacklevel=4)
+
+
+def flat_array(tensor: torch.Tensor) -> Any:
+    """A gradient as a flat float32 array: a view where possible (NumPy for CPU tensors, CuPy
+    for CUDA tensors when :func:`on_gpu`), else a float32 copy on the host."""
+    flat = tensor.detach().reshape(-1)
+    device = flat.device if on_gpu(flat) else torch.device("cpu")
+    if flat.dtype != torch.float32 or flat.device != device:
+        flat = flat.to(device=device, dtype=torch.float32)
+    return as_array(flat)
+
+
+def stream_of(tensor: torch.Tensor) -> ContextManager[None]:
+    """Where a tensor's codec kernels and copies are queued: torch's current CUDA stream for
+    a tensor :func:`on_gpu`, nothing for the others."""
+    if not on_gpu(tensor):
+        return contextlib.nullcontext()
+    from .. import gpu
+
+    return gpu.device_scope(tensor)
+
+
+def horovod_dtype(codec: Codec | None, tensor: torch.Tensor) -> torch.dtype | None:
+    """The dtype in which Horovod's own allreduce carries ``tensor`` (no codec, or a codec that
+    declares ``horovod_allreduce``), or None when the codec's exchange carries it."""
+    if codec is None or codec.horovod_allreduce == "keep":
+        return tensor.dtype
+    if codec.horovod_allreduce is not None:
+        return getattr(torch, codec.horovod_allreduce)
+    return None
+
+
+def parameter_names(named_parameters: Iterable | None
+                    ) -> dict[int, tuple[str, torch.Tensor]] | None:
+    """``{id(parameter): (name, parameter)}`` from ``named_parameters`` (None: no names).
+
+    Raises:
+        ValueError: an item is not a ``(str, parameter)`` pair, or a name repeats.
+    """
+    if named_parameters is None:
+        return None
+    named = list(named_parameters)
+    if any(not isinstance(t, tuple) or len(t) != 2 or not isinstance(t[0], str) for t in named):
+        raise ValueError("named_parameters should be (name, parameter) pairs, usually "
+                         "model.named_parameters()")
+    names = [n for n, _ in named]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"parameter names must be unique; duplicates: {duplicates}")
+    return {id(p): (n, p) for n, p in named}
