@@ -3,9 +3,11 @@
     python3 benchmarks/convergence.py                            # worlds 2 and 4, 3 seeds
     python3 benchmarks/convergence.py --worlds 2 --seeds 1 --steps 100 --out /tmp/conv  # smoke
     python3 benchmarks/convergence.py --plot-only                # redraw from the JSON
+    python3 benchmarks/convergence.py --worlds 2x2 --tag hosts   # 2 host names x 2 ranks
 
-The driver starts ONE launch per world size (``horovodrun -np N --gloo`` by default, or
-``mpirun -np N --allow-run-as-root`` with ``--launcher mpirun``) that trains every codec for
+The driver starts ONE launch per world (``horovodrun -np N --gloo`` by default, or
+``mpirun -np N --allow-run-as-root`` with ``--launcher mpirun``; a world ``HxK`` is H host
+names of this machine with K ranks each, so the optimizer takes its hierarchical plans) that trains every codec for
 every seed in sequence, so Horovod's start-up is paid once per world. Rank 0 of the launch
 rewrites ``<out>/convergence_n<N>.json`` after every run (a launch cut short keeps what it
 finished). The driver then draws the loss curves and writes the tables.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import os
 import shlex
 import signal
@@ -131,6 +134,7 @@ def train_one(label: str, seed: int, args, data) -> dict:
 
     curve = [evaluate(0)]
     sent = raw = 0
+    plans: dict[str, int] = {}
     t_train = 0.0
     diverged = False
     for step in range(1, args.steps + 1):
@@ -143,6 +147,8 @@ def train_one(label: str, seed: int, args, data) -> dict:
         t_train += time.perf_counter() - t
         sent += opt.last_stats.bytes_sent
         raw += opt.last_stats.bytes_raw
+        for plan, count in opt.last_stats.plans.items():
+            plans[plan] = plans.get(plan, 0) + count
         if step % args.eval_every == 0 or step == args.steps:
             curve.append(evaluate(step))
             if rank == 0 and not math.isfinite(curve[-1]["train_loss"]):
@@ -152,7 +158,7 @@ def train_one(label: str, seed: int, args, data) -> dict:
                                                      for k, v in params.items()},
            "seed": seed, "world": size, "steps": args.steps,
            "bytes_per_step": sent / args.steps, "raw_bytes_per_step": raw / args.steps,
-           "ms_per_step": 1e3 * t_train / args.steps, "diverged": diverged}
+           "ms_per_step": 1e3 * t_train / args.steps, "plans": plans, "diverged": diverged}
     if rank == 0:
         out["curve"] = curve
         out["final"] = curve[-1]
@@ -205,9 +211,20 @@ def worker(args) -> None:
 
 
 # ================================================================================ driver ======
-def launch(n: int, args) -> tuple[int, float]:
+#: host names horovodrun runs on this machine as distinct hosts (worlds HxK)
+LOCAL_HOST_NAMES = ("localhost", "127.0.0.1")
+
+
+def launch(world: str, args) -> tuple[int, float]:
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{prefix(args)}_n{n}.json")
+    path = os.path.join(args.out, f"{prefix(args)}_n{world}.json")
+    hosts_, _, per_host = world.partition("x")
+    if per_host and (args.launcher != "horovodrun" or int(hosts_) > len(LOCAL_HOST_NAMES)):
+        raise SystemExit(f"world {world}: HxK worlds run under horovodrun with H <= "
+                         f"{len(LOCAL_HOST_NAMES)}")
+    hosts = (",".join(f"{name}:{per_host}" for name in LOCAL_HOST_NAMES[:int(hosts_)])
+             if per_host else f"localhost:{world}")
+    n = int(hosts_) * int(per_host) if per_host else int(world)
     inner = [sys.executable, os.path.abspath(__file__), "--worker", "--json", path,
              "--tag", args.tag, "--first-seed", str(args.first_seed)] + (
                  ["--append"] if args.append else []) + [
@@ -215,7 +232,7 @@ def launch(n: int, args) -> tuple[int, float]:
              "--lr", str(args.lr), "--eval-every", str(args.eval_every),
              "--codecs", args.codecs]
     if args.launcher == "horovodrun":
-        cmd = ["horovodrun", "-np", str(n), "-H", f"localhost:{n}", "--gloo"] + inner
+        cmd = ["horovodrun", "-np", str(n), "-H", hosts, "--gloo"] + inner
     else:
         cmd = ["mpirun", "-np", str(n), "--allow-run-as-root", "--oversubscribe",
                "--bind-to", "none", "-x", "OMP_NUM_THREADS", "-x", "OMPI_MCA_mpi_yield_when_idle",
@@ -504,7 +521,8 @@ def report(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--worlds", default="2,4",
+                    help="world sizes N, or HxK: H host names x K ranks (default: %(default)s)")
     ap.add_argument("--seeds", type=int, default=3, help="number of seeds")
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--append", action="store_true",
@@ -529,7 +547,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    args.worlds = [int(w) for w in str(args.worlds).split(",") if w]
+    args.worlds = [w for w in str(args.worlds).split(",") if w]
+    bad = [w for w in args.worlds if not re.fullmatch(r"\d+(x\d+)?", w)]
+    if bad:
+        raise SystemExit(f"--worlds: {bad} are not N or HxK")
     args.codecs = ";".join(PRESETS[args.codecs]) if args.codecs in PRESETS else args.codecs
     unknown = [l for l in args.codecs.split(";") if l and l not in CODECS]
     if unknown:
