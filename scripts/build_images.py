@@ -43,6 +43,8 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu/torch/"
 #: where the host's pip configuration and CA bundle appear inside a RUN step (read-only)
 PIP_CONF_IN_BUILD = "/etc/pip.conf"
 CA_IN_BUILD = "/run/hq-build-ca.pem"
+#: where --horovod-wheels appears inside a RUN step (read-write: a new build is left there)
+WHEELS_IN_BUILD = "/run/hq-horovod-wheels"
 DEFAULT_WORK = Path("/var/tmp/horovod_quant-images")
 
 
@@ -111,11 +113,13 @@ class Builder:
             # docker format: OCI image configs have no SHELL, and the Dockerfiles set one
             cmd += ["--format", "docker", "--isolation", "chroot", "--network", "host",
                     "--layers"]
-            cmd += [f"--volume={src}:{dst}:ro" for src, dst in mounts]
+            cmd += [f"--volume={src}:{dst}" + ("" if dst == WHEELS_IN_BUILD else ":ro")
+                    for src, dst in mounts]
         elif mounts:
-            raise SystemExit("docker build cannot mount the host's pip configuration into RUN "
-                             "steps: use --no-host-pip (pip must reach its index by itself) "
-                             "or --tool podman/buildah")
+            raise SystemExit("docker build cannot mount host folders into RUN steps (the host's "
+                             "pip configuration, --horovod-wheels): use --no-host-pip (pip must "
+                             "reach its index by itself) without --horovod-wheels, or --tool "
+                             "podman/buildah")
         for key, value in build_args.items():
             cmd += ["--build-arg", f"{key}={value}"]
         t = time.time()
@@ -222,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
                     "pip configuration's cert)")
     ap.add_argument("--build-arg", action="append", default=[], metavar="NAME=VALUE",
                     help="passed on to both Dockerfiles (overrides what this script sets)")
+    ap.add_argument("--horovod-wheels", type=Path, metavar="DIR",
+                    help="Horovod wheel cache shared with the build (scripts/install.sh's "
+                    "HQ_WHEEL_DIR layout): a wheel with the image's build key is installed "
+                    "instead of compiled; a new build is left there (podman, buildah)")
     ap.add_argument("--storage-driver", help="podman/buildah storage driver (e.g. vfs)")
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK,
                     help="scratch folder (pip.conf for the build, debootstrap root)")
@@ -245,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"mount (read-only, RUN steps only): {src} -> {dst}")
 
     common: dict[str, str] = {}
+    if args.horovod_wheels:
+        args.horovod_wheels.mkdir(parents=True, exist_ok=True)
+        mounts.append((str(args.horovod_wheels.resolve()), WHEELS_IN_BUILD))
+        common["HQ_WHEEL_DIR"] = WHEELS_IN_BUILD
+        log(f"mount (read-write, RUN steps only): {args.horovod_wheels} -> {WHEELS_IN_BUILD}")
     if args.no_tensorflow:
         common["HQ_WITH_TENSORFLOW"] = "0"
     extra = dict(a.split("=", 1) for a in args.build_arg)

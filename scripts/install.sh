@@ -45,7 +45,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
 # The real interpreter, not a pyenv shim: later steps must not depend on PATH.
 PYTHON="$("$PYTHON" -c 'import sys; print(sys.executable)')" || { echo "[install] ERROR: no $PYTHON" >&2; exit 1; }
 PIP=("$PYTHON" -m pip)
-NPROC="$(nproc 2>/dev/null || echo 2)"
+# nproc honours OMP_NUM_THREADS, which the images set to 1: count the CPUs without it.
+NPROC="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2)"
 T_START=$SECONDS
 
 say() { printf '[install] %s\n' "$*"; }
