@@ -76,7 +76,8 @@ class Builder:
         self.name = name
         self.global_args = [f"--storage-driver={storage_driver}"] if storage_driver else []
         if storage_driver and name == "docker":
-            raise SystemExit("--storage-driver is for podman and buildah; configure dockerd instead")
+            raise SystemExit("--storage-driver is for podman and buildah; "
+                             "configure dockerd instead")
 
     @classmethod
     def detect(cls, wanted: str, storage_driver: str | None) -> "Builder":

@@ -5,9 +5,9 @@ clusters" path end to end:
     sudo python3 scripts/image_two_hosts.py                  # as `make image-two-hosts`
 
 Each container runs in its own network namespace of benchmarks/emulator.py's emulated cluster
-(one NIC, eth0, on a bridge; its own hostname, and both names in its /etc/hosts) and starts the
-image's sshd (port 12345). A key pair made for this run only is mounted read-only as
-/root/.ssh in both. Then, in the first container,
+(names ``hqimg-<pid>-*``; one NIC, eth0, on a bridge; its own hostname, and both names in its
+/etc/hosts) and starts the image's sshd (port 12345). A key pair made for this run only is
+mounted read-only as /root/.ssh in both. Then, in the first container,
 ``horovodrun -np 2 -H <host0>:1,<host1>:1 --<controller>`` starts one rank per container over
 ssh and runs tests/parallel/compressed_training.py with a codec, which ends with the ranks
 comparing their weights. Everything made (containers, namespaces, keys) is removed at the end,
@@ -26,8 +26,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from emulator import EmulatedCluster  # noqa: E402
+from emulator import EmulatedCluster, cleanup_leftovers  # noqa: E402
 
+#: names of this tool's namespaces, hostnames and temp dirs (the benchmarks' are ``hqem``)
+PREFIX = "hqimg"
 SSH_PORT = 12345  # the images' sshd and ssh client (docker/Dockerfile.cpu)
 WORKDIR = "/opt/horovod_quant"
 
@@ -62,11 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     controllers = [c for c in args.controllers.split(",") if c]
 
+    for item in cleanup_leftovers(PREFIX):
+        log(f"removed leftover of a killed run: {item}")
     containers: list[str] = []
     sshd: list[subprocess.Popen] = []
     results: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="hq-two-hosts-") as keys, \
-            EmulatedCluster(hosts=2, ranks_per_host=1) as cluster:
+            EmulatedCluster(hosts=2, ranks_per_host=1, prefix=PREFIX) as cluster:
         try:
             key = Path(keys) / "id_ed25519"
             subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "hq-two-hosts",
