@@ -3,7 +3,8 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: all install test unit parallel emulated kernels demo bench clean clean-cache
+.PHONY: all install test unit parallel emulated kernels demo bench clean clean-cache \
+	images image-test image-two-hosts
 
 all: test
 
@@ -46,6 +47,23 @@ demo: install
 	  $(PYTHON) examples/pytorch_digits.py --json bench_out/demo_training.json
 	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node 2 \
 	  examples/ddp_train.py --json bench_out/demo_ddp.json
+
+# Docker images (docker/README.md): built with docker, podman or buildah, whichever is present;
+# IMAGES_ARGS passes options to scripts/build_images.py (e.g. --no-tensorflow, --images cpu,gpu).
+images:
+	$(PYTHON) scripts/build_images.py $(IMAGES_ARGS)
+
+# Inside a container of the CPU image: the demo's parts and the multi-rank tests.
+image-test:
+	bash scripts/image_run.sh horovod_quant:cpu 'python3 -m horovod_quant.demo && \
+	  horovodrun -np 2 -H localhost:2 --gloo python3 examples/pytorch_digits.py && \
+	  python3 -m torch.distributed.run --standalone --nproc_per_node 2 examples/ddp_train.py && \
+	  bash tests/parallel/run.sh'
+
+# Two containers of the CPU image as two hosts on an emulated network, horovodrun across them
+# (root and buildah needed).
+image-two-hosts:
+	$(PYTHON) scripts/image_two_hosts.py
 
 bench:
 	$(PYTHON) benchmarks/codec_throughput.py

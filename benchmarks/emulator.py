@@ -200,12 +200,17 @@ class EmulatedCluster:
             address), ``"127.0.1.1"`` or ``"127.0.0.1"``.
         delay_ms: netem delay on each host's egress (applied only where the kernel has netem;
             :attr:`shaping` says whether it did).
+        prefix: first part of every name this run makes (namespaces, hostnames, temp dir), so
+            that a tool's runs are told apart from the benchmarks' ``hqem`` ones.
     """
 
     def __init__(self, hosts: int = 2, ranks_per_host: int = 1, rate: str | float | None = None,
-                 hostname_resolves_to: str = "own", delay_ms: float = 0.0) -> None:
+                 hostname_resolves_to: str = "own", delay_ms: float = 0.0,
+                 prefix: str = PREFIX) -> None:
         if not 2 <= hosts <= 250:
             raise ValueError(f"hosts={hosts}: between 2 and 250")
+        if not re.fullmatch(r"[a-z]{2,8}", prefix):
+            raise ValueError(f"prefix={prefix!r}: 2-8 lowercase letters")
         if ranks_per_host < 1:
             raise ValueError(f"ranks_per_host={ranks_per_host}: at least 1")
         if hostname_resolves_to not in HOSTNAME_MODES:
@@ -218,7 +223,8 @@ class EmulatedCluster:
         self.delay_ms = delay_ms
         self.hostname_resolves_to = hostname_resolves_to
         self.run_id = str(os.getpid())
-        self.switch_ns = f"{PREFIX}-{self.run_id}-sw"
+        self.prefix = prefix
+        self.switch_ns = f"{prefix}-{self.run_id}-sw"
         self.hosts: list[Host] = []
         self.subnet: str | None = None
         self.shaping: dict = {}
@@ -253,14 +259,15 @@ class EmulatedCluster:
             if shutil.which(tool) is None:
                 raise FileNotFoundError(f"the emulated cluster needs `{tool}` on PATH "
                                         "(apt-get install iproute2 util-linux)")
-        self.tmp = tempfile.mkdtemp(prefix=f"{PREFIX}-{self.run_id}-")
+        self.tmp = tempfile.mkdtemp(prefix=f"{self.prefix}-{self.run_id}-")
         net = self._free_subnet()
         self.subnet = str(net)
         self._add_ns(self.switch_ns)
         sh("ip", "-n", self.switch_ns, "link", "add", "br0", "type", "bridge")
         sh("ip", "-n", self.switch_ns, "link", "set", "br0", "up")
         for i in range(self.num_hosts):
-            host = Host(i, f"{PREFIX}-{self.run_id}-h{i}", f"{PREFIX}{self.run_id}h{i}",
+            host = Host(i, f"{self.prefix}-{self.run_id}-h{i}",
+                        f"{self.prefix}{self.run_id}h{i}",
                         str(net.network_address + i + 1), f"h{i}")
             self._add_ns(host.namespace)
             sh("ip", "link", "add", NIC, "netns", host.namespace, "type", "veth",
@@ -323,7 +330,7 @@ class EmulatedCluster:
         text += sh("ip", "-4", "route", "show", "table", "all", check=False).stdout
         for ns in sh("ip", "netns", "list", check=False).stdout.split("\n"):
             name = ns.split(" ")[0]
-            if name.startswith(PREFIX + "-"):
+            if name.startswith((PREFIX + "-", self.prefix + "-")):
                 text += sh("ip", "-n", name, "-o", "-4", "addr", "show", check=False).stdout
         for token in re.findall(r"\b\d+\.\d+\.\d+\.\d+(?:/\d+)?\b", text):
             try:
@@ -770,12 +777,12 @@ else:
 '''
 
 
-def cleanup_leftovers() -> list[str]:
+def cleanup_leftovers(prefix: str = PREFIX) -> list[str]:
     """Remove namespaces, ``/etc/netns`` entries, temp dirs and Open MPI session dirs of
-    earlier runs whose process is gone (names ``hqem-<pid>-*``, ``ompi.hqem<pid>h*``);
-    returns what was removed."""
+    earlier runs whose process is gone (names ``<prefix>-<pid>-*``, ``ompi.<prefix><pid>h*``;
+    prefix ``hqem`` unless given); returns what was removed."""
     removed = []
-    pat = re.compile(rf"^{PREFIX}-(\d+)-(?:sw|h\d+)$")
+    pat = re.compile(rf"^{prefix}-(\d+)-(?:sw|h\d+)$")
     names = [line.split()[0] for line in sh("ip", "netns", "list", check=False).stdout
              .splitlines() if line.split()]
     dead = [n for n in names if pat.match(n) and not pid_alive(int(pat.match(n).group(1)))]
@@ -790,7 +797,7 @@ def cleanup_leftovers() -> list[str]:
             if m and not pid_alive(int(m.group(1))):
                 shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
                 removed.append(f"dir /etc/netns/{name}")
-    tpat = re.compile(rf"^(?:{PREFIX}-|ompi\.{PREFIX})(\d+)[-h]")
+    tpat = re.compile(rf"^(?:{prefix}-|ompi\.{prefix})(\d+)[-h]")
     tmp = tempfile.gettempdir()
     for name in os.listdir(tmp):
         m = tpat.match(name)

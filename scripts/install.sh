@@ -39,13 +39,14 @@ PY_PACKAGES=(
   pytest hypothesis scikit-learn matplotlib tqdm
 )
 # Bump when the Horovod patches below change, so cached wheels built without them are not reused.
-PATCH_REV=p1
+PATCH_REV=p2
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
 # The real interpreter, not a pyenv shim: later steps must not depend on PATH.
 PYTHON="$("$PYTHON" -c 'import sys; print(sys.executable)')" || { echo "[install] ERROR: no $PYTHON" >&2; exit 1; }
 PIP=("$PYTHON" -m pip)
-NPROC="$(nproc 2>/dev/null || echo 2)"
+# nproc honours OMP_NUM_THREADS, which the images set to 1: count the CPUs without it.
+NPROC="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2)"
 T_START=$SECONDS
 
 say() { printf '[install] %s\n' "$*"; }
@@ -144,6 +145,17 @@ if sys.argv[2] == "1":
 PY
 }
 
+replace_once() {  # FILE OLD NEW: replaces the one occurrence of OLD in FILE, or fails
+  "$PYTHON" - "$@" <<'PY' || die "patch did not apply to $1"
+import sys
+path, old, new = sys.argv[1:4]
+text = open(path).read()
+if text.count(old) != 1:
+    sys.exit(f"{path}: expected one occurrence of the patched text, found {text.count(old)}")
+open(path, "w").write(text.replace(old, new))
+PY
+}
+
 build_horovod_wheel() {  # $1: folder that receives the wheel
   local out="$1" src="$HQ_CACHE/src" sdist work log t
   mkdir -p "$src" "$HQ_CACHE/logs"
@@ -165,6 +177,16 @@ build_horovod_wheel() {  # $1: folder that receives the wheel
   # wheels no longer ship; leave that source out.
   sed -i '/xla_mpi_ops\.cc/d' horovod/tensorflow/CMakeLists.txt
   ! grep -q 'xla_mpi_ops' horovod/tensorflow/CMakeLists.txt || die "XLA patch did not apply"
+  # Patch 3: gloo on a host whose own name does not resolve (containers, chroots). Process-set
+  # contexts dropped HOROVOD_GLOO_IFACE and fell back to the host name, and gloo read the
+  # unset result of a failed getaddrinfo (segfault). Carry the interface over; make the lookup
+  # failure an error that says what to set.
+  replace_once horovod/common/gloo/gloo_context.cc \
+    $'  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;' \
+    $'  gloo_iface_ = global_context.gloo_iface_;\n  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;'
+  replace_once third_party/gloo/gloo/transport/tcp/device.cc \
+    '  GLOO_ENFORCE_NE(rv, -1);' \
+    '  GLOO_ENFORCE_EQ(rv, 0, "getaddrinfo(\"", attr.hostname, "\"): ", gai_strerror(rv), ": this host name does not resolve; set HOROVOD_GLOO_IFACE to a network interface (horovodrun --network-interface) or add the name to /etc/hosts");'
 
   # CMake 4.x (the pip package "cmake") refuses Horovod's bundled gloo: use the system CMake
   # (Debian 12: 3.25) explicitly, whatever a pip-installed cmake puts first on PATH.

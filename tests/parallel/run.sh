@@ -50,4 +50,8 @@ done
 required=""
 [[ " $HQ_PARALLEL_WORLDS " == *" 2 "* && $# -eq 0 ]] && required="torch_compressor optimizer"
 bash tests/doors/compare.sh $required || status=1
+# gloo on a host whose own name does not resolve (containers): the patched Horovod's case
+if [[ " $HQ_PARALLEL_CONTROLLERS " == *" gloo "* ]]; then
+  bash tests/parallel/unresolved_hostname.sh || status=1
+fi
 exit $status
