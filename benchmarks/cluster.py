@@ -387,7 +387,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.median_of:
-        text = median_of_runs(args.median_of)
+        text = median_of_runs(args.median_of, args.out if args.out_given else None)
         print(text)
         if args.out_given:
             with open(args.out + ".md", "w") as f:

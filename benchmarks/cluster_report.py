@@ -566,6 +566,31 @@ def plots(data: dict, prefix: str) -> list[str]:
         data["summary"]["shapes"], prefix, data.get("machine", {}).get("cpus", "?"))
 
 
+def median_shapes(runs: list[list[dict]]) -> list[dict]:
+    """The entries of :func:`shape_summary` with the median over ``runs`` of every
+    configuration's speedup and bytes against fp32's and of fp32's and the compute-only step
+    (what :func:`~cluster_plots.render_shapes_plot` draws)."""
+    out = []
+    keys = dict.fromkeys((e["hosts"], e["ranks_per_host"], e["rate_bps"], e["model"])
+                         for shapes in runs for e in shapes)
+    for key in keys:
+        entries = [e for shapes in runs for e in shapes
+                   if (e["hosts"], e["ranks_per_host"], e["rate_bps"], e["model"]) == key]
+
+        def median(values):
+            got = [v for v in values if v is not None]
+            return statistics.median(got) if got else None
+
+        cids = list(dict.fromkeys(c for e in entries for c in e["configs"]))
+        configs = {cid: {k: median(e["configs"][cid][k] for e in entries if cid in e["configs"])
+                         for k in ("speedup_vs_fp32", "nic_vs_fp32")} for cid in cids}
+        out.append(dict(zip(("hosts", "ranks_per_host", "rate_bps", "model"), key),
+                        configs=configs,
+                        fp32_step_s=median(e["fp32_step_s"] for e in entries),
+                        compute_step_s=median(e["compute_step_s"] for e in entries)))
+    return out
+
+
 def median_of_shapes(runs: list[list[dict]], names: list[str]) -> list[str]:
     """Per cluster shape, link and model of :func:`shape_summary`: every configuration's
     speedup vs fp32 and bytes across hosts against fp32's in each run and their median, and
@@ -617,15 +642,17 @@ def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def median_of_runs(paths: list[str]) -> str:
+def median_of_runs(paths: list[str], prefix: str | None = None) -> str:
     """Training speedups vs fp32 of separate runs side by side, their median, and issue 16's
     training targets on the medians (markdown): at 1 Gbit/s the MLP at 8 bits >= 2.5x and at 4
     bits >= 4x, at 10 Gbit/s no codec below 1.0x but those that fell back whole in every run
-    (Horovod's float32 allreduce carried every tensor: fp32's own path, listed apart)."""
-    runs, whole, shapes = [], [], []
+    (Horovod's float32 allreduce carried every tensor: fp32's own path, listed apart). With
+    ``prefix``, the medians across cluster shapes are drawn in ``PREFIX_shapes.png``."""
+    runs, whole, shapes, cpus = [], [], [], set()
     for path in paths:
         with open(path) as f:
             data = json.load(f)
+        cpus.add(data.get("machine", {}).get("cpus", "?"))
         summary = analyse(data)
         runs.append(summary["training"])
         shapes.append(shape_summary(data, summary))
@@ -670,6 +697,9 @@ def median_of_runs(paths: list[str]) -> str:
     if any(shapes):
         L += ["## Across cluster shapes, median of the runs\n"]
         L += median_of_shapes(shapes, [f"run {i + 1}" for i in range(len(paths))])
+        if prefix:
+            drawn = render_shapes_plot(median_shapes(shapes), prefix, "/".join(map(str, cpus)))
+            L += [f"Plot of the medians: `{os.path.basename(path)}`." for path in drawn]
     return "\n".join(L)
 
 
