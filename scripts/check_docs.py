@@ -39,7 +39,8 @@ import time
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md", "DEVELOPERS.md", "docs/*.md", "docker/README.md"]
+DOCS = ["README.md", "DEVELOPERS.md", "docs/*.md", "docs/dev/*.md", "docs/results/README.md",
+        "docker/README.md"]
 SCRIPT_DIRS = ("benchmarks/", "examples/", "scripts/", "tests/")
 RUN_MARK = re.compile(r"^\s*<!--\s*check-docs:\s*run(?:\s+timeout=(\d+))?\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
@@ -259,6 +260,33 @@ def _flags_until_end(args: list[str]) -> list[str]:
     return out
 
 
+# ----------------------------------------------------------------------------------- links ---
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+#: a repository path quoted in a code span (checked from the repository root)
+REPO_PATH = re.compile(r"^(?:docs|examples|benchmarks|scripts|tests|horovod_quant|docker|kernels)/"
+                       r"[\w./-]+\.(?:md|py|sh|json|png|cu|cuh)$")
+
+
+def check_links(path: str) -> list[str]:
+    """Problems with the relative Markdown links of ``path`` (resolved from its folder) and the
+    repository paths it quotes in code spans (resolved from the root): each must exist."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
+        text = fh.read()
+    problems = []
+    for n, line in enumerate(text.split("\n"), 1):
+        for m in LINK.finditer(line):
+            target = m.group(1).split("#", 1)[0]
+            if not target or re.match(r"^[a-z]+:", target):
+                continue
+            full = os.path.normpath(os.path.join(ROOT, os.path.dirname(path), target))
+            if not os.path.exists(full):
+                problems.append(f"{path}:{n}: link to {m.group(1)}: no such file")
+        for m in re.finditer(r"`([^`\s]+)`", line):
+            if REPO_PATH.match(m.group(1)) and not os.path.exists(os.path.join(ROOT, m.group(1))):
+                problems.append(f"{path}:{n}: `{m.group(1)}`: no such file in the repository")
+    return problems
+
+
 # ---------------------------------------------------------------------------------- checks ---
 def _uses_argparse(path: str) -> bool:
     with open(path, encoding="utf-8") as fh:
@@ -401,8 +429,9 @@ def main(argv=None) -> int:
                 for k in keys}
         helps = {k: f.result() for k, f in futs.items()}
 
-        # 1. flags ---------------------------------------------------------------------------
+        # 1. flags and links -----------------------------------------------------------------
         problems, checked_flags = check_flags(invs, helps, make_targets(), args.verbose)
+        problems += [p for f in files for p in check_links(f)]
         checked = [k[1] for k in keys if helps[k][0] not in (None, SKIPPED)]
         for k in keys:
             if helps[k][0] is SKIPPED:

@@ -108,3 +108,16 @@ def test_help_flags_skips_a_script_whose_optional_dependency_is_missing(tmp_path
     assert known is cd.SKIPPED and "no_such_module_for_check_docs" in note
     problems, checked = cd.check_flags([inv], {("script", str(script)): (known, note)}, set())
     assert problems == [] and checked == 0
+
+
+def test_check_links_reports_missing_link_targets_and_quoted_paths(tmp_path, monkeypatch):
+    (tmp_path / "docs" / "dev").mkdir(parents=True)
+    (tmp_path / "docs" / "a.md").write_text("x")
+    (tmp_path / "docs" / "dev" / "b.md").write_text(
+        "[ok](../a.md#part) [web](https://x.org/y.md) [gone](../nope.md)\n"
+        "`docs/a.md` `docs/missing.md` `bench_out/x.json`\n")
+    monkeypatch.setattr(cd, "ROOT", str(tmp_path))
+    problems = cd.check_links("docs/dev/b.md")
+    assert len(problems) == 2
+    assert "docs/dev/b.md:1: link to ../nope.md" in problems[0]
+    assert "`docs/missing.md`" in problems[1]
