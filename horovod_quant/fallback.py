@@ -56,7 +56,7 @@ FALLBACK_TRIAL_SECONDS = 2.0
 
 #: a bucket falls back unless its codec exchange took at most this times the float32 allreduce
 #: (and the step check's steps likewise): smaller differences are within the noise of runs on
-#: shared cores (docs/cluster.md) and the float32 allreduce is exact
+#: shared cores (docs/performance.md) and the float32 allreduce is exact
 FALLBACK_MARGIN = 0.95
 
 #: ... and the codec must save at least this many seconds per exchange: single runs on shared

@@ -265,15 +265,24 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 #: a repository path quoted in a code span (checked from the repository root)
 REPO_PATH = re.compile(r"^(?:docs|examples|benchmarks|scripts|tests|horovod_quant|docker|kernels)/"
                        r"[\w./-]+\.(?:md|py|sh|json|png|cu|cuh)$")
+#: a page or results file named in prose
+DOCS_MENTION = re.compile(r"(?<![\w/.-])(docs/[\w/.-]*\w\.(?:md|json|png))(?![\w/-])")
 
 
 def check_links(path: str) -> list[str]:
-    """Problems with the relative Markdown links of ``path`` (resolved from its folder) and the
-    repository paths it quotes in code spans (resolved from the root): each must exist."""
+    """Problems with the relative Markdown links of ``path`` (resolved from its folder), the
+    repository paths it quotes in code spans and the ``docs/...`` files it names (resolved
+    from the root), outside fenced blocks: each must exist."""
     with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
-        text = fh.read()
-    problems = []
-    for n, line in enumerate(text.split("\n"), 1):
+        lines = fh.read().split("\n")
+    problems, fence = [], None
+    for n, line in enumerate(lines, 1):
+        m = FENCE.match(line)
+        if m and (fence is None or m.group(2).startswith(fence)):
+            fence = m.group(2) if fence is None else None
+            continue
+        if fence is not None:
+            continue
         for m in LINK.finditer(line):
             target = m.group(1).split("#", 1)[0]
             if not target or re.match(r"^[a-z]+:", target):
@@ -281,9 +290,12 @@ def check_links(path: str) -> list[str]:
             full = os.path.normpath(os.path.join(ROOT, os.path.dirname(path), target))
             if not os.path.exists(full):
                 problems.append(f"{path}:{n}: link to {m.group(1)}: no such file")
-        for m in re.finditer(r"`([^`\s]+)`", line):
-            if REPO_PATH.match(m.group(1)) and not os.path.exists(os.path.join(ROOT, m.group(1))):
-                problems.append(f"{path}:{n}: `{m.group(1)}`: no such file in the repository")
+        named = {m.group(1) for m in re.finditer(r"`([^`\s]+)`", line)
+                 if REPO_PATH.match(m.group(1))}
+        named |= {m.group(1) for m in DOCS_MENTION.finditer(re.sub(r"\]\([^)]*\)", "]", line))}
+        for name in sorted(named):
+            if not os.path.exists(os.path.join(ROOT, name)):
+                problems.append(f"{path}:{n}: {name}: no such file in the repository")
     return problems
 
 
