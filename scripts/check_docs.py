@@ -19,6 +19,11 @@ plus inline code spans that run one of this repository's scripts, and:
    root: `bash` blocks by `bash -euo pipefail`, `python` blocks by `python3 -`. It must exit 0
    within 120 s (or `<!-- check-docs: run timeout=S -->`). Mark only commands that finish in
    well under 20 s on a 2-core machine and change no tracked file.
+3. **Links.** Every relative Markdown link, every repository path quoted in a code span and
+   every ``docs/...`` file named in prose (outside fenced blocks) must exist.
+4. **API signatures.** Each ``### `module.object(parameters)` `` heading of docs/api.md must
+   match ``inspect.signature`` of that object (names, kinds, order, defaults), and every
+   public callable of the package's modules (their ``__all__``) must have such a heading.
 
 Usage:
     python3 scripts/check_docs.py            # everything; exit status 1 on any problem
@@ -30,6 +35,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import glob
+import importlib
+import inspect
 import os
 import re
 import shlex
@@ -299,6 +306,155 @@ def check_links(path: str) -> list[str]:
     return problems
 
 
+# ------------------------------------------------------------------------------------- api ---
+API_PAGE = "docs/api.md"
+#: a documented signature: a heading ``### `module.object(parameters)` ``
+API_HEADING = re.compile(r"^#{2,4}\s+`([\w.]+)\((.*)\)`\s*$")
+#: modules whose ``__all__`` the API page must document (each public callable, by heading)
+API_MODULES = ("horovod_quant", "horovod_quant.torch", "horovod_quant.torch.ddp",
+               "horovod_quant.tensorflow")
+_EMPTY = inspect.Parameter.empty
+
+
+def split_parameters(text: str) -> list[str]:
+    """``"a, b=(1, 2), *, c=f(x, y)"`` -> ``["a", "b=(1, 2)", "*", "c=f(x, y)"]``."""
+    out, depth, quote, cur = [], 0, None, ""
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    return out + ([cur.strip()] if cur.strip() else [])
+
+
+def resolve(path: str):
+    """The object named by a dotted path: the longest importable module, then attributes."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError as exc:
+            if exc.name and not ".".join(parts[:i]).startswith(exc.name):
+                raise  # a dependency is missing, not this module
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(path)
+
+
+def _documented_parameters(text: str) -> list[tuple[str, str, str | None]]:
+    """(kind, name, default text) of each documented parameter; kind is "", "*" or "**"."""
+    out = []
+    for p in split_parameters(text):
+        name, _, default = p.partition("=")
+        stars = re.match(r"^\*{0,2}", name.strip()).group(0)
+        out.append((stars, name.strip()[len(stars):], default.strip() if default else None))
+    return out
+
+
+def _real_parameters(obj) -> list[tuple[str, str, object]]:
+    out, star = [], False
+    for p in inspect.signature(obj).parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            out.append(("*", p.name, p.empty))
+            star = True
+        elif p.kind is p.VAR_KEYWORD:
+            out.append(("**", p.name, p.empty))
+        else:
+            if p.kind is p.KEYWORD_ONLY and not star:
+                out.append(("*", "", p.empty))
+                star = True
+            out.append(("", p.name, p.default))
+    if out and out[0][1] == "self":
+        out = out[1:]
+    return out
+
+
+def _default_matches(text: str, value, namespace: dict) -> bool:
+    if text == repr(value):
+        return True
+    try:
+        got = eval(text, dict(namespace))  # noqa: S307 (the repository's own page)
+    except Exception:  # noqa: BLE001 (any text that does not evaluate does not match)
+        return False
+    return got is value or (type(got) is type(value) and got == value)
+
+
+def check_api_signatures(text: str, path: str = API_PAGE, namespace: dict | None = None,
+                         modules: tuple = API_MODULES) -> tuple[list[str], list[str]]:
+    """(problems, skipped) for the API page's text: each heading's signature against
+    ``inspect.signature`` of the object it names (parameter names, kinds and order, defaults
+    compared by ``repr`` or by value; annotations not compared), and every public callable
+    of ``modules`` (their ``__all__``) documented, under its own name or another name of
+    the same object. A module or object that cannot be imported
+    for a missing optional dependency is skipped, and named in ``skipped``."""
+    namespace = {} if namespace is None else namespace
+    problems, skipped, documented = [], [], set()  # documented: names and ids of objects
+    for n, line in enumerate(text.split("\n"), 1):
+        m = API_HEADING.match(line)
+        if not m:
+            continue
+        where, name = f"{path}:{n}", m.group(1)
+        documented.add(name)
+        try:
+            obj = resolve(name)
+        except ModuleNotFoundError as exc:
+            skipped.append(f"{name} (missing module {exc.name})")
+            continue
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{where}: {name}: no such object ({exc})")
+            continue
+        documented.add(id(obj))
+        doc, real = _documented_parameters(m.group(2)), _real_parameters(obj)
+        shown = ", ".join((k + nm) + ("" if d is None else "=" + d) for k, nm, d in doc)
+        want = ", ".join(k + nm + ("" if v is _EMPTY else f"={v!r}") for k, nm, v in real)
+        if [(k, nm) for k, nm, _ in doc] != [(k, nm) for k, nm, _ in real]:
+            problems.append(f"{where}: {name}({shown}): the code has {name}({want})")
+            continue
+        for (_, nm, d), (_, _, v) in zip(doc, real):
+            if (d is None) != (v is _EMPTY) or (d is not None and
+                                                 not _default_matches(d, v, namespace)):
+                problems.append(f"{where}: {name}: parameter {nm} documented with default "
+                                f"{d!r}, the code has {'none' if v is _EMPTY else repr(v)}")
+    for module in modules:
+        try:
+            mod = resolve(module)
+        except ModuleNotFoundError as exc:
+            skipped.append(f"{module} (missing module {exc.name})")
+            continue
+        for public in getattr(mod, "__all__", []):
+            obj = getattr(mod, public)
+            if callable(obj) and not {f"{module}.{public}", id(obj)} & documented:
+                problems.append(f"{path}: {module}.{public} is public but has no "
+                                f"`### `{module}.{public}(...)`` heading")
+    return problems, skipped
+
+
+
+def check_api() -> tuple[list[str], list[str]]:
+    """:func:`check_api_signatures` on docs/api.md, the frameworks' names importable."""
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    namespace = {}
+    try:
+        import horovod.torch as hvd
+        namespace["hvd"] = hvd
+    except ImportError:
+        pass
+    with open(os.path.join(ROOT, API_PAGE), encoding="utf-8") as fh:
+        return check_api_signatures(fh.read(), API_PAGE, namespace)
+
+
 # ---------------------------------------------------------------------------------- checks ---
 def _uses_argparse(path: str) -> bool:
     with open(path, encoding="utf-8") as fh:
@@ -444,6 +600,10 @@ def main(argv=None) -> int:
         # 1. flags and links -----------------------------------------------------------------
         problems, checked_flags = check_flags(invs, helps, make_targets(), args.verbose)
         problems += [p for f in files for p in check_links(f)]
+        api_problems, api_skipped = check_api()
+        problems += api_problems
+        for name in api_skipped:
+            print(f"check_docs: {API_PAGE}: not checked: {name}")
         checked = [k[1] for k in keys if helps[k][0] not in (None, SKIPPED)]
         for k in keys:
             if helps[k][0] is SKIPPED:

@@ -123,3 +123,45 @@ def test_check_links_reports_missing_link_targets_and_quoted_paths(tmp_path, mon
     assert "docs/dev/b.md:1: link to ../nope.md" in problems[0]
     assert "docs/dev/b.md:2: docs/gone.md" in problems[1]
     assert "docs/dev/b.md:2: docs/missing.md" in problems[2]
+
+
+API_PAGE = """# API
+### `horovod_quant.get_codec(name, **params)`
+### `horovod_quant.mean_estimate(codec, xs, seed=0, gather='allgather', pipeline_elems=None, topology=None)`
+### `horovod_quant.Codec.encode(x, seed=0)`
+### `horovod_quant.Payload(data, size, meta=<factory>)`
+"""
+
+
+def test_api_signatures_match_the_code():
+    problems, skipped = cd.check_api_signatures(API_PAGE, modules=())
+    assert problems == [] and skipped == []
+
+
+def test_api_signature_check_fails_on_a_made_up_mismatch():
+    page = (API_PAGE.replace("seed=0, gather='allgather'", "seed=1, gather='allgather'")
+            .replace("get_codec(name, **params)", "get_codec(name, bits, **params)")
+            .replace("Codec.encode(x, seed=0)", "Codec.encode(x, *, seed=0)")
+            + "### `horovod_quant.no_such_function(x)`\n")
+    problems, _ = cd.check_api_signatures(page, "api.md", modules=())
+    assert len(problems) == 4, problems
+    assert "api.md:2: horovod_quant.get_codec(name, bits, **params): the code has " \
+           "horovod_quant.get_codec(name, **params)" in problems[0]
+    assert "parameter seed documented with default '1', the code has 0" in problems[1]
+    assert "Codec.encode(x, *, seed=0)" in problems[2]
+    assert "no_such_function: no such object" in problems[3]
+
+
+def test_api_check_names_public_objects_without_a_heading():
+    problems, _ = cd.check_api_signatures(API_PAGE, "api.md", modules=("horovod_quant",))
+    missing = sorted(p.split()[1] for p in problems)
+    assert missing == ["horovod_quant.Codec", "horovod_quant.available_codecs",
+                       "horovod_quant.derive_key",
+                       "horovod_quant.worker_seed"]
+
+
+def test_api_defaults_compare_by_value_or_repr():
+    assert cd._default_matches("1 << 21", 2097152, {})
+    assert cd._default_matches("'auto'", "auto", {})
+    assert not cd._default_matches("True", 1, {})  # same value, another type
+    assert not cd._default_matches("None", 0, {})
