@@ -21,7 +21,9 @@ plus inline code spans that run one of this repository's scripts, and:
    well under 20 s on a 2-core machine and change no tracked file.
 3. **Links.** Every relative Markdown link, every repository path quoted in a code span and
    every ``docs/...`` file named in prose (outside fenced blocks) must exist.
-4. **API signatures.** Each ``### `module.object(parameters)` `` heading of docs/api.md must
+4. **Results.** Every file of docs/results is named by a page (or by a results file a page
+   names) and by docs/results/README.md.
+5. **API signatures.** Each ``### `module.object(parameters)` `` heading of docs/api.md must
    match ``inspect.signature`` of that object (names, kinds, order, defaults), and every
    public callable of the package's modules (their ``__all__``) must have such a heading.
 
@@ -303,6 +305,45 @@ def check_links(path: str) -> list[str]:
         for name in sorted(named):
             if not os.path.exists(os.path.join(ROOT, name)):
                 problems.append(f"{path}:{n}: {name}: no such file in the repository")
+    return problems
+
+
+# --------------------------------------------------------------------------------- results ---
+RESULTS = "docs/results"
+
+
+def check_results(root: str | None = None) -> list[str]:
+    """Problems with docs/results: a file that no page names (README.md, DEVELOPERS.md,
+    docs/**/*.md outside docs/results; also through a named results file that names it, or
+    one of the same stem: ``x.json`` beside a named ``x.md``), and a file that
+    docs/results/README.md (which maps each file to its command) does not name."""
+    root = ROOT if root is None else root
+    folder = os.path.join(root, RESULTS)
+    files = sorted(f for f in os.listdir(folder) if f != "README.md"
+                   and os.path.isfile(os.path.join(folder, f)))
+    pages = [os.path.join(root, "README.md"), os.path.join(root, "DEVELOPERS.md")]
+    pages += [p for p in glob.glob(os.path.join(root, "docs", "**", "*.md"), recursive=True)
+              if not os.path.abspath(p).startswith(os.path.abspath(folder) + os.sep)]
+    text = "\n".join(open(p, encoding="utf-8").read() for p in pages if os.path.exists(p))
+
+    def named_in(body: str) -> set:
+        return {f for f in files if re.search(r"(?<![\w-])" + re.escape(f) + r"(?![\w-])", body)}
+
+    used, todo = set(), named_in(text)
+    while todo:
+        f = todo.pop()
+        used.add(f)
+        stem = os.path.splitext(f)[0]
+        todo |= {g for g in files if os.path.splitext(g)[0] == stem} - used
+        if f.endswith(".md"):
+            with open(os.path.join(folder, f), encoding="utf-8") as fh:
+                todo |= named_in(fh.read()) - used
+    problems = [f"{RESULTS}/{f}: no page names it (delete it: git keeps it)"
+                for f in files if f not in used]
+    readme = os.path.join(folder, "README.md")
+    listed = named_in(open(readme, encoding="utf-8").read()) if os.path.exists(readme) else set()
+    problems += [f"{RESULTS}/README.md does not say which command made {f}"
+                 for f in files if f not in listed]
     return problems
 
 
@@ -600,6 +641,7 @@ def main(argv=None) -> int:
         # 1. flags and links -----------------------------------------------------------------
         problems, checked_flags = check_flags(invs, helps, make_targets(), args.verbose)
         problems += [p for f in files for p in check_links(f)]
+        problems += check_results()
         api_problems, api_skipped = check_api()
         problems += api_problems
         for name in api_skipped:

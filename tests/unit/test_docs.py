@@ -165,3 +165,17 @@ def test_api_defaults_compare_by_value_or_repr():
     assert cd._default_matches("'auto'", "auto", {})
     assert not cd._default_matches("True", 1, {})  # same value, another type
     assert not cd._default_matches("None", 0, {})
+
+
+def test_check_results_reports_unnamed_and_unlisted_files(tmp_path):
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    (tmp_path / "README.md").write_text("see docs/results/run.md\n")
+    (results / "run.md").write_text("from run_a.json\n")
+    for name in ("run.json", "run_a.json", "old.json"):
+        (results / name).write_text("{}")
+    (results / "README.md").write_text("| `run.md`, `run.json`, `old.json` | cmd |\n")
+    problems = cd.check_results(str(tmp_path))
+    assert problems == [
+        "docs/results/old.json: no page names it (delete it: git keeps it)",
+        "docs/results/README.md does not say which command made run_a.json"]
