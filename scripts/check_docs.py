@@ -22,7 +22,8 @@ plus inline code spans that run one of this repository's scripts, and:
 3. **Links.** Every relative Markdown link, every repository path quoted in a code span and
    every ``docs/...`` file named in prose (outside fenced blocks) must exist.
 4. **Results.** Every file of docs/results is named by a page (or by a results file a page
-   names) and by docs/results/README.md.
+   names) and by docs/results/README.md; a table after ``<!-- results: NAME -->`` must equal
+   what scripts/render_results.py renders from the JSON.
 5. **API signatures.** Each ``### `module.object(parameters)` `` heading of docs/api.md must
    match ``inspect.signature`` of that object (names, kinds, order, defaults), and every
    public callable of the package's modules (their ``__all__``) must have such a heading.
@@ -38,6 +39,7 @@ import argparse
 import concurrent.futures as cf
 import glob
 import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -347,6 +349,18 @@ def check_results(root: str | None = None) -> list[str]:
     return problems
 
 
+def rendered_tables(path: str) -> list[str]:
+    """Problems of the tables of ``path`` that scripts/render_results.py renders from JSON."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
+        if "<!-- results:" not in fh.read():
+            return []
+    spec = importlib.util.spec_from_file_location(
+        "render_results", os.path.join(ROOT, "scripts", "render_results.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.check_page(path, ROOT)
+
+
 # ------------------------------------------------------------------------------------- api ---
 API_PAGE = "docs/api.md"
 #: a documented signature: a heading ``### `module.object(parameters)` ``
@@ -642,6 +656,7 @@ def main(argv=None) -> int:
         problems, checked_flags = check_flags(invs, helps, make_targets(), args.verbose)
         problems += [p for f in files for p in check_links(f)]
         problems += check_results()
+        problems += [p for f in files for p in rendered_tables(f)]
         api_problems, api_skipped = check_api()
         problems += api_problems
         for name in api_skipped:

@@ -179,3 +179,24 @@ def test_check_results_reports_unnamed_and_unlisted_files(tmp_path):
     assert problems == [
         "docs/results/old.json: no page names it (delete it: git keeps it)",
         "docs/results/README.md does not say which command made run_a.json"]
+
+
+def test_rendered_tables_fail_when_the_page_and_its_json_disagree(tmp_path):
+    rr_spec = importlib.util.spec_from_file_location(
+        "render_results", os.path.join(ROOT, "scripts", "render_results.py"))
+    rr = importlib.util.module_from_spec(rr_spec)
+    rr_spec.loader.exec_module(rr)
+    tables = {"t": lambda: "| a | b |\n|---|---|\n| x | 1.00 |"}
+    page = tmp_path / "p.md"
+    page.write_text("intro\n<!-- results: t -->\n| a | b |\n|---|---|\n| x | 1.00 |\n\nend\n")
+    assert rr.check_page("p.md", str(tmp_path), tables) == []
+    page.write_text("<!-- results: t -->\n| a | b |\n|---|---|\n| x | 1.05 |\n"
+                    "<!-- results: nope -->\n| a |\n")
+    problems = rr.check_page("p.md", str(tmp_path), tables)
+    assert len(problems) == 2
+    assert "table 't' differs from its JSON" in problems[0] and "| x | 1.00 |" in problems[0]
+    assert "no table named 'nope'" in problems[1]
+
+
+def test_the_performance_page_matches_its_json():
+    assert cd.rendered_tables("docs/performance.md") == []
