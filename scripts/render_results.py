@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Render the tables of docs/performance.md from the committed JSON under docs/results.
+"""Render the tables of docs/performance.md and docs/choosing.md from the JSON in docs/results.
 
 A table that comes from JSON follows the line ``<!-- results: NAME -->``; ``TABLES[NAME]``
 renders it. ``scripts/check_docs.py`` fails when a page's table differs from its rendering;
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from cluster_report import on_fp32_path  # noqa: E402 (the benchmark's own rule)
 
 RESULTS = os.path.join(ROOT, "docs", "results")
-PAGES = ["docs/performance.md"]
+PAGES = ["docs/performance.md", "docs/choosing.md"]
 MARK = re.compile(r"^<!--\s*results:\s*([\w-]+)\s*-->\s*$")
 
 
@@ -134,7 +134,75 @@ def throughput() -> str:
                     gbps(found[c, b]["combine_gbps"])] for c, b in THROUGHPUT_ROWS])
 
 
-TABLES = {"exchange": exchange, "training": training, "ddp": ddp, "throughput": throughput}
+#: (label, variance.json summary row or None, convergence label or None, stress run?)
+CODEC_ROWS = [
+    ("`fp16` (Horovod)", "fp16", "fp16", False),
+    ("**`qsgd` 8b, max norm**", None, None, False),
+    ("`qsgd` 8b, L2 norm", "qsgd 8b b512", "qsgd 8b b512", False),
+    ("`natural` 8b", "natural 8b b512", "natural 8b", False),
+    ("`nuqsgd` 8b", "nuqsgd 8b b512", None, False),
+    ("`dithered` 8b", "dithered 8b b512", None, False),
+    ("**`qsgd` 4b, max norm**", "qsgd 4b b512 max-norm", "standard_dithering 4b p=inf", False),
+    ("`natural_dithering` 4b, p=inf", "natural_dithering 4b p=inf b512",
+     "natural_dithering 4b p=inf", False),
+    ("`nuqsgd` 4b", "nuqsgd 4b b512", "nuqsgd 4b b512", False),
+    ("`dithered` 4b", "dithered 4b b512", "dithered 4b", False),
+    ("`qsgd` 4b, L2 norm", "qsgd 4b b512", "qsgd 4b b512", False),
+    ("`global_qsgd` linear 8b", "global_qsgd linear 8b", "global_qsgd linear 8b", False),
+    ("`global_qsgd` exponential 8b", "global_qsgd exponential 8b", "global_qsgd exp 8b", False),
+    ("`global_qsgd` linear 4b", None, "global_qsgd linear 4b", True),
+    ("`qsgd` 2b, bucket 128", "qsgd 2b b128", "qsgd 2b b128", True),
+]
+
+
+def _g(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}g}"
+
+
+def _convergence_gaps(tag: str) -> dict:
+    """{(world, label): paired mean-curve loss gap to fp32}, summarized by
+    benchmarks/convergence.py itself."""
+    import convergence
+    runs = {n: _load(f"convergence{tag}_n{n}.json") for n in (2, 4)}
+    return {(n, label): row["gap_mean_curve_loss"][0]
+            for n, rows in convergence.summarize(runs).items() for label, row in rows.items()}
+
+
+def codecs() -> str:
+    """choosing.md's table: variance on digits-MLP gradients (variance.json) and the paired
+    change of the mean training loss (convergence_n*.json, convergence_stress_n*.json)."""
+    var = _load("variance.json")["results"]
+    rows = {r["label"]: r for r in var["summary"]["rows"]}
+    max8 = next(x for x in var["bits"]["dists"]["gradient"]["codecs"]["qsgd (max, QSGDinf)"]
+                if x["bits"] == 8)
+    linear4 = {n: next(x for x in var["global"]["worlds"][str(n)]["levels"]["linear"]
+                       if x["bits"] == 4) for n in (2, 4)}
+    gaps = {False: _convergence_gaps(""), True: _convergence_gaps("_stress")}
+    out = []
+    for label, vrow, clabel, stress in CODEC_ROWS:
+        if vrow is not None:
+            r = rows[vrow]
+            bits = f"{r['wire_bits_2']:.2f}"
+            omega = _g(r["omega_1"]["mean"] if r.get("omega_1") else None)
+            if r.get("omega_1") and r.get("omega_bound") is not None:
+                omega += f" ({_g(r['omega_bound'], 3)})"
+            theta = f"{_g(r['theta_2']['mean'])} / {_g(r['theta_4']['mean'])}"
+            if r.get("omega_1") is None and r.get("theta_2_bound") is not None:
+                theta += f" (bound {_g(r['theta_2_bound'], 3)} / {_g(r['theta_4_bound'], 3)})"
+        elif clabel is None:  # 8-bit max norm: the bits table only
+            bits, omega, theta = "8.06", f"{_g(max8['omega']['mean'])} ({_g(max8['bound'], 3)})", "-"
+        else:  # linear 4-bit Global-QSGD: the Global-QSGD table only
+            bits, omega = f"{linear4[2]['wire_bits']:.2f}", "-"
+            theta = " / ".join(_g(linear4[n]["theta_gradient"]["mean"]) for n in (2, 4))
+        loss = ("not run" if clabel is None else
+                " / ".join(f"{gaps[stress][n, clabel]:+.4f}" for n in (2, 4)))
+        out.append([label, bits, omega, theta, loss])
+    return _table(["codec", "bits/element", "omega (bound)", "theta n=2 / n=4",
+                   "Δ loss n=2 / n=4"], out)
+
+
+TABLES = {"exchange": exchange, "training": training, "ddp": ddp, "throughput": throughput,
+          "codecs": codecs}
 
 
 def page_tables(text: str) -> list[tuple[str, int, int]]:

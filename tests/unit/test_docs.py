@@ -200,3 +200,7 @@ def test_rendered_tables_fail_when_the_page_and_its_json_disagree(tmp_path):
 
 def test_the_performance_page_matches_its_json():
     assert cd.rendered_tables("docs/performance.md") == []
+
+
+def test_the_choosing_page_matches_its_json():
+    assert cd.rendered_tables("docs/choosing.md") == []
