@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import fnmatch
 import glob
 import importlib
 import importlib.util
@@ -318,7 +319,8 @@ def check_results(root: str | None = None) -> list[str]:
     """Problems with docs/results: a file that no page names (README.md, DEVELOPERS.md,
     docs/**/*.md outside docs/results; also through a named results file that names it, or
     one of the same stem: ``x.json`` beside a named ``x.md``), and a file that
-    docs/results/README.md (which maps each file to its command) does not name."""
+    docs/results/README.md (which maps each file to its command) does not name, by its name or
+    by a quoted pattern such as ``scaling_*``."""
     root = ROOT if root is None else root
     folder = os.path.join(root, RESULTS)
     files = sorted(f for f in os.listdir(folder) if f != "README.md"
@@ -343,7 +345,9 @@ def check_results(root: str | None = None) -> list[str]:
     problems = [f"{RESULTS}/{f}: no page names it (delete it: git keeps it)"
                 for f in files if f not in used]
     readme = os.path.join(folder, "README.md")
-    listed = named_in(open(readme, encoding="utf-8").read()) if os.path.exists(readme) else set()
+    listing = open(readme, encoding="utf-8").read() if os.path.exists(readme) else ""
+    patterns = [p for p in re.findall(r"`([\w.-]*\*[\w.*-]*)`", listing)]
+    listed = named_in(listing) | {f for f in files if any(fnmatch.fnmatch(f, p) for p in patterns)}
     problems += [f"{RESULTS}/README.md does not say which command made {f}"
                  for f in files if f not in listed]
     return problems

@@ -179,6 +179,10 @@ def test_check_results_reports_unnamed_and_unlisted_files(tmp_path):
     assert problems == [
         "docs/results/old.json: no page names it (delete it: git keeps it)",
         "docs/results/README.md does not say which command made run_a.json"]
+    (results / "README.md").write_text("| `run.md`, `run.json`, `old.json` | cmd |\n"
+                                       "| `run_*` | cmd |\n")
+    assert cd.check_results(str(tmp_path)) == [
+        "docs/results/old.json: no page names it (delete it: git keeps it)"]
 
 
 def test_rendered_tables_fail_when_the_page_and_its_json_disagree(tmp_path):
