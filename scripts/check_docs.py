@@ -281,6 +281,14 @@ REPO_PATH = re.compile(r"^(?:docs|examples|benchmarks|scripts|tests|horovod_quan
 DOCS_MENTION = re.compile(r"(?<![\w/.-])(docs/[\w/.-]*\w\.(?:md|json|png))(?![\w/-])")
 
 
+def heading_anchors(path: str) -> set:
+    """The anchors GitHub gives the headings of a Markdown file (lower case, punctuation
+    dropped, spaces as hyphens)."""
+    with open(path, encoding="utf-8") as fh:
+        heads = [m.group(1) for m in re.finditer(r"^#{1,6}\s+(.*?)\s*$", fh.read(), re.M)]
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
 def check_links(path: str) -> list[str]:
     """Problems with the relative Markdown links of ``path`` (resolved from its folder), the
     repository paths it quotes in code spans and the ``docs/...`` files it names (resolved
@@ -300,8 +308,11 @@ def check_links(path: str) -> list[str]:
             if not target or re.match(r"^[a-z]+:", target):
                 continue
             full = os.path.normpath(os.path.join(ROOT, os.path.dirname(path), target))
+            anchor = m.group(1).partition("#")[2]
             if not os.path.exists(full):
                 problems.append(f"{path}:{n}: link to {m.group(1)}: no such file")
+            elif anchor and full.endswith(".md") and anchor not in heading_anchors(full):
+                problems.append(f"{path}:{n}: link to {m.group(1)}: no heading with that anchor")
         named = {m.group(1) for m in re.finditer(r"`([^`\s]+)`", line)
                  if REPO_PATH.match(m.group(1))}
         named |= {m.group(1) for m in DOCS_MENTION.finditer(re.sub(r"\]\([^)]*\)", "]", line))}

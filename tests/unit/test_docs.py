@@ -112,17 +112,19 @@ def test_help_flags_skips_a_script_whose_optional_dependency_is_missing(tmp_path
 
 def test_check_links_reports_missing_link_targets_and_quoted_paths(tmp_path, monkeypatch):
     (tmp_path / "docs" / "dev").mkdir(parents=True)
-    (tmp_path / "docs" / "a.md").write_text("x")
+    (tmp_path / "docs" / "a.md").write_text("## The `part`: one\n")
     (tmp_path / "docs" / "dev" / "b.md").write_text(
-        "[ok](../a.md#part) [web](https://x.org/y.md) [gone](../nope.md)\n"
+        "[ok](../a.md#the-part-one) [web](https://x.org/y.md) [gone](../nope.md) "
+        "[no](../a.md#other)\n"
         "`docs/a.md` `docs/missing.md` `bench_out/x.json`, see docs/gone.md.\n"
         "```bash\npython3 x.py --json docs/results/not_yet.json\n```\n")
     monkeypatch.setattr(cd, "ROOT", str(tmp_path))
     problems = cd.check_links("docs/dev/b.md")
-    assert len(problems) == 3, problems
-    assert "docs/dev/b.md:1: link to ../nope.md" in problems[0]
-    assert "docs/dev/b.md:2: docs/gone.md" in problems[1]
-    assert "docs/dev/b.md:2: docs/missing.md" in problems[2]
+    assert len(problems) == 4, problems
+    assert "docs/dev/b.md:1: link to ../nope.md: no such file" in problems[0]
+    assert "docs/dev/b.md:1: link to ../a.md#other: no heading with that anchor" in problems[1]
+    assert "docs/dev/b.md:2: docs/gone.md" in problems[2]
+    assert "docs/dev/b.md:2: docs/missing.md" in problems[3]
 
 
 API_PAGE = """# API
