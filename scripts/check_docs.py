@@ -19,8 +19,8 @@ plus inline code spans that run one of this repository's scripts, and:
    root: `bash` blocks by `bash -euo pipefail`, `python` blocks by `python3 -`. It must exit 0
    within 120 s (or `<!-- check-docs: run timeout=S -->`). Mark only commands that finish in
    well under 20 s on a 2-core machine and change no tracked file.
-3. **Links.** Every relative Markdown link, every repository path quoted in a code span and
-   every ``docs/...`` file named in prose (outside fenced blocks) must exist.
+3. **Links.** Every relative Markdown link (and its ``#anchor``), every repository path quoted
+   in a code span and every ``docs/...`` file named in prose (outside fenced blocks) must exist.
 4. **Results.** Every file of docs/results is named by a page (or by a results file a page
    names) and by docs/results/README.md; a table after ``<!-- results: NAME -->`` must equal
    what scripts/render_results.py renders from the JSON.
@@ -357,7 +357,7 @@ def check_results(root: str | None = None) -> list[str]:
                 for f in files if f not in used]
     readme = os.path.join(folder, "README.md")
     listing = open(readme, encoding="utf-8").read() if os.path.exists(readme) else ""
-    patterns = [p for p in re.findall(r"`([\w.-]*\*[\w.*-]*)`", listing)]
+    patterns = re.findall(r"`([\w.-]*\*[\w.*-]*)`", listing)
     listed = named_in(listing) | {f for f in files if any(fnmatch.fnmatch(f, p) for p in patterns)}
     problems += [f"{RESULTS}/README.md does not say which command made {f}"
                  for f in files if f not in listed]

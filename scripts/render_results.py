@@ -190,7 +190,8 @@ def codecs() -> str:
             if r.get("omega_1") is None and r.get("theta_2_bound") is not None:
                 theta += f" (bound {_g(r['theta_2_bound'], 3)} / {_g(r['theta_4_bound'], 3)})"
         elif clabel is None:  # 8-bit max norm: the bits table only
-            bits, omega, theta = "8.06", f"{_g(max8['omega']['mean'])} ({_g(max8['bound'], 3)})", "-"
+            bits, theta = "8.06", "-"
+            omega = f"{_g(max8['omega']['mean'])} ({_g(max8['bound'], 3)})"
         else:  # linear 4-bit Global-QSGD: the Global-QSGD table only
             bits, omega = f"{linear4[2]['wire_bits']:.2f}", "-"
             theta = " / ".join(_g(linear4[n]["theta_gradient"]["mean"]) for n in (2, 4))
