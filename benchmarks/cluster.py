@@ -9,7 +9,7 @@ training benchmark at 1 and 10 Gbit/s per host NIC.
     python3 benchmarks/cluster.py --render docs/results/cluster.json   # tables + plots again
     python3 benchmarks/cluster.py --render docs/results/cluster.json --plots-only   # plots only
 
-The parts (root needed; see docs/cluster.md):
+The parts (root needed; see docs/dev/benchmarks.md):
 
 * ``emulator.py``: the hosts (network namespaces on a bridge, each host's NIC shaped both ways
   with ``tc``), the launch of the ranks under ``mpirun`` or Horovod's gloo controller, the

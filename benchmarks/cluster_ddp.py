@@ -6,13 +6,13 @@
     python3 benchmarks/cluster_ddp.py --render docs/results/cluster_ddp.json   # table + plot
 
 The two hosts are those of ``benchmarks/cluster.py`` (``benchmarks/emulator.py``'s
-``EmulatedCluster``: network namespaces on a bridge, each host's NIC shaped with ``tc`` at the
-link rate both ways; root needed; see docs/cluster.md), removed whatever happens. One rank runs
+``EmulatedCluster``: network namespaces on a bridge, each host's NIC shaped with ``tc`` at the link
+rate both ways; root needed; see docs/dev/benchmarks.md), removed whatever happens. One rank runs
 in each host (``torch.distributed`` gloo over its NIC, ``GLOO_SOCKET_IFNAME``), and trains the same
-communication-bound MLP on scikit-learn's digits (64 -> 3 x 2048 -> 10, 8.5M parameters, 34 MB
-of float32 gradients per step in one DDP bucket, see ``BUCKET_MB``, batch 32 per rank) once
-per configuration, in one launch, the configurations interleaved (step k of each in turn, so a
-load change on the shared machine hits all of them alike):
+communication-bound MLP on scikit-learn's digits (64 -> 3 x 2048 -> 10, 8.5M parameters, 34 MB of
+float32 gradients per step in one DDP bucket, see ``BUCKET_MB``, batch 32 per rank) once per
+configuration, in one launch, the configurations interleaved (step k of each in turn, so a load
+change on the shared machine hits all of them alike):
 
 * ``fp32``: DDP without a hook (its float32 allreduce);
 * ``fp16``: DDP's ``fp16_compress_hook``;

@@ -52,7 +52,7 @@ UNSET: Any = _Unset()
 class DoorOptions:
     """The settings of the framework doors, with one default each, the same in every door: a
     tensor exchanged with the same codec and exchange seed gets the same bits through each of
-    them (docs/pytorch.md, "One set of options").
+    them (docs/pytorch.md, "Settings shared by every door").
 
     Every door takes ``options=DoorOptions(...)`` and each setting as a keyword argument of
     the same name; a keyword argument given as None (``pipeline_elems``: not given) takes the

@@ -1,8 +1,8 @@
 """The fallback controller: the float32 allreduce carries the buckets whose codec does not pay.
 
 A codec's own cost (encode, decode, extra collectives) can exceed the wire time it saves on a
-fast link, so a door decides once, in two stages (measurements: docs/pytorch.md, "Falling back
-to Horovod's allreduce where a codec does not pay"):
+fast link, so a door decides once, in two stages (measurements: docs/dev/benchmarks.md, "The
+fallback's thresholds"):
 
 1. The isolated trial (end of step :data:`FALLBACK_STEP`): each bucket's codec exchange and
    the float32 allreduce of the same vector are timed alone; a bucket whose codec was slower
@@ -46,7 +46,7 @@ FALLBACK_TRIALS = 3
 
 #: ... and at most: a trial keeps adding pairs of runs until the slowest rank has spent
 #: :data:`FALLBACK_TRIAL_SECONDS` on it, so a bucket of short runs is decided from many and a
-#: large one on a slow link from three (run times: docs/pytorch.md)
+#: large one on a slow link from three (run times: docs/dev/benchmarks.md)
 FALLBACK_MAX_TRIALS = 15
 
 #: the time budget of one bucket's trial (both sides), see :data:`FALLBACK_MAX_TRIALS`: the
@@ -56,17 +56,17 @@ FALLBACK_TRIAL_SECONDS = 2.0
 
 #: a bucket falls back unless its codec exchange took at most this times the float32 allreduce
 #: (and the step check's steps likewise): smaller differences are within the noise of runs on
-#: shared cores (docs/cluster.md) and the float32 allreduce is exact
+#: shared cores (docs/performance.md) and the float32 allreduce is exact
 FALLBACK_MARGIN = 0.95
 
 #: ... and the codec must save at least this many seconds per exchange: single runs on shared
 #: cores scatter by about a scheduler wake-up, so a smaller saving is not measurable and the
-#: exact allreduce keeps the bucket (docs/pytorch.md)
+#: exact allreduce keeps the bucket (docs/dev/benchmarks.md)
 FALLBACK_MIN_SAVING_S = 0.002
 
 #: a kept bucket whose codec exchange took at most this share of the float32 allreduce's time
 #: keeps its codec without the step check (the largest in-step loss against an isolated win
-#: measured: docs/pytorch.md)
+#: measured: docs/dev/benchmarks.md)
 FALLBACK_CLEAR_WIN = 0.5
 
 #: the step check runs this many steps of each layout, alternating (codec first); the median

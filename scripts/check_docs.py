@@ -19,6 +19,14 @@ plus inline code spans that run one of this repository's scripts, and:
    root: `bash` blocks by `bash -euo pipefail`, `python` blocks by `python3 -`. It must exit 0
    within 120 s (or `<!-- check-docs: run timeout=S -->`). Mark only commands that finish in
    well under 20 s on a 2-core machine and change no tracked file.
+3. **Links.** Every relative Markdown link (and its ``#anchor``), every repository path quoted
+   in a code span and every ``docs/...`` file named in prose (outside fenced blocks) must exist.
+4. **Results.** Every file of docs/results is named by a page (or by a results file a page
+   names) and by docs/results/README.md; a table after ``<!-- results: NAME -->`` must equal
+   what scripts/render_results.py renders from the JSON.
+5. **API signatures.** Each ``### `module.object(parameters)` `` heading of docs/api.md must
+   match ``inspect.signature`` of that object (names, kinds, order, defaults), and every
+   public callable of the package's modules (their ``__all__``) must have such a heading.
 
 Usage:
     python3 scripts/check_docs.py            # everything; exit status 1 on any problem
@@ -29,7 +37,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import fnmatch
 import glob
+import importlib
+import importlib.util
+import inspect
 import os
 import re
 import shlex
@@ -39,7 +51,8 @@ import time
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md", "DEVELOPERS.md", "docs/*.md", "docker/README.md"]
+DOCS = ["README.md", "DEVELOPERS.md", "docs/*.md", "docs/dev/*.md", "docs/results/README.md",
+        "docker/README.md"]
 SCRIPT_DIRS = ("benchmarks/", "examples/", "scripts/", "tests/")
 RUN_MARK = re.compile(r"^\s*<!--\s*check-docs:\s*run(?:\s+timeout=(\d+))?\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
@@ -259,6 +272,259 @@ def _flags_until_end(args: list[str]) -> list[str]:
     return out
 
 
+# ----------------------------------------------------------------------------------- links ---
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+#: a repository path quoted in a code span (checked from the repository root)
+REPO_PATH = re.compile(r"^(?:docs|examples|benchmarks|scripts|tests|horovod_quant|docker|kernels)/"
+                       r"[\w./-]+\.(?:md|py|sh|json|png|cu|cuh)$")
+#: a page or results file named in prose
+DOCS_MENTION = re.compile(r"(?<![\w/.-])(docs/[\w/.-]*\w\.(?:md|json|png))(?![\w/-])")
+
+
+def heading_anchors(path: str) -> set:
+    """The anchors GitHub gives the headings of a Markdown file (lower case, punctuation
+    dropped, spaces as hyphens)."""
+    with open(path, encoding="utf-8") as fh:
+        heads = [m.group(1) for m in re.finditer(r"^#{1,6}\s+(.*?)\s*$", fh.read(), re.M)]
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
+def check_links(path: str) -> list[str]:
+    """Problems with the relative Markdown links of ``path`` (resolved from its folder), the
+    repository paths it quotes in code spans and the ``docs/...`` files it names (resolved
+    from the root), outside fenced blocks: each must exist."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
+        lines = fh.read().split("\n")
+    problems, fence = [], None
+    for n, line in enumerate(lines, 1):
+        m = FENCE.match(line)
+        if m and (fence is None or m.group(2).startswith(fence)):
+            fence = m.group(2) if fence is None else None
+            continue
+        if fence is not None:
+            continue
+        for m in LINK.finditer(line):
+            target = m.group(1).split("#", 1)[0]
+            if not target or re.match(r"^[a-z]+:", target):
+                continue
+            full = os.path.normpath(os.path.join(ROOT, os.path.dirname(path), target))
+            anchor = m.group(1).partition("#")[2]
+            if not os.path.exists(full):
+                problems.append(f"{path}:{n}: link to {m.group(1)}: no such file")
+            elif anchor and full.endswith(".md") and anchor not in heading_anchors(full):
+                problems.append(f"{path}:{n}: link to {m.group(1)}: no heading with that anchor")
+        named = {m.group(1) for m in re.finditer(r"`([^`\s]+)`", line)
+                 if REPO_PATH.match(m.group(1))}
+        named |= {m.group(1) for m in DOCS_MENTION.finditer(re.sub(r"\]\([^)]*\)", "]", line))}
+        for name in sorted(named):
+            if not os.path.exists(os.path.join(ROOT, name)):
+                problems.append(f"{path}:{n}: {name}: no such file in the repository")
+    return problems
+
+
+# --------------------------------------------------------------------------------- results ---
+RESULTS = "docs/results"
+
+
+def check_results(root: str | None = None) -> list[str]:
+    """Problems with docs/results: a file that no page names (README.md, DEVELOPERS.md,
+    docs/**/*.md outside docs/results; also through a named results file that names it, or
+    one of the same stem: ``x.json`` beside a named ``x.md``), and a file that
+    docs/results/README.md (which maps each file to its command) does not name, by its name or
+    by a quoted pattern such as ``scaling_*``."""
+    root = ROOT if root is None else root
+    folder = os.path.join(root, RESULTS)
+    files = sorted(f for f in os.listdir(folder) if f != "README.md"
+                   and os.path.isfile(os.path.join(folder, f)))
+    pages = [os.path.join(root, "README.md"), os.path.join(root, "DEVELOPERS.md")]
+    pages += [p for p in glob.glob(os.path.join(root, "docs", "**", "*.md"), recursive=True)
+              if not os.path.abspath(p).startswith(os.path.abspath(folder) + os.sep)]
+    text = "\n".join(open(p, encoding="utf-8").read() for p in pages if os.path.exists(p))
+
+    def named_in(body: str) -> set:
+        return {f for f in files if re.search(r"(?<![\w-])" + re.escape(f) + r"(?![\w-])", body)}
+
+    used, todo = set(), named_in(text)
+    while todo:
+        f = todo.pop()
+        used.add(f)
+        stem = os.path.splitext(f)[0]
+        todo |= {g for g in files if os.path.splitext(g)[0] == stem} - used
+        if f.endswith(".md"):
+            with open(os.path.join(folder, f), encoding="utf-8") as fh:
+                todo |= named_in(fh.read()) - used
+    problems = [f"{RESULTS}/{f}: no page names it (delete it: git keeps it)"
+                for f in files if f not in used]
+    readme = os.path.join(folder, "README.md")
+    listing = open(readme, encoding="utf-8").read() if os.path.exists(readme) else ""
+    patterns = re.findall(r"`([\w.-]*\*[\w.*-]*)`", listing)
+    listed = named_in(listing) | {f for f in files if any(fnmatch.fnmatch(f, p) for p in patterns)}
+    problems += [f"{RESULTS}/README.md does not say which command made {f}"
+                 for f in files if f not in listed]
+    return problems
+
+
+def rendered_tables(path: str) -> list[str]:
+    """Problems of the tables of ``path`` that scripts/render_results.py renders from JSON."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
+        if "<!-- results:" not in fh.read():
+            return []
+    spec = importlib.util.spec_from_file_location(
+        "render_results", os.path.join(ROOT, "scripts", "render_results.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.check_page(path, ROOT)
+
+
+# ------------------------------------------------------------------------------------- api ---
+API_PAGE = "docs/api.md"
+#: a documented signature: a heading ``### `module.object(parameters)` ``
+API_HEADING = re.compile(r"^#{2,4}\s+`([\w.]+)\((.*)\)`\s*$")
+#: modules whose ``__all__`` the API page must document (each public callable, by heading)
+API_MODULES = ("horovod_quant", "horovod_quant.torch", "horovod_quant.torch.ddp",
+               "horovod_quant.tensorflow")
+_EMPTY = inspect.Parameter.empty
+
+
+def split_parameters(text: str) -> list[str]:
+    """``"a, b=(1, 2), *, c=f(x, y)"`` -> ``["a", "b=(1, 2)", "*", "c=f(x, y)"]``."""
+    out, depth, quote, cur = [], 0, None, ""
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    return out + ([cur.strip()] if cur.strip() else [])
+
+
+def resolve(path: str):
+    """The object named by a dotted path: the longest importable module, then attributes."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError as exc:
+            if exc.name and not ".".join(parts[:i]).startswith(exc.name):
+                raise  # a dependency is missing, not this module
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(path)
+
+
+def _documented_parameters(text: str) -> list[tuple[str, str, str | None]]:
+    """(kind, name, default text) of each documented parameter; kind is "", "*" or "**"."""
+    out = []
+    for p in split_parameters(text):
+        name, _, default = p.partition("=")
+        stars = re.match(r"^\*{0,2}", name.strip()).group(0)
+        out.append((stars, name.strip()[len(stars):], default.strip() if default else None))
+    return out
+
+
+def _real_parameters(obj) -> list[tuple[str, str, object]]:
+    out, star = [], False
+    for p in inspect.signature(obj).parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            out.append(("*", p.name, p.empty))
+            star = True
+        elif p.kind is p.VAR_KEYWORD:
+            out.append(("**", p.name, p.empty))
+        else:
+            if p.kind is p.KEYWORD_ONLY and not star:
+                out.append(("*", "", p.empty))
+                star = True
+            out.append(("", p.name, p.default))
+    if out and out[0][1] == "self":
+        out = out[1:]
+    return out
+
+
+def _default_matches(text: str, value, namespace: dict) -> bool:
+    if text == repr(value):
+        return True
+    try:
+        got = eval(text, dict(namespace))  # noqa: S307 (the repository's own page)
+    except Exception:  # noqa: BLE001 (any text that does not evaluate does not match)
+        return False
+    return got is value or (type(got) is type(value) and got == value)
+
+
+def check_api_signatures(text: str, path: str = API_PAGE, namespace: dict | None = None,
+                         modules: tuple = API_MODULES) -> tuple[list[str], list[str]]:
+    """(problems, skipped) for the API page's text: each heading's signature against
+    ``inspect.signature`` of the object it names (parameter names, kinds and order, defaults
+    compared by ``repr`` or by value; annotations not compared), and every public callable
+    of ``modules`` (their ``__all__``) documented, under its own name or another name of
+    the same object. A module or object that cannot be imported
+    for a missing optional dependency is skipped, and named in ``skipped``."""
+    namespace = {} if namespace is None else namespace
+    problems, skipped, documented = [], [], set()  # documented: names and ids of objects
+    for n, line in enumerate(text.split("\n"), 1):
+        m = API_HEADING.match(line)
+        if not m:
+            continue
+        where, name = f"{path}:{n}", m.group(1)
+        documented.add(name)
+        try:
+            obj = resolve(name)
+        except ModuleNotFoundError as exc:
+            skipped.append(f"{name} (missing module {exc.name})")
+            continue
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{where}: {name}: no such object ({exc})")
+            continue
+        documented.add(id(obj))
+        doc, real = _documented_parameters(m.group(2)), _real_parameters(obj)
+        shown = ", ".join((k + nm) + ("" if d is None else "=" + d) for k, nm, d in doc)
+        want = ", ".join(k + nm + ("" if v is _EMPTY else f"={v!r}") for k, nm, v in real)
+        if [(k, nm) for k, nm, _ in doc] != [(k, nm) for k, nm, _ in real]:
+            problems.append(f"{where}: {name}({shown}): the code has {name}({want})")
+            continue
+        for (_, nm, d), (_, _, v) in zip(doc, real):
+            if (d is None) != (v is _EMPTY) or (d is not None and
+                                                 not _default_matches(d, v, namespace)):
+                problems.append(f"{where}: {name}: parameter {nm} documented with default "
+                                f"{d!r}, the code has {'none' if v is _EMPTY else repr(v)}")
+    for module in modules:
+        try:
+            mod = resolve(module)
+        except ModuleNotFoundError as exc:
+            skipped.append(f"{module} (missing module {exc.name})")
+            continue
+        for public in getattr(mod, "__all__", []):
+            obj = getattr(mod, public)
+            if callable(obj) and not {f"{module}.{public}", id(obj)} & documented:
+                problems.append(f"{path}: {module}.{public} is public but has no "
+                                f"`### `{module}.{public}(...)`` heading")
+    return problems, skipped
+
+
+
+def check_api() -> tuple[list[str], list[str]]:
+    """:func:`check_api_signatures` on docs/api.md, the frameworks' names importable."""
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    namespace = {}
+    try:
+        import horovod.torch as hvd
+        namespace["hvd"] = hvd
+    except ImportError:
+        pass
+    with open(os.path.join(ROOT, API_PAGE), encoding="utf-8") as fh:
+        return check_api_signatures(fh.read(), API_PAGE, namespace)
+
+
 # ---------------------------------------------------------------------------------- checks ---
 def _uses_argparse(path: str) -> bool:
     with open(path, encoding="utf-8") as fh:
@@ -401,8 +667,15 @@ def main(argv=None) -> int:
                 for k in keys}
         helps = {k: f.result() for k, f in futs.items()}
 
-        # 1. flags ---------------------------------------------------------------------------
+        # 1. flags and links -----------------------------------------------------------------
         problems, checked_flags = check_flags(invs, helps, make_targets(), args.verbose)
+        problems += [p for f in files for p in check_links(f)]
+        problems += check_results()
+        problems += [p for f in files for p in rendered_tables(f)]
+        api_problems, api_skipped = check_api()
+        problems += api_problems
+        for name in api_skipped:
+            print(f"check_docs: {API_PAGE}: not checked: {name}")
         checked = [k[1] for k in keys if helps[k][0] not in (None, SKIPPED)]
         for k in keys:
             if helps[k][0] is SKIPPED:

@@ -34,7 +34,7 @@ _ELIAS_ERRORS = {
     ELIAS_TRAILING: "bytes after the terminator",
 }
 
-# -- wire layout of packed codes (docs/formats.md, "Packed codes") ---------------------------
+# -- wire layout of packed codes (docs/dev/formats.md, "Packed codes") ---------------------------
 #: Elements per packing block. Part of the wire format: changing it changes payload bytes.
 PACK_BLOCK = 8192
 
@@ -73,7 +73,7 @@ class Backend(abc.ABC):
 
     Arrays are ``xp`` arrays (flat, C-contiguous); ``keys`` are ``(k0, k1)`` pairs of
     ``rng.split_key``; ``out`` arguments are written in place. Every entry point reproduces the
-    float32 operations and their order of the documented formats (docs/formats.md), so
+    float32 operations and their order of the documented formats (docs/dev/formats.md), so
     backends agree bit for bit.
     """
 

@@ -1,4 +1,4 @@
-"""The codec contract shared by every algorithm (see docs/architecture.md)."""
+"""The codec contract shared by every algorithm (see docs/dev/architecture.md)."""
 from __future__ import annotations
 
 import abc

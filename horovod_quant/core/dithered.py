@@ -7,7 +7,7 @@ subtracts it. The error is uniform on [-Delta/2, Delta/2] and independent of the
 ``bits`` sets the step ``Delta = 1/M``, ``M = 2^(bits-1) - 1``. Payload ``[float32 kappa per
 bucket][packed codes]``; worker r of an exchange with seed s encodes with
 ``worker_seed(s, r)``, which the receiver needs (``payload.meta["seed"]``, not sent).
-Arithmetic and layout, bit for bit: docs/formats.md ("Dithered codes"). The helpers here serve
+Arithmetic and layout, bit for bit: docs/dev/formats.md ("Dithered codes"). The helpers here serve
 the nested codec too (:mod:`.nested_dithered`).
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ the combining rank (:func:`round_key`), so any rank that recomputes a combinatio
 bits. :func:`schedule` lists the combinations of a "tree" (fold, then recursive halving) or
 "ring" reduce-scatter over whole packing blocks; :func:`reduce_packed` runs them in one
 process, :mod:`horovod_quant.exchange.mpi_exponent_allreduce` between ranks over MPI. The
-combination rule and both schedules, bit for bit: docs/formats.md ("The exponent reduction").
+combination rule and both schedules, bit for bit: docs/dev/formats.md ("The exponent reduction").
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ class Combination(NamedTuple):
 
 def schedule(n: int, n_blocks: int, reduction: str
              ) -> tuple[list[list[Combination]], list[tuple[int, int, int]]]:
-    """The combinations of a reduce-scatter over n ranks (docs/formats.md) and who owns what
+    """The combinations of a reduce-scatter over n ranks (docs/dev/formats.md) and who owns what
     after it.
 
     Args:

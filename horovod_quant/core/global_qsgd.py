@@ -11,7 +11,7 @@ their codes combine without side information:
   (``combine = "custom"``);
 * ``mode="sparse"``: only the nonzero codes and their positions travel (``combine = "gather"``).
 
-Word layouts, code tables and the rounding draws, bit for bit: docs/formats.md ("Global-QSGD").
+Word layouts, code tables and the rounding draws, bit for bit: docs/dev/formats.md ("Global-QSGD").
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def theta_bound(levels: str, n: int, d: int, s: int, reduction: str, rounds: int
     the concatenated n*d vector): linear levels use QSGD Lemma 3.1 (see
     :func:`.quantizers.uniform_grid_omega`), exponential ones :func:`exponential_omega`.
     The reduction adds ``sum_k (9/8)^(R-k) g_k / (8 n)`` and scales omega by ``(9/8)^R``
-    (derived in docs/formats.md, "Global-QSGD": the paper's factor bounds second moments,
+    (derived in docs/dev/formats.md, "Global-QSGD": the paper's factor bounds second moments,
     not variances).
     """
     if levels == "linear":
@@ -154,7 +154,7 @@ class GlobalQSGD(Codec):
     """Global-QSGD (Definition 3.1, Algorithm 1) with linear or exponential levels.
 
     Every worker encodes with the global norm (the ``Codec`` global-norm interface); payload
-    layouts: docs/formats.md ("Global-QSGD").
+    layouts: docs/dev/formats.md ("Global-QSGD").
 
     Args:
         world_size: n, the number of workers whose payloads combine (required; it sets the

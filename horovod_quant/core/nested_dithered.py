@@ -7,7 +7,7 @@ The codec adapts its coarse ratio between exchanges from the side-information er
 measures; that state is an explicit :class:`NestedState`, advanced by every side-information
 decode (the ``Codec`` side-information interface: ``combine_side_info``, ``finish_side_info``).
 Arithmetic, the decode rule and the wire layout ``[int32 k][float32 kappa per bucket][packed
-codes]``: docs/formats.md ("Dithered codes").
+codes]``: docs/dev/formats.md ("Dithered codes").
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def theorem6_ratio(bits: int, alpha: float, sigma2: float, outage: float) -> int
 
 def measured_sigma2(sum_r2: float, count: int, alpha: float, M: int) -> float | None:
     """sigma_z^2 from an exchange's P2 residuals (``sum_r2`` over ``count`` values, in fine
-    steps): ``(E (r - Q2 r)^2 - Delta1^2 / 12) / alpha^2``, at least 0 (docs/formats.md). None
+    steps): ``(E (r - Q2 r)^2 - Delta1^2 / 12) / alpha^2``, at least 0 (docs/dev/formats.md). None
     without finite P2 values: the estimate then stays as it was."""
     if not count or math.isnan(sum_r2):
         return None

@@ -2,7 +2,7 @@
 :mod:`.wire`) and their runners, :class:`Exchange` over :class:`Collectives` (:mod:`.driver`)
 and :func:`mean_estimate` (:mod:`.reference`); the TensorFlow compressor is the third.
 :mod:`.staging` carries device payloads over host-only collectives; :mod:`.mpi_exponent_allreduce`
-runs Global-QSGD's exponent reduction between ranks over MPI (docs/architecture.md)."""
+runs Global-QSGD's exponent reduction between ranks over MPI (docs/dev/architecture.md)."""
 from .collectives import Collectives, Done, Handle, LocalCollectives
 from .driver import CUSTOM_COLLECTIVES, Exchange, ExchangeStats, Pending
 from .mpi_exponent_allreduce import mpi_exponent_factory

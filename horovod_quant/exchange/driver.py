@@ -251,7 +251,7 @@ class Exchange:
             :data:`~horovod_quant.exchange.plans.DEFAULT_PIPELINE_ELEMS`, 8 MiB of float32);
             None exchanges every vector whole. It pays where a transfer progresses while the
             rank encodes (measured: Horovod on gloo, 1.1-1.8x at 256 MB); with Open MPI's
-            busy-polling progress on oversubscribed cores it does not (docs/cluster.md).
+            busy-polling progress on oversubscribed cores it does not (docs/performance.md).
     """
 
     def __init__(self, codec: Codec, comm: Collectives, gather: str = "auto",

@@ -8,7 +8,7 @@ backend kernel (:func:`horovod_quant.gpu.exp_combine`). Device payloads stay on 
 the MPI is CUDA-aware, else they are staged through host memory. Where no communicator is given
 (gloo, ``HQ_MPI_EXCHANGE=0``) the runners take the allgather plan instead: the same bits.
 When the doors hand out a communicator, and why reductions run on several lanes:
-docs/exchange.md ("The exponent allreduce over MPI").
+docs/dev/exchange.md ("The exponent allreduce over MPI").
 """
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ def allreduce_exponent_codes(comm: Any, data: np.ndarray, size: int, bits: int, 
 
 
 #: reductions in flight at once (pipelined pieces of one exchange), each lane a worker thread
-#: with a communicator of its own; why several: docs/exchange.md ("The exponent allreduce over MPI")
+#: with a communicator of its own; why several: docs/dev/exchange.md ("The exponent allreduce
+#: over MPI")
 EXPONENT_LANES = 4
 
 

@@ -11,7 +11,7 @@ returns the float32 mean estimate, the same on every rank. Runners: :class:`.dri
 :func:`plan_kind` picks the plan from what the codec declares (``combine``,
 ``custom_collective``, ``needs_norm``, ``counts_outage``): ``"sum"``, ``"allgather"``,
 ``"custom"``, ``"sra"`` (scatter-reduce-allgather) or ``"hierarchical-<inner>"``; the table
-of docs/exchange.md says which codec takes which and what each sends. A vector longer than
+of docs/dev/exchange.md says which codec takes which and what each sends. A vector longer than
 ``pipeline_elems`` is exchanged as pieces (:func:`pipeline_bounds`), each its own plan with
 seed :func:`pipeline_seed`; runners start every piece before finishing any, so a stateful codec
 (NDQSG) encodes every piece with one state.

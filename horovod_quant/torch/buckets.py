@@ -5,7 +5,7 @@ reverse parameter order (backward's order, so the first bucket is ready first), 
 user's ``num_groups``/``groups``; a bucket holds the parameters of one codec and one device.
 Gradients the policy leaves uncompressed, sparse ones and those the fallback moved travel on
 Horovod's own allreduce instead. A bucket's flat vector is its gradients concatenated in
-bucket order (docs/pytorch.md, section 2).
+bucket order (docs/pytorch.md, section 1).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ Tensors are matched across ranks by the name the user gave Horovod
 ``derive_key(seed, u, name_key(key))`` and collective ``<check prefix>.<key>``; unnamed tensors
 are keyed ``#j`` (the j-th of the step). No exchange that waits for a peer starts before the
 configuration check passed; the first ``decompress`` of a step puts every exchange on the wire
-and finishes them in key order. docs/pytorch.md, section 1, tells the whole story.
+and finishes them in key order. docs/pytorch.md, section 2, tells the whole story.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ As in Horovod, every parameter gets the averaged gradient on every rank, also wh
 not use it (its gradient counts as zeros). The ranks check at construction that they agree on
 the codecs, the policy and the bucket layout, before anything else waits for a peer. A sparse
 gradient travels on Horovod's sparse path and its parameter leaves its bucket from the next
-step on. docs/pytorch.md, section 2, tells the whole story.
+step on. docs/pytorch.md, section 1, tells the whole story.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 collectives, or the collectives of a gloo process group built beside Horovod.
 
 Concurrent all_gathers of a gloo group fill a slow link better than Horovod's collectives
-and go on while the rank computes (docs/cluster.md, "Which transport moves a payload
-fastest"), so ``"auto"`` runs the optimizer's exchanges over such a group
+and go on while the rank computes (docs/performance.md, "Which transport carries the
+payloads"), so ``"auto"`` runs the optimizer's exchanges over such a group
 (:class:`~.distributed.StandaloneGroupCollectives`) for CPU gradients, and keeps Horovod's
 collectives for CUDA gradients (NCCL moves device buffers) or when the group cannot be built
 (one warning). Its collectives pair by call order, so the optimizer starts its buckets in

@@ -123,7 +123,7 @@ LEVEL_SPECS = [
     ("natural", {}),
 ]
 # p-norms other than 1, 2, inf use pow(), which is not correctly rounded on either side: bytes
-# agree except for scales within an ulp of a float32 rounding boundary (docs/gpu.md)
+# agree except for scales within an ulp of a float32 rounding boundary (docs/dev/gpu.md)
 BUCKETS = [1, 3, 100, 512, PB, PB + 1, None]
 
 

@@ -1,10 +1,11 @@
 """Shared helpers for the unit tests: independent NumPy references of the level quantizers.
 
 Everything here is written from the papers and from the wire format documented in
-``docs/architecture.md`` / ``horovod_quant/backends/numba/packing.py``, not from the kernels, so that a
-wrong kernel disagrees with it. Tests reach the helpers through the session fixture ``ref``
-(``ref.levels(codec)``, ``ref.moments(codec, x, payload)``, ...); importing this module by name
-would clash with other ``conftest.py`` files when several test folders are collected together.
+``docs/dev/architecture.md`` / ``horovod_quant/backends/numba/packing.py``, not from the
+kernels, so that a wrong kernel disagrees with it. Tests reach the helpers through the
+session fixture ``ref`` (``ref.levels(codec)``, ``ref.moments(codec, x, payload)``, ...);
+importing this module by name would clash with other ``conftest.py`` files when several test
+folders are collected together.
 
 Statistical tolerances. A level quantizer rounds each r_i = |x_i| / scale to one of the two
 levels l <= r_i <= u around it, up with probability p = (r - l) / (u - l). So the decode of

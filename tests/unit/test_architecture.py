@@ -1,4 +1,4 @@
-"""The package's architecture rules (docs/architecture.md), checked on its source.
+"""The package's architecture rules (docs/dev/architecture.md), checked on its source.
 
 * No import cycles (lazy imports included); imports run one way through the layers.
 * No module outside the codec modules names a codec; codecs declare what the other layers need.

@@ -1,7 +1,7 @@
 """dithered (DQSG) and nested_dithered (NDQSG) against the nested-dithered-quantization paper.
 
 The NumPy reference below is written from the paper (eq. (2), (6)-(7)) and the wire format in
-docs/formats.md ("Dithered codes"), not from the kernels. Statistical checks use
+docs/dev/formats.md ("Dithered codes"), not from the kernels. Statistical checks use
 fixed seeds and tolerances derived from the exact distribution of the error (uniform on
 [-Delta/2, Delta/2] per element, independent across elements), at 5 sigma; each kind of check
 also runs a negative control that must fail it.

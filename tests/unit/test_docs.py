@@ -108,3 +108,105 @@ def test_help_flags_skips_a_script_whose_optional_dependency_is_missing(tmp_path
     assert known is cd.SKIPPED and "no_such_module_for_check_docs" in note
     problems, checked = cd.check_flags([inv], {("script", str(script)): (known, note)}, set())
     assert problems == [] and checked == 0
+
+
+def test_check_links_reports_missing_link_targets_and_quoted_paths(tmp_path, monkeypatch):
+    (tmp_path / "docs" / "dev").mkdir(parents=True)
+    (tmp_path / "docs" / "a.md").write_text("## The `part`: one\n")
+    (tmp_path / "docs" / "dev" / "b.md").write_text(
+        "[ok](../a.md#the-part-one) [web](https://x.org/y.md) [gone](../nope.md) "
+        "[no](../a.md#other)\n"
+        "`docs/a.md` `docs/missing.md` `bench_out/x.json`, see docs/gone.md.\n"
+        "```bash\npython3 x.py --json docs/results/not_yet.json\n```\n")
+    monkeypatch.setattr(cd, "ROOT", str(tmp_path))
+    problems = cd.check_links("docs/dev/b.md")
+    assert len(problems) == 4, problems
+    assert "docs/dev/b.md:1: link to ../nope.md: no such file" in problems[0]
+    assert "docs/dev/b.md:1: link to ../a.md#other: no heading with that anchor" in problems[1]
+    assert "docs/dev/b.md:2: docs/gone.md" in problems[2]
+    assert "docs/dev/b.md:2: docs/missing.md" in problems[3]
+
+
+API_PAGE = """# API
+### `horovod_quant.get_codec(name, **params)`
+### `horovod_quant.mean_estimate(codec, xs, seed=0, gather='allgather', pipeline_elems=None, topology=None)`
+### `horovod_quant.Codec.encode(x, seed=0)`
+### `horovod_quant.Payload(data, size, meta=<factory>)`
+"""
+
+
+def test_api_signatures_match_the_code():
+    problems, skipped = cd.check_api_signatures(API_PAGE, modules=())
+    assert problems == [] and skipped == []
+
+
+def test_api_signature_check_fails_on_a_made_up_mismatch():
+    page = (API_PAGE.replace("seed=0, gather='allgather'", "seed=1, gather='allgather'")
+            .replace("get_codec(name, **params)", "get_codec(name, bits, **params)")
+            .replace("Codec.encode(x, seed=0)", "Codec.encode(x, *, seed=0)")
+            + "### `horovod_quant.no_such_function(x)`\n")
+    problems, _ = cd.check_api_signatures(page, "api.md", modules=())
+    assert len(problems) == 4, problems
+    assert "api.md:2: horovod_quant.get_codec(name, bits, **params): the code has " \
+           "horovod_quant.get_codec(name, **params)" in problems[0]
+    assert "parameter seed documented with default '1', the code has 0" in problems[1]
+    assert "Codec.encode(x, *, seed=0)" in problems[2]
+    assert "no_such_function: no such object" in problems[3]
+
+
+def test_api_check_names_public_objects_without_a_heading():
+    problems, _ = cd.check_api_signatures(API_PAGE, "api.md", modules=("horovod_quant",))
+    missing = sorted(p.split()[1] for p in problems)
+    assert missing == ["horovod_quant.Codec", "horovod_quant.available_codecs",
+                       "horovod_quant.derive_key",
+                       "horovod_quant.worker_seed"]
+
+
+def test_api_defaults_compare_by_value_or_repr():
+    assert cd._default_matches("1 << 21", 2097152, {})
+    assert cd._default_matches("'auto'", "auto", {})
+    assert not cd._default_matches("True", 1, {})  # same value, another type
+    assert not cd._default_matches("None", 0, {})
+
+
+def test_check_results_reports_unnamed_and_unlisted_files(tmp_path):
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    (tmp_path / "README.md").write_text("see docs/results/run.md\n")
+    (results / "run.md").write_text("from run_a.json\n")
+    for name in ("run.json", "run_a.json", "old.json"):
+        (results / name).write_text("{}")
+    (results / "README.md").write_text("| `run.md`, `run.json`, `old.json` | cmd |\n")
+    problems = cd.check_results(str(tmp_path))
+    assert problems == [
+        "docs/results/old.json: no page names it (delete it: git keeps it)",
+        "docs/results/README.md does not say which command made run_a.json"]
+    (results / "README.md").write_text("| `run.md`, `run.json`, `old.json` | cmd |\n"
+                                       "| `run_*` | cmd |\n")
+    assert cd.check_results(str(tmp_path)) == [
+        "docs/results/old.json: no page names it (delete it: git keeps it)"]
+
+
+def test_rendered_tables_fail_when_the_page_and_its_json_disagree(tmp_path):
+    rr_spec = importlib.util.spec_from_file_location(
+        "render_results", os.path.join(ROOT, "scripts", "render_results.py"))
+    rr = importlib.util.module_from_spec(rr_spec)
+    rr_spec.loader.exec_module(rr)
+    tables = {"t": lambda: "| a | b |\n|---|---|\n| x | 1.00 |"}
+    page = tmp_path / "p.md"
+    page.write_text("intro\n<!-- results: t -->\n| a | b |\n|---|---|\n| x | 1.00 |\n\nend\n")
+    assert rr.check_page("p.md", str(tmp_path), tables) == []
+    page.write_text("<!-- results: t -->\n| a | b |\n|---|---|\n| x | 1.05 |\n"
+                    "<!-- results: nope -->\n| a |\n")
+    problems = rr.check_page("p.md", str(tmp_path), tables)
+    assert len(problems) == 2
+    assert "table 't' differs from its JSON" in problems[0] and "| x | 1.00 |" in problems[0]
+    assert "no table named 'nope'" in problems[1]
+
+
+def test_the_performance_page_matches_its_json():
+    assert cd.rendered_tables("docs/performance.md") == []
+
+
+def test_the_choosing_page_matches_its_json():
+    assert cd.rendered_tables("docs/choosing.md") == []

@@ -2,7 +2,7 @@
 reduction and its schedules.
 
 References here are written from the paper (Definition 3.1, Appendix B Algorithm 2) and from
-the documented wire formats (docs/formats.md, "Global-QSGD" and "The exponent reduction"), not
+the documented wire formats (docs/dev/formats.md, "Global-QSGD" and "The exponent reduction"), not
 from the kernels. Statistical tolerances are 5 sigma from exact or empirical variances with fixed seeds.
 """
 from __future__ import annotations
@@ -301,7 +301,7 @@ def test_schedule_structure(n, reduction):
 
 def message_passing_reduce(bufs: list[np.ndarray], size: int, bits: int, seed: int,
                            reduction: str) -> list[np.ndarray]:
-    """The reduction as n ranks run it, written from docs/formats.md ("The exponent reduction"):
+    """The reduction as n ranks run it, written from docs/dev/formats.md ("The exponent reduction"):
     every message is a snapshot taken before the round's combinations; allgathers copy bytes."""
     n = len(bufs)
     bufs = [b.copy() for b in bufs]

@@ -6,7 +6,7 @@ arguments; one module per ``kernels/*.cu`` file, twins of the numba backend's ke
 :class:`.kernels.CupyKernels` on a GPU (CuPy RawModules, NVRTC-compiled), or the host build of
 the same block programs that ``tests/cuda_parity`` replays on NumPy arrays. So everything here
 runs on machines without a GPU too. The launcher interface (one method per kernel of
-``kernels/*.cu``): docs/architecture.md ("Backends").
+``kernels/*.cu``): docs/dev/architecture.md ("Backends").
 """
 from __future__ import annotations
 

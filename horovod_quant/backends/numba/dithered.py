@@ -1,4 +1,4 @@
-"""Numba kernels of DQSG / NDQSG (formats and arithmetic: docs/formats.md, "Dithered codes";
+"""Numba kernels of DQSG / NDQSG (formats and arithmetic: docs/dev/formats.md, "Dithered codes";
 mirrored in ``kernels/dithered.cu``).
 """
 from __future__ import annotations
@@ -126,7 +126,7 @@ def decode_dithered(data, o, n, bucket, M, bits, k0, k1, out, accumulate):
 def decode_nested(data, o, n, bucket, M, k, bits, am, alpha, y, k0, k1, out):
     """``out += x_hat`` of a P2 payload (codes at ``data[o:]``) with side information y.
 
-    ``x_hat = alpha (kappa / M) (q_hat - 1/2 + rho) + (1 - alpha^2) y`` (docs/formats.md); zero
+    ``x_hat = alpha (kappa / M) (q_hat - 1/2 + rho) + (1 - alpha^2) y`` (docs/dev/formats.md); zero
     buckets add nothing, non-finite kappa adds NaN. Returns ``(sum resid^2, count)`` over the
     finite nonzero buckets, in fine steps (float64, 8 interleaved lanes in a fixed order, so
     every rank computes the same value).

@@ -4,7 +4,7 @@ of Gradients"): the numba kernels of ``qsgd(..., elias=True)``.
 A payload is ``[float32 scale per bucket][bit stream]``: per nonzero code in index order,
 Elias(gap) | sign bit | Elias(level), ending with the gap that lands on n. Encoding runs after
 the fixed-width encoder, from its payload; decoding checks every read and returns an
-``ELIAS_*`` status of the backend protocol. The stream, bit for bit: docs/formats.md ("Elias
+``ELIAS_*`` status of the backend protocol. The stream, bit for bit: docs/dev/formats.md ("Elias
 streams"). The CUDA backend has no Elias kernel (``MissingKernel``).
 """
 from __future__ import annotations
@@ -150,7 +150,7 @@ def elias_decode_ints(data: np.ndarray, count: int) -> np.ndarray:
 def elias_encode_levels(data, n, bucket, bits):
     """The Elias payload of a fixed-width level payload ``data`` (layout of
     :func:`.levels.encode_levels`: [float32 scale per bucket][packed codes]) holding n
-    codes of ``bits`` bits. Returns a new uint8 array (docs/formats.md, "Elias streams")."""
+    codes of ``bits`` bits. Returns a new uint8 array (docs/dev/formats.md, "Elias streams")."""
     nb = (n + bucket - 1) // bucket
     head = 4 * nb
     codes = np.empty(PACK_BLOCK + 8, np.uint8)

@@ -1,6 +1,6 @@
 """Numba kernels of Global-QSGD: global norm statistics, the linear (summable uint64 words),
 exponential and sparse encoders and decoders, and the exponent combination of the stochastic
-reduction (Algorithm 2). Formats and arithmetic: docs/formats.md ("Global-QSGD", "The
+reduction (Algorithm 2). Formats and arithmetic: docs/dev/formats.md ("Global-QSGD", "The
 exponent reduction"); mirrored in ``kernels/global_qsgd.cu``.
 """
 from __future__ import annotations
@@ -124,7 +124,7 @@ def _linear_fields(x, lo, hi, words, sh, boost, mult, fs, s, k0, k1):
 
 @numba.njit(cache=True, nogil=True)
 def encode_linear(x, norm, s, bits, k0, k1, out):
-    """Encode float32 x into the uint64 words ``out`` (layout: docs/formats.md).
+    """Encode float32 x into the uint64 words ``out`` (layout: docs/dev/formats.md).
 
     Args:
         x: float32 vector.
@@ -327,7 +327,7 @@ def decode_sparse(data, n, bits, table, scale, out):
     return SPARSE_OK
 
 
-#: Multipliers of the key halves of p's digit words t = 1, 2, 3 (docs/formats.md, "The exponent
+#: Multipliers of the key halves of p's digit words t = 1, 2, 3 (docs/dev/formats.md, "The exponent
 #: reduction").
 _EXT0, _EXT1 = 0x632BE5AB, 0x85157AF5
 
@@ -389,7 +389,7 @@ def _combine_lanes(typingctx, a, b, h, smask):
 @numba.njit(nogil=True)
 def _up_exact(a, b, index, bits, k0, k1):
     """``[p < 2^-diff]`` for an element whose first 32 digits of p are zero: true up to
-    diff 32, decided on digit words t = 1, 2, 3 (docs/formats.md) beyond; false for a zero
+    diff 32, decided on digit words t = 1, 2, 3 (docs/dev/formats.md) beyond; false for a zero
     operand."""
     emask = (1 << (bits - 1)) - 1
     e1, e2 = a & emask, b & emask

@@ -1,5 +1,5 @@
 """Bit packing of b-bit codes (b = 1..8) into bytes, block by block, in the layout of
-docs/formats.md ("Packed codes"): each binary digit group of b in its own plane, segment-strided
+docs/dev/formats.md ("Packed codes"): each binary digit group of b in its own plane, segment-strided
 so that packing and unpacking are plain vertical loops that compilers vectorize. The CUDA twin
 is ``kernels/hq_common.cuh``; block size and byte counts are the protocol's
 (:data:`~horovod_quant.backends.protocol.PACK_BLOCK`, :func:`~..protocol.packed_nbytes`).
