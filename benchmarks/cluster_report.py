@@ -87,8 +87,8 @@ def _target(target: str, values: dict, goal: float, higher: bool = True) -> dict
             "met": bool(vals) and len(meets) == len(vals)}
 
 
-def issue16_targets(data: dict, summary: dict) -> list[dict]:
-    """Issue 16's targets from the rows of a run: at 1 Gbit/s the largest exchange within 1.3x
+def two_host_targets(data: dict, summary: dict) -> list[dict]:
+    """The 2 hosts x 1 rank targets from the rows of a run: at 1 Gbit/s the largest exchange within 1.3x
     of its payload's wire time (payload bytes / calibrated TCP rate), >= 3.3x fp32 at 8 bits,
     >= 6x at 4 bits, >= 1.7x fp16 at 8 bits, MLP training >= 2.5x fp32 at 8 bits and >= 4x at
     4 bits (one run here; the issue asks for the median of 3); at 10 Gbit/s no codec slower
@@ -216,7 +216,7 @@ def analyse(data: dict) -> dict:
                            for cid, r in rows.items()}
         summary["training"][lab] = tout
 
-    for target in issue16_targets(data, summary):
+    for target in two_host_targets(data, summary):
         summary["targets"].append(target)
     summary["shapes"] = shape_summary(data, summary)
     return summary
@@ -357,7 +357,7 @@ def render_markdown(data: dict, prefix: str) -> str:
                          f"{r['wall_min_s'] * 1e3:.0f} | {r['gbit_s']:.2f} | {rel} |")
             L.append("")
     if s["targets"]:
-        L.append("## Targets (issue 16, 2 hosts; this run alone)\n")
+        L.append("## Targets (2 hosts x 1 rank; this run alone)\n")
         L.append("Met: every codec meets it; else the codecs that do not are named. At 10 "
                  "Gbit/s *codecs' range* covers the codecs that kept their codec on some "
                  "tensors; a codec whose every tensor fell back runs Horovod's float32 "
@@ -643,9 +643,9 @@ def _ratio(v: float | None) -> str:
 
 
 def median_of_runs(paths: list[str], prefix: str | None = None) -> str:
-    """Training speedups vs fp32 of separate runs side by side, their median, and issue 16's
-    training targets on the medians (markdown): at 1 Gbit/s the MLP at 8 bits >= 2.5x and at 4
-    bits >= 4x, at 10 Gbit/s no codec below 1.0x but those that fell back whole in every run
+    """Training speedups vs fp32 of separate runs side by side, their median, and the 2 hosts
+    x 1 rank training targets on the medians (markdown): at 1 Gbit/s the MLP at 8 bits >= 2.5x
+    and at 4 bits >= 4x, at 10 Gbit/s no codec below 1.0x but those that fell back whole in every run
     (Horovod's float32 allreduce carried every tensor: fp32's own path, listed apart). With
     ``prefix``, the medians across cluster shapes are drawn in ``PREFIX_shapes.png``."""
     runs, whole, shapes, cpus = [], [], [], set()
@@ -677,7 +677,7 @@ def median_of_runs(paths: list[str], prefix: str | None = None) -> str:
                 L.append(f"| {cid} | " + " | ".join(_x(v) for v in vals)
                          + f" | {_x(medians[cid])} |")
             L.append("")
-            # issue 16's goals, for 2 x 1 links (their labels carry no shape)
+            # the 2 x 1 goals, for 2 x 1 links (their labels carry no shape)
             goals = ({8: 2.5, 4: 4.0} if lab == "1 Gbit/s" else
                      {b: 1.0 for b in (8, 4)} if lab == "10 Gbit/s" else {})
             on_fp32 = ({c for c in cids if all((lab, model, c) in w for w in whole)}
