@@ -599,6 +599,25 @@ def test_exponential_quantization_within_theorem33(n, bits):
         assert errs.mean() + Z * se >= 0.9 * bound, (errs.mean(), bound)
 
 
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_linear_lemma31_nearly_attained(n):
+    """One level (s = 1) and the L2 norm on equal constant vectors: every y = 1/sqrt(nd)
+    rounds to 0 or 1, exact variance (sqrt(nd) - 1) / n, within 2% of Lemma 3.1's
+    sqrt(nd) / (n s) (Theorem 3.3's sqrt(d) / (sqrt(n) s)); measured, not only computed."""
+    d, T = 1024, 30
+    codec = GlobalQSGD(world_size=n, bits=8, levels="linear", num_levels=1, norm="l2")
+    xs = [np.full(d, 0.5, np.float32) for _ in range(n)]
+    denom = float(np.sum(xs[0].astype(np.float64) ** 2))
+    errs = np.array([np.sum((mean_estimate(codec, xs, seed=t)[0] - 0.5) ** 2) / denom
+                     for t in range(T)])
+    se = errs.std(ddof=1) / math.sqrt(T)
+    bound = paper_theta("linear", n, d, 1)
+    exact = (math.sqrt(n * d) - 1) / n
+    assert abs(errs.mean() - exact) < Z * se, (errs.mean(), exact)
+    assert 0.95 * bound < exact <= bound
+    assert codec.theta(d) <= bound
+
+
 def test_reduction_variance_exceeds_paper_factor_but_not_theta():
     """Workers at 1 and 1/2 quantize exactly; their sum 3/8 (after the 2^-c scaling) rounds to
     1/4 or 1/2 with probability 1/2: normalized variance 0.1, above (9/8) omega / n (the
