@@ -383,6 +383,24 @@ def test_natural_dithering_departure_from_theorem4(ref):
     assert emp > 1 / s + a * min(1, a)               # and the measurement agrees
 
 
+def test_standard_dithering_table1_form_fails_for_p_below_2(ref):
+    """The natural-compression paper's Table 1 gives D_sta^{p,u} omega = kappa d^(1/r) / u with
+    kappa = min(1, sqrt(d) / u); for p = 1 a constant vector (d = 64, u = 32: every y = 1/64
+    rounds to 0 or 1/32) has normalized variance exactly 1, above its 0.5. The Hoelder form
+    min(d^(2/r) / u^2, d^(1/r) / u) of paper_bound covers it, and omega() attains it."""
+    codec = hq.get_codec("standard_dithering", bits=7, p=1.0, levels=32, bucket_size=None)
+    d, u = 64, 32
+    x = np.ones(d, np.float32)
+    w = ref.exact_variance(codec, x) / d
+    assert w == pytest.approx(1.0, rel=1e-9)
+    assert w > min(1.0, math.sqrt(d) / u) * d / u            # Table 1's form is violated
+    assert w <= min(d ** 2 / u ** 2, d / u)                   # the Hoelder form holds
+    assert codec.omega(d) == pytest.approx(w, rel=1e-9)       # and omega() is tight here
+    tr = ref.decode_trials(codec, x, range(2000))
+    emp = float(np.mean(np.sum((tr - x) ** 2, axis=1))) / d
+    assert emp > min(1.0, math.sqrt(d) / u) * d / u           # measured as well
+
+
 # --------------------------------------------------------------------------------------------
 # natural vs standard dithering (natural-compression paper, Theorem 5 and Appendix A.4)
 # --------------------------------------------------------------------------------------------
