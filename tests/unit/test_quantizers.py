@@ -20,7 +20,8 @@ from horovod_quant.core.rng import derive_key
 
 INF = float("inf")
 
-# (id, codec name, params) covering every codec, norm and grid the issue names.
+# (id, codec name, params) covering every codec, norm and grid; each builds the norm its id
+# names (test_configuration_is_what_its_id_says).
 CONFIGS = [
     ("qsgd-l2-4b", "qsgd", dict(bits=4, norm="l2")),
     ("qsgd-max-4b", "qsgd", dict(bits=4, norm="max")),
