@@ -9,6 +9,11 @@ editable install (``pip install -e .``) expose them to
 Horovod is deliberately not a dependency: it has to be built from source against the installed
 torch / TensorFlow (scripts/install.sh does that). The ``torch`` extra only asks for torch>=2.0;
 install a CPU or CUDA build of torch yourself first so that pip does not pick one for you.
+
+There is no TensorFlow extra: the TensorFlow door uses the TensorFlow Horovod was built against,
+and the Keras door's tf-keras requires the package ``tensorflow`` (a second, full TensorFlow next
+to tensorflow-cpu, or another version under a built Horovod). docs/tensorflow.md gives the one
+``pip install --no-deps`` line for it.
 """
 import os
 
@@ -54,7 +59,6 @@ setup(
     install_requires=["numpy", "numba"],
     extras_require={
         "torch": ["torch>=2.0"],
-        "tensorflow": ["tensorflow-cpu", "tf-keras"],
         "mpi": ["mpi4py"],
         "gpu": ["cupy-cuda12x"],
         "test": TEST,

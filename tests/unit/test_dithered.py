@@ -302,6 +302,14 @@ def _p1_side_info(codec, xs, seed):
     return acc * np.float32(1.0 / codec.n1)
 
 
+def eq8(k, alpha, sigma2, M):
+    """Theorem 6, eq. (8), written from the paper: Chebyshev on alpha z + u with
+    u ~ U[-Delta1/2, Delta1/2], P(|alpha z + u| > Delta2/2) <= (alpha^2 sigma_z^2 +
+    Delta1^2/12) / (Delta2/2)^2, Delta1 = 1/M and Delta2 = k Delta1 (bucket-scale units)."""
+    d1 = 1.0 / M
+    return (alpha ** 2 * sigma2 + d1 * d1 / 12) / (k * d1 / 2) ** 2
+
+
 def test_nested_outage_share_matches_theorem6():
     """With y fixed, a P2 value is decoded wrongly iff |alpha M z + e| > k/2 in fine steps,
     e ~ U[-1/2, 1/2] (Theorem 6): P(outage) = clip(|alpha M z| + 1/2 - k/2, 0, 1) exactly,
@@ -342,7 +350,7 @@ def test_nested_outage_share_matches_theorem6():
     assert abs(mean_share - expect) < Z * sd, (mean_share, expect, sd)
     assert 0.05 < expect < 0.5  # the test exercises real outages
     sigma2 = float(np.mean(((y.astype(np.float64) - x1) / kap) ** 2))
-    assert mean_share <= outage_bound(k, alpha, sigma2, M)
+    assert mean_share <= eq8(k, alpha, sigma2, M), (mean_share, eq8(k, alpha, sigma2, M))
 
 
 def test_nested_shrinkage_bias_and_variance_eq9():
@@ -533,5 +541,9 @@ def test_theorem6_ratio():
     assert theorem6_ratio(4, 1.0, 0.0, 0.01) == 7
     for s2 in (1e-4, 1e-3, 3e-3):
         k = theorem6_ratio(4, 1.0, s2, 0.01)
-        assert k % 2 == 1 and outage_bound(k, 1.0, s2, M) <= 0.01 or k == 2 * M + 1
-        assert k == 3 or outage_bound(k - 2, 1.0, s2, M) > 0.01
+        assert k % 2 == 1 and eq8(k, 1.0, s2, M) <= 0.01 or k == 2 * M + 1
+        assert k == 3 or eq8(k - 2, 1.0, s2, M) > 0.01
+    # the codec's bound (behind its choice of k and last_stats' outside_bound) is eq. (8)
+    for k, alpha, s2, bits in [(3, 1.0, 1e-3, 4), (5, 0.9, 2e-4, 8), (11, 0.5, 0.0, 6)]:
+        m = fine_levels(bits)
+        assert outage_bound(k, alpha, s2, m) == pytest.approx(eq8(k, alpha, s2, m), rel=1e-12)
