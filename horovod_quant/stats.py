@@ -171,9 +171,21 @@ def progress_bar(total: int, rank: int, show: bool | None = None, unit: str = "s
             so a log gets a few lines, not one per step.
         unit: what a step is called.
     """
-    from tqdm import tqdm
-
     tty = sys.stderr.isatty()
     disable = True if rank != 0 else (None if show is None else not show)
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is in the dev extra only: a missing bar must not stop training
+        if disable is not True and (show or tty):
+            logging.getLogger("horovod_quant").warning(
+                "no progress bar: tqdm is not installed (pip install tqdm)")
+        return _NoBar()
     return tqdm(total=total, unit=unit, disable=disable, dynamic_ncols=tty,
                 mininterval=0.5 if tty else 10.0)
+
+
+class _NoBar:
+    """Stands in for a tqdm bar where tqdm is missing: every method does nothing."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: None

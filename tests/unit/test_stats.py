@@ -1,9 +1,10 @@
 """StepStats in one human line, and StatsLogger's lines (every N steps, per epoch, one rank)."""
 import logging
+import sys
 
 import pytest
 
-from horovod_quant.stats import StatsLogger, StepStats
+from horovod_quant.stats import StatsLogger, StepStats, progress_bar
 
 
 def _step(sent=1_000_000, raw=4_000_000):
@@ -69,3 +70,19 @@ def test_several_steps_at_once_cross_the_every_boundary(caplog):
         log(_step(), steps=5)  # 19: no line
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith("horovod_quant step 14 (14 steps)")
+
+
+def test_progress_bar_without_tqdm_is_a_silent_stand_in(monkeypatch, caplog):
+    """tqdm is in the dev extra only: without it the examples train on, with one warning
+    where a bar was asked for and none on the other ranks."""
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+    with caplog.at_level(logging.WARNING, logger="horovod_quant"):
+        bar = progress_bar(10, rank=1, show=True)
+        bar.update(1)
+        bar.set_postfix_str("x")
+        bar.close()
+        assert caplog.records == []
+        progress_bar(10, rank=0, show=True).update(1)
+    assert [r.getMessage() for r in caplog.records] == [
+        "no progress bar: tqdm is not installed (pip install tqdm)"]
