@@ -224,7 +224,7 @@ def test_rendered_figures_fail_when_the_text_and_its_json_disagree(tmp_path):
         "p.md:2: no figure named 'nope' in scripts/render_results.py"]
 
 
-def test_every_measured_figure_of_the_pages_is_rendered():
+def test_every_figure_renderer_is_used_by_a_page():
     """Each FIGURES entry is used by a page, so none is rendered for nothing."""
     rr_spec = importlib.util.spec_from_file_location(
         "render_results", os.path.join(ROOT, "scripts", "render_results.py"))
