@@ -159,6 +159,14 @@ def on_fp32_path(row: dict) -> bool:
     return bool(row.get("fallback_buckets")) and row["bytes_sent"] >= row["bytes_raw"]
 
 
+def stalled(probe: dict, prefix: str, mode: str = "compute") -> float | None:
+    """Share of the busy time of the overlap probe's ``prefix + mode`` row added to its idle
+    wall time (0: full overlap, 1: none); None where the row kept nothing busy."""
+    row = probe[prefix + mode]
+    return (row["wall_s"] - probe[prefix + "idle"]["wall_s"]) / row["busy_s"] if row["busy_s"] \
+        else None
+
+
 def _no_slower_target(target: str, table: dict, on_fp32: set) -> dict:
     """"No codec slower than fp32" over the codecs of ``table`` ({config: {speedup_vs_fp32}})
     that kept a codec; those in ``on_fp32`` fell back whole: Horovod's float32 allreduce
@@ -328,10 +336,10 @@ def render_markdown(data: dict, prefix: str) -> str:
                 p = probe.get(prefix + mode)
                 if p is None:
                     continue
-                stalled = (p["wall_s"] - idle) / p["busy_s"] if p["busy_s"] else None
+                share = stalled(probe, prefix, mode)
                 reps = " ".join(f"{w * 1e3:.0f}" for w in p.get("walls_s", []))
                 L.append(f"| {mode} | {p['busy_s'] * 1e3:.0f} | {p['wall_s'] * 1e3:.0f} | "
-                         f"{reps} | {'-' if stalled is None else f'{stalled:.2f}'} |")
+                         f"{reps} | {'-' if share is None else f'{share:.2f}'} |")
             L.append("")
     for link in data["links"]:
         by_size: dict = {}

@@ -22,8 +22,9 @@ plus inline code spans that run one of this repository's scripts, and:
 3. **Links.** Every relative Markdown link (and its ``#anchor``), every repository path quoted
    in a code span and every ``docs/...`` file named in prose (outside fenced blocks) must exist.
 4. **Results.** Every file of docs/results is named by a page (or by a results file a page
-   names) and by docs/results/README.md; a table after ``<!-- results: NAME -->`` must equal
-   what scripts/render_results.py renders from the JSON.
+   names) and by docs/results/README.md; a table after ``<!-- results: NAME -->`` and a figure
+   written ``<!-- figure: NAME -->VALUE<!-- /figure -->`` must equal what
+   scripts/render_results.py renders from the JSON.
 5. **API signatures.** Each ``### `module.object(parameters)` `` heading of docs/api.md must
    match ``inspect.signature`` of that object (names, kinds, order, defaults), and every
    public callable of the package's modules (their ``__all__``) must have such a heading.
@@ -365,10 +366,12 @@ def check_results(root: str | None = None) -> list[str]:
 
 
 def rendered_tables(path: str) -> list[str]:
-    """Problems of the tables of ``path`` that scripts/render_results.py renders from JSON."""
+    """Problems of the tables and figures of ``path`` that scripts/render_results.py renders
+    from JSON."""
     with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
-        if "<!-- results:" not in fh.read():
-            return []
+        text = fh.read()
+    if "<!-- results:" not in text and "<!-- figure:" not in text:
+        return []
     spec = importlib.util.spec_from_file_location(
         "render_results", os.path.join(ROOT, "scripts", "render_results.py"))
     module = importlib.util.module_from_spec(spec)

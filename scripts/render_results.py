@@ -1,18 +1,22 @@
 #!/usr/bin/env python3
-"""Render the tables of docs/performance.md and docs/choosing.md from the JSON in docs/results.
+"""Render the measured figures of docs/performance.md and docs/choosing.md from docs/results.
 
 A table that comes from JSON follows the line ``<!-- results: NAME -->``; ``TABLES[NAME]``
-renders it. ``scripts/check_docs.py`` fails when a page's table differs from its rendering;
-``--write`` rewrites the tables in place (after a benchmark wrote new JSON).
+renders it. A figure in running text is written ``<!-- figure: NAME -->VALUE<!-- /figure -->``
+(on one line); ``FIGURES[NAME]`` renders VALUE. ``scripts/check_docs.py`` fails when a page's
+table or figure differs from its rendering; ``--write`` rewrites them in place (after a
+benchmark wrote new JSON).
 
 Usage:
-    python3 scripts/render_results.py            # print every table
-    python3 scripts/render_results.py --write    # rewrite the tables of the pages
+    python3 scripts/render_results.py            # print every table and figure
+    python3 scripts/render_results.py --write    # rewrite the tables and figures of the pages
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import os
 import re
 import statistics
@@ -20,13 +24,15 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from cluster_report import on_fp32_path  # noqa: E402 (the benchmark's own rule)
+from cluster_report import on_fp32_path, stalled  # noqa: E402 (the benchmark's own rules)
 
 RESULTS = os.path.join(ROOT, "docs", "results")
 PAGES = ["docs/performance.md", "docs/choosing.md"]
 MARK = re.compile(r"^<!--\s*results:\s*([\w-]+)\s*-->\s*$")
+FIGURE = re.compile(r"<!-- figure: ([\w-]+) -->(.*?)<!-- /figure -->")
 
 
+@functools.lru_cache(maxsize=None)
 def _load(name: str) -> dict:
     with open(os.path.join(RESULTS, name), encoding="utf-8") as fh:
         return json.load(fh)
@@ -35,6 +41,20 @@ def _load(name: str) -> dict:
 def _ms(seconds: float) -> str:
     ms = seconds * 1e3
     return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.1f} ms"
+
+
+def _link(name: str, label: str) -> dict:
+    return next(x for x in _load(name)["links"] if x["label"] == label)
+
+
+def _range(values, fmt: str, unit: str = "") -> str:
+    lo, hi = format(min(values), fmt), format(max(values), fmt)
+    return (lo if lo == hi else f"{lo}-{hi}") + unit
+
+
+def _bits(config: str) -> int | None:
+    """The width of a config id such as ``qsgd:8`` or ``global_qsgd-lin:4``; None for fp32/fp16."""
+    return int(config.rsplit(":", 1)[1]) if ":" in config else None
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -53,10 +73,8 @@ def exchange() -> str:
     """Exchange alone: 1 Gbit/s from cluster.json, 10 Gbit/s from cluster_10g.json."""
     cells = {}
     for fname, link in (("cluster.json", "1 Gbit/s"), ("cluster_10g.json", "10 Gbit/s")):
-        data = _load(fname)
-        summary = data["summary"]["exchange"][link]
-        results = next(x["results"] for x in data["links"] if x["label"] == link)
-        fell_back = {r["id"] for r in results if r.get("fallback")}
+        summary = _load(fname)["summary"]["exchange"][link]
+        fell_back = {r["id"] for r in _link(fname, link)["results"] if r.get("fallback")}
         for size in ("64.0", "256.0"):
             for config, _ in EXCHANGE_ROWS:
                 row = summary[size][config]
@@ -81,23 +99,51 @@ TRAINING_ROWS = [("fp16", "Horovod fp16"), ("qsgd:8", "`qsgd:8`"), ("natural:8",
                  ("natural:4", "`natural:4`"), ("global_qsgd-lin:4", "`global_qsgd` linear 4 bits")]
 
 
+def _training_medians(link: str, key: str = "speedup_vs_fp32") -> dict:
+    """{config: (median of the MLP's ``key`` over the runs of ``link`` that have the config,
+    whether it ran on fp32's path in every run)}."""
+    runs = [_load(f) for f in TRAINING_RUNS[link]]
+    tables = [r["summary"]["training"].get(link, {}).get("mlp", {}) for r in runs]
+    out = {}
+    for config in dict.fromkeys(c for t in tables for c in t):
+        fell_back = all(any(x["id"] == f"t-mlp-{config}" and on_fp32_path(x)
+                            for x in _link(f, link)["results"]) for f in TRAINING_RUNS[link])
+        out[config] = (statistics.median(t[config][key] for t in tables if config in t),
+                       fell_back)
+    return out
+
+
 def training() -> str:
     """MLP training, samples/s against fp32: the median over the runs that have the row."""
     cells = {}
-    for link, files in TRAINING_RUNS.items():
-        runs = [_load(f) for f in files]
+    for link in TRAINING_RUNS:
+        medians = _training_medians(link)
         for config, _ in TRAINING_ROWS:
-            ratios = [r["summary"]["training"][link]["mlp"][config]["speedup_vs_fp32"]
-                      for r in runs if config in r["summary"]["training"].get(link, {}).get(
-                          "mlp", {})]
-            fell_back = all(any(x["id"] == f"t-mlp-{config}" and on_fp32_path(x)
-                                for x in next(k["results"] for k in r["links"]
-                                              if k["label"] == link)) for r in runs)
-            cells[link, config] = (f"{statistics.median(ratios):.2f}x"
-                                   + (" (fp32 fallback)" if fell_back else ""))
+            ratio, fell_back = medians[config]
+            cells[link, config] = f"{ratio:.2f}x" + (" (fp32 fallback)" if fell_back else "")
     return _table(["config", "1 Gbit/s", "10 Gbit/s"],
                   [[label, cells["1 Gbit/s", c], cells["10 Gbit/s", c]]
                    for c, label in TRAINING_ROWS])
+
+
+TRANSPORT_FILES = ["cluster_transport_gloo.json", "cluster_transport_mpi.json"]
+
+
+def transport() -> str:
+    """64 MB between the 2 emulated hosts at 1 Gbit/s under each Horovod controller: transfer
+    times (median) and the stalled share of the overlap probe."""
+    cols = []
+    for fname in TRANSPORT_FILES:
+        rows = {r["id"]: r for r in _link(fname, "1 Gbit/s")["results"]}
+        probe = _load(fname)["summary"]["overlap"]["1 Gbit/s"]
+        cols.append([_ms(rows["p-64MB-hvd_allgather"]["wall_s"]),
+                     _ms(rows["p-64MB-hq_gloo_group_concurrent"]["wall_s"]),
+                     f"{stalled(probe, ''):.2f}", f"{stalled(probe, 'torch-'):.2f}"])
+    labels = ["Horovod allgather", "this package's gloo group, 4 concurrent all_gathers",
+              "stalled while computing: Horovod fp32 allreduce",
+              "stalled while computing: 4 concurrent gloo all_gathers"]
+    return _table(["transport", "gloo controller", "MPI controller"],
+                  [[label] + [c[i] for c in cols] for i, label in enumerate(labels)])
 
 
 DDP_ROWS = [("fp32", "none (fp32 allreduce)"), ("fp16", "DDP `fp16_compress_hook`"),
@@ -121,10 +167,14 @@ THROUGHPUT_ROWS = [("qsgd", 8), ("qsgd", 4), ("natural", 8), ("nuqsgd", 4), ("gl
                    ("global_qsgd", 4), ("dithered", 4)]
 
 
+def _throughput_rows() -> dict:
+    return {(r["codec"], r["bits"]): r for r in _load("redesign_throughput_after.json")["results"]
+            if r["elements"] == 1 << 24}
+
+
 def throughput() -> str:
     """Encode, decode and combine GB/s at 16M elements, one core."""
-    found = {(r["codec"], r["bits"]): r for r in _load("redesign_throughput_after.json")["results"]
-             if r["elements"] == 1 << 24}
+    found = _throughput_rows()
 
     def gbps(v):
         return "-" if v is None else f"{v:.2f}"
@@ -159,6 +209,7 @@ def _g(v: float | None, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}g}"
 
 
+@functools.lru_cache(maxsize=None)
 def _convergence_gaps(tag: str) -> dict:
     """{(world, label): paired mean-curve loss gap to fp32}, summarized by
     benchmarks/convergence.py itself."""
@@ -168,15 +219,22 @@ def _convergence_gaps(tag: str) -> dict:
             for n, rows in convergence.summarize(runs).items() for label, row in rows.items()}
 
 
-def codecs() -> str:
-    """choosing.md's table: variance on digits-MLP gradients (variance.json) and the paired
-    change of the mean training loss (convergence_n*.json, convergence_stress_n*.json)."""
+def _variance() -> tuple[dict, dict, dict]:
+    """variance.json's digits-MLP summary rows by label, the 8-bit max-norm QSGD row of the bits
+    sweep, and the linear 4-bit Global-QSGD rows of the Global-QSGD sweep by world size."""
     var = _load("variance.json")["results"]
     rows = {r["label"]: r for r in var["summary"]["rows"]}
     max8 = next(x for x in var["bits"]["dists"]["gradient"]["codecs"]["qsgd (max, QSGDinf)"]
                 if x["bits"] == 8)
     linear4 = {n: next(x for x in var["global"]["worlds"][str(n)]["levels"]["linear"]
                        if x["bits"] == 4) for n in (2, 4)}
+    return rows, max8, linear4
+
+
+def codecs() -> str:
+    """choosing.md's table: variance on digits-MLP gradients (variance.json) and the paired
+    change of the mean training loss (convergence_n*.json, convergence_stress_n*.json)."""
+    rows, max8, linear4 = _variance()
     gaps = {False: _convergence_gaps(""), True: _convergence_gaps("_stress")}
     out = []
     for label, vrow, clabel, stress in CODEC_ROWS:
@@ -202,8 +260,103 @@ def codecs() -> str:
                    "Δ loss n=2 / n=4"], out)
 
 
-TABLES = {"exchange": exchange, "training": training, "ddp": ddp, "throughput": throughput,
-          "codecs": codecs}
+TABLES = {"exchange": exchange, "training": training, "transport": transport, "ddp": ddp,
+          "throughput": throughput, "codecs": codecs}
+
+
+def _exchange_256mb(name: str, bits: int) -> str:
+    """The range of the 256 MB exchange times at 1 Gbit/s of the configs of one width."""
+    found = _load(name)["summary"]["exchange"]["1 Gbit/s"]["256.0"]
+    return _range([r["wall_s"] * 1e3 for c, r in found.items() if _bits(c) == bits], ".0f", " ms")
+
+
+def _gloo_training(bits: int) -> str:
+    found = _load("cluster_gloo.json")["summary"]["training"]["1 Gbit/s"]["mlp"]
+    return _range([r["speedup_vs_fp32"] for c, r in found.items() if _bits(c) == bits], ".2f", "x")
+
+
+def _wire_overhead() -> str:
+    """How far the slowest 256 MB exchange of a codec is above its payload's time on the wire
+    at the measured rate (the benchmark's own target rows)."""
+    worst = max(t["range"][1] for t in _load("cluster.json")["summary"]["targets"]
+                if "payload wire time" in t["target"])
+    return f"{(worst - 1) * 100:.0f}%"
+
+
+def _trial_margin() -> str:
+    """The smallest fp32/codec time ratio of the fallback's trials at 1 Gbit/s, rounded down."""
+    least = min(r["fallback_fp32_s"] / r["fallback_codec_s"]
+                for r in _link("cluster.json", "1 Gbit/s")["results"]
+                if r.get("fallback_codec_s") and r.get("fallback_fp32_s"))
+    return f"{math.floor(least * 10) / 10:.1f}x"
+
+
+def _fp32_step() -> str:
+    steps = [next(r for r in _link(f, "1 Gbit/s")["results"] if r["id"] == "t-mlp-fp32")["step_s"]
+             for f in TRAINING_RUNS["1 Gbit/s"]]
+    return f"{statistics.median(steps):.1f} s"
+
+
+def _on_fp32_10g() -> dict:
+    return {c: m for c, (m, fell_back) in _training_medians("10 Gbit/s").items() if fell_back}
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _omega(label: str) -> float:
+    return _variance()[0][label]["omega_1"]["mean"]
+
+
+CONTROL = "fp32 control (lr x (1+1e-6))"
+
+#: measured figures of the pages' running text, each rendered from the JSON
+FIGURES = {
+    "link-rates": lambda: " and ".join(
+        f"{_link(f, link)['calibration']['tcp_gbit_s']:.2f}"
+        for f, link in (("cluster.json", "1 Gbit/s"), ("cluster_10g.json", "10 Gbit/s"))),
+    "exchange-256MB-8bit": lambda: _exchange_256mb("cluster.json", 8),
+    "exchange-256MB-4bit": lambda: _exchange_256mb("cluster.json", 4),
+    "wire-overhead": _wire_overhead,
+    "trial-margin": _trial_margin,
+    "fp32-step": _fp32_step,
+    "training-vs-fp16": lambda: _range(
+        [m for c, (m, _) in _training_medians("1 Gbit/s", "speedup_vs_fp16").items()
+         if c in dict(TRAINING_ROWS) and c != "fp16"], ".2f", "x"),
+    "on-fp32-10g-configs": lambda: _and([f"`{c}`" for c in _on_fp32_10g()]),
+    "on-fp32-10g-ratios": lambda: _range(_on_fp32_10g().values(), ".2f", "x"),
+    "fp32-vs-fp32-10g": lambda: _range(
+        [_load(f)["summary"]["training"]["10 Gbit/s"]["mlp"]["fp32"]["speedup_vs_fp32"]
+         for f in TRAINING_RUNS["10 Gbit/s"]], ".2f", "x"),
+    "gloo-training-8bit": lambda: _gloo_training(8),
+    "gloo-training-4bit": lambda: _gloo_training(4),
+    "gloo-exchange-256MB-8bit": lambda: _exchange_256mb("cluster_gloo.json", 8),
+    "gloo-exchange-256MB-4bit": lambda: _exchange_256mb("cluster_gloo.json", 4),
+    "throughput-load": lambda: format(float(
+        _load("redesign_throughput_after.json")["env"]["load_average"].split()[0]), ".1f"),
+    "encode-gbps": lambda: _range([_throughput_rows()[k]["encode_gbps"] for k in THROUGHPUT_ROWS],
+                                  ".0f", " GB/s"),
+    "decode-gbps": lambda: _range([_throughput_rows()[k]["decode_gbps"] for k in THROUGHPUT_ROWS],
+                                  ".0f", " GB/s"),
+    "omega-qsgd-8-max": lambda: _g(_variance()[1]["omega"]["mean"]),
+    "l2-over-max-8": lambda: f"{_omega('qsgd 8b b512') / _variance()[1]['omega']['mean']:.0f}x",
+    "omega-qsgd-4-max": lambda: _g(_omega("qsgd 4b b512 max-norm")),
+    "l2-over-max-4": lambda: f"{_omega('qsgd 4b b512') / _omega('qsgd 4b b512 max-norm'):.0f}x",
+    "omega-natural-dithering-4": lambda: _g(_omega("natural_dithering 4b p=inf b512")),
+    "bound-natural-dithering-4": lambda: _g(
+        _variance()[0]["natural_dithering 4b p=inf b512"]["omega_bound"], 3),
+    "omega-nuqsgd-4": lambda: _g(_omega("nuqsgd 4b b512")),
+    "bound-nuqsgd-4": lambda: _g(_variance()[0]["nuqsgd 4b b512"]["omega_bound"], 3),
+    "bound-qsgd-4-max": lambda: _g(_variance()[0]["qsgd 4b b512 max-norm"]["omega_bound"], 3),
+    "bound-over-omega-qsgd-4-max": lambda: format(
+        _variance()[0]["qsgd 4b b512 max-norm"]["omega_bound"] / _omega("qsgd 4b b512 max-norm"),
+        ".0f") + "x",
+    "theta-global-linear-4-n2": lambda: _g(_variance()[2][2]["theta_gradient"]["mean"]),
+    "theta-global-linear-4-n4": lambda: _g(_variance()[2][4]["theta_gradient"]["mean"]),
+    "control-gap-n2": lambda: f"{_convergence_gaps('')[2, CONTROL]:+.4f}",
+    "control-gap-n4": lambda: f"{_convergence_gaps('')[4, CONTROL]:+.4f}",
+}
 
 
 def page_tables(text: str) -> list[tuple[str, int, int]]:
@@ -219,12 +372,24 @@ def page_tables(text: str) -> list[tuple[str, int, int]]:
     return out
 
 
-def check_page(path: str, root: str = ROOT, tables: dict | None = None) -> list[str]:
-    """Problems: a marked table that differs from its rendering, or an unknown name."""
+def check_page(path: str, root: str = ROOT, tables: dict | None = None,
+               figures: dict | None = None) -> list[str]:
+    """Problems: a marked table or figure that differs from its rendering, or an unknown name."""
     tables = TABLES if tables is None else tables
+    figures = FIGURES if figures is None else figures
     with open(os.path.join(root, path), encoding="utf-8") as fh:
         text = fh.read()
     lines, problems = text.split("\n"), []
+    for number, line in enumerate(lines, 1):
+        for m in FIGURE.finditer(line):
+            name, value = m.groups()
+            if name not in figures:
+                problems.append(f"{path}:{number}: no figure named {name!r} in "
+                                "scripts/render_results.py")
+            elif value != figures[name]():
+                problems.append(f"{path}:{number}: figure {name!r} reads {value!r}, its JSON "
+                                f"gives {figures[name]()!r} (python3 scripts/render_results.py "
+                                "--write)")
     for name, start, end in page_tables(text):
         if name not in tables:
             problems.append(f"{path}:{start}: no table named {name!r} in scripts/render_results.py")
@@ -243,13 +408,16 @@ def write_page(path: str) -> None:
         lines = fh.read().split("\n")
     for name, start, end in reversed(page_tables("\n".join(lines))):
         lines[start:end] = TABLES[name]().split("\n")
+    text = FIGURE.sub(lambda m: f"<!-- figure: {m[1]} -->{FIGURES[m[1]]()}<!-- /figure -->",
+                      "\n".join(lines))
     with open(os.path.join(ROOT, path), "w", encoding="utf-8") as fh:
-        fh.write("\n".join(lines))
+        fh.write(text)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--write", action="store_true", help="rewrite the marked tables of the pages")
+    ap.add_argument("--write", action="store_true",
+                    help="rewrite the marked tables and figures of the pages")
     args = ap.parse_args(argv)
     if args.write:
         for page in PAGES:
@@ -257,6 +425,8 @@ def main(argv=None) -> int:
         return 0
     for name, render in TABLES.items():
         print(f"<!-- results: {name} -->\n{render()}\n")
+    for name, render in FIGURES.items():
+        print(f"<!-- figure: {name} -->{render()}<!-- /figure -->")
     return 0
 
 

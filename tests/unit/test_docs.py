@@ -204,6 +204,39 @@ def test_rendered_tables_fail_when_the_page_and_its_json_disagree(tmp_path):
     assert "no table named 'nope'" in problems[1]
 
 
+def test_rendered_figures_fail_when_the_text_and_its_json_disagree(tmp_path):
+    rr_spec = importlib.util.spec_from_file_location(
+        "render_results", os.path.join(ROOT, "scripts", "render_results.py"))
+    rr = importlib.util.module_from_spec(rr_spec)
+    rr_spec.loader.exec_module(rr)
+    figures = {"speed": lambda: "585-608 ms", "ratio": lambda: "1.7x"}
+    page = tmp_path / "p.md"
+    page.write_text("took <!-- figure: speed -->585-608 ms<!-- /figure --> and won by\n"
+                    "<!-- figure: ratio -->1.7x<!-- /figure --> or more\n")
+    assert rr.check_page("p.md", str(tmp_path), {}, figures) == []
+    page.write_text("took <!-- figure: speed -->585-610 ms<!-- /figure --> and won by\n"
+                    "<!-- figure: ratio -->1.7x<!-- /figure --> or "
+                    "<!-- figure: nope -->2<!-- /figure -->\n")
+    problems = rr.check_page("p.md", str(tmp_path), {}, figures)
+    assert problems == [
+        "p.md:1: figure 'speed' reads '585-610 ms', its JSON gives '585-608 ms' "
+        "(python3 scripts/render_results.py --write)",
+        "p.md:2: no figure named 'nope' in scripts/render_results.py"]
+
+
+def test_every_figure_renderer_is_used_by_a_page():
+    """Each FIGURES entry is used by a page, so none is rendered for nothing."""
+    rr_spec = importlib.util.spec_from_file_location(
+        "render_results", os.path.join(ROOT, "scripts", "render_results.py"))
+    rr = importlib.util.module_from_spec(rr_spec)
+    rr_spec.loader.exec_module(rr)
+    used = set()
+    for page in rr.PAGES:
+        with open(os.path.join(ROOT, page), encoding="utf-8") as fh:
+            used |= {m[1] for m in rr.FIGURE.finditer(fh.read())}
+    assert used == set(rr.FIGURES)
+
+
 def test_the_performance_page_matches_its_json():
     assert cd.rendered_tables("docs/performance.md") == []
 
