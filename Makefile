@@ -53,12 +53,15 @@ demo: install
 images:
 	$(PYTHON) scripts/build_images.py $(IMAGES_ARGS)
 
-# Inside a container of the CPU image: the demo's parts and the multi-rank tests.
+# Inside a container of the CPU image: the demo's parts and the multi-rank tests. torchrun's
+# rendezvous needs the container's own name to resolve (buildah run does not add it; docker does),
+# so it goes to /etc/hosts after the Horovod runs, which must work without it.
 image-test:
 	bash scripts/image_run.sh horovod_quant:cpu 'python3 -m horovod_quant.demo && \
 	  horovodrun -np 2 -H localhost:2 --gloo python3 examples/pytorch_digits.py && \
-	  python3 -m torch.distributed.run --standalone --nproc_per_node 2 examples/ddp_train.py && \
-	  bash tests/parallel/run.sh'
+	  bash tests/parallel/run.sh && \
+	  { getent hosts "$$(hostname)" >/dev/null || echo "127.0.0.1 $$(hostname)" >> /etc/hosts; } && \
+	  python3 -m torch.distributed.run --standalone --nproc_per_node 2 examples/ddp_train.py'
 
 # Two containers of the CPU image as two hosts on an emulated network, horovodrun across them
 # (root and buildah needed).

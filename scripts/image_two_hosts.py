@@ -111,13 +111,18 @@ def main(argv: list[str] | None = None) -> int:
                 results[controller] = proc.returncode
                 log(f"{controller}: exit {proc.returncode} in {time.time() - t:.0f}s")
         finally:
-            for proc in sshd:
-                proc.terminate()
+            # sshd stopped from inside its container, by the pid it wrote
+            for i, proc in enumerate(sshd):
+                subprocess.run(in_container(i, "kill $(cat /run/sshd.pid)"), capture_output=True)
             for proc in sshd:
                 try:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
             # the cluster's exit kills whatever is left in the namespaces; the containers go here
             for name in containers:
                 subprocess.run(["buildah", "rm", name], capture_output=True)
