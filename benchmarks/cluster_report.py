@@ -604,23 +604,20 @@ def median_of_shapes(runs: list[list[dict]], names: list[str]) -> list[str]:
     speedup vs fp32 and bytes across hosts against fp32's in each run and their median, and
     the shape targets on the medians (the best configuration of each bit width)."""
     L = []
-    keys = dict.fromkeys((e["hosts"], e["ranks_per_host"], e["rate_bps"], e["model"])
-                         for shapes in runs for e in shapes)
-    for key in keys:
-        hosts, per_host, rate, model = key
+    for median in median_shapes(runs):
+        key = hosts, per_host, rate, model = (median["hosts"], median["ranks_per_host"],
+                                              median["rate_bps"], median["model"])
         entries = [next((e for e in shapes if (e["hosts"], e["ranks_per_host"], e["rate_bps"],
                                                 e["model"]) == key), None) for shapes in runs]
-        cids = list(dict.fromkeys(c for e in entries if e for c in e["configs"]))
+        medians = median["configs"]
         L.append(f"### {hosts} x {per_host}, {rate / 1e9:g} Gbit/s, {model}\n")
         L.append("| config | door | x fp32 (" + ", ".join(names) + ") | median | bytes across "
                  "hosts / fp32's (" + ", ".join(names) + ") | median |")
         L.append("|---|---|---|---|---|---|")
-        medians = {}
-        for cid in cids:
+        for cid in medians:
             got = {k: [e["configs"][cid][k] for e in entries if e and cid in e["configs"]
                        and e["configs"][cid][k] is not None]
                    for k in ("speedup_vs_fp32", "nic_vs_fp32")}
-            medians[cid] = {k: statistics.median(v) if v else None for k, v in got.items()}
             door = next(e["configs"][cid]["door"] for e in entries if e and cid in e["configs"])
             L.append(f"| {cid} | {door} | " + ", ".join(_x(v) for v in got["speedup_vs_fp32"])
                      + f" | {_x(medians[cid]['speedup_vs_fp32'])} | "
