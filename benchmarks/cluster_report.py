@@ -26,7 +26,8 @@ BASELINES = ("fp32", "fp16", "compute")
 #: the figures of a training row that rounds are merged by (their median)
 ROUND_KEYS = ("samples_per_s", "step_s", "step_median_s", "fwd_bwd_s", "sync_s", "update_s",
               "encode_s", "exchange_s", "decode_s", "compute_s", "nic_bytes_per_step",
-              "nic_busiest_host_bytes_per_step", "other_load_cores", "final_loss")
+              "nic_busiest_host_bytes_per_step", "other_load_cores", "ranks_cpu_s_per_step",
+              "busy_cores", "final_loss")
 #: targets per cluster shape: the best 8-bit / 4-bit bytes across hosts at most this share of
 #: fp32's, the best 8-bit samples/s at least this multiple of fp32's (hosts, ranks per host)
 SHAPE_BYTES_GOALS = {8: 0.30, 4: 0.17}
@@ -292,12 +293,13 @@ def render_markdown(data: dict, prefix: str) -> str:
     L.append(f"# Cluster benchmark results ({base})\n")
     shapes = ", ".join(f"{h} x {k}" for h, k in dict.fromkeys(shape_of(l) for l in data["links"]))
     L.append(f"Produced by `{data['command']}` on {data['date']} "
-             f"({data['machine']['cpus']} CPUs, {data['machine']['cpu']}, shared with other "
-             f"work: load average {data['machine']['loadavg_before']} before, "
-             f"{data['machine'].get('loadavg_after', '?')} after; wall time "
-             f"{data['wall_s'] / 60:.1f} min). **Every timing below comes from ranks sharing "
-             f"these {data['machine']['cpus']} cores with each other and with other jobs: "
-             "treat differences under ~10% as noise.** Emulated hosts x ranks per host: "
+             f"({data['machine']['cpus']} CPUs, {data['machine']['cpu']}; load average "
+             f"{data['machine']['loadavg_before']} before, "
+             f"{data['machine'].get('loadavg_after', '?')} after, the ranks' own included; "
+             f"wall time {data['wall_s'] / 60:.1f} min). **Every timing below comes from "
+             f"ranks sharing these {data['machine']['cpus']} cores with each other, and with "
+             "any other job (the *load* column): treat differences under ~10% as noise.** "
+             "Emulated hosts x ranks per host: "
              f"{shapes}. *Sent*: bytes one rank hands to collectives per exchange/step; "
              "*across hosts*: bytes that left the hosts' NICs per measured step (kernel "
              "counters, all hosts together). *load* = cores kept busy by anything but the "
@@ -459,7 +461,9 @@ def render_markdown(data: dict, prefix: str) -> str:
             paired = any(r.get("paired_speedup") is not None for r in ok)
             L.append("Mean step of the slower rank over the measured steps (*steps*); compute = "
                      "step - encode - exchange - decode (forward, backward, update, and for "
-                     "fp32/fp16 Horovod's own casts)."
+                     "fp32/fp16 Horovod's own casts); *CPU*: the CPU time of all ranks "
+                     "together per step (the machine's cores times the step bound it when "
+                     "larger than the step's wall time)."
                      + (" **Paired**: a float32 reference model under Horovod's "
                         "DistributedOptimizer stepped beside each row, step for step, "
                         "alternating which went first; *x fp32* is the row's mean step against "
@@ -473,14 +477,14 @@ def render_markdown(data: dict, prefix: str) -> str:
                          "*/ fp32*: against the fp32 row's. *compute*: the same model and "
                          "processes without communication (the floor).\n")
             L.append("| config | samples/s | x fp32 | x fp16 | step ms | compute | encode | "
-                     "exchange | decode | MB/step sent | "
+                     "exchange | decode | CPU | MB/step sent | "
                      + ("MB across hosts | / fp32 | " if nic else "")
                      + "steps | ref samples/s | load |")
-            L.append("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if nic else "")
+            L.append("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if nic else "")
                      + "---|---|---|")
             for r in mrows:
                 if r.get("error"):
-                    L.append(f"| {r['config_id']} | error |" + " |" * (11 + 2 * nic))
+                    L.append(f"| {r['config_id']} | error |" + " |" * (12 + 2 * nic))
                     continue
                 sp = s["training"][lab][model][r["config_id"]]
                 fell = (f" ({r['fallback_buckets']} buckets fell back to fp32)"
@@ -494,7 +498,8 @@ def render_markdown(data: dict, prefix: str) -> str:
                          f"{_x(sp['speedup_vs_fp32'])} | {_x(sp['speedup_vs_fp16'])} | "
                          f"{_fmt_ms(r['step_s'])} | {_fmt_ms(r['compute_s'])} | "
                          f"{_fmt_ms(r['encode_s'])} | {_fmt_ms(r['exchange_s'])} | "
-                         f"{_fmt_ms(r['decode_s'])} | {r['bytes_sent'] / MB:.1f} | {across}"
+                         f"{_fmt_ms(r['decode_s'])} | {_fmt_ms(r.get('ranks_cpu_s_per_step'))} | "
+                         f"{r['bytes_sent'] / MB:.1f} | {across}"
                          f"{r.get('measured_steps', r.get('steps', '-'))} | "
                          f"{_fmt_sps(r.get('ref_samples_per_s'))} | {_load(r)} |")
             L.append("")
