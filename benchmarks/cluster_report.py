@@ -461,9 +461,9 @@ def render_markdown(data: dict, prefix: str) -> str:
             paired = any(r.get("paired_speedup") is not None for r in ok)
             L.append("Mean step of the slower rank over the measured steps (*steps*); compute = "
                      "step - encode - exchange - decode (forward, backward, update, and for "
-                     "fp32/fp16 Horovod's own casts); *CPU*: the CPU time of all ranks "
-                     "together per step (the machine's cores times the step bound it when "
-                     "larger than the step's wall time)."
+                     "fp32/fp16 Horovod's own casts); *CPU*: the CPU ms of all ranks "
+                     "together per step (near the machine's cores times the step: the step "
+                     "was CPU-bound)."
                      + (" **Paired**: a float32 reference model under Horovod's "
                         "DistributedOptimizer stepped beside each row, step for step, "
                         "alternating which went first; *x fp32* is the row's mean step against "

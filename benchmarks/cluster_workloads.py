@@ -448,7 +448,7 @@ def run_train(item: dict) -> dict:
     out["measured_steps"] = len(steps)
     # whether the steps were CPU-bound: the ranks' CPU time per step (all ranks together) and
     # how many cores the whole machine kept busy while they ran
-    out["ranks_cpu_s_per_step"] = sum(gather_rows(cpu_after[2] - cpu_before[2])) / len(steps)
+    out["ranks_cpu_s_per_step"] = ranks_cpu_s(cpu_before, cpu_after) / len(steps)
     out["busy_cores"] = (cpu_after[1] - cpu_before[1]) / (cpu_after[0] - cpu_before[0])
     if ref is not None:  # the two models' steps interleave, pair by pair
         out["ref_step_all_s"] = slowest("ref_step_s")
@@ -478,9 +478,14 @@ def cpu_snapshot() -> tuple[float, float, float]:
     return time.perf_counter(), busy, ru.ru_utime + ru.ru_stime
 
 
+def ranks_cpu_s(before, after) -> float:
+    """CPU seconds of every rank together between two :func:`cpu_snapshot` (collective)."""
+    return sum(gather_rows(after[2] - before[2]))
+
+
 def foreign_load(before, after) -> float:
     """Cores busy with anything but the ranks during an item (other jobs, kernel threads)."""
-    own = sum(gather_rows(after[2] - before[2]))
+    own = ranks_cpu_s(before, after)
     return max(0.0, (after[1] - before[1] - own) / (after[0] - before[0]))
 
 
