@@ -389,7 +389,9 @@ HQ_HD float hq_lanes_scale(const double* lanes, int kind, double p) {
   double acc = 0.0;
   for (int j = 0; j < HQ_LANES; ++j) acc = hq_dadd(acc, lanes[j]);
   if (kind == HQ_NORM_L2) return (float)hq_dsqrt(acc);
-  return (float)pow(acc, 1.0 / p);
+  // pow(acc, 1.0) is not exact in CUDA's libdevice, and an L1 sum rounded to float32 often
+  // sits on a tie: the identity is taken literally, as on the CPU
+  return p == 1.0 ? (float)acc : (float)pow(acc, 1.0 / p);
 }
 
 // Block program piece: the scales of buckets [kb0, kb1) (bucket k = xs[k*bucket - base, ...)),

@@ -10,30 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 
 from ..exchange.collectives import Collectives, Handle
 from ..process_sets import ProcessSetCollectives, world_communicator
+from .tensors import as_tensor
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
-
-
-def as_tensor(arr: Any) -> torch.Tensor:
-    """A tensor sharing ``arr``'s memory: a CPU tensor of a NumPy array, a CUDA tensor of a
-    CuPy array."""
-    if isinstance(arr, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(arr))
-    return torch.from_dlpack(arr)
-
-
-def as_array(tensor: torch.Tensor) -> Any:
-    """The array sharing ``tensor``'s memory: NumPy for CPU, CuPy for CUDA tensors."""
-    if tensor.device.type == "cpu":
-        return tensor.numpy()
-    import cupy
-
-    return cupy.from_dlpack(tensor.detach())
 
 
 class _TorchHandle(Handle):

@@ -29,9 +29,8 @@ from ..exchange.wire import exchange_tag
 from ..core.base import Codec
 from ..core.rng import derive_key, name_key
 from ..policy import LayerPolicy
-from .collectives import as_tensor
 from .horovod_calls import horovod_call
-from .tensors import flat_array, horovod_dtype, stream_of
+from .tensors import as_tensor, flat_array, horovod_dtype, stream_of
 from .transport import transport_collectives
 
 

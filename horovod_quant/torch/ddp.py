@@ -30,9 +30,7 @@ from ..exchange.driver import Exchange
 from ..core.base import Codec
 from ..core.rng import derive_key
 from ..policy import LayerPolicy
-from .collectives import as_array, as_tensor
-from .compression import QuantizedCompressor
-from .tensors import flat_array, parameter_names, stream_of
+from .tensors import as_array, as_tensor, flat_array, parameter_names, stream_of
 from .distributed import process_group_collectives
 
 __all__ = ["QuantizationState", "quantization_hook"]
@@ -120,7 +118,7 @@ class QuantizationState(CompressorSettings):
         step: steps whose gradients were exchanged so far.
     """
 
-    def __init__(self, codec: Codec | str | QuantizedCompressor, process_group: Any = None,
+    def __init__(self, codec: Codec | str | CompressorSettings, process_group: Any = None,
                  seed: int | None = None, gather: str | None = None,
                  pipeline_elems: int | None = UNSET, policy: LayerPolicy | None = None,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
@@ -130,7 +128,7 @@ class QuantizationState(CompressorSettings):
                                " before building a QuantizationState")
         comm = process_group_collectives(process_group)
         inherited = None
-        if isinstance(codec, QuantizedCompressor):
+        if isinstance(codec, CompressorSettings):  # a door's Compression.<codec>(...)
             inherited = codec.options
             request = codec.codec_request
             codec = (request.build(lambda: comm.size) if request is not None

@@ -21,6 +21,7 @@ payloads are staged through host memory, :class:`~horovod_quant.exchange.staging
 from __future__ import annotations
 
 import atexit
+import inspect
 import itertools
 import logging
 import os
@@ -36,7 +37,7 @@ from ..exchange.collectives import Collectives, Handle
 from ..exchange.shared_memory import host_collectives
 from ..exchange.staging import HostStaged
 from ..exchange.topology import Hierarchy, SerialWorker, Topology
-from .collectives import as_array, as_tensor
+from .tensors import as_array, as_tensor
 
 log = logging.getLogger("horovod_quant")
 
@@ -105,10 +106,18 @@ HANDED = _HandedTensors()
 EXIT_WAIT_S = 10.0
 
 
+#: seconds the exit then waits, the GIL released, for gloo's worker threads to free the tensors
+#: of collectives this package never saw that completed just before (the script's own last
+#: ``all_gather_object``, say): PyTorch's gloo frees those after the caller's wait too, and
+#: without this a job aborts at exit as often as one run in three (docs/ddp.md)
+EXIT_GRACE_S = 0.25
+
+
 def _release_at_exit() -> None:
     if not HANDED.release(EXIT_WAIT_S):
         log.warning("horovod_quant: at exit, torch.distributed still holds collective tensors "
                     "after %.0f s (a collective did not complete); the exit may abort", EXIT_WAIT_S)
+    time.sleep(EXIT_GRACE_S)
 
 
 atexit.register(_release_at_exit)
@@ -393,16 +402,29 @@ def process_group_topology(comm: ProcessGroupCollectives) -> Topology:
 
 _hierarchies: dict[str, Hierarchy] = {}  # group id -> its hierarchy, built once
 
+#: whether ``dist.new_group`` can keep the order of the ranks it is given (older PyTorch
+#: releases sort them: a group rank is then a member's place among the sorted ranks)
+_GROUPS_KEEP_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
+def _subgroups_possible(comm: ProcessGroupCollectives, topology: Topology) -> bool:
+    """Whether every host group and shard group of ``topology`` can be built with group ranks
+    in the topology's order (always where ``new_group`` keeps the order; else where each
+    group's global ranks ascend, as under torchrun, which numbers each node's ranks in a row)."""
+    return _GROUPS_KEEP_ORDER or all(
+        [comm._ranks[r] for r in ranks] == sorted(comm._ranks[r] for r in ranks)
+        for ranks in topology.groups())
+
 
 def hierarchy_of(comm: ProcessGroupCollectives, topology: Topology) -> Hierarchy:
     """The collectives of ``comm``'s rank's host group and shard group (torch.distributed
     groups; every rank builds its host's, then its shard's, so no two ranks wait on each
     other), built once per group: the exchanges of every state on it share one worker."""
     if comm.group_id not in _hierarchies:
+        order = {"sort_ranks": False} if _GROUPS_KEEP_ORDER else {}
         local, cross = (ProcessGroupCollectives(dist.new_group(
-            [comm._ranks[r] for r in ranks], use_local_synchronization=True,
-            sort_ranks=False)) for ranks in (topology.local_group(comm.rank),
-                                             topology.cross_group(comm.rank)))
+            [comm._ranks[r] for r in ranks], use_local_synchronization=True, **order))
+            for ranks in (topology.local_group(comm.rank), topology.cross_group(comm.rank)))
         if local.device.type == "cpu":  # NCCL moves device shards itself
             local = host_collectives(local)
         _hierarchies[comm.group_id] = Hierarchy(topology, local, cross,
@@ -418,8 +440,12 @@ def process_group_collectives(group: Any = None) -> Collectives:
     point."""
     comm = ProcessGroupCollectives(group)
     topology = process_group_topology(comm)
-    if topology.hierarchical:
+    if topology.hierarchical and _subgroups_possible(comm, topology):
         comm.hierarchy = hierarchy_of(comm, topology)
+    elif topology.hierarchical and comm.rank == 0:
+        log.warning("horovod_quant: this PyTorch's new_group sorts ranks, and the nodes' ranks "
+                    "are not numbered node by node (%s): the exchanges stay flat",
+                    topology.hosts)
     if torch.cuda.is_available() and gpu.available() and not takes_device_arrays(group):
         return HostStaged(comm)
     return comm

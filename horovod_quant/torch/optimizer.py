@@ -29,10 +29,10 @@ from ..core.base import Codec
 from ..policy import LayerPolicy, describe
 from ..stats import StepStats
 from .buckets import Bucket, BucketLayout
-from .collectives import HorovodTorchCollectives, as_tensor
+from .collectives import HorovodTorchCollectives
 from .compression import QuantizedCompressor
 from .schedule import ExchangeSchedule, HorovodPath
-from .tensors import on_gpu, parameter_names, stream_of
+from .tensors import as_tensor, on_gpu, parameter_names, stream_of
 from .transport import resolve_transport, transport_collectives, transport_of
 
 

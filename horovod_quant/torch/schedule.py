@@ -20,8 +20,7 @@ from ..exchange.collectives import Collectives
 from ..exchange.driver import Exchange
 from ..stats import StepStats
 from .buckets import Bucket
-from .collectives import as_tensor
-from .tensors import stream_of
+from .tensors import as_tensor, stream_of
 
 #: gives a bucket's input vector (its gradients, flat)
 FlatOf = Callable[[Bucket], Any]

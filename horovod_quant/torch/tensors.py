@@ -1,5 +1,6 @@
-"""Where a torch tensor's codec work runs, the tensor as the flat float32 array a codec takes,
-and the parameters' names: what every torch door needs of a tensor.
+"""Tensors as arrays (zero-copy), where a torch tensor's codec work runs, the tensor as the flat
+float32 array a codec takes, and the parameters' names: what every torch door needs of a tensor
+(nothing here needs Horovod: the DDP door imports it).
 
 CUDA tensors are encoded and decoded on their GPU by the CUDA kernels (``horovod_quant.gpu``,
 needs CuPy) on torch's current stream; without CuPy they are copied to host memory and encoded
@@ -12,10 +13,27 @@ import functools
 import warnings
 from typing import Any, ContextManager, Iterable
 
+import numpy as np
 import torch
 
 from ..core.base import Codec
-from .collectives import as_array
+
+
+def as_tensor(arr: Any) -> torch.Tensor:
+    """A tensor sharing ``arr``'s memory: a CPU tensor of a NumPy array, a CUDA tensor of a
+    CuPy array."""
+    if isinstance(arr, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(arr))
+    return torch.from_dlpack(arr)
+
+
+def as_array(tensor: torch.Tensor) -> Any:
+    """The array sharing ``tensor``'s memory: NumPy for CPU, CuPy for CUDA tensors."""
+    if tensor.device.type == "cpu":
+        return tensor.numpy()
+    import cupy
+
+    return cupy.from_dlpack(tensor.detach())
 
 
 def on_gpu(tensor: torch.Tensor) -> bool:

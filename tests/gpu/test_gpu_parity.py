@@ -222,7 +222,7 @@ def test_baselines(cp):
     for name in ("none", "fp16", "bf16"):
         codec = hq.get_codec(name)
         ref, got = codec.encode(x), codec.encode(cp.asarray(x))
-        assert same_nan(host(got.data).view(np.uint8), ref.data.view(np.uint8)) or same(got.data, ref.data)
+        assert same_nan(got.data, ref.data)  # NaN's bits are the platform's (docs/dev/gpu.md)
         assert same_nan(codec.decode(got), codec.decode(ref))
 
 

@@ -1,6 +1,7 @@
 """A small DDP training job with the horovod_quant hook, written as docs/ddp.md shows (nothing
-to call at the end): tests/parallel_ddp/run.sh launches it many times under torchrun, and every
-run must exit 0.
+to call at the end): tests/parallel_ddp/run.sh launches it many times under torchrun, as 2 ranks
+and as 2 nodes x 2 ranks (the hierarchical exchange, its worker thread and shared memory), and
+every run must exit 0.
 
 A gloo worker thread that frees a collective's tensor after the interpreter has begun to
 finalize aborts the process; to free a Python object it needs the GIL, and asks the main
@@ -9,6 +10,7 @@ as on an idle machine, the main thread runs on to finalization first: without th
 release of collective tensors (horovod_quant.torch.distributed.HANDED) about half of the runs
 abort, whatever the load of the machine.
 """
+import os
 import sys
 
 import torch
@@ -34,6 +36,9 @@ def main() -> None:
         opt.zero_grad()
         model(torch.randn(16, 32, generator=gen)).square().mean().backward()
         opt.step()
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:  # several nodes: the hierarchical plans
+        assert state.topology is not None and state.topology.hierarchical, state.topology
+        assert all(plan.startswith("hierarchical") for plan in state.stats.plans), state.stats
     dist.destroy_process_group()
 
 

@@ -2,7 +2,8 @@
 # Runs tests/parallel_ddp under torchrun (gloo process groups): 2 and 4 ranks, 2 nodes x 2 ranks
 # (two torchrun launches with --nnodes 2 on this host: the hierarchical exchange), and 3 for
 # the non-power-of-two exponent reduction; then launches exit_job.py HQ_EXIT_RUNS times
-# (default 20), each of which must exit 0. Every run has a deadline, so a hang fails the job.
+# (default 20) as 2 ranks and as 2 nodes x 2 ranks, each run of which must exit 0. Every run
+# has a deadline, so a hang fails the job.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1
@@ -48,22 +49,32 @@ run 3 tests/parallel_ddp/test_ddp_exact.py -k "global_qsgd or nested"
 required=""
 [[ " $HQ_PARALLEL_WORLDS " == *" 2 "* ]] && required="ddp"
 bash tests/doors/compare.sh $required || status=1
-# a DDP job with the hook exits 0, every time (docs/ddp.md)
+# a DDP job with the hook exits 0, every time (docs/ddp.md), flat and hierarchical
 : "${HQ_EXIT_RUNS:=20}"
-echo "== tests/parallel_ddp: exit_job.py, $HQ_EXIT_RUNS runs of 2 ranks, each must exit 0 =="
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-failed=0
-for i in $(seq "$HQ_EXIT_RUNS"); do
-  rc=0
-  timeout --kill-after=10 120 torchrun --standalone --nproc_per_node 2 \
-    tests/parallel_ddp/exit_job.py >"$log" 2>&1 || rc=$?
-  if [ "$rc" != 0 ]; then
-    failed=$((failed + 1))
-    echo "!! run $i exited $rc:"
-    grep -E "terminate called|exitcode|Error" "$log" | head -5 || true
-  fi
-done
-echo "exit_job.py: $((HQ_EXIT_RUNS - failed)) of $HQ_EXIT_RUNS runs exited 0"
-[ "$failed" = 0 ] || status=1
+log=$(mktemp -d)
+trap 'rm -rf "$log"' EXIT
+exit_runs() {  # 2: one torchrun of 2 ranks; NxK: N torchruns (nodes) of K ranks
+  local shape=$1 n=1 k=$1 failed=0
+  [[ $shape == *x* ]] && n=${shape%x*} k=${shape#*x}
+  echo "== tests/parallel_ddp: exit_job.py, $HQ_EXIT_RUNS runs of $shape ranks, each must exit 0 =="
+  for i in $(seq "$HQ_EXIT_RUNS"); do
+    local port=$((29900 + RANDOM % 2000)) pids=() rc=0
+    for ((node = 0; node < n; node++)); do
+      timeout --kill-after=10 120 torchrun --nnodes "$n" --node_rank "$node" \
+        --nproc_per_node "$k" --master_addr 127.0.0.1 --master_port "$port" \
+        tests/parallel_ddp/exit_job.py >"$log/node$node" 2>&1 &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+    if [ "$rc" != 0 ]; then
+      failed=$((failed + 1))
+      echo "!! run $i exited $rc:"
+      cat "$log"/node* | grep -E "terminate called|exitcode|Error" | head -5 || true
+    fi
+  done
+  echo "exit_job.py: $((HQ_EXIT_RUNS - failed)) of $HQ_EXIT_RUNS runs of $shape exited 0"
+  [ "$failed" = 0 ] || status=1
+}
+exit_runs 2
+exit_runs 2x2
 exit $status

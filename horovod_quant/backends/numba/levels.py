@@ -104,7 +104,9 @@ def _bucket_scale(x, lo, hi, norm_kind, p):
         acc = 0.0
         for j in range(_LANES):
             acc += lanes[j]
-        return np.float32(np.sqrt(acc)) if norm_kind == NORM_L2 else np.float32(acc ** (1.0 / p))
+        if norm_kind == NORM_L2:
+            return np.float32(np.sqrt(acc))
+        return np.float32(acc if p == 1.0 else acc ** (1.0 / p))  # as the CUDA kernel does
     # max and pow2 with a non-finite value: max() skips NaN, so non-finite values are tracked
     # by x - x (NaN for them)
     mx = np.zeros(_LANES, np.float32)
