@@ -14,7 +14,7 @@ import torch
 
 from ..exchange.collectives import Collectives, Handle
 from ..process_sets import ProcessSetCollectives, world_communicator
-from .tensors import as_tensor
+from .tensors import as_array, as_tensor
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
 
