@@ -31,9 +31,10 @@ def __getattr__(name: str) -> Any:
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] != "horovod":
             raise
-        raise ImportError(f"horovod_quant.torch.{name} needs Horovod, which is not installed "
-                          "(scripts/install.sh builds it); the DDP hook does not: "
-                          "horovod_quant.torch.ddp.QuantizationState(hq.get_codec(...))") from exc
+        raise ModuleNotFoundError(
+            f"horovod_quant.torch.{name} needs Horovod, which is not installed (scripts/"
+            "install.sh builds it); the DDP hook does not: horovod_quant.torch.ddp."
+            "QuantizationState(hq.get_codec(...))", name="horovod") from exc
     return getattr(module, name)
 
 __all__ = ["Compression", "DistributedOptimizer", "DoorOptions", "LayerPolicy",

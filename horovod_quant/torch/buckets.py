@@ -16,8 +16,7 @@ import torch
 
 from ..core.base import Codec
 from ..policy import LayerPolicy
-from .tensors import as_array
-from .tensors import flat_array, horovod_dtype, on_gpu
+from .tensors import as_array, flat_array, horovod_dtype, on_gpu
 
 
 class Bucket:

@@ -96,10 +96,11 @@ class QuantizationState(CompressorSettings):
     """The state of :func:`quantization_hook` for one DDP model.
 
     Args:
-        codec: the codec (:func:`horovod_quant.get_codec`), a codec name, or a
-            ``horovod_quant.torch.Compression.<name>(...)`` object (its codec, seed, gather
-            schedule and policy). A world-sized codec asked for by name or through
-            ``Compression`` without ``world_size`` gets the process group's size.
+        codec: the codec (:func:`horovod_quant.get_codec`), a codec name, or a door's
+            compressor, such as ``horovod_quant.torch.Compression.<name>(...)`` (which needs
+            Horovod; its codec, seed, gather schedule and policy come along). A world-sized
+            codec asked for by name or through ``Compression`` without ``world_size`` gets the
+            process group's size.
         process_group: the DDP model's process group (None: the default group).
         seed, gather, pipeline_elems, policy, options: the settings of
             :class:`~horovod_quant.doors.DoorOptions`; one not given comes from ``options``,

@@ -106,18 +106,21 @@ HANDED = _HandedTensors()
 EXIT_WAIT_S = 10.0
 
 
-#: seconds the exit then waits, the GIL released, for gloo's worker threads to free the tensors
-#: of collectives this package never saw that completed just before (the script's own last
-#: ``all_gather_object``, say): PyTorch's gloo frees those after the caller's wait too, and
-#: without this a job aborts at exit as often as one run in three (docs/ddp.md)
+#: seconds the exit of a process that used a process group then waits, the GIL released, for
+#: gloo's worker threads to free the tensors of collectives this package never saw that
+#: completed just before (the script's own last ``all_gather_object``, say): PyTorch's gloo
+#: frees those after the caller's wait too, which aborted 6 of 20 two-node jobs (docs/ddp.md)
 EXIT_GRACE_S = 0.25
+
+_groups_used = threading.Event()  # set once this process builds collectives over a group
 
 
 def _release_at_exit() -> None:
     if not HANDED.release(EXIT_WAIT_S):
         log.warning("horovod_quant: at exit, torch.distributed still holds collective tensors "
                     "after %.0f s (a collective did not complete); the exit may abort", EXIT_WAIT_S)
-    time.sleep(EXIT_GRACE_S)
+    if _groups_used.is_set():
+        time.sleep(EXIT_GRACE_S)
 
 
 atexit.register(_release_at_exit)
@@ -167,6 +170,7 @@ class ProcessGroupCollectives(Collectives):
         ranks of its members (``send_async`` addresses them), its name, and the device its
         collectives take tensors on."""
         self.group, self.rank, self.size, self._ranks = group, rank, len(ranks), ranks
+        _groups_used.set()
         self.group_id = group_id
         #: where the group's collectives take tensors
         self.device = device

@@ -38,7 +38,8 @@ def main() -> None:
         opt.step()
     if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:  # several nodes: the hierarchical plans
         assert state.topology is not None and state.topology.hierarchical, state.topology
-        assert all(plan.startswith("hierarchical") for plan in state.stats.plans), state.stats
+        plans = state.stats.plans
+        assert plans and all(plan.startswith("hierarchical") for plan in plans), state.stats
     dist.destroy_process_group()
 
 

@@ -58,10 +58,13 @@ exit_runs() {  # 2: one torchrun of 2 ranks; NxK: N torchruns (nodes) of K ranks
   [[ $shape == *x* ]] && n=${shape%x*} k=${shape#*x}
   echo "== tests/parallel_ddp: exit_job.py, $HQ_EXIT_RUNS runs of $shape ranks, each must exit 0 =="
   for i in $(seq "$HQ_EXIT_RUNS"); do
-    local port=$((29900 + RANDOM % 2000)) pids=() rc=0
+    local port=$((29900 + RANDOM % 2000)) pids=() rc=0 where
+    rm -f "$log"/node*
     for ((node = 0; node < n; node++)); do
-      timeout --kill-after=10 120 torchrun --nnodes "$n" --node_rank "$node" \
-        --nproc_per_node "$k" --master_addr 127.0.0.1 --master_port "$port" \
+      where=(--standalone)  # one node: torchrun picks a free port
+      ((n > 1)) && where=(--nnodes "$n" --node_rank "$node" --master_addr 127.0.0.1
+                          --master_port "$port")
+      timeout --kill-after=10 120 torchrun "${where[@]}" --nproc_per_node "$k" \
         tests/parallel_ddp/exit_job.py >"$log/node$node" 2>&1 &
       pids+=($!)
     done
