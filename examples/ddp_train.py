@@ -20,8 +20,7 @@ import torch.distributed as dist
 from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import horovod_quant as hq
-from horovod_quant.core.registry import codec_class
+from horovod_quant.doors import CodecRequest
 from horovod_quant.torch import ddp  # horovod_quant: the DDP hook
 
 DEFAULT_CODECS = "allreduce qsgd:8 qsgd:4 global_qsgd:8 nested_dithered:8"
@@ -41,11 +40,9 @@ def train(spec: str, steps: int, batch: int, lr: float) -> dict:
                                     torch.nn.Linear(256, 10)))
     state = None
     if spec != "allreduce":
-        name, _, bits = spec.partition(":")
-        params = {"bits": int(bits)} if bits else {}
-        if codec_class(name).needs_world_size:  # Global-QSGD, nested dithering: sized to the group
-            params["world_size"] = world
-        state = ddp.QuantizationState(hq.get_codec(name, **params))
+        name, _, bits = spec.partition(":")  # world-sized codecs get the group's size
+        codec = CodecRequest(name, {"bits": int(bits)} if bits else {}).build(lambda: world)
+        state = ddp.QuantizationState(codec)
         model.register_comm_hook(state, ddp.quantization_hook)  # horovod_quant: the one line
     opt = torch.optim.SGD(model.parameters(), lr=lr * world, momentum=0.9)
     gen = torch.Generator().manual_seed(rank)

@@ -13,8 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-import horovod_quant as hq
-from horovod_quant.core.registry import codec_class
+from horovod_quant.doors import CodecRequest
 from horovod_quant.torch import ddp
 
 name, bits = (sys.argv[1] if len(sys.argv) > 1 else "qsgd:8").split(":")
@@ -25,8 +24,7 @@ dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
     torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)).to(dev),
     device_ids=[0] if cuda else None)
-extra = {"world_size": dist.get_world_size()} if codec_class(name).needs_world_size else {}
-state = ddp.QuantizationState(hq.get_codec(name, bits=int(bits), **extra))
+state = ddp.QuantizationState(CodecRequest(name, {"bits": int(bits)}).build(dist.get_world_size))
 model.register_comm_hook(state, ddp.quantization_hook)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 gen = torch.Generator().manual_seed(dist.get_rank())
