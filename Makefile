@@ -4,7 +4,7 @@ PYTHON ?= python3
 export PYTHON
 
 .PHONY: all install test unit parallel emulated kernels demo bench clean clean-cache \
-	images image-test image-two-hosts
+	images image-test image-two-hosts gpu-check
 
 all: test
 
@@ -70,6 +70,11 @@ image-two-hosts:
 
 bench:
 	$(PYTHON) benchmarks/codec_throughput.py
+
+# Every check that needs a GPU, on a machine with one GPU and no network (no install step: it
+# builds the Horovod it needs from the cached sdist). GPU_CHECK_OUT: the output folder.
+gpu-check:
+	bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf build dist .eggs *.egg-info bench_out .pytest_cache .ruff_cache

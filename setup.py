@@ -60,7 +60,9 @@ setup(
     extras_require={
         "torch": ["torch>=2.0"],
         "mpi": ["mpi4py"],
-        "gpu": ["cupy-cuda12x"],
+        # CuPy for the CUDA major of your torch (python -c "import torch; print(torch.version.cuda)")
+        "gpu-cuda12": ["cupy-cuda12x"],
+        "gpu-cuda13": ["cupy-cuda13x"],
         "test": TEST,
         "dev": TEST + ["ruff", "matplotlib", "tqdm"],
     },

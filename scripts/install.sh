@@ -38,8 +38,6 @@ PY_PACKAGES=(
   numpy "numba==${NUMBA_VERSION}" mpi4py
   pytest hypothesis scikit-learn matplotlib tqdm
 )
-# Bump when the Horovod patches below change, so cached wheels built without them are not reused.
-PATCH_REV=p2
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
 # The real interpreter, not a pyenv shim: later steps must not depend on PATH.
@@ -145,19 +143,11 @@ if sys.argv[2] == "1":
 PY
 }
 
-replace_once() {  # FILE OLD NEW: replaces the one occurrence of OLD in FILE, or fails
-  "$PYTHON" - "$@" <<'PY' || die "patch did not apply to $1"
-import sys
-path, old, new = sys.argv[1:4]
-text = open(path).read()
-if text.count(old) != 1:
-    sys.exit(f"{path}: expected one occurrence of the patched text, found {text.count(old)}")
-open(path, "w").write(text.replace(old, new))
-PY
-}
+# shellcheck source=scripts/horovod_build.sh
+source "$ROOT/scripts/horovod_build.sh"  # the patches and the wheel build, shared with gpu_check.sh
 
 build_horovod_wheel() {  # $1: folder that receives the wheel
-  local out="$1" src="$HQ_CACHE/src" sdist work log t
+  local src="$HQ_CACHE/src" sdist
   mkdir -p "$src" "$HQ_CACHE/logs"
   sdist="$src/horovod-${HOROVOD_VERSION}.tar.gz"
   if [[ ! -f "$sdist" ]]; then
@@ -165,52 +155,8 @@ build_horovod_wheel() {  # $1: folder that receives the wheel
     pip_quiet download -q --no-binary :all: --no-deps -d "$src" "horovod==${HOROVOD_VERSION}"
   fi
   [[ -f "$sdist" ]] || die "no $sdist after pip download"
-  work="$(mktemp -d "${TMPDIR:-/tmp}/hq-horovod-build.XXXXXX")"
-  tar xzf "$sdist" -C "$work"
-  pushd "$work/horovod-${HOROVOD_VERSION}" >/dev/null
-
-  # Patch 1: torch 2.x headers need C++17; Horovod 0.28.1 asks for C++14.
-  sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
-    CMakeLists.txt horovod/torch/CMakeLists.txt
-  grep -q 'set(CMAKE_CXX_STANDARD 17)' horovod/torch/CMakeLists.txt || die "C++17 patch did not apply"
-  # Patch 2: the TF XLA ops (a GPU-XLA feature) include a highwayhash header that TF 2.21
-  # wheels no longer ship; leave that source out.
-  sed -i '/xla_mpi_ops\.cc/d' horovod/tensorflow/CMakeLists.txt
-  ! grep -q 'xla_mpi_ops' horovod/tensorflow/CMakeLists.txt || die "XLA patch did not apply"
-  # Patch 3: gloo on a host whose own name does not resolve (containers, chroots). Process-set
-  # contexts dropped HOROVOD_GLOO_IFACE and fell back to the host name, and gloo read the
-  # unset result of a failed getaddrinfo (segfault). Carry the interface over; make the lookup
-  # failure an error that says what to set.
-  replace_once horovod/common/gloo/gloo_context.cc \
-    $'  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;' \
-    $'  gloo_iface_ = global_context.gloo_iface_;\n  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;'
-  replace_once third_party/gloo/gloo/transport/tcp/device.cc \
-    '  GLOO_ENFORCE_NE(rv, -1);' \
-    '  GLOO_ENFORCE_EQ(rv, 0, "getaddrinfo(\"", attr.hostname, "\"): ", gai_strerror(rv), ": this host name does not resolve; set HOROVOD_GLOO_IFACE to a network interface (horovodrun --network-interface) or add the name to /etc/hosts");'
-
-  # CMake 4.x (the pip package "cmake") refuses Horovod's bundled gloo: use the system CMake
-  # (Debian 12: 3.25) explicitly, whatever a pip-installed cmake puts first on PATH.
-  local cmake_bin=/usr/bin/cmake
-  [[ -x "$cmake_bin" ]] || cmake_bin="$(command -v cmake)" || die "cmake not found"
-  local -a env_build=(
-    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_MXNET=1
-    HOROVOD_CMAKE="$cmake_bin" MAKEFLAGS="-j${NPROC}"
-  )
-  if [[ "$HQ_WITH_TENSORFLOW" == 1 ]]; then env_build+=(HOROVOD_WITH_TENSORFLOW=1)
-  else env_build+=(HOROVOD_WITHOUT_TENSORFLOW=1); fi
-
-  log="$HQ_CACHE/logs/horovod-build-$(date +%Y%m%d-%H%M%S).log"
-  say "horovod: building wheel with $cmake_bin ($("$cmake_bin" --version | head -1)), -j${NPROC}; log: $log"
-  t=$SECONDS
-  if ! env "${env_build[@]}" "${PIP[@]}" wheel --no-build-isolation --no-deps -v -w "$work/dist" . >"$log" 2>&1; then
-    tail -n 60 "$log" >&2
-    die "Horovod build failed (full log: $log)"
-  fi
-  say "horovod: wheel built in $((SECONDS - t))s"
-  popd >/dev/null
-  mkdir -p "$out"
-  mv "$work"/dist/horovod-*.whl "$out"/
-  rm -rf "$work"
+  HQ_HOROVOD_JOBS="$NPROC" horovod_build_wheel "$sdist" "$1" \
+    "$HQ_CACHE/logs/horovod-build-$(date +%Y%m%d-%H%M%S).log"
 }
 
 step_horovod() {
@@ -220,7 +166,7 @@ step_horovod() {
   [[ "$HQ_WITH_TENSORFLOW" == 1 ]] && tf_v="$(pkg_version tensorflow-cpu)"
   [[ "$tf_v" == none && "$HQ_WITH_TENSORFLOW" == 1 ]] && tf_v="$(pkg_version tensorflow)"
   pyv="$("$PYTHON" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
-  key="horovod-${HOROVOD_VERSION}_torch-${torch_v}_tf-${tf_v}_${pyv}_${PATCH_REV}"
+  key="horovod-${HOROVOD_VERSION}_torch-${torch_v}_tf-${tf_v}_${pyv}_${HOROVOD_PATCH_REV}"
   key="${key//+/-}"
 
   if horovod_ok "$key"; then say "horovod: installed build matches ($key), skipping"; return; fi

@@ -52,7 +52,8 @@ def on_gpu(tensor: torch.Tensor) -> bool:
 def _warn_host_copies() -> None:
     warnings.warn("horovod_quant: CUDA gradients are copied to host memory and encoded on the "
                   "CPU because CuPy (or a CUDA device it can use) is missing; pip install "
-                  "cupy-cuda12x (or cupy-cuda13x) to encode them on the GPU", RuntimeWarning,
+                  "cupy-cuda13x (cupy-cuda12x where torch.version.cuda is 12.x) to encode them "
+                  "on the GPU", RuntimeWarning,
                   stacklevel=4)
 
 

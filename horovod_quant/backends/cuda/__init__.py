@@ -75,6 +75,6 @@ def cuda_backend() -> CudaBackend:
 
         kernels = CupyKernels()
     except ImportError as exc:
-        raise ImportError("device arrays need CuPy: pip install cupy-cuda12x (or cupy-cuda13x), "
-                          "matching your CUDA driver") from exc
+        raise ImportError("device arrays need CuPy: pip install cupy-cuda13x (cupy-cuda12x "
+                          "where torch.version.cuda is 12.x)") from exc
     return CudaBackend(kernels)

@@ -1,0 +1,291 @@
+#!/usr/bin/env bash
+# make gpu-check: every check that needs a GPU, in one command, on a bare machine with one
+# NVIDIA GPU and no network. Needs Python with a CUDA build of PyTorch, CuPy, numba and pytest,
+# and nvcc, ncu, compute-sanitizer and CMake; no Horovod: a Horovod with CPU collectives (gloo,
+# no MPI, no TensorFlow) is built from the sdist by scripts/horovod_build.sh's recipe, and
+# cached. Every step has a deadline; every log and JSON goes to one folder (8 files at most).
+#
+#   bash scripts/gpu_check.sh                         # every step, at most 8 minutes (the budget)
+#   bash scripts/gpu_check.sh --out DIR --steps tests,throughput
+#   bash scripts/gpu_check.sh --list                  # the steps, their deadlines and files
+#
+# The sdist: $HOROVOD_SDIST, else $HQ_CACHE/src/horovod-$HOROVOD_VERSION.tar.gz (scripts/
+# install.sh keeps it there; copy it along to a machine without network). An importable
+# Horovod is used as it is.
+#
+# Exit status: 0 every step passed; 1 a step failed (the others still ran); 2 bad arguments
+# or a failed preflight (nothing ran).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
+: "${PYTHON:=python3}"
+: "${HOROVOD_VERSION:=0.28.1}"
+: "${HQ_CACHE:=${HOME:-/root}/.cache/horovod_quant}"
+: "${HOROVOD_SDIST:=$HQ_CACHE/src/horovod-$HOROVOD_VERSION.tar.gz}"
+: "${GPU_CHECK_OUT:=$ROOT/gpu_check_out}"
+: "${GPU_CHECK_SIZE:=256M}"        # elements of the throughput benchmark's largest vector
+: "${GPU_CHECK_BUDGET:=480}"       # seconds for the whole run: a step's deadline never passes it
+NCU_KERNELS='regex:^hq_(encode|decode)'  # the kernels ncu profiles (qsgd 8 and 4 bits)
+
+# name|deadline in seconds|file|what
+STEPS=(
+  "preflight|60|gpu_check_summary.md|GPU, Python packages, tools and the Horovod sdist"
+  "horovod|420|gpu_check_horovod.log|Horovod (gloo) built from the sdist, in the background"
+  "throughput|240|gpu_check_throughput.json|codec kernels vs a device copy and plain PyTorch (+ .png)"
+  "ncu|240|gpu_check_ncu.txt|Nsight Compute summary of qsgd 8/4-bit encode and decode"
+  "sanitizer|300|gpu_check_sanitizer.log|compute-sanitizer memcheck and racecheck, every kernel once"
+  "tests|420|gpu_check_tests.log|tests/gpu: every codec on the GPU equals the CPU bit for bit"
+  "doors|420|gpu_check_doors.log|both Horovod doors on CUDA parameters (horovodrun 2 and 2 x 2)"
+  "ddp|300|gpu_check_doors.log|the DDP hook on CUDA parameters (torchrun 2 and 2 x 2)"
+)
+ALL_STEPS="$(printf '%s\n' "${STEPS[@]}" | cut -d'|' -f1 | paste -sd, -)"
+
+usage() {
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
+  echo "steps (--steps takes a comma-separated subset; preflight always runs): $ALL_STEPS"
+}
+
+step_field() {  # NAME FIELD(2: deadline, 3: file, 4: what)
+  printf '%s\n' "${STEPS[@]}" | awk -F'|' -v n="$1" -v f="$2" '$1 == n { print $f }'
+}
+
+WANT="$ALL_STEPS"
+while (($#)); do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --list) printf '%s\n' "${STEPS[@]}" | awk -F'|' '{ printf "%-10s %4ss  %-26s %s\n", $1, $2, $3, $4 }'
+            exit 0 ;;
+    --out) [[ $# -ge 2 ]] || { echo "gpu_check: --out needs a folder" >&2; exit 2; }
+           GPU_CHECK_OUT="$2"; shift ;;
+    --steps) [[ $# -ge 2 ]] || { echo "gpu_check: --steps needs a list" >&2; exit 2; }
+             WANT="$2"; shift ;;
+    *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+for s in ${WANT//,/ }; do
+  [[ ",$ALL_STEPS," == *",$s,"* ]] || { echo "gpu_check: unknown step '$s': choose from $ALL_STEPS" >&2; exit 2; }
+done
+wanted() { [[ ",$WANT," == *",$1,"* ]]; }
+if [[ -e "$GPU_CHECK_OUT" && ! -d "$GPU_CHECK_OUT" ]]; then
+  echo "gpu_check: --out $GPU_CHECK_OUT exists and is not a folder" >&2
+  exit 2
+fi
+mkdir -p "$GPU_CHECK_OUT" || exit 2
+OUT="$(cd "$GPU_CHECK_OUT" && pwd -P)"
+rm -f "$OUT"/gpu_check_*  # one run's files, never a mix of two runs
+SUMMARY="$OUT/gpu_check_summary.md"
+PYTHON="$(command -v "$PYTHON" || echo "$PYTHON")"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HQ_TEST_GPU=1
+export HQ_KERNEL_CACHE="${HQ_KERNEL_CACHE:-$HQ_CACHE/kernels}"
+cd "$ROOT" || exit 2
+T0=$SECONDS
+STATE="$(mktemp -d "${TMPDIR:-/tmp}/hq-gpu-check.XXXXXX")"  # each step's result and seconds
+trap 'rm -rf "$STATE"' EXIT
+export ROOT PYTHON HOROVOD_VERSION HQ_CACHE HOROVOD_SDIST OUT SUMMARY T0 GPU_CHECK_SIZE NCU_KERNELS \
+  GPU_CHECK_BUDGET
+
+say() { printf '[gpu-check %3ds] %s\n' "$((SECONDS - T0))" "$*"; }
+die() { say "ERROR: $*" >&2; return 1; }
+
+# run_step NAME FUNCTION: the step's function under its deadline (in a bash of its own, so that
+# the deadline reaches every process it starts), its output appended to the step's file and kept
+# out of the terminal; the result (ok, FAILED (rc N), TIMEOUT) and the seconds go to $STATE/NAME
+run_step() {
+  local name="$1" fn="$2" deadline file rc result t=$SECONDS
+  deadline="$(step_field "$name" 2)"
+  file="$OUT/$(step_field "$name" 3)"
+  local left=$((GPU_CHECK_BUDGET - (SECONDS - T0)))
+  if [[ $name != preflight ]] && ((left < 15)); then
+    echo "skipped (the ${GPU_CHECK_BUDGET}s budget was spent)|0" >"$STATE/$name"
+    say "$name: skipped, the ${GPU_CHECK_BUDGET}s budget is spent"
+    return 1
+  fi
+  ((deadline > left)) && deadline=$left
+  say "$name: $(step_field "$name" 4) (deadline ${deadline}s)"
+  [[ $file == "$SUMMARY" ]] || { echo "### $name ($(date -u +%H:%M:%S))"; echo; } >>"$file"
+  timeout --kill-after=20 "$deadline" bash -c "$fn" >>"$file" 2>&1
+  rc=$?
+  if ((rc == 0)); then result=ok
+  elif ((rc == 124 || rc == 137)); then result="TIMEOUT after ${deadline}s"
+  else result="FAILED (rc $rc)"; fi
+  echo "$result|$((SECONDS - t))" >"$STATE/$name"
+  say "$name: $result in $((SECONDS - t))s"
+  ((rc == 0))
+}
+
+# ---- preflight: what the steps need, before anything runs ---------------------------------------
+preflight() {  # prints the summary's head; fails, saying why, when a step would miss something
+  local bad=() tool report
+  echo "# make gpu-check"
+  echo
+  echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'); commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "- host: $(uname -srm), $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    echo "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
+  else
+    bad+=("no GPU (nvidia-smi -L fails or is missing)")
+  fi
+  if report="$("$PYTHON" - 2>&1 <<'PY'
+import importlib, sys
+versions = {name: importlib.import_module(name).__version__
+            for name in ("torch", "cupy", "numba", "numpy", "pytest")}
+import torch, cupy
+assert torch.cuda.is_available(), "torch sees no CUDA device"
+assert cupy.cuda.runtime.getDeviceCount() > 0, "CuPy sees no CUDA device"
+print(f"- Python {sys.version.split()[0]}; " + ", ".join(f"{k} {v}" for k, v in versions.items())
+      + f"; torch CUDA {torch.version.cuda}")
+PY
+)"; then echo "$report"; else bad+=("Python packages: $(echo "$report" | tail -1)"); fi
+  for tool in nvcc ncu compute-sanitizer; do
+    command -v "$tool" >/dev/null || bad+=("$tool not on PATH")
+  done
+  if ! "$PYTHON" -c "import horovod.torch" 2>/dev/null; then
+    [[ -f "$HOROVOD_SDIST" ]] || bad+=("no Horovod and no sdist at $HOROVOD_SDIST (set HOROVOD_SDIST; with network: pip download --no-binary :all: --no-deps horovod==$HOROVOD_VERSION)")
+    command -v cmake >/dev/null || [[ -x /usr/bin/cmake ]] || bad+=("cmake not found (Horovod's build needs it)")
+  fi
+  if ((${#bad[@]})); then
+    printf -- '- preflight failed: %s\n' "${bad[@]}"
+    return 1
+  fi
+  echo "- tools: $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/nvcc \1/p'), $(ncu --version | tail -1), $(compute-sanitizer --version | sed -n 's/.*Version \(.*\)/compute-sanitizer \1/p')"
+}
+
+# ---- horovod: build (or find) a Horovod with CPU collectives; runs in the background -------------
+HVD_PREFIX="$HQ_CACHE/gpu-check-horovod"  # a private install: the user's environment is left alone
+horovod_step() {
+  if "$PYTHON" -c "import horovod.torch" 2>/dev/null; then
+    echo "Horovod is importable: $("$PYTHON" -c 'import horovod; print(horovod.__version__, horovod.__file__)')"
+    return 0
+  fi
+  # shellcheck source=scripts/horovod_build.sh
+  source "$ROOT/scripts/horovod_build.sh"
+  local key wheel dir
+  key="horovod-${HOROVOD_VERSION}_$("$PYTHON" -c 'import sys, torch; print("torch-%s_cp%d%d" % ((torch.__version__,) + sys.version_info[:2]))')_gloo_${HOROVOD_PATCH_REV}"
+  key="${key//+/-}"
+  dir="$HQ_CACHE/wheels/$key"
+  wheel="$(ls "$dir"/horovod-*.whl 2>/dev/null | head -1)"
+  if [[ -z "$wheel" ]]; then
+    HQ_HOROVOD_MPI=0 HQ_WITH_TENSORFLOW=0 HQ_HOROVOD_CUDA_CC="${HQ_HOROVOD_CUDA_CC:-90}" \
+      horovod_build_wheel "$HOROVOD_SDIST" "$dir" "$STATE/horovod-build.log" || return 1
+    tail -n 100 "$STATE/horovod-build.log"  # the end of the build log (the whole is long)
+    wheel="$(ls "$dir"/horovod-*.whl | head -1)"
+  else
+    say "horovod: cached wheel $wheel"
+  fi
+  rm -rf "$HVD_PREFIX"
+  "$PYTHON" -m pip install -q --no-deps --no-index --target "$HVD_PREFIX" "$wheel" || return 1
+  PYTHONPATH="$HVD_PREFIX:$PYTHONPATH" "$PYTHON" -c "import horovod.torch as h; assert h.gloo_built(); print('horovod', h.__version__ if hasattr(h, '__version__') else '', 'gloo built')"
+}
+
+# ---- the GPU steps -----------------------------------------------------------------------------
+throughput_step() {
+  "$PYTHON" benchmarks/codec_throughput.py --device cuda --sizes "1M,64M,$GPU_CHECK_SIZE" \
+    --codecs qsgd --bits 4,8 --torch-ref --json "$OUT/gpu_check_throughput.json" \
+    --plot "$OUT/gpu_check_throughput.png"
+}
+
+ncu_step() {
+  ncu --clock-control none --target-processes all -k "$NCU_KERNELS" \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__shared_mem_per_block_static \
+    "$PYTHON" benchmarks/kernel_launches.py --codecs qsgd --bits 4,8 --size 64M --repeat 1
+}
+
+sanitizer_step() {
+  local tool rc=0
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool"
+    compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
+      "$PYTHON" benchmarks/kernel_launches.py --size 100000 --repeat 1 || rc=1
+  done
+  return $rc
+}
+
+tests_step() {
+  "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu
+}
+
+with_horovod() {  # COMMAND...: with the private Horovod on the paths
+  PYTHONPATH="$HVD_PREFIX:$PYTHONPATH" PATH="$HVD_PREFIX/bin:$PATH" "$@"
+}
+
+doors_step() {
+  local rc=0
+  echo "== horovodrun -np 2 (2 ranks, one host: flat)"
+  with_horovod horovodrun -np 2 -H localhost:2 --gloo \
+    "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/parallel/test_torch_cuda.py || rc=1
+  echo "== horovodrun -np 4 -H localhost:2,127.0.0.1:2 (2 hosts x 2 ranks: hierarchical)"
+  with_horovod horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo \
+    "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/parallel/test_torch_cuda.py || rc=1
+  return $rc
+}
+
+torchrun_nodes() {  # NODES RANKS ARGS...: NODES torchruns of RANKS ranks each on this host
+  local nodes=$1 ranks=$2 port=$((29700 + RANDOM % 1000)) pids=() rc=0 node
+  shift 2
+  for ((node = 0; node < nodes; node++)); do
+    "$PYTHON" -m torch.distributed.run --nnodes "$nodes" --node_rank "$node" \
+      --master_addr 127.0.0.1 --master_port "$port" --nproc_per_node "$ranks" "$@" &
+    pids+=($!)
+  done
+  for node in "${pids[@]}"; do wait "$node" || rc=1; done
+  return $rc
+}
+
+ddp_step() {
+  local rc=0
+  echo "== torchrun 1 node x 2 ranks (flat)"
+  torchrun_nodes 1 2 -m pytest -q -x -p no:cacheprovider tests/parallel_ddp/test_ddp_cuda.py || rc=1
+  echo "== torchrun 2 nodes x 2 ranks (hierarchical)"
+  torchrun_nodes 2 2 -m pytest -q -x -p no:cacheprovider tests/parallel_ddp/test_ddp_cuda.py || rc=1
+  return $rc
+}
+
+# ---- the run -----------------------------------------------------------------------------------
+export HVD_PREFIX STATE
+export -f say die step_field preflight horovod_step throughput_step ncu_step sanitizer_step \
+  tests_step with_horovod doors_step torchrun_nodes ddp_step
+say "output: $OUT; steps: $WANT"
+if ! run_step preflight preflight; then
+  grep -- '- preflight failed' "$SUMMARY" >&2
+  exit 2
+fi
+hvd_pid=""
+if wanted horovod || wanted doors; then  # the doors need it; the build takes minutes: start it now
+  run_step horovod horovod_step &
+  hvd_pid=$!
+fi
+"$PYTHON" -c "import horovod_quant.gpu as g; print('- kernels compiled:', g.compile_kernels())" \
+  >>"$SUMMARY" 2>&1 || say "the kernels do not compile ($SUMMARY); the steps will fail"
+wanted throughput && run_step throughput throughput_step
+wanted ncu && run_step ncu ncu_step
+san_pid=""  # correctness checks side by side: nothing is timed while they run
+if wanted sanitizer; then run_step sanitizer sanitizer_step & san_pid=$!; fi
+wanted tests && run_step tests tests_step
+[[ -n "$san_pid" ]] && wait "$san_pid"
+wanted ddp && run_step ddp ddp_step
+if [[ -n "$hvd_pid" ]]; then
+  wait "$hvd_pid"
+  if wanted doors; then
+    if [[ "$(cut -d'|' -f1 "$STATE/horovod")" == ok ]]; then run_step doors doors_step
+    else echo "not run (no Horovod)|0" >"$STATE/doors"; fi
+  fi
+fi
+
+status=0
+{
+  echo
+  echo "| step | result | seconds | file | what |"
+  echo "|---|---|---|---|---|"
+  for entry in "${STEPS[@]}"; do
+    IFS='|' read -r name _ file what <<<"$entry"
+    [[ -f "$STATE/$name" ]] || continue  # steps not asked for (horovod runs for the doors)
+    IFS='|' read -r result secs <"$STATE/$name"
+    [[ $result == ok ]] || status=1
+    echo "| $name | $result | $secs | $file | $what |"
+  done
+  echo
+  echo "Total: $((SECONDS - T0)) s; files in $OUT: $(cd "$OUT" && ls | paste -sd' ' -)."
+} >>"$SUMMARY"
+cat "$SUMMARY"
+exit $status
