@@ -18,6 +18,12 @@
 # Bump when the patches change, so that cached wheels built without them are not reused.
 HOROVOD_PATCH_REV=p3
 
+# The C++ standard the installed torch's headers ask for (ATen.h refuses older ones by name).
+_HVD_TORCH_STD='import os, re, torch
+aten = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "ATen.h")
+found = re.search(r"C\+\+(\d+) or later compatible compiler", open(aten).read())
+print(max(17, int(found.group(1))) if found else 17)'
+
 _hvd_replace_once() {  # FILE OLD NEW: replaces the one occurrence of OLD in FILE, or fails
   "${PYTHON:-python3}" - "$@" <<'PY' || die "patch did not apply to $1"
 import sys
@@ -31,11 +37,13 @@ PY
 
 horovod_patch_source() {  # DIR: an unpacked horovod-<version> sdist
   local dir="$1"
-  # Patch 1: torch 2.x headers need C++17; Horovod 0.28.1 asks for C++14 (C++11 for the CUDA
-  # kernels, which CUDA 13's headers no longer accept).
+  # Patch 1: torch 2.x headers need C++17 (torch 2.14's C++20), Horovod 0.28.1 asks for C++14
+  # (C++11 for the CUDA kernels, which CUDA 13's headers no longer accept).
+  local torch_std
+  torch_std="$("${PYTHON:-python3}" -c "$_HVD_TORCH_STD" 2>/dev/null)" || torch_std=17
   _hvd_replace_once "$dir/CMakeLists.txt" 'set(CMAKE_CXX_STANDARD 14)' 'set(CMAKE_CXX_STANDARD 17)'
   _hvd_replace_once "$dir/horovod/torch/CMakeLists.txt" \
-    'set(CMAKE_CXX_STANDARD 14)' 'set(CMAKE_CXX_STANDARD 17)'
+    'set(CMAKE_CXX_STANDARD 14)' "set(CMAKE_CXX_STANDARD $torch_std)"
   _hvd_replace_once "$dir/horovod/common/ops/cuda/CMakeLists.txt" \
     'set(CMAKE_CUDA_STANDARD 11)' 'set(CMAKE_CUDA_STANDARD 17)'
   # Patch 2: the TF XLA ops (a GPU-XLA feature) include a highwayhash header that TF 2.21
