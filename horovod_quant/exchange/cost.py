@@ -55,6 +55,11 @@ class Fabric(NamedTuple):
                    env_positive(INTRA_ENV, base.intra_gbyte, "GB/s"),
                    env_positive(ROUND_ENV, base.round_us, "microseconds"))
 
+    def describe(self) -> str:
+        """The fabric in words, for log lines."""
+        return (f"{self.link_gbit:g} Gbit/s between hosts, {self.intra_gbyte:g} GB/s inside, "
+                f"{self.round_us:g} us per round")
+
     @property
     def link_bytes_per_s(self) -> float:
         return self.link_gbit * 1e9 / 8
