@@ -140,12 +140,14 @@ def host_group_backend(reports: list[dict | None], topology: Topology) -> tuple[
     ``("gloo", why not)``. Every rank computes the same answer from the same reports."""
     if any(r is None for r in reports):
         return "gloo", "some ranks' gradients are not on a GPU"
-    if not all(r["nccl"] for r in reports):
-        return "gloo", f"torch has no NCCL on ranks {[i for i, r in enumerate(reports) if not r['nccl']]}"
+    without = [r for r, report in enumerate(reports) if not report["nccl"]]
+    if without:
+        return "gloo", f"torch has no NCCL on ranks {without}"
     for h, ranks in enumerate(topology.hosts):
         gpus = [reports[r]["gpu"] for r in ranks]
         if None in gpus or len(set(gpus)) < len(gpus):
-            return "gloo", f"the ranks of host {h} ({list(ranks)}) do not each have a GPU of their own"
+            return "gloo", (f"the ranks of host {h} ({list(ranks)}) do not each have a GPU of "
+                            "their own")
     return "nccl", "every rank of a host has a GPU of its own"
 
 
