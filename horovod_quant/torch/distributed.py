@@ -399,6 +399,13 @@ class StandaloneGroupCollectives(ProcessGroupCollectives):
     def recv_async(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         return self.group.recv([tensor], peer, tag)
 
+    def mpi_communicator(self) -> PointToPoint | None:
+        """The point-to-point communicator of a gloo group; None for an NCCL group (the
+        exponent allreduce's lane threads would then launch NCCL work beside the hierarchy's
+        worker, and NCCL communicators used from several threads in different orders can
+        deadlock): its exchanges take the allgather plan, which gives the same bits."""
+        return None if self.moves_device_arrays else super().mpi_communicator()
+
 
 def process_group_topology(comm: ProcessGroupCollectives) -> Topology:
     """Which ranks of ``comm``'s group share a host: torchrun's node (``GROUP_RANK``) of each
