@@ -260,9 +260,14 @@ class ProcessGroupCollectives(Collectives):
         work = HANDED.add(self._all_to_all(out, tensor, received, list(splits)), out, tensor)
         return _WorkHandle(work, lambda: (self.like(out, arr), received))
 
-    def mpi_communicator(self) -> PointToPoint:
+    def mpi_communicator(self) -> PointToPoint | None:
         """Not MPI: the point-to-point messages of this group in the subset of mpi4py's
-        communicator that the exponent allreduce calls (a new channel per call)."""
+        communicator that the exponent allreduce calls (a new channel per call). None for an
+        NCCL group, whose point-to-point messages pair by order, not by tag (the lanes'
+        channels would cross), and whose use from the lanes' threads beside other threads'
+        NCCL work can deadlock: its exchanges take the allgather plan (the same bits)."""
+        if self.moves_device_arrays:
+            return None
         return PointToPoint(self, next(self._p2p_channels))
 
 
@@ -398,13 +403,6 @@ class StandaloneGroupCollectives(ProcessGroupCollectives):
 
     def recv_async(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         return self.group.recv([tensor], peer, tag)
-
-    def mpi_communicator(self) -> PointToPoint | None:
-        """The point-to-point communicator of a gloo group; None for an NCCL group (the
-        exponent allreduce's lane threads would then launch NCCL work beside the hierarchy's
-        worker, and NCCL communicators used from several threads in different orders can
-        deadlock): its exchanges take the allgather plan, which gives the same bits."""
-        return None if self.moves_device_arrays else super().mpi_communicator()
 
 
 def process_group_topology(comm: ProcessGroupCollectives) -> Topology:
