@@ -14,6 +14,7 @@ hierarchy's worker thread, on the caller's CUDA stream (:class:`_OnWorker`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable
@@ -238,12 +239,9 @@ class _OnWorker:
         self._stats, self._into = ExchangeStats(0), into
 
         def run() -> Any:
-            if stream is None:
-                return _interleave([_Running(plan, routes, name, self._stats)
-                                    for plan, name in pieces])
-            with stream.entered():
+            with stream.entered() if stream is not None else contextlib.nullcontext():
                 _interleave([_Running(plan, routes, name, self._stats) for plan, name in pieces])
-                return stream.fence()
+                return None if stream is None else stream.fence()
 
         self._future = worker.submit(run)
 
@@ -269,14 +267,14 @@ class Exchange:
         codec: the codec.
         comm: the collectives of the group.
         gather: "auto", "allgather", "sra" or "hierarchical" (:data:`~.plans.GATHER_SCHEDULES`).
-        fabric: the links' speeds the plan choice weighs (:class:`~.cost.Fabric`; None: CPU
-            ranks' defaults; the doors pass :meth:`~.cost.Fabric.for_ranks` of their
-            gradients).
         pipeline_elems: piece length of the pipeline in elements (default
             :data:`~horovod_quant.exchange.plans.DEFAULT_PIPELINE_ELEMS`, 8 MiB of float32);
             None exchanges every vector whole. It pays where a transfer progresses while the
             rank encodes (measured: Horovod on gloo, 1.1-1.8x at 256 MB); with Open MPI's
             busy-polling progress on oversubscribed cores it does not (docs/performance.md).
+        fabric: the links' speeds the plan choice weighs (:class:`~.cost.Fabric`; None: CPU
+            ranks' defaults; the optimizer and the DDP hook pass their gradients'
+            :meth:`~.cost.Fabric.for_ranks`).
     """
 
     def __init__(self, codec: Codec, comm: Collectives, gather: str = "auto",

@@ -13,8 +13,9 @@ needs. In each bucket the parameters the state's :class:`~horovod_quant.policy.L
 exempts are averaged exactly (one float32 allreduce); the others go through one exchange per
 codec, the codecs in the order of ``state.codecs``. The exchange of codec ``k`` in bucket ``i``
 of step ``t`` uses seed ``state.seed_of(t, i, k)``, so ``mean_estimate(codec, [that vector on
-each rank], state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems)``
-reproduces it exactly. The first hook runs the cross-rank configuration check. docs/ddp.md
+each rank], state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems,
+topology=state.topology, fabric=state.fabric)`` reproduces it exactly. The first hook runs the
+cross-rank configuration check. docs/ddp.md
 tells the whole story (seeds, names, clean exit).
 """
 from __future__ import annotations

@@ -4,8 +4,9 @@ Its ideas, side by side: the buckets (:mod:`~horovod_quant.torch.buckets`), the 
 schedule (:mod:`~horovod_quant.torch.schedule`) and the fallback controller
 (:mod:`horovod_quant.fallback`); this module holds the hooks and the step. Bucket ``i`` of
 step ``t`` is exchanged with seed ``derive_key(seed, t, i)``, so ``mean_estimate(codec, [that
-vector on each rank], derive_key(seed, t, i), pipeline_elems=opt.pipeline_elems)`` reproduces
-it exactly, global-norm codecs included (the norm is the bucket's).
+vector on each rank], derive_key(seed, t, i), gather="auto", pipeline_elems=opt.pipeline_elems,
+topology=opt.topology, fabric=opt.fabric)`` reproduces it exactly, global-norm codecs included
+(the norm is the bucket's).
 
 As in Horovod, every parameter gets the averaged gradient on every rank, also where a rank did
 not use it (its gradient counts as zeros). The ranks check at construction that they agree on
@@ -331,9 +332,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     ``fallback``. A setting not given comes from ``options``, else from the compressor
     (``compression=hq.torch.Compression.<codec>(...)``), else is DoorOptions' default.
 
-    ``transport`` (:mod:`horovod_quant.torch.transport`): "auto" (a gloo group beside Horovod
-    for CPU gradients, buckets started in bucket order; else Horovod's collectives), "gloo" or
-    "horovod"; the choice is logged once and kept in ``opt.transport``. ``fallback``: "auto"
+    ``transport`` (:mod:`horovod_quant.torch.transport`): "auto" (groups beside Horovod for
+    CPU gradients, and for CUDA gradients where ranks share hosts, buckets started in bucket
+    order; else Horovod's collectives), "gloo" or "horovod"; the choice is logged once and kept
+    in ``opt.transport``; ``opt.topology`` and ``opt.fabric`` choose the plans (docs/pytorch.md,
+    "GPU hosts"). ``fallback``: "auto"
     lets Horovod's float32 allreduce carry the buckets whose codec does not pay
     (:class:`~horovod_quant.fallback.FallbackController`, docs/pytorch.md), "never" always
     runs the codec; a one-rank world never measures. ``on_step`` is called with each step's
