@@ -100,12 +100,19 @@ class StreamScope:
 
         self.device = cupy.cuda.Device()
         self.stream = cupy.cuda.get_current_stream()
+        if self.stream.ptr == cupy.cuda.runtime.streamPerThread:
+            self.stream.synchronize()  # a per-thread stream is another on another thread
         self._torch_stream = None
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             current = torch.cuda.current_stream(self.device.id)
-            self._torch_stream = current if current.cuda_stream == self.stream.ptr else \
-                torch.cuda.ExternalStream(self.stream.ptr, device=current.device)
+            if current.cuda_stream == self.stream.ptr:
+                self._torch_stream = current
+            elif self.stream.ptr in (0, cupy.cuda.runtime.streamPerThread):
+                self._torch_stream = torch.cuda.default_stream(self.device.id)
+            else:
+                self._torch_stream = torch.cuda.ExternalStream(self.stream.ptr,
+                                                               device=current.device)
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
