@@ -11,6 +11,7 @@ anything else raises ValueError naming the variable, so a typo never silently me
 | ``HQ_CONFIG_TIMEOUT`` | seconds, default 600 | how long a rank waits for the others' configuration |
 | ``HQ_TRANSPORT`` | auto/gloo/horovod, default auto | what carries the torch Horovod door's payloads |
 | ``HQ_PEER_ADDR`` | address, unset = detect | the address this rank's gloo transport binds (and rank 0 offers) |
+| ``HQ_LINK_GBIT``, ``HQ_INTRA_GBYTE``, ``HQ_ROUND_US`` | numbers | the plan choice's fabric |
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def env_flag(name: str, default: bool | None = None) -> bool | None:
                      "(true/false, yes/no, on/off are accepted too)")
 
 
-def env_seconds(name: str, default: float) -> float:
-    """A positive number of seconds in environment variable ``name``; ``default`` when unset.
+def env_positive(name: str, default: float, unit: str) -> float:
+    """A positive number (in ``unit``, for the message) in environment variable ``name``;
+    ``default`` when unset or empty.
 
     Raises:
         ValueError: the value is not a positive finite number.
@@ -52,8 +54,17 @@ def env_seconds(name: str, default: float) -> float:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}={os.environ[name]!r} must be a positive number of seconds")
+        raise ValueError(f"{name}={os.environ[name]!r} must be a positive number of {unit}")
     return value
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds in environment variable ``name``; ``default`` when unset.
+
+    Raises:
+        ValueError: the value is not a positive finite number.
+    """
+    return env_positive(name, default, "seconds")
 
 
 def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:

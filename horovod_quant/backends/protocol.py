@@ -204,6 +204,21 @@ class Backend(abc.ABC):
         """``out += x_hat`` of an NDQSG P2 payload with side information ``y`` (eq. (7));
         returns (float64 sum of squared residuals in fine steps, their count)."""
 
+    # -- reduce.cu ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def mean_in_order(self, parts: Sequence[Any], count: int, out: Any) -> Any:
+        """``out = (((parts[0] + parts[1]) + ...) + parts[-1]) / float32(count)`` elementwise in
+        float32: the parts added in the order given, each addition and the one division (not
+        a multiplication by 1/count) rounded to nearest, subnormals kept (NumPy's ``+=`` and
+        ``/=`` on the host); zeros when ``parts`` is empty. Returns ``out``.
+
+        Args:
+            parts: float32 vectors of ``out.size`` elements (a hierarchical exchange's shards
+                from the ranks of a host, in local rank order).
+            count: the divisor (the host's rank count).
+            out: float32 buffer, written in place (may not alias a part but the first).
+        """
+
     # -- kernels only some backends have -----------------------------------------------------
     def require(self, entry: str) -> None:
         """Raise :class:`MissingKernel` now, before any work, when this backend lacks the

@@ -115,6 +115,9 @@ class Collectives(abc.ABC):
     #: where ranks share hosts: the collectives of this rank's host and of the ranks holding
     #: its shard on the other hosts (:class:`~.topology.Hierarchy`), for hierarchical plans
     hierarchy: Any = None
+    #: whether device (CuPy) arrays may be handed to these collectives (NCCL groups, Horovod's
+    #: GPU operations, or staged through host memory: :func:`~.staging.for_device_arrays`)
+    moves_device_arrays: bool = False
 
     @abc.abstractmethod
     def allreduce_async(self, arr: np.ndarray, name: str, op: str = "sum") -> Handle:

@@ -2,12 +2,14 @@
 
 The slowest link is a host's network interface; the ranks of one host share a faster fabric.
 For each plan the model counts the bytes one host's interface sends (the most loaded host),
-adds :data:`ROUND_BYTES` for every round of collectives that crosses hosts (latency, in the
-bytes the link moves meanwhile), and the bytes a rank moves inside its host weighted by
-:data:`LOCAL_WEIGHT`. Collectives are costed as gloo runs them: allgather and allreduce as rings
-over the ranks in rank order, alltoall pairwise, Global-QSGD's exponent allreduce by recursive
-halving and doubling. The plans are those of :mod:`.plans`; a hierarchical plan runs an inner
-plan between the hosts on each rank's shard (1/K of the vector for K ranks per host).
+adds the bytes the link moves during one round of collectives for every round that crosses
+hosts (latency), and the bytes a rank moves inside its host weighted by how much slower the
+link is than the fabric inside the host. :class:`Fabric` holds those speeds (defaults per kind
+of rank, ``HQ_LINK_GBIT`` / ``HQ_INTRA_GBYTE`` / ``HQ_ROUND_US``). Collectives are costed as
+gloo runs them: allgather and allreduce as rings over the ranks in rank order, alltoall
+pairwise, Global-QSGD's exponent allreduce by recursive halving and doubling. The plans are
+those of :mod:`.plans` (:func:`.plans.plan_choice` picks one); a hierarchical plan runs an
+inner plan between the hosts on each rank's shard (1/K of the vector for K ranks per host).
 """
 from __future__ import annotations
 
@@ -15,15 +17,70 @@ import math
 from typing import NamedTuple
 
 from ..core.base import Codec
+from ..env import env_positive
 from .topology import Topology
 
-#: what one round of collectives across hosts costs, in bytes of the slow link (about 0.5 ms
-#: at 1 Gbit/s: a round trip and the collective's own work)
-ROUND_BYTES = 64 << 10
-#: how much a byte moved inside a host counts against a byte over the slow link
-LOCAL_WEIGHT = 0.1
 #: the prefix of the hierarchical plans' kinds: ``"hierarchical-" + inner kind``
 HIERARCHICAL = "hierarchical-"
+#: environment variables that override a :class:`Fabric`'s fields
+LINK_ENV, INTRA_ENV, ROUND_ENV = "HQ_LINK_GBIT", "HQ_INTRA_GBYTE", "HQ_ROUND_US"
+
+
+class Fabric(NamedTuple):
+    """How fast the links of a cluster are, which is what the plan choice weighs.
+
+    Attributes:
+        link_gbit: the network between hosts, Gbit/s per host interface.
+        intra_gbyte: what one rank moves to the others of its host, GB/s (shared memory for
+            CPU ranks; PCIe, or NVLink, for GPUs).
+        round_us: the latency of one round of collectives across hosts, microseconds (a
+            round inside a host is taken to move as many bytes of its fabric in that time).
+    """
+
+    link_gbit: float = 1.0
+    intra_gbyte: float = 1.25
+    round_us: float = 524.288
+
+    @classmethod
+    def for_ranks(cls, on_gpu: bool) -> "Fabric":
+        """The default of CPU ranks (:data:`CPU_RANKS`) or GPU ranks (:data:`GPU_RANKS`),
+        each field overridden by its environment variable (``HQ_LINK_GBIT``,
+        ``HQ_INTRA_GBYTE``, ``HQ_ROUND_US``: positive numbers).
+
+        Raises:
+            ValueError: a variable is set to something other than a positive number.
+        """
+        base = GPU_RANKS if on_gpu else CPU_RANKS
+        return cls(env_positive(LINK_ENV, base.link_gbit, "Gbit/s"),
+                   env_positive(INTRA_ENV, base.intra_gbyte, "GB/s"),
+                   env_positive(ROUND_ENV, base.round_us, "microseconds"))
+
+    def describe(self) -> str:
+        """The fabric in words, for log lines."""
+        return (f"{self.link_gbit:g} Gbit/s between hosts, {self.intra_gbyte:g} GB/s inside, "
+                f"{self.round_us:g} us per round")
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        return self.link_gbit * 1e9 / 8
+
+    @property
+    def round_bytes(self) -> float:
+        """What one round across hosts costs, in bytes of the link."""
+        return self.round_us * 1e-6 * self.link_bytes_per_s
+
+    @property
+    def local_weight(self) -> float:
+        """How much a byte moved inside a host counts against a byte over the link."""
+        return self.link_bytes_per_s / (self.intra_gbyte * 1e9)
+
+
+#: CPU ranks: a 1 Gbit/s network, shared memory counted at 1.25 GB/s (a byte inside a host
+#: weighs a tenth of a byte over the link), 64 KiB of the link per round (about 0.5 ms)
+CPU_RANKS = Fabric()
+#: GPU ranks: a 10 Gbit/s network, 16 GB/s between the GPUs of a host (PCIe 4.0 x16, or
+#: payloads staged through pinned host memory); NVLink moves 10-30x that (HQ_INTRA_GBYTE)
+GPU_RANKS = Fabric(link_gbit=10.0, intra_gbyte=16.0)
 
 
 class Cost(NamedTuple):
@@ -34,10 +91,13 @@ class Cost(NamedTuple):
     local_bytes: float = 0.0  # sent by one rank inside its host
     local_rounds: int = 0  # rounds of collectives inside a host
 
-    @property
-    def score(self) -> float:
-        return (self.host_bytes + ROUND_BYTES * self.rounds
-                + LOCAL_WEIGHT * (self.local_bytes + ROUND_BYTES * self.local_rounds))
+    def score(self, fabric: Fabric = CPU_RANKS) -> float:
+        """The plan's cost in bytes of the link: its bytes across hosts, a round's bytes per
+        round across hosts, and the bytes and rounds inside a host weighted by the fabric's
+        :attr:`Fabric.local_weight`."""
+        rounds = fabric.round_bytes
+        return (self.host_bytes + rounds * self.rounds
+                + fabric.local_weight * (self.local_bytes + rounds * self.local_rounds))
 
     def __add__(self, other: "Cost") -> "Cost":  # type: ignore[override]
         return Cost(*(a + b for a, b in zip(self, other)))
@@ -137,8 +197,15 @@ def plan_cost(kind: str, topology: Topology, numel: int, codec: Codec,
 
 
 def cheapest(kinds: list[str], topology: Topology, numel: int, codec: Codec,
-             cross_codec: Codec | None = None) -> str:
-    """The kind of ``kinds`` with the least :attr:`Cost.score`; ties go to the earlier kind
-    (list flat plans first: fewer rounds, one quantization)."""
-    return min(kinds, key=lambda k: (plan_cost(k, topology, numel, codec, cross_codec).score,
-                                     kinds.index(k)))
+             cross_codec: Codec | None = None, fabric: Fabric = CPU_RANKS) -> tuple[str, Cost]:
+    """The kind of ``kinds`` with the least :meth:`Cost.score` on ``fabric``, and its cost;
+    ties go to the earlier kind (list flat plans first: fewer rounds, one quantization)."""
+    costs = [plan_cost(k, topology, numel, codec, cross_codec) for k in kinds]
+    best = min(range(len(kinds)), key=lambda i: (costs[i].score(fabric), i))
+    return kinds[best], costs[best]
+
+
+def float32_ring(topology: Topology, numel: int) -> Cost:
+    """What a float32 ring allreduce of ``numel`` elements (NCCL's, Horovod's) moves: the
+    reference the plans' bytes are compared with."""
+    return flat_cost("sum", topology, 4.0 * numel)

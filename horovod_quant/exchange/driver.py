@@ -9,19 +9,23 @@ starts with the norm's small allgather alone and returns at once; its pieces sta
 :meth:`Pending.advance` finds the norm arrived (the torch optimizer calls it from its backward
 hooks), so the norm never holds the caller up while its peers catch up. Device (CuPy) vectors
 are encoded and decoded on their device; their payloads go to collectives that take device arrays, or
-through :class:`~horovod_quant.exchange.staging.HostStaged`.
+through :class:`~horovod_quant.exchange.staging.HostStaged`. Hierarchical exchanges run on the
+hierarchy's worker thread, on the caller's CUDA stream (:class:`_OnWorker`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable
 
 import numpy as np
 
+from .. import gpu
 from ..core.base import Codec, array_module
 from . import plans, wire
 from .collectives import Collectives, Handle
+from .cost import CPU_RANKS, Fabric
 
 log = logging.getLogger("horovod_quant")
 
@@ -219,19 +223,35 @@ def custom_collective(codec: Codec, comm: Collectives) -> Any:
 class _OnWorker:
     """An exchange's pieces run on the hierarchy's worker thread, from their start to their
     ends (:func:`_interleave`); :meth:`finish` waits for them and adds their bytes and seconds
-    to the exchange's."""
+    to the exchange's.
+
+    Device vectors: ``stream`` is the CUDA stream current where the exchange started (the
+    stream that produced the vector, :func:`horovod_quant.gpu.capture_stream`). The worker
+    queues every kernel and copy of the pieces on it, and issues their collectives with it
+    current, so they run after the vector's producer (one stream, in order) and NCCL orders
+    with it; :meth:`finish` makes the waiting thread's current stream wait for the pieces'
+    last work (an event), so the consumer of the mean reads it after it is written.
+    """
 
     def __init__(self, worker: Any, pieces: list[tuple[plans.Plan, str]],
-                 routes: dict[str, tuple[Collectives, Any]], into: ExchangeStats) -> None:
+                 routes: dict[str, tuple[Collectives, Any]], into: ExchangeStats,
+                 stream: Any = None) -> None:
         self._stats, self._into = ExchangeStats(0), into
-        self._future = worker.submit(lambda: _interleave(
-            [_Running(plan, routes, name, self._stats) for plan, name in pieces]))
+
+        def run() -> Any:
+            with stream.entered() if stream is not None else contextlib.nullcontext():
+                _interleave([_Running(plan, routes, name, self._stats) for plan, name in pieces])
+                return None if stream is None else stream.fence()
+
+        self._future = worker.submit(run)
 
     def finish(self) -> Any:
-        result = self._future.result()
+        fence = self._future.result()
+        if fence is not None:
+            fence.wait()
         for field in ("bytes_sent", "bytes_local", "encode_s", "exchange_s", "decode_s"):
             setattr(self._into, field, getattr(self._into, field) + getattr(self._stats, field))
-        return result
+        return None
 
 
 class Exchange:
@@ -252,13 +272,18 @@ class Exchange:
             None exchanges every vector whole. It pays where a transfer progresses while the
             rank encodes (measured: Horovod on gloo, 1.1-1.8x at 256 MB); with Open MPI's
             busy-polling progress on oversubscribed cores it does not (docs/performance.md).
+        fabric: the links' speeds the plan choice weighs (:class:`~.cost.Fabric`; None: CPU
+            ranks' defaults; the optimizer and the DDP hook pass their gradients'
+            :meth:`~.cost.Fabric.for_ranks`).
     """
 
     def __init__(self, codec: Codec, comm: Collectives, gather: str = "auto",
-                 pipeline_elems: int | None = plans.DEFAULT_PIPELINE_ELEMS) -> None:
+                 pipeline_elems: int | None = plans.DEFAULT_PIPELINE_ELEMS,
+                 fabric: Fabric | None = None) -> None:
         self.codec = codec
         self.comm = comm
         self.gather = plans.check_gather(gather)
+        self.fabric = fabric or CPU_RANKS
         self.pipeline_elems = plans.check_pipeline_elems(pipeline_elems)
         self._custom = custom_collective(codec, comm)
         self._routes: dict[str, tuple[Collectives, Any]] = {plans.WORLD: (comm, self._custom)}
@@ -283,10 +308,10 @@ class Exchange:
                         else self.comm.size)
             kind = self._kinds[numel] = plans.runnable(
                 plans.plan_kind(self.codec, topology, numel, self.gather,
-                                self.hierarchy is not None),
+                                self.hierarchy is not None, self.fabric),
                 self._custom is not None, self._routes.get(plans.CROSS, (0, None))[1]
                 is not None)
-            _log_choice(self.codec, kind, numel, topology, self.comm.rank)
+            _log_choice(self.codec, kind, numel, topology, self.fabric, self.comm.rank)
         return kind
 
     @property
@@ -352,7 +377,8 @@ class Exchange:
                 tag, out[lo:hi], name, self._place)), plans.piece_name(name, k, len(bounds)))
                 for k, (lo, hi) in enumerate(bounds)]
             if on_worker:
-                return [_OnWorker(self.hierarchy.worker, pieces, self._routes, stats)]
+                stream = gpu.capture_stream() if gpu.is_device_array(x) else None
+                return [_OnWorker(self.hierarchy.worker, pieces, self._routes, stats, stream)]
             return [_Running(plan, self._routes, piece_name, stats) for plan, piece_name in pieces]
 
         if self.needs_norm and norm is None and not on_worker:
@@ -368,12 +394,13 @@ class Exchange:
 _logged: set[tuple[str, str]] = set()
 
 
-def _log_choice(codec: Codec, kind: str, numel: int, topology: Any, rank: int) -> None:
+def _log_choice(codec: Codec, kind: str, numel: int, topology: Any, fabric: Fabric,
+                rank: int) -> None:
     """Log (once per codec and plan, on rank 0) which plan exchanges take."""
     if rank != 0 or (codec.config_key(), kind) in _logged:
         return
     _logged.add((codec.config_key(), kind))
     shape = (f"{topology.host_count} hosts x {topology.local_size} ranks"
              if hasattr(topology, "hosts") else f"{topology} ranks")
-    log.info("horovod_quant: %r exchanges of %d elements take the %s plan (%s; the fewest "
-             "bytes over the slowest link)", codec, numel, kind, shape)
+    log.info("horovod_quant: %r exchanges of %d elements take the %s plan (%s, %s; the least "
+             "cost over the slowest link)", codec, numel, kind, shape, fabric.describe())

@@ -23,12 +23,13 @@ from typing import Any, Callable, Generator, NamedTuple, Sequence, Union
 
 import numpy as np
 
+from ..backends import backend_of
 from ..core.base import Codec, array_module, as_vector, worker_seed
 from ..core.exponent_reduction import chunk_bounds
 from ..core.payload import Payload
 from ..core.rng import derive_key
 from . import wire
-from .cost import HIERARCHICAL, cheapest
+from .cost import CPU_RANKS, HIERARCHICAL, Cost, Fabric, cheapest
 from .topology import Topology
 
 REENCODE_TAG = 0x5EA
@@ -207,7 +208,7 @@ def shard_seed(seed: int, shard: int) -> int:
 def hierarchical_plan(p: Piece, inner: str) -> Plan:
     """Compress only between hosts: the K ranks of a host sum their vectors in float32 (each
     rank shard k of K, summed in local rank order: a reduce-scatter, as an alltoall of framed
-    shards), divide by K, exchange their host's mean shard with the ranks holding shard k on
+    shards), divide by K (``Backend.mean_in_order``: the same bits on every backend), exchange their host's mean shard with the ranks holding shard k on
     the other hosts by the ``inner`` plan (``codec`` built for that many hosts, its own global
     norm, seed :func:`shard_seed`), and allgather the shards inside the host. One
     quantization per host, not per rank (docs/codecs.md).
@@ -225,11 +226,10 @@ def hierarchical_plan(p: Piece, inner: str) -> Plan:
                                            p.label), None
     except ValueError as exc:
         parts, mismatch = [], exc
-    host_mean = xp.zeros(hi - lo, np.float32) if not parts else \
-        xp.array(parts[0].view(np.float32), copy=True)
-    for part in parts[1:]:  # in local rank order
-        host_mean += part.view(np.float32)
-    host_mean /= np.float32(place.local_size)
+    # the parts in local rank order, one IEEE division: the backend's kernel, since CuPy's
+    # own += and /= flush subnormals on device arrays
+    host_mean = backend_of(v).mean_in_order([part.view(np.float32) for part in parts],
+                                            place.local_size, xp.empty(hi - lo, np.float32))
     tag = p.tag if mismatch is None else wire.spoiled(p.tag)
     codec = p.codec.for_world_size(place.hosts)
     norm = None
@@ -316,12 +316,25 @@ def _flat_kinds(codec: Codec, gather: str) -> list[str]:
     return ["sra"] if gather == "sra" else ["allgather", "sra"]
 
 
-def plan_kind(codec: Codec, topology: Topology | int, numel: int, gather: str = "auto",
-              hierarchy: bool = False) -> str:
-    """The plan (module doc) an exchange of ``numel`` elements of ``codec`` takes: of the plans
-    ``gather`` allows, the one :func:`.cost.cheapest` says sends the fewest bytes over the
-    slowest link. Every runner makes the same choice; one without the codec's custom
-    collective then runs :func:`runnable`'s substitute.
+class PlanChoice(NamedTuple):
+    """The plan an exchange takes and what it moves (:func:`plan_choice`).
+
+    Attributes:
+        kind: the plan (module doc), before :func:`runnable`'s substitution.
+        cost: what it moves over the busiest host's interface and inside a host
+            (:class:`~.cost.Cost`; ``cost.host_bytes``: the bytes across hosts per exchange).
+    """
+
+    kind: str
+    cost: Cost
+
+
+def plan_choice(codec: Codec, topology: Topology | int, numel: int, gather: str = "auto",
+                hierarchy: bool = False, fabric: Fabric = CPU_RANKS) -> PlanChoice:
+    """The plan an exchange of ``numel`` elements of ``codec`` takes, and its cost: of the
+    plans ``gather`` allows, the one :func:`.cost.cheapest` says costs least on ``fabric``.
+    Every runner makes the same choice (one without the codec's custom collective then runs
+    :func:`runnable`'s substitute); a predictor asks the same function.
 
     Args:
         topology: which ranks share a host (an int n: n ranks, one per host).
@@ -329,6 +342,7 @@ def plan_kind(codec: Codec, topology: Topology | int, numel: int, gather: str = 
             "hierarchical" (a hierarchical plan where the runner has one).
         hierarchy: the runner has the collectives of a hierarchical exchange
             (:class:`~.topology.Hierarchy`; used when the topology allows one).
+        fabric: the links' speeds (:class:`~.cost.Fabric`; default: CPU ranks').
     """
     check_gather(gather)
     if isinstance(topology, int):
@@ -338,7 +352,13 @@ def plan_kind(codec: Codec, topology: Topology | int, numel: int, gather: str = 
     cross = codec.for_world_size(topology.host_count)
     if hierarchy and topology.hierarchical and gather in ("auto", "hierarchical"):
         kinds = kinds + [HIERARCHICAL + k for k in _flat_kinds(cross, "auto")]
-    return cheapest(kinds or flat, topology, numel, codec, cross)
+    return PlanChoice(*cheapest(kinds or flat, topology, numel, codec, cross, fabric))
+
+
+def plan_kind(codec: Codec, topology: Topology | int, numel: int, gather: str = "auto",
+              hierarchy: bool = False, fabric: Fabric = CPU_RANKS) -> str:
+    """:func:`plan_choice`'s plan (same arguments)."""
+    return plan_choice(codec, topology, numel, gather, hierarchy, fabric).kind
 
 
 def runnable(kind: str, custom: bool, cross_custom: bool = False) -> str:

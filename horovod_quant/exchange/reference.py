@@ -15,6 +15,7 @@ import numpy as np
 
 from ..core.base import Codec, as_vector
 from . import plans, wire
+from .cost import CPU_RANKS, Fabric
 from .topology import Topology
 
 
@@ -95,8 +96,8 @@ class Lockstep:
 
 
 def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allgather",
-                  pipeline_elems: int | None = None,
-                  topology: Topology | None = None) -> tuple[np.ndarray, int]:
+                  pipeline_elems: int | None = None, topology: Topology | None = None,
+                  fabric: Fabric | None = None) -> tuple[np.ndarray, int]:
     """The n-worker mean that the distributed exchange computes, simulated in one process.
 
     Runs the codec's exchange plan (:mod:`~.plans`) for n simulated ranks, rank ``r``
@@ -117,6 +118,9 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
         topology: which workers share a host (:class:`~.topology.Topology`); given, the
             exchange may take a hierarchical plan, as a real one whose collectives have a
             hierarchy; None: one worker per host, flat plans only.
+        fabric: the links' speeds the plan choice weighs under "auto"
+            (:class:`~.cost.Fabric`; None: CPU ranks' defaults): pass the door's
+            (``opt.fabric``, ``state.fabric``) to reproduce its choice.
 
     Returns:
         ``(estimate, wire_bytes)``: the float32 mean estimate and the largest number of payload
@@ -137,7 +141,8 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
         raise ValueError(f"the topology has {topology.size} ranks for {n} workers' vectors")
     bounds = plans.pipeline_bounds(size, plans.check_pipeline_elems(pipeline_elems))
     kind = plans.runnable(plans.plan_kind(codec, topology or n, size, gather,
-                                          topology is not None), custom=False)
+                                          topology is not None, fabric or CPU_RANKS),
+                          custom=False)
     norm = None
     if codec.needs_norm and not kind.startswith(plans.HIERARCHICAL):
         norm = Lockstep([plans.norm_plan(codec, [v]) for v in vecs]).finish()[0]

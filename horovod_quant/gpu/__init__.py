@@ -10,7 +10,8 @@ beside them:
   exchanges stage their payloads through host memory,
   :class:`horovod_quant.exchange.staging.HostStaged`)
 * :func:`is_device_array`, :func:`as_cupy`, :func:`to_host` / :func:`to_device` (the staging
-  copies), :func:`device_scope` (the device and stream kernels run on)
+  copies), :func:`device_scope` (the device and stream kernels run on), :func:`capture_stream`
+  (that stream, to queue work on from another thread)
 * :func:`exp_combine`, :func:`reduce_packed`: the Global-QSGD exponent combination and
   reduction on the backend of their buffers
 
@@ -23,11 +24,12 @@ import functools
 from typing import Any, Sequence
 
 from ..backends import backend_of, is_device_array
-from ..backends.cuda.arrays import as_cupy, device_scope, to_device, to_host
+from ..backends.cuda.arrays import StreamScope, as_cupy, device_scope, to_device, to_host
 from .device_collectives import cuda_aware_mpi, horovod_device_collectives
 
 __all__ = [
-    "as_cupy", "available", "compile_kernels", "cuda_aware_mpi", "device_scope", "exp_combine",
+    "as_cupy", "available", "capture_stream", "compile_kernels", "cuda_aware_mpi", "device_scope",
+    "exp_combine",
     "horovod_device_collectives", "is_device_array", "reduce_packed", "to_device", "to_host",
 ]
 
@@ -41,6 +43,13 @@ def available() -> bool:
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # ImportError, CUDARuntimeError without a driver, ...
         return False
+
+
+def capture_stream() -> StreamScope:
+    """The CUDA device and stream current on this thread (CuPy's; torch's inside
+    :func:`device_scope`), to enter on another thread: work queued there runs after what this
+    thread queued before (:class:`~horovod_quant.backends.cuda.arrays.StreamScope`)."""
+    return StreamScope()
 
 
 def compile_kernels() -> list[str]:

@@ -12,6 +12,7 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
+from .. import gpu
 from ..exchange.collectives import Collectives, Handle
 from ..process_sets import ProcessSetCollectives, world_communicator
 from .tensors import as_array, as_tensor
@@ -39,6 +40,12 @@ class HorovodTorchCollectives(ProcessSetCollectives):
     Args:
         process_set: the Horovod process set to run in (default: all ranks).
     """
+
+    @property
+    def moves_device_arrays(self) -> bool:
+        """Whether Horovod's collectives take CUDA tensors
+        (:func:`horovod_quant.gpu.horovod_device_collectives`)."""
+        return gpu.horovod_device_collectives(hvd)[0]
 
     def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
         return _TorchHandle(hvd.allreduce_async(as_tensor(arr), name=name, op=_OPS[op],

@@ -13,8 +13,9 @@ needs. In each bucket the parameters the state's :class:`~horovod_quant.policy.L
 exempts are averaged exactly (one float32 allreduce); the others go through one exchange per
 codec, the codecs in the order of ``state.codecs``. The exchange of codec ``k`` in bucket ``i``
 of step ``t`` uses seed ``state.seed_of(t, i, k)``, so ``mean_estimate(codec, [that vector on
-each rank], state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems)``
-reproduces it exactly. The first hook runs the cross-rank configuration check. docs/ddp.md
+each rank], state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems,
+topology=state.topology, fabric=state.fabric)`` reproduces it exactly. The first hook runs the
+cross-rank configuration check. docs/ddp.md
 tells the whole story (seeds, names, clean exit).
 """
 from __future__ import annotations
@@ -26,11 +27,12 @@ import torch.distributed as dist
 
 from ..doors import (UNSET, CodecRequest, CompressorSettings, ConfigCheck, DoorOptions,
                      door_options)
+from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
 from ..core.base import Codec
 from ..core.rng import derive_key
 from ..policy import LayerPolicy
-from .tensors import as_array, as_tensor, flat_array, parameter_names, stream_of
+from .tensors import as_array, as_tensor, flat_array, on_gpu, parameter_names, stream_of
 from .distributed import process_group_collectives
 
 __all__ = ["QuantizationState", "quantization_hook"]
@@ -117,6 +119,12 @@ class QuantizationState(CompressorSettings):
         stats: the :class:`~horovod_quant.stats.StepStats` of the exchanges since the last
             ``stats.reset()`` (the other doors report the same).
         step: steps whose gradients were exchanged so far.
+        topology: which ranks share nodes where the exchanges may take hierarchical plans,
+            else None.
+        fabric: the links' speeds the plan choice weighs (:class:`~horovod_quant.exchange.
+            cost.Fabric`: GPU or CPU ranks' defaults by where the first bucket lives, and the
+            ``HQ_LINK_GBIT`` / ``HQ_INTRA_GBYTE`` / ``HQ_ROUND_US`` variables); None before the
+            first step. With ``topology``, what ``mean_estimate`` needs to reproduce a bucket.
     """
 
     def __init__(self, codec: Codec | str | CompressorSettings, process_group: Any = None,
@@ -162,9 +170,10 @@ class QuantizationState(CompressorSettings):
         self.codecs: list[Codec] = list(unique.values())
         self._codec_indices = {key: k for k, key in enumerate(unique)}
         self._comm = comm
-        #: which ranks share nodes, where the exchanges may take hierarchical plans (several
-        #: nodes of several ranks, docs/codecs.md), else None: what mean_estimate needs
+        # which ranks share nodes, where the exchanges may take hierarchical plans (several
+        # nodes of several ranks, docs/codecs.md), else None: what mean_estimate needs
         self.topology = getattr(comm.hierarchy, "topology", None)
+        self.fabric: Fabric | None = None  # set at the first bucket (where the codecs run)
         self._check: ConfigCheck | None = None
         self._exchanges: list[Exchange] | None = None
         self._layouts: dict[int, tuple[tuple[int, ...], list[_Part]]] = {}
@@ -172,7 +181,8 @@ class QuantizationState(CompressorSettings):
         self._open: list[_BucketJob] = []
 
     def shared_config(self) -> dict:
-        config = {**super().shared_config(), "door": "ddp"}
+        config = {**super().shared_config(), "door": "ddp",
+                  "fabric": None if self.fabric is None else list(self.fabric)}
         if self._names is not None:
             config["parameters"] = [[name, list(p.shape)] for name, p in self._names.values()]
         return config
@@ -223,14 +233,15 @@ class QuantizationState(CompressorSettings):
     def exchange_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Start ``bucket``'s exchanges; the last bucket's call finishes the step (module
         doc)."""
+        grad = bucket.buffer()
         if self._exchanges is None:  # the first bucket: nothing is combined before the check
             if self._check is None:
+                self.fabric = Fabric.for_ranks(on_gpu(grad))
                 self._check = ConfigCheck(self._comm, self.shared_config())
             self._check.wait()  # a mismatch raises here, at this and every later call
             self._exchanges = [Exchange(c, self._comm, gather=self.gather,
-                                        pipeline_elems=self.pipeline_elems)
+                                        pipeline_elems=self.pipeline_elems, fabric=self.fabric)
                                for c in self.codecs]
-        grad = bucket.buffer()
         job = _BucketJob(self._average_sparse(grad) if grad.is_sparse
                          else self._start_parts(bucket, grad))
         self._open.append(job)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .. import gpu
 from ..exchange.collectives import Collectives, Handle
 from ..exchange.shared_memory import host_collectives
-from ..exchange.staging import HostStaged
+from ..exchange.staging import for_device_arrays
 from ..exchange.topology import Hierarchy, SerialWorker, Topology
 from .tensors import as_array, as_tensor
 
@@ -177,6 +177,11 @@ class ProcessGroupCollectives(Collectives):
         self._p2p_channels = itertools.count()
         self._bounds: dict[str, int] = {}  # collective name -> longest bytes last gathered
 
+    @property
+    def moves_device_arrays(self) -> bool:
+        """Whether the group takes CUDA tensors (NCCL): device arrays go to it unstaged."""
+        return self.device.type == "cuda"
+
     def _tensor(self, arr: Any) -> torch.Tensor:
         """A copy of ``arr`` as a tensor on the group's device (collectives write in place)."""
         return as_tensor(arr).to(self.device, copy=True)
@@ -255,9 +260,14 @@ class ProcessGroupCollectives(Collectives):
         work = HANDED.add(self._all_to_all(out, tensor, received, list(splits)), out, tensor)
         return _WorkHandle(work, lambda: (self.like(out, arr), received))
 
-    def mpi_communicator(self) -> PointToPoint:
+    def mpi_communicator(self) -> PointToPoint | None:
         """Not MPI: the point-to-point messages of this group in the subset of mpi4py's
-        communicator that the exponent allreduce calls (a new channel per call)."""
+        communicator that the exponent allreduce calls (a new channel per call). None for an
+        NCCL group, whose point-to-point messages pair by order, not by tag (the lanes'
+        channels would cross), and whose use from the lanes' threads beside other threads'
+        NCCL work can deadlock: its exchanges take the allgather plan (the same bits)."""
+        if self.moves_device_arrays:
+            return None
         return PointToPoint(self, next(self._p2p_channels))
 
 
@@ -365,14 +375,15 @@ class StandaloneGroupCollectives(ProcessGroupCollectives):
     (:func:`horovod_quant.torch.transport.gloo_group_beside_horovod`).
 
     Args:
-        group: the ProcessGroup object (gloo: host tensors).
+        group: the ProcessGroup object.
         group_id: names the group's ranks, the same on each of them.
+        device: the CUDA device an NCCL group's tensors live on; None: host tensors (gloo).
     """
 
-    def __init__(self, group: Any, group_id: str) -> None:
+    def __init__(self, group: Any, group_id: str, device: torch.device | None = None) -> None:
         # its own methods take group ranks: member r is addressed as r
         self._attach(group, group.rank(), list(range(group.size())), group_id,
-                     torch.device("cpu"))
+                     device or torch.device("cpu"))
 
     def _all_gather(self, parts: list[torch.Tensor], send: torch.Tensor) -> Any:
         return self.group.allgather([parts], [send])
@@ -438,10 +449,10 @@ def hierarchy_of(comm: ProcessGroupCollectives, topology: Topology) -> Hierarchy
 
 def process_group_collectives(group: Any = None) -> Collectives:
     """The collectives of ``group``'s exchanges, with a :class:`~horovod_quant.exchange.
-    topology.Hierarchy` where its ranks share nodes (torchrun's ``GROUP_RANK``), and device
-    payloads staged through host memory (:class:`~horovod_quant.exchange.staging.HostStaged`)
-    unless the group is NCCL's. Collective: every rank of the world calls it at the same
-    point."""
+    topology.Hierarchy` where its ranks share nodes (torchrun's ``GROUP_RANK``; its host and
+    shard groups of ``group``'s backend), and device payloads staged through host memory
+    (:class:`~horovod_quant.exchange.staging.HostStaged`) on the groups that are not NCCL's.
+    Collective: every rank of the world calls it at the same point."""
     comm = ProcessGroupCollectives(group)
     topology = process_group_topology(comm)
     if topology.hierarchical and _subgroups_possible(comm, topology):
@@ -450,6 +461,6 @@ def process_group_collectives(group: Any = None) -> Collectives:
         log.warning("horovod_quant: this PyTorch's new_group sorts ranks, and the nodes' ranks "
                     "are not numbered node by node (%s): the exchanges stay flat",
                     topology.hosts)
-    if torch.cuda.is_available() and gpu.available() and not takes_device_arrays(group):
-        return HostStaged(comm)
+    if torch.cuda.is_available() and gpu.available():
+        return for_device_arrays(comm)
     return comm

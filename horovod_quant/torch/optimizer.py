@@ -4,8 +4,9 @@ Its ideas, side by side: the buckets (:mod:`~horovod_quant.torch.buckets`), the 
 schedule (:mod:`~horovod_quant.torch.schedule`) and the fallback controller
 (:mod:`horovod_quant.fallback`); this module holds the hooks and the step. Bucket ``i`` of
 step ``t`` is exchanged with seed ``derive_key(seed, t, i)``, so ``mean_estimate(codec, [that
-vector on each rank], derive_key(seed, t, i), pipeline_elems=opt.pipeline_elems)`` reproduces
-it exactly, global-norm codecs included (the norm is the bucket's).
+vector on each rank], derive_key(seed, t, i), gather="auto", pipeline_elems=opt.pipeline_elems,
+topology=opt.topology, fabric=opt.fabric)`` reproduces it exactly, global-norm codecs included
+(the norm is the bucket's).
 
 As in Horovod, every parameter gets the averaged gradient on every rank, also where a rank did
 not use it (its gradient counts as zeros). The ranks check at construction that they agree on
@@ -22,6 +23,7 @@ import horovod.torch as hvd
 import torch
 
 from ..doors import UNSET, DoorOptions, check_same_config, door_options, mpi_exchange_config
+from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
 from ..fallback import BucketTrial, FallbackController, FallbackDecision, StepCheck
 from ..core.registry import get_codec, horovod_equivalent
@@ -93,19 +95,25 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._delay = {id(p): backward_passes_per_step for p in all_params}
         self._hooked: set[int] = set()
         self._should_synchronize = True
+        # where the codecs run: the first device whose gradients the CUDA kernels encode
+        device = next((p.device for p in all_params if on_gpu(p)), torch.device("cpu"))
+        #: the links' speeds the plan choice weighs (GPU or CPU ranks' defaults, HQ_LINK_GBIT,
+        #: HQ_INTRA_GBYTE, HQ_ROUND_US): what mean_estimate needs to reproduce a bucket's plan
+        self.fabric = Fabric.for_ranks(device.type == "cuda")
         # the check comes before anything that can wait for a peer (the transport's and the
         # exchanges' set-up), over Horovod's collectives
         self._transport = resolve_transport(options.transport)
         self._comm = HorovodTorchCollectives(process_set)
         self._prefix = self._check_layout()
-        self._comm = transport_collectives(process_set, self._transport)
+        self._comm = transport_collectives(process_set, self._transport, device)
         #: what carries the payloads: "gloo" (a group beside Horovod) or "horovod"
         self.transport = transport_of(self._comm)
         #: which ranks share hosts, where the transport runs hierarchical exchanges (else None):
         #: what :func:`~horovod_quant.mean_estimate` needs to reproduce a bucket
         self.topology = getattr(self._comm.hierarchy, "topology", None)
         exchanges = {c.config_key(): Exchange(c, self._comm, gather=options.gather,
-                                              pipeline_elems=options.pipeline_elems)
+                                              pipeline_elems=options.pipeline_elems,
+                                              fabric=self.fabric)
                      for c in options.policy.codecs(codec)}
         self._schedule = ExchangeSchedule(self._comm, exchanges, options.seed, self._prefix)
         self._schedule.use(self._layout.buckets)
@@ -155,6 +163,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             "transport": self._transport, **mpi, "pipeline_elems": options.pipeline_elems,
             "op": self.op, "gradient_predivide_factor": self.gradient_predivide_factor,
             "sparse_as_dense": self.sparse_as_dense, "gather": options.gather,
+            "fabric": list(self.fabric),
             "policy": describe(options.policy),
             "fallback": [options.fallback, sorted(names[k] for k in self._fallback.fallen_back)],
             **self._layout.describe()})
@@ -323,9 +332,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     ``fallback``. A setting not given comes from ``options``, else from the compressor
     (``compression=hq.torch.Compression.<codec>(...)``), else is DoorOptions' default.
 
-    ``transport`` (:mod:`horovod_quant.torch.transport`): "auto" (a gloo group beside Horovod
-    for CPU gradients, buckets started in bucket order; else Horovod's collectives), "gloo" or
-    "horovod"; the choice is logged once and kept in ``opt.transport``. ``fallback``: "auto"
+    ``transport`` (:mod:`horovod_quant.torch.transport`): "auto" (groups beside Horovod for
+    CPU gradients, and for CUDA gradients where ranks share hosts, buckets started in bucket
+    order; else Horovod's collectives), "gloo" or "horovod"; the choice is logged once and kept
+    in ``opt.transport``; ``opt.topology`` and ``opt.fabric`` choose the plans (docs/pytorch.md,
+    "GPU hosts"). ``fallback``: "auto"
     lets Horovod's float32 allreduce carry the buckets whose codec does not pay
     (:class:`~horovod_quant.fallback.FallbackController`, docs/pytorch.md), "never" always
     runs the codec; a one-rank world never measures. ``on_step`` is called with each step's

@@ -1,19 +1,20 @@
 """Which transport carries the payloads of ``hq.torch.DistributedOptimizer``: Horovod's
-collectives, or the collectives of a gloo process group built beside Horovod.
+collectives, or torch.distributed groups built beside Horovod.
 
 Concurrent all_gathers of a gloo group fill a slow link better than Horovod's collectives
 and go on while the rank computes (docs/performance.md, "Which transport carries the
 payloads"), so ``"auto"`` runs the optimizer's exchanges over such a group
-(:class:`~.distributed.StandaloneGroupCollectives`) for CPU gradients, and keeps Horovod's
-collectives for CUDA gradients (NCCL moves device buffers) or when the group cannot be built
-(one warning). Its collectives pair by call order, so the optimizer starts its buckets in
-bucket order, as DDP does.
+(:class:`~.distributed.StandaloneGroupCollectives`) for CPU gradients, and for CUDA gradients
+where ranks share hosts (the hierarchical exchange: each host's and each shard's groups are
+NCCL's where every rank of a host has its own GPU, else gloo's with device payloads staged
+through pinned host memory); flat CUDA exchanges keep Horovod's collectives (NCCL moves device
+buffers), as does a failed build (one warning). The world group is gloo's: its collectives
+pair by call order, so the optimizer starts its buckets in bucket order, as DDP does.
 
-The group is built once per Horovod process set, collectively (the first optimizer of every
-rank builds it at the same point): rank 0 opens a ``TCPStore`` (listening on every interface),
-the ranks find an address of rank 0 they all reach (:mod:`.addresses`) through Horovod's
-collectives, and each connects a ``ProcessGroupGloo`` bound to its own address on that route;
-the default ``torch.distributed`` group is left alone.
+The groups are built once per Horovod process set and device, collectively: rank 0 opens a
+``TCPStore``, the ranks find an address of rank 0 they all reach (:mod:`.addresses`) through
+Horovod's collectives, and each connects its groups through it (:func:`connect_group`); the
+default ``torch.distributed`` group is left alone.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ..doors import TRANSPORTS
 from ..env import env_choice
 from ..exchange.collectives import Collectives
 from ..exchange.shared_memory import host_collectives
-from ..exchange.staging import HostStaged
+from ..exchange.staging import HostStaged, for_device_arrays
 from ..exchange.topology import Hierarchy, SerialWorker, Topology
 from . import addresses
 from .collectives import HorovodTorchCollectives
@@ -50,7 +51,8 @@ OPERATION_TIMEOUT = timedelta(minutes=30)
 TRANSPORT_ENV = "HQ_TRANSPORT"
 
 _TOKEN_KEY = "hq.token"  # rank 0's store holds a random token: a probe reached the right store
-_groups: dict[str, StandaloneGroupCollectives | str] = {}  # process set id -> group, or why none
+#: (process set id, device) -> its world group (with its hierarchy), or why it has none
+_groups: dict[tuple[str, str], StandaloneGroupCollectives | str] = {}
 
 
 def resolve_transport(transport: str | None = None) -> str:
@@ -101,13 +103,62 @@ def _attempt(action: Callable[[], Any]) -> tuple[Any, str | None]:
         return None, f"{type(exc).__name__}: {first_line}"
 
 
-def gloo_group_beside_horovod(comm: Collectives,
-                              topology: Topology | None = None) -> StandaloneGroupCollectives:
+def connect_group(backend: str, store: Any, prefix: str, rank: int, size: int,
+                  gloo_device: Any = None) -> Any:
+    """A process group object of ``backend`` ("gloo" or "nccl") over the ranks that share
+    ``store`` under ``prefix`` (not registered with torch.distributed). gloo binds
+    ``gloo_device`` (``ProcessGroupGloo.create_device``); NCCL takes the CUDA device of the
+    tensors of its first collective. Either raises (RuntimeError, ...) when its peers cannot
+    be reached within its timeout."""
+    view = dist.PrefixStore(prefix, store)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = OPERATION_TIMEOUT  # NCCL connects at the first collective
+        return dist.ProcessGroupNCCL(view, rank, size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [gloo_device]
+    options._timeout = CONNECT_TIMEOUT
+    return dist.ProcessGroupGloo(view, rank, size, options)
+
+
+def _device_report(device: torch.device | None) -> dict | None:
+    """What this rank says about its GPU for :func:`host_group_backend`: whether torch has
+    NCCL, and the UUID of ``device`` (None: CPU gradients)."""
+    if device is None or device.type != "cuda":
+        return None
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+    except (AttributeError, RuntimeError):
+        uuid = None
+    return {"nccl": dist.is_nccl_available(), "gpu": uuid}
+
+
+def host_group_backend(reports: list[dict | None], topology: Topology) -> tuple[str, str]:
+    """Which backend carries the host and shard groups of CUDA gradients, from every rank's
+    :func:`_device_report` (rank order): ``("nccl", why)`` where torch has NCCL on every rank
+    and every rank of a host has a GPU of its own (NCCL refuses two ranks on one GPU), else
+    ``("gloo", why not)``. Every rank computes the same answer from the same reports."""
+    if any(r is None for r in reports):
+        return "gloo", "some ranks' gradients are not on a GPU"
+    without = [r for r, report in enumerate(reports) if not report["nccl"]]
+    if without:
+        return "gloo", f"torch has no NCCL on ranks {without}"
+    for h, ranks in enumerate(topology.hosts):
+        gpus = [reports[r]["gpu"] for r in ranks]
+        if None in gpus or len(set(gpus)) < len(gpus):
+            return "gloo", (f"the ranks of host {h} ({list(ranks)}) do not each have a GPU of "
+                            "their own")
+    return "nccl", "every rank of a host has a GPU of its own"
+
+
+def gloo_group_beside_horovod(comm: Collectives, topology: Topology | None = None,
+                              device: torch.device | None = None) -> StandaloneGroupCollectives:
     """Build a gloo process group over ``comm``'s ranks (same rank order) and return its
     collectives; ``comm`` (Horovod's) carries the rendezvous. Where ``topology`` says ranks
     share hosts (:attr:`~horovod_quant.exchange.topology.Topology.hierarchical`), the groups of
     each host and of each shard between the hosts are built too (the collectives'
-    ``hierarchy``).
+    ``hierarchy``): NCCL groups on ``device`` where :func:`host_group_backend` agrees (CUDA
+    gradients), else gloo groups (a host's through shared memory where it can).
 
     Collective: every rank of ``comm`` calls it at the same point. Each step is agreed by
     every rank, so the ranks end with a group, or all raise the same error within about
@@ -153,35 +204,35 @@ def gloo_group_beside_horovod(comm: Collectives,
     if comm.rank != 0:
         store, error = _attempt(join_store)
     agree.gather("store", None, error)
-
-    device = None
-
-    def connect(prefix: str, rank: int, size: int) -> Any:
-        nonlocal device
-        device = device or dist.ProcessGroupGloo.create_device(hostname=local)
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [device]
-        options._timeout = CONNECT_TIMEOUT
-        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
-
-    group, error = _attempt(lambda: connect(name, comm.rank, comm.size))
+    gloo_device, error = _attempt(lambda: dist.ProcessGroupGloo.create_device(hostname=local))
+    if error is None:
+        group, error = _attempt(lambda: connect_group("gloo", store, name, comm.rank, comm.size,
+                                                      gloo_device))
     agree.gather("connect", local, error)
     groups = [StandaloneGroupCollectives(group, f"gloo:{comm.group_id}")]
     if topology is not None and topology.hierarchical:
+        backend, why = host_group_backend(agree.gather("devices", _device_report(device), None),
+                                          topology)
         host, shard = topology.host_of(comm.rank), topology.local_rank(comm.rank)
         subgroups = [(f"{name}.host{host}", shard, topology.local_size),
                      (f"{name}.shard{shard}", host, topology.host_count)]
-        built, error = _attempt(lambda: [connect(*g) for g in subgroups])
+        built, error = _attempt(lambda: [connect_group(backend, store, *g, gloo_device)
+                                         for g in subgroups])
         agree.gather("subgroups", None, error)
-        groups += [StandaloneGroupCollectives(g, f"gloo:{comm.group_id}:{prefix}")
+        on = device if backend == "nccl" else None
+        groups += [StandaloneGroupCollectives(g, f"{backend}:{comm.group_id}:{prefix}", on)
                    for g, (prefix, _, _) in zip(built, subgroups)]
+        if comm.rank == 0 and device is not None:
+            log.info("horovod_quant: the host and shard groups of process set %s are %s's (%s)",
+                     comm.group_id, backend.upper() if backend == "nccl" else "gloo", why)
     _, error = _attempt(lambda: [g.allgather_object(comm.rank, name + ".hello") for g in groups])
     agree.gather("hello", None, error)  # every pair of ranks has exchanged data
     for g in groups:
         g.group.set_timeout(OPERATION_TIMEOUT)
     world = groups[0]
     if len(groups) == 3:
-        world.hierarchy = Hierarchy(topology, host_collectives(groups[1]), groups[2],
+        local_group = groups[1] if groups[1].moves_device_arrays else host_collectives(groups[1])
+        world.hierarchy = Hierarchy(topology, local_group, groups[2],
                                     SerialWorker(f"hq.hierarchy.{comm.group_id}"))
     return world
 
@@ -200,40 +251,49 @@ def horovod_topology(comm: HorovodTorchCollectives) -> Topology:
     return topology
 
 
-def transport_collectives(process_set: Any = None, transport: str | None = None) -> Collectives:
+def transport_collectives(process_set: Any = None, transport: str | None = None,
+                          device: torch.device | None = None) -> Collectives:
     """The collectives the exchanges of ``process_set`` run on (collective on first use).
 
     Args:
         process_set: Horovod process set (default: all ranks).
         transport: "horovod" (Horovod's collectives), "gloo" (a gloo group beside Horovod,
             whose collectives pair by call order; raises if it cannot be built), or "auto"
-            (gloo where gradients live on the host and the group can be built, else Horovod's;
-            the choice is logged once); None: :func:`resolve_transport`'s.
+            (the gloo group for CPU gradients, and for CUDA gradients where ranks share hosts,
+            when it can be built; else Horovod's; the choice is logged once); None:
+            :func:`resolve_transport`'s.
+        device: where the gradients' codec work runs: a CUDA device (CuPy encodes them
+            there) or the CPU; None: the current CUDA device where torch and CuPy see one.
 
     Returns:
-        The collectives; where CuPy encodes CUDA gradients, their payloads are staged through
-        host memory (:class:`~horovod_quant.exchange.staging.HostStaged`) unless the
-        collectives move device buffers (Horovod's with NCCL or CUDA-aware MPI).
+        The collectives; for CUDA gradients, device payloads are staged through host memory
+        (:class:`~horovod_quant.exchange.staging.HostStaged`) on the groups that do not move
+        device buffers themselves (NCCL groups and Horovod's GPU operations do).
     """
     transport = resolve_transport(transport)
     horovod = HorovodTorchCollectives(process_set)
-    on_gpu = torch.cuda.is_available() and gpu.available()
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    on_gpu = device is not None and device.type == "cuda" and gpu.available()
     comm: Collectives = horovod
-    if horovod.size > 1 and (transport == "gloo" or (transport == "auto" and not on_gpu)):
-        comm = _gloo_group(horovod, required=transport == "gloo") or horovod
-    if on_gpu and not (comm is horovod and gpu.horovod_device_collectives(hvd)[0]):
-        return HostStaged(comm)
-    return comm
+    if horovod.size > 1 and transport != "horovod":
+        topology = horovod_topology(horovod)
+        if transport == "gloo" or not on_gpu or topology.hierarchical:
+            comm = _gloo_group(horovod, topology, device if on_gpu else None,
+                               required=transport == "gloo") or horovod
+    return for_device_arrays(comm) if on_gpu else comm
 
 
-def _gloo_group(horovod: HorovodTorchCollectives,
-                required: bool) -> StandaloneGroupCollectives | None:
-    """The process set's gloo group, built on first use (logged); None when it cannot be built
-    (logged once), unless ``required`` (RuntimeError)."""
-    group = _groups.get(horovod.group_id)
+def _gloo_group(horovod: HorovodTorchCollectives, topology: Topology,
+                device: torch.device | None, required: bool) -> StandaloneGroupCollectives | None:
+    """The process set's gloo group (its hierarchy's groups on ``device``), built on first use
+    (logged); None when it cannot be built (logged once), unless ``required``
+    (RuntimeError)."""
+    key = (horovod.group_id, str(device or "cpu"))
+    group = _groups.get(key)
     if group is None:
         try:
-            group = gloo_group_beside_horovod(horovod, horovod_topology(horovod))
+            group = gloo_group_beside_horovod(horovod, topology, device)
             log.info("horovod_quant: payloads of process set %s travel over a gloo group beside "
                      "Horovod (%d ranks); transport='horovod' keeps Horovod's collectives",
                      horovod.group_id, horovod.size)
@@ -241,7 +301,7 @@ def _gloo_group(horovod: HorovodTorchCollectives,
             group = str(exc)
             log.warning("horovod_quant: no gloo group beside Horovod (%s); Horovod's "
                         "collectives carry the payloads", exc)
-        _groups[horovod.group_id] = group
+        _groups[key] = group
     if isinstance(group, str):
         if required:
             raise RuntimeError(f"transport='gloo': {group}")

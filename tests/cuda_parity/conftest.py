@@ -59,6 +59,7 @@ _SIGS = {
     "hqh_scale": (None, [P, I64, F32, P]),
     "hqh_to_f32": (None, [P, I64, P]),
     "hqh_decode_sparse": (None, [P, I64, I32, P, F32, P]),
+    "hqh_mean_parts": (None, [P, I32, I64, F32, P]),
 }
 
 
@@ -172,6 +173,10 @@ class HostBackend:
     def decode_sparse(self, data, cnt, bits, table, scale, out):
         self.lib.hqh_decode_sparse(ptr(self._c(data)), cnt, bits, ptr(self._c(table)), scale,
                                    ptr(self._c(out)))
+
+    def mean_parts(self, parts, nparts, n, divisor, out):
+        ptrs = self._ptrs(parts)
+        self.lib.hqh_mean_parts(ptr(ptrs), nparts, n, divisor, ptr(self._c(out)))
 
     def max_abs_bits(self, x, n):
         return int(self.lib.hqh_max_abs_bits(ptr(x), n))

@@ -6,6 +6,7 @@
 // two syncs (HqHostEx), every block in turn. The elementwise kernels are loops over the same
 // element functions. Nothing here computes a result by other means.
 #include "../../kernels/hq_global.cuh"
+#include "../../kernels/hq_reduce.cuh"
 
 #include <stdlib.h>
 #include <vector>
@@ -263,4 +264,10 @@ HQH void hqh_to_f32(const double* src, hq_i64 n, float* dst) {
 HQH void hqh_decode_sparse(const hq_u8* data, hq_i64 cnt, int bits, const float* table, float scale,
                            float* out) {
   for (hq_i64 j = 0; j < cnt; ++j) hq_decode_sparse_elem(data, cnt, bits, table, scale, out, j);
+}
+
+// kernel hq_mean_parts (reduce.cu)
+HQH void hqh_mean_parts(const float* const* parts, int nparts, hq_i64 n, float divisor,
+                        float* out) {
+  for (hq_i64 i = 0; i < n; ++i) out[i] = hq_mean_elem(parts, nparts, i, divisor);
 }

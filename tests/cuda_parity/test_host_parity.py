@@ -671,3 +671,46 @@ def test_cupy_loader_compiles_and_caches(monkeypatch, tmp_path):
     stamps = [p.stat().st_mtime_ns for p in paths]
     assert [_cupy.module_path(f) for f in KERNEL_FILES] == paths
     assert [p.stat().st_mtime_ns for p in paths] == stamps
+
+
+# -- reduce.cu: the host mean of the hierarchical exchange -----------------------------------
+@pytest.mark.parametrize("nparts,divisor", [(0, 3), (1, 1), (2, 2), (3, 3), (2, 3), (8, 8)])
+@pytest.mark.parametrize("kind", ["special", "nonfinite"])
+def test_mean_in_order(host_cuda, nparts, divisor, kind):
+    """``Backend.mean_in_order`` on the host-replayed kernel and on numba equals NumPy's ``+=``
+    in part order then ``/=``, bit for bit: subnormal sums and quotients stay subnormal (CuPy's
+    own elementwise kernels would flush them), signed zeros and non-finite values kept."""
+    from horovod_quant.backends import numba_backend
+
+    cmp = same_nan if kind == "nonfinite" else same
+    for n in SIZES:
+        parts = [gen(kind, n, 31 * nparts + r) for r in range(nparts)]
+        want = parts[0].copy() if parts else np.zeros(n, np.float32)
+        for part in parts[1:]:
+            want += part
+        with np.errstate(over="ignore", invalid="ignore"):
+            want /= np.float32(divisor)
+        for backend in (host_cuda, numba_backend()):
+            out = np.full(n, np.nan, np.float32)
+            with np.errstate(over="ignore", invalid="ignore"):
+                got = backend.mean_in_order(parts, divisor, out)
+            assert got is out and cmp(out, want), (backend.name, n, first_diff(out, want))
+    if kind == "special" and nparts == 2:  # the case flush-to-zero would change
+        tiny = [np.full(4, 3e-45, np.float32), np.full(4, 1e-45, np.float32)]
+        out = np.empty(4, np.float32)
+        assert (host_cuda.mean_in_order(tiny, 2, out) > 0).all()
+
+
+@pytest.mark.parametrize("name", ["qsgd", "natural", "none"])
+def test_hierarchical_exchange_on_the_cuda_backend(host_cuda, name):
+    """The whole hierarchical plan (host means, the exchange between hosts, the allgather in
+    the host) through the CUDA backend's launch logic gives the numba backend's bits, on
+    vectors with subnormals, zeros and huge values."""
+    from horovod_quant.exchange.topology import Topology
+
+    codec, topology = hq.get_codec(name), Topology.grid(2, 3)
+    xs = [gen("special", 2 * PB + 17, r) for r in range(topology.size)]
+    ref, _ = hq.mean_estimate(codec, xs, 5, gather="hierarchical", topology=topology)
+    got, _ = on(host_cuda, hq.mean_estimate, codec, xs, 5, gather="hierarchical",
+                topology=topology)
+    assert same(got, ref), first_diff(got, ref)

@@ -14,13 +14,15 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.exchange import Exchange, HostStaged
+from horovod_quant.exchange import Exchange, HostStaged, plans
+from horovod_quant.exchange.cost import GPU_RANKS
+from horovod_quant.exchange.topology import Topology
 from horovod_quant.core.registry import codec_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
 from threaded_comm import run_ranks  # noqa: E402
 
-from test_gpu_parity import cp, same_nan  # noqa: E402,F401  (the fixture)
+from test_gpu_parity import cp, gen, same, same_nan  # noqa: E402,F401  (the fixture)
 
 CODECS = [c for c in hq.available_codecs() if c != "none"]
 
@@ -63,3 +65,32 @@ def test_device_exchange_sra_schedule(cp):
     want, _ = hq.mean_estimate(_codec("qsgd", n), xs, seed=4, gather="sra")
     for got in run_ranks(n, rank_fn):
         assert same_nan(got, want)
+
+
+@pytest.mark.parametrize("name", ["qsgd", "natural", "none", "global_qsgd"])
+def test_device_hierarchical_exchange_equals_cpu_reference(cp, name):
+    """2 hosts x 2 ranks on threads, host and shard groups staged through host memory: the
+    hierarchical pieces run on each rank's worker thread inside the non-default stream the
+    vector was made on, the host mean is the exact kernel (subnormal host means kept: a
+    ``+=`` of CuPy's would flush them), and the waiting stream reads the finished mean."""
+    topology, n, size = Topology.grid(2, 2), 4, 20_011
+    xs = [gen("special", size, 40 + r) for r in range(n)]
+    for r, x in enumerate(xs):
+        x[: size // 8] = np.float32(1e-39) * np.float32(r + 1)  # subnormal host means
+
+    def rank_fn(comm):
+        exchange = Exchange(_codec(name, n), HostStaged(comm), pipeline_elems=8192,
+                            fabric=GPU_RANKS)
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            x = cp.asarray(xs[comm.rank])  # queued on the stream the worker must follow
+            pending = exchange.start(x, 3, "h")
+            got = pending.wait().copy()  # on this stream: after the fence
+        stream.synchronize()
+        return got, pending.stats.plans
+
+    want, _ = hq.mean_estimate(_codec(name, n), xs, seed=3, gather="auto", pipeline_elems=8192,
+                               topology=topology, fabric=GPU_RANKS)
+    for got, kinds in run_ranks(n, rank_fn, asynchronous=True, topology=topology):
+        assert isinstance(got, cp.ndarray) and same(got, want), name
+        assert all(k.startswith(plans.HIERARCHICAL) for k in kinds), kinds

@@ -1,8 +1,10 @@
 """The PyTorch doors with CUDA parameters: the codecs run on the GPU (CuPy kernels on torch's
 stream), payloads travel through Horovod (its GPU collectives, or staged through host memory
-when it has none), and the gradients equal mean_estimate's CPU numbers bit for bit, on every
-rank. Skipped without CUDA and CuPy (on every rank alike); ``HQ_TEST_GPU=1`` makes that a
-failure."""
+when it has none) or, where ranks share hosts, through hq.DistributedOptimizer's groups beside
+Horovod (the hierarchical exchange: NCCL where every rank of a host has a GPU of its own, else
+gloo staged through host memory, as when run.sh's 2 x 2 ranks share one GPU), and the
+gradients equal mean_estimate's CPU numbers bit for bit, on every rank. Skipped without CUDA
+and CuPy (on every rank alike); ``HQ_TEST_GPU=1`` makes that a failure."""
 import os
 
 import numpy as np
@@ -13,6 +15,7 @@ import horovod.torch as hvd
 import horovod_quant as hq
 import horovod_quant.torch as hqt
 from horovod_quant.core.rng import derive_key
+from horovod_quant.exchange import plans
 
 from conftest import codec_params, rank_gradients
 
@@ -49,12 +52,17 @@ class CudaLinear(torch.nn.Module):
         return sum((p * torch.from_numpy(g).to(p.device)).sum() for p, g in zip(self.ps, grads))
 
 
-def _want(name, shapes, step, seed, reverse):
+def _want(name, shapes, step, seed, reverse, opt=None):
+    """mean_estimate of the step's gradients (``opt``: hq.DistributedOptimizer, whose
+    topology, fabric and pieces choose its plans; None: Horovod's optimizer, flat plans)."""
     codec = hq.get_codec(name, **codec_params(name))
     per_rank = [rank_gradients(shapes, step, r) for r in range(hvd.size())]
     order = (lambda gs: list(reversed(gs))) if reverse else list
     flats = [np.concatenate([g.reshape(-1) for g in order(gs)]) for gs in per_rank]
-    want, _ = hq.mean_estimate(codec, flats, seed=derive_key(seed, step, 0), gather="auto")
+    shape = {} if opt is None else {"topology": opt.topology, "fabric": opt.fabric,
+                                    "pipeline_elems": opt.pipeline_elems}
+    want, _ = hq.mean_estimate(codec, flats, seed=derive_key(seed, step, 0), gather="auto",
+                               **shape)
     return want
 
 
@@ -82,8 +90,38 @@ def test_quant_optimizer_on_cuda_matches_cpu_reference(cuda, name):
         grads = [p.grad for p in reversed(list(model.ps))]
         assert all(g.is_cuda for g in grads)
         got = torch.cat([g.reshape(-1) for g in grads]).cpu().numpy()
-        assert np.array_equal(got, _want(name, shapes, step, 3, reverse=True),
+        assert np.array_equal(got, _want(name, shapes, step, 3, reverse=True, opt=opt),
                               equal_nan=True), (name, step)
+
+
+@pytest.mark.parametrize("name", ["qsgd", "global_qsgd", "natural", "nested_dithered"])
+def test_quant_optimizer_on_cuda_takes_the_hierarchy_where_ranks_share_hosts(cuda, name):
+    """hq.DistributedOptimizer with CUDA parameters and its defaults (no fallback, so every
+    step runs the codec): where ranks share hosts (run.sh's 2 x 2: ``horovodrun -np 4 -H
+    localhost:2,127.0.0.1:2 --gloo``) every bucket takes a hierarchical plan over the groups
+    beside Horovod; elsewhere (2 x 1, one host) flat plans over Horovod's collectives. Either
+    way each step's gradients are mean_estimate's for the optimizer's topology and fabric, bit
+    for bit, and every rank ends with the same weights."""
+    shapes = [(300, 70), (64, 50)]
+    model = CudaLinear(shapes, cuda)
+    opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hqt.Compression.__getattr__(name)(
+                                       seed=3, policy=EVERYTHING, **codec_params(name)),
+                                   fallback="never")
+    hierarchical = hvd.local_size() > 1 and hvd.cross_size() > 1
+    for step in _trained_steps(model, opt, shapes):
+        got = torch.cat([p.grad.reshape(-1) for p in reversed(list(model.ps))]).cpu().numpy()
+        assert np.array_equal(got, _want(name, shapes, step, 3, reverse=True, opt=opt),
+                              equal_nan=True), (name, step)
+    if hvd.size() > 1:
+        kinds = opt.last_stats.plans
+        assert kinds and all(k.startswith(plans.HIERARCHICAL) == hierarchical for k in kinds)
+        assert (opt.topology is not None) == hierarchical
+        assert opt.transport == ("gloo" if hierarchical else "horovod")
+        assert (opt.last_stats.bytes_local > 0) == hierarchical
+    weights = hvd.allgather(torch.cat([p.detach().reshape(1, -1) for p in model.ps], 1).cpu())
+    assert all(torch.equal(weights[0], row) for row in weights)
 
 
 @pytest.mark.parametrize("name", ["qsgd", "global_qsgd", "nested_dithered", "natural"])

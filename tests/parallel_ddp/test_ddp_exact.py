@@ -91,7 +91,8 @@ class Recorder:
                                                self.state.seed_of(step, index, k),
                                                gather=self.state.gather,
                                                pipeline_elems=self.state.pipeline_elems,
-                                               topology=self.state.topology)
+                                               topology=self.state.topology,
+                                               fabric=self.state.fabric)
                     float_sum = codec.horovod_allreduce
                 if float_sum is None or n <= 2:
                     assert np.array_equal(got[idx], want, equal_nan=True), (k, index)

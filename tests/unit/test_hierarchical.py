@@ -17,7 +17,8 @@ from horovod_quant.core.exponent_reduction import chunk_bounds
 from horovod_quant.core.registry import codec_class
 from horovod_quant.exchange import Exchange, plans
 from horovod_quant.exchange.collectives import joined
-from horovod_quant.exchange.cost import flat_cost, plan_cost
+from horovod_quant.exchange.cost import (CPU_RANKS, GPU_RANKS, Fabric, flat_cost, float32_ring,
+                                         plan_cost)
 from horovod_quant.exchange.shared_memory import SharedMemoryCollectives
 from horovod_quant.exchange.topology import Topology
 
@@ -136,6 +137,72 @@ def test_chosen_plan_sends_a_fraction_of_a_float32_ring(hosts, local, bits, plan
     ratio = (plan_cost(kind, topology, numel, codec).host_bytes
              / flat_cost("sum", topology, 4.0 * numel).host_bytes)
     assert kind == plan and ratio <= most, (kind, ratio)
+
+
+def test_cpu_ranks_fabric_is_the_earlier_model():
+    """The CPU ranks' fabric gives the weights the plan choice always had: 64 KiB of the link
+    per round across hosts, a byte inside a host a tenth of one over the link."""
+    assert CPU_RANKS.round_bytes == 64 << 10 and CPU_RANKS.local_weight == 0.1
+    assert Fabric.for_ranks(False) == CPU_RANKS
+
+
+@pytest.mark.parametrize("hosts,local", [(2, 4), (4, 8)])
+@pytest.mark.parametrize("bits,most", [(8, 0.30), (4, 0.17)])
+def test_gpu_hosts_take_the_hierarchy(hosts, local, bits, most):
+    """GPU ranks (PCIe inside a host, 10 Gbit/s between hosts: the GPU defaults) at 2 x 4 and
+    4 x 8: qsgd (bucket 512, max norm) on 25 MB fused buckets takes a hierarchical plan, whose
+    bytes across hosts per step, pipelined pieces included, are at most 0.30 of NCCL's float32
+    ring's at 8 bits and 0.17 at 4 bits."""
+    topology, numel = Topology.grid(hosts, local), (25 << 20) // 4
+    codec = hq.get_codec("qsgd", bits=bits, bucket_size=512, norm="max")
+    choice = plans.plan_choice(codec, topology, numel, hierarchy=True, fabric=GPU_RANKS)
+    assert choice.kind.startswith(plans.HIERARCHICAL), choice
+    assert choice.cost == plan_cost(choice.kind, topology, numel, codec)
+    per_step = sum(plan_cost(choice.kind, topology, hi - lo, codec).host_bytes
+                   for lo, hi in plans.pipeline_bounds(numel, plans.DEFAULT_PIPELINE_ELEMS))
+    ring = float32_ring(topology, numel).host_bytes
+    assert choice.cost.host_bytes / ring <= most and per_step / ring <= most, per_step / ring
+
+
+def test_the_fabric_decides_between_the_plans(monkeypatch):
+    """A network about as fast as the fabric inside a host (and quick rounds) makes the float32
+    traffic inside the host dear: 8 ranks per host then exchange flat; the GPU defaults and
+    NVLink take the hierarchy. The environment sets each field."""
+    codec, topology, numel = hq.get_codec("qsgd"), Topology.grid(2, 8), 1 << 22
+    slow_inside = Fabric(link_gbit=100.0, intra_gbyte=10.0, round_us=20.0)
+    assert plans.plan_kind(codec, topology, numel, hierarchy=True, fabric=slow_inside) in \
+        ("allgather", "sra")
+    for fabric in (GPU_RANKS, Fabric(link_gbit=100.0, intra_gbyte=300.0)):
+        assert plans.plan_kind(codec, topology, numel, hierarchy=True,
+                               fabric=fabric).startswith(plans.HIERARCHICAL)
+    monkeypatch.setenv("HQ_LINK_GBIT", "100")
+    monkeypatch.setenv("HQ_INTRA_GBYTE", " 10 ")
+    assert Fabric.for_ranks(True) == slow_inside._replace(round_us=GPU_RANKS.round_us)
+    monkeypatch.setenv("HQ_ROUND_US", "20")
+    assert Fabric.for_ranks(False) == slow_inside
+    monkeypatch.setenv("HQ_ROUND_US", "0")
+    with pytest.raises(ValueError, match="HQ_ROUND_US='0' must be a positive number of "
+                                         "microseconds"):
+        Fabric.for_ranks(False)
+
+
+def test_a_door_fabric_reproduces_in_mean_estimate():
+    """An Exchange with a fabric and mean_estimate with the same fabric choose the same plan,
+    where the CPU default would choose another (at 4 x 2: the inner sra on CPU ranks, the
+    inner allgather, one round fewer, on GPU ranks, whose rounds cost more link bytes)."""
+    topology, n, size = Topology.grid(4, 2), 8, 100_000
+    codec = hq.get_codec("qsgd", bits=4)
+    assert plans.plan_kind(codec, topology, size, hierarchy=True) == "hierarchical-sra"
+    xs = _inputs(n, size, seed=1)
+
+    def rank_fn(comm):
+        pending = Exchange(codec, comm, fabric=GPU_RANKS).start(xs[comm.rank], 4, "f")
+        return pending.wait(), pending.stats.plans
+
+    want, _ = hq.mean_estimate(codec, xs, seed=4, gather="auto", topology=topology,
+                               fabric=GPU_RANKS)
+    for got, kinds in run_ranks(n, rank_fn, asynchronous=True, topology=topology):
+        assert np.array_equal(got, want) and list(kinds) == ["hierarchical-allgather"]
 
 
 def _squared_error(estimates, target):

@@ -2,11 +2,11 @@
 
 :class:`CudaBackend` holds the launch logic (which kernels, in which order, with which grid
 arguments; one module per ``kernels/*.cu`` file, twins of the numba backend's kernel modules:
-``levels``, ``global_qsgd``, ``dithered``) and hands each launch to a *kernel launcher*:
-:class:`.kernels.CupyKernels` on a GPU (CuPy RawModules, NVRTC-compiled), or the host build of
-the same block programs that ``tests/cuda_parity`` replays on NumPy arrays. So everything here
-runs on machines without a GPU too. The launcher interface (one method per kernel of
-``kernels/*.cu``): docs/dev/architecture.md ("Backends").
+``levels``, ``global_qsgd``, ``dithered``, ``reduce``) and hands each launch to a *kernel
+launcher*: :class:`.kernels.CupyKernels` on a GPU (CuPy RawModules, NVRTC-compiled), or the
+host build of the same block programs that ``tests/cuda_parity`` replays on NumPy arrays. So
+everything here runs on machines without a GPU too. The launcher interface (one method per
+kernel of ``kernels/*.cu``): docs/dev/architecture.md ("Backends").
 """
 from __future__ import annotations
 
@@ -20,14 +20,16 @@ from .arrays import as_cupy
 from .dithered import DitheredLaunches
 from .global_qsgd import GlobalQSGDLaunches
 from .levels import LevelLaunches
+from .reduce import ReduceLaunches
 
 __all__ = ["CudaBackend", "cuda_backend"]
 
 
-class CudaBackend(LevelLaunches, GlobalQSGDLaunches, DitheredLaunches, Backend):
+class CudaBackend(LevelLaunches, GlobalQSGDLaunches, DitheredLaunches, ReduceLaunches,
+                  Backend):
     """The CUDA kernels, launched by ``kernels`` (see the module doc): the entry points of
     each ``kernels/*.cu`` file are in its twin module (``levels``, ``global_qsgd``,
-    ``dithered``), the array handling here."""
+    ``dithered``, ``reduce``), the array handling here."""
 
     name = "CUDA"
 

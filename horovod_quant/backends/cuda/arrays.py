@@ -1,9 +1,10 @@
-"""Device arrays and streams: CuPy views of CUDA torch tensors, host <-> device copies, and the
-stream the kernels are queued on. Nothing here imports CuPy or torch until a device array is
-seen."""
+"""Device arrays and streams: CuPy views of CUDA torch tensors, host <-> device copies, the
+stream the kernels are queued on, and that stream carried to another thread
+(:class:`StreamScope`). Nothing here imports CuPy or torch until a device array is seen."""
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator
 
 from ..protocol import is_device_array
@@ -81,3 +82,68 @@ def device_scope(*objs: Any) -> Iterator[None]:
             yield
         return
     yield
+
+
+class StreamScope:
+    """The CUDA device and stream current on the thread that builds it (CuPy's, which
+    :func:`device_scope` sets to torch's), to queue work on from another thread.
+
+    :meth:`entered` makes them current on the calling thread, for CuPy and, where torch has
+    initialized CUDA, for torch too (its collectives, NCCL's included, then order with the
+    stream: NCCL's stream waits for it at issue, and ``work.wait()`` makes it wait for NCCL).
+    Work queued there runs after what the building thread queued before (one stream, in
+    order). :meth:`fence` marks the end of that work for a consumer on another stream.
+    """
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.device = cupy.cuda.Device()
+        self.stream = cupy.cuda.get_current_stream()
+        if self.stream.ptr == cupy.cuda.runtime.streamPerThread:
+            self.stream.synchronize()  # a per-thread stream is another on another thread
+        self._torch_stream = None
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            current = torch.cuda.current_stream(self.device.id)
+            if current.cuda_stream == self.stream.ptr:
+                self._torch_stream = current
+            elif self.stream.ptr in (0, cupy.cuda.runtime.streamPerThread):
+                self._torch_stream = torch.cuda.default_stream(self.device.id)
+            else:
+                self._torch_stream = torch.cuda.ExternalStream(self.stream.ptr,
+                                                               device=current.device)
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """The device and stream current on the calling thread inside the block."""
+        with self.device, self.stream:
+            if self._torch_stream is None:
+                yield
+                return
+            import torch
+
+            with torch.cuda.stream(self._torch_stream):
+                yield
+
+    def fence(self) -> "Fence":
+        """An event after everything queued on the stream so far."""
+        import cupy
+
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(self.stream)
+        return Fence(event)
+
+
+class Fence:
+    """The end of some device work (:meth:`StreamScope.fence`)."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def wait(self) -> None:
+        """Make the calling thread's current stream (CuPy's, torch's inside
+        :func:`device_scope`) wait for that work, without blocking the host."""
+        import cupy
+
+        cupy.cuda.get_current_stream().wait_event(self._event)

@@ -265,3 +265,8 @@ class CupyKernels:
         res = self.cp.zeros(1, self.cp.float64)
         get_function("global_qsgd.cu", "hq_sum_squares")((1,), (8,), (x, i64(n), res))
         return float(res.get()[0])
+
+    # -- reduce.cu ---------------------------------------------------------------------------
+    def mean_parts(self, parts, nparts, n, divisor, out) -> None:
+        get_function("reduce.cu", "hq_mean_parts")(
+            _grid(n), (THREADS,), (self._ptrs(parts), i32(nparts), i64(n), f32(divisor), out))

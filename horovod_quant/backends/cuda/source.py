@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 
 #: CUDA source files, one CuPy RawModule each
-KERNEL_FILES = ("levels.cu", "global_qsgd.cu", "dithered.cu")
+KERNEL_FILES = ("levels.cu", "global_qsgd.cu", "dithered.cu", "reduce.cu")
 
 #: NVRTC options: no FMA contraction, no flush-to-zero, IEEE division / square root, so that
 #: every float operation rounds exactly as on the CPU (the sources also use the _rn

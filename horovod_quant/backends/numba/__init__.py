@@ -21,7 +21,7 @@ from ..protocol import (
     Backend,
     Keys,
 )
-from . import dithered, elias, global_qsgd, levels
+from . import dithered, elias, global_qsgd, levels, reduce
 
 
 def _flat(a: Any) -> np.ndarray:
@@ -127,6 +127,17 @@ class NumbaBackend(Backend):
         fine = dithered.fine_indices(x, bucket, am, keys[0], keys[1])
         return int(dithered.nested_outside(data, offset, n, bucket, M, k, bits, am, y, keys[0],
                                            keys[1], fine))
+
+    # -- reduce ------------------------------------------------------------------------------
+    def mean_in_order(self, parts: Sequence[Any], count: int, out: Any) -> Any:
+        flat = _flat(out)
+        if not parts:
+            flat.fill(0)
+            return out
+        # one array type for every part (numba compiles once per number of parts)
+        shards = tuple(np.require(_flat(part), np.float32, "CA") for part in parts)
+        reduce.mean_in_order(shards, np.float32(count), flat)
+        return out
 
     # -- elias -------------------------------------------------------------------------------
     def elias_encode_levels(self, fixed: Any, n: int, bucket: int, bits: int) -> np.ndarray:
