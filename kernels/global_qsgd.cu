@@ -40,7 +40,10 @@ hq_exp_combine(const unsigned char* a, const unsigned char* b, unsigned char* ou
   __shared__ hq_u8 scodes[HQ_PACK_BLOCK];
   HqDevEx ex;
   ex.nt = (int)blockDim.x;
-  hq_combine_block(ex, a, b, out, n, first, bits, k0, k1, (hq_i64)blockIdx.x, scodes);
+  hq_with_bits(bits, [&](auto B) {
+    hq_combine_block<decltype(B)::value>(ex, a, b, out, n, first, k0, k1, (hq_i64)blockIdx.x,
+                                         scodes);
+  });
 }
 
 // *result (zero-initialised) = max over x of the bit pattern of |x|
@@ -75,6 +78,8 @@ extern "C" __global__ void __launch_bounds__(HQ_THREADS)
 hq_decode_sparse(const unsigned char* data, long long cnt, int bits, const float* table,
                  float scale, float* out) {
   const hq_i64 stride = (hq_i64)gridDim.x * blockDim.x;
-  for (hq_i64 j = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; j < cnt; j += stride)
-    hq_decode_sparse_elem(data, cnt, bits, table, scale, out, j);
+  hq_with_bits(bits, [&](auto B) {
+    for (hq_i64 j = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; j < cnt; j += stride)
+      hq_decode_sparse_elem<decltype(B)::value>(data, cnt, table, scale, out, j);
+  });
 }

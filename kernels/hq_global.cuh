@@ -119,28 +119,22 @@ HQ_HD hq_u32 hq_combine_elem(hq_u32 a, hq_u32 b, hq_u64 index, int bits, hq_u32 
 
 // Block program: combine packing block `blk` of two packed ranges (elements first + ...)
 // into out (which may alias a or b: the block reads all its codes before writing).
-template <class Ex>
+template <int BITS, class Ex>
 HQ_HDT inline void hq_combine_block(Ex& ex, const hq_u8* a, const hq_u8* b, hq_u8* out,
-                                    hq_i64 n, hq_i64 first, int bits, hq_u32 k0, hq_u32 k1,
-                                    hq_i64 blk, hq_u8* sh_codes) {
+                                    hq_i64 n, hq_i64 first, hq_u32 k0, hq_u32 k1, hq_i64 blk,
+                                    hq_u8* sh_codes) {
   const hq_i64 b0 = blk * HQ_PACK_BLOCK;
   const int m = (int)(n - b0 < HQ_PACK_BLOCK ? n - b0 : HQ_PACK_BLOCK);
-  const hq_i64 off = hq_block_offset(blk, bits);
+  const hq_i64 off = hq_block_offset(blk, BITS);
   ex.each([&](int tid) {
     for (int j = tid; j < m; j += ex.nt) {
-      const hq_u32 ca = hq_unpack_code(a + off, m, bits, j);
-      const hq_u32 cb = hq_unpack_code(b + off, m, bits, j);
-      sh_codes[j] = (hq_u8)hq_combine_elem(ca, cb, (hq_u64)(first + b0 + j), bits, k0, k1);
+      const hq_u32 ca = hq_unpack_code<BITS>(a + off, m, j);
+      const hq_u32 cb = hq_unpack_code<BITS>(b + off, m, j);
+      sh_codes[j] = (hq_u8)hq_combine_elem(ca, cb, (hq_u64)(first + b0 + j), BITS, k0, k1);
     }
   });
   ex.sync();
-  hq_pack_phase(ex, sh_codes, m, bits, out + off);
+  hq_pack_phase<BITS>(ex, sh_codes, m, out + off);
 }
-
-// ------------------------------------------------------------------------------------------
-// norm statistics (global_qsgd._max_abs / _sum_squares)
-// ------------------------------------------------------------------------------------------
-// max |x| as int32 bit pattern, >= 0x7F800000 when x holds Inf/NaN (then _max_abs is NaN)
-HQ_HD hq_i32 hq_abs_bits(float v) { return (hq_i32)(hq_f2u(v) & 0x7FFFFFFFu); }
 
 #endif  // HQ_GLOBAL_CUH

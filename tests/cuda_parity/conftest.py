@@ -17,6 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from horovod_quant.backends.cuda.launch import MAX_PAYLOADS, DitherValues, log2_exact
+from horovod_quant.backends.cuda.specs import TILE_UNITS
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 NVCC = os.environ.get("NVCC") or shutil.which("nvcc") or (
@@ -42,11 +45,13 @@ _SIGS = {
     "hqh_unpack": (None, [P, I64, I32, P]),
     "hqh_scales": (None, [P, I64, I64, I32, F64, P, I32]),
     "hqh_max_scales": (None, [P, I64, I64, I32, P, I32]),
-    "hqh_encode": (None, [P, I64, I64, I32, I32, I32, F64, I32, I32, I32, I32, F32, F32, U32,
-                          U32, P, I64, I64, I32, I32]),
+    "hqh_encode_tile": (I32, [I32, I32, I32, P, I64, I32, I32, I32, I32, I32, F32, F32, U32, U32,
+                              P, I64, I64]),
+    "hqh_encode_block": (I32, [I32, I32, P, I64, I64, I32, F64, I32, I32, I32, I32, F32, F32,
+                               U32, U32, P, I64, I64, I32, I64, I32]),
     "hqh_codes": (None, [P, I64, I32, I32, I32, I32, F32, U32, U32, P]),
-    "hqh_decode_levels": (None, [P, I32, I64, I64, P, I64, I64, I32, P, P, I32, I32, F32]),
-    "hqh_decode_dither": (None, [P, I32, I64, I64, P, I64, I64, I32, I32, P, I32, I32, F32]),
+    "hqh_decode": (I32, [I32, I32, I32, P, I32, I64, I64, F32, I64, I64, I32, P, I32, I32, F32,
+                         I64, P, P, I32]),
     "hqh_decode_nested": (None, [P, I64, I64, I64, I64, I32, I32, I32, F32, F32, P, U32, U32, P,
                                  P, P]),
     "hqh_linear_encode": (None, [P, I64, I32, I32, F32, U32, U32, P, I64]),
@@ -99,16 +104,25 @@ class HostBackend:
     def to_host(self, a):
         return np.asarray(a)
 
-    def _ptrs(self, arrays):
-        return np.array([ptr(self._c(a)) for a in arrays], np.uint64)
+    def address(self, a):
+        return ptr(a)
 
-    def encode(self, x, n, bucket, mode, bits, norm_kind, p, s, c, M, k, am, gnorm, k0, k1, out,
-               scales_off, codes_off, fused):
+    def encode_tiles(self, x, full_blocks, log2_bucket, mode, kind, bits, s, c, M, k, am, gnorm,
+                     k0, k1, out, scales_off, codes_off):
+        units = full_blocks * TILE_UNITS[bits]
+        rc = self.lib.hqh_encode_tile(mode, kind, bits, ptr(self._c(x)), units, log2_bucket, s, c,
+                                      M, k, am, gnorm, k0, k1, ptr(self._c(out)), scales_off,
+                                      codes_off)
+        assert rc == 0, f"no warp-tile encode for mode={mode} kind={kind} bits={bits}"
+
+    def encode_blocks(self, x, n, bucket, mode, bits, norm_kind, p, s, c, M, k, am, gnorm, k0,
+                      k1, out, scales_off, codes_off, fused, first_block):
         if scales_off % 4:
             raise AssertionError("scales must be 4-byte aligned (float stores)")
-        self.lib.hqh_encode(ptr(self._c(x)), n, bucket, mode, bits, norm_kind, p, s, c, M, k, am,
-                            gnorm, k0, k1, ptr(self._c(out)), scales_off, codes_off,
-                            1 if fused else 0, self.nt)
+        rc = self.lib.hqh_encode_block(mode, bits, ptr(self._c(x)), n, bucket, norm_kind, p, s, c,
+                                       M, k, am, gnorm, k0, k1, ptr(self._c(out)), scales_off,
+                                       codes_off, 1 if fused else 0, first_block, self.nt)
+        assert rc == 0, f"no block encode for mode={mode} bits={bits}"
 
     def scales(self, x, n, bucket, kind, p, scales):
         self.lib.hqh_scales(ptr(x), n, bucket, kind, p, ptr(self._c(scales)), self.nt)
@@ -116,14 +130,33 @@ class HostBackend:
     def max_scales(self, x, n, bucket, kind, scales):
         self.lib.hqh_max_scales(ptr(x), n, bucket, kind, ptr(self._c(scales)), self.nt)
 
-    def decode_levels(self, pays, scales_off, codes_off, gscale, n, bucket, bits, table, out,
-                      accumulate, post):
-        ptrs = self._ptrs(pays)
-        gs = np.asarray(gscale if gscale is not None else [0.0], np.float32)
-        self.lib.hqh_decode_levels(ptr(ptrs), len(pays), scales_off, codes_off, ptr(gs), n, bucket,
-                                   bits, ptr(self._c(table)), ptr(self._c(out)),
-                                   1 if accumulate else 0, 0 if post is None else 1,
-                                   0.0 if post is None else float(post))
+    def _decode(self, words, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                start, post, rng):
+        ptrs = np.zeros(MAX_PAYLOADS, np.uint64)
+        ptrs[: len(pays)] = [ptr(self._c(a)) for a in pays]
+        keys = np.zeros(MAX_PAYLOADS, np.uint64)
+        table = np.zeros(1, np.float32)
+        if isinstance(values, DitherValues):
+            keys[: len(values.keys)] = [k0 | (k1 << 32) for k0, k1 in values.keys]
+            kind, M = 1, values.M
+        else:
+            table, kind, M = self._c(values.table), 0, 0
+        rc = self.lib.hqh_decode(kind, 1 if words else 0, bits, ptr(ptrs), len(pays), scales_off,
+                                 codes_off, 0.0 if gscale is None else float(gscale), n, bucket,
+                                 log2_exact(bucket) or 0, ptr(self._c(out)), start,
+                                 0 if post is None else 1, 0.0 if post is None else float(post),
+                                 rng, ptr(table), ptr(keys), M)
+        assert rc == 0, f"no decode for bits={bits} (words={words})"
+
+    def decode_words(self, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                     start, post, end):
+        self._decode(True, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                     start, post, end)
+
+    def decode_groups(self, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                      start, post, begin):
+        self._decode(False, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                     start, post, begin)
 
     def codes(self, x, n, mode, bits, s, c, gnorm, k0, k1, codes):
         self.lib.hqh_codes(ptr(x), n, mode, bits, s, c, gnorm, k0, k1, ptr(self._c(codes)))
@@ -133,14 +166,6 @@ class HostBackend:
 
     def unpack(self, packed, n, bits, codes):
         self.lib.hqh_unpack(ptr(self._c(packed)), n, bits, ptr(self._c(codes)))
-
-    def decode_dither(self, pays, scales_off, codes_off, keys, n, bucket, bits, M, out,
-                      accumulate, post):
-        ptrs = self._ptrs(pays)
-        kd = np.asarray(keys, np.uint32)
-        self.lib.hqh_decode_dither(ptr(ptrs), len(pays), scales_off, codes_off, ptr(kd), n, bucket,
-                                   bits, M, ptr(self._c(out)), 1 if accumulate else 0,
-                                   0 if post is None else 1, 0.0 if post is None else float(post))
 
     def decode_nested(self, d, scales_off, codes_off, n, bucket, M, k, bits, am, alpha, y, k0, k1,
                       out):
