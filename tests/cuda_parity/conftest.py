@@ -18,7 +18,12 @@ import numpy as np
 import pytest
 
 from horovod_quant.backends.cuda.launch import MAX_PAYLOADS, DitherValues, log2_exact
-from horovod_quant.backends.cuda.specs import TILE_UNITS
+from horovod_quant.backends.cuda.specs import (
+    TILE_UNITS,
+    block_encode_kernel,
+    decode_kernel,
+    tile_encode_kernel,
+)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -88,13 +93,16 @@ def ptr(a: np.ndarray) -> int:
 
 class HostBackend:
     """The kernel launcher of :class:`horovod_quant.backends.cuda.CudaBackend` (see its module
-    doc) on NumPy arrays, each call replaying the kernel of the same name on the CPU."""
+    doc) on NumPy arrays, each call replaying the kernel of the same name on the CPU.
+    ``launched`` lists the specialised entry points replayed (names as on the GPU), so tests
+    can check which program ran."""
 
     xp = np
 
     def __init__(self, lib: ctypes.CDLL, nt: int = 256) -> None:
         self.lib = lib
         self.nt = nt
+        self.launched: list[str] = []
 
     @staticmethod
     def _c(a: np.ndarray) -> np.ndarray:
@@ -109,6 +117,7 @@ class HostBackend:
 
     def encode_tiles(self, x, full_blocks, log2_bucket, mode, kind, bits, s, c, M, k, am, gnorm,
                      k0, k1, out, scales_off, codes_off):
+        self.launched.append(tile_encode_kernel(mode, kind, bits))
         units = full_blocks * TILE_UNITS[bits]
         rc = self.lib.hqh_encode_tile(mode, kind, bits, ptr(self._c(x)), units, log2_bucket, s, c,
                                       M, k, am, gnorm, k0, k1, ptr(self._c(out)), scales_off,
@@ -119,6 +128,7 @@ class HostBackend:
                       k1, out, scales_off, codes_off, fused, first_block):
         if scales_off % 4:
             raise AssertionError("scales must be 4-byte aligned (float stores)")
+        self.launched.append(block_encode_kernel(mode, bits))
         rc = self.lib.hqh_encode_block(mode, bits, ptr(self._c(x)), n, bucket, norm_kind, p, s, c,
                                        M, k, am, gnorm, k0, k1, ptr(self._c(out)), scales_off,
                                        codes_off, 1 if fused else 0, first_block, self.nt)
@@ -141,6 +151,7 @@ class HostBackend:
             kind, M = 1, values.M
         else:
             table, kind, M = self._c(values.table), 0, 0
+        self.launched.append(decode_kernel(("levels", "dither")[kind], words, bits))
         rc = self.lib.hqh_decode(kind, 1 if words else 0, bits, ptr(ptrs), len(pays), scales_off,
                                  codes_off, 0.0 if gscale is None else float(gscale), n, bucket,
                                  log2_exact(bucket) or 0, ptr(self._c(out)), start,
