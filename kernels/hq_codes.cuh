@@ -72,7 +72,8 @@ HQ_HD int hq_scale_kind(const HqEnc& e) {
 // Per-bucket (or global) values hoisted out of the element loop.
 struct HqBucket {
   bool ok;         // scale > 0 and finite
-  bool boost;      // levels: tiny scale, round x * 2^64 against scale * 2^64
+  float vmul;      // levels: 2^64 for a tiny scale (round x * 2^64 against scale * 2^64), else
+                   // 1 (exact either way, and one multiply instead of a branch per element)
   float a;         // uniform: s / scale; geometric: 1 / scale; exp: 1 / (norm boostf);
                    // linear: s / (norm boostf); dither: kappa
   float boostf;    // exp / linear: 2^64 for norms below 2^-100, else 1 (global_qsgd._boost)
@@ -84,7 +85,7 @@ struct HqBucket {
 template <int MODE>
 HQ_HD HqBucket hq_bucket_params(const HqEnc& e, float sc) {
   HqBucket b;
-  b.boost = false;
+  b.vmul = 1.0f;
   b.boostf = 1.0f;
   b.a = 0.0f;
   b.low_mult = 0.0f;
@@ -95,7 +96,7 @@ HQ_HD HqBucket hq_bucket_params(const HqEnc& e, float sc) {
   if (MODE == HQ_MODE_UNIFORM || MODE == HQ_MODE_GEOMETRIC) {
     if (b.ok) {
       if (sc < HQ_TINY_SCALE) {
-        b.boost = true;
+        b.vmul = HQ_TINY_BOOST;
         sc = hq_fmul(sc, HQ_TINY_BOOST);
       }
       if (MODE == HQ_MODE_UNIFORM) {
@@ -157,24 +158,25 @@ HQ_HD hq_i32 hq_fine_index(float v, float kap, float am, float rho) {
 }
 
 // Code of element value v with random bits h under bucket parameters b; smask is the sign bit
-// of a bits-wide code (1 << (bits - 1)).
+// of a bits-wide code (1 << (bits - 1)). The level modes compute a code for a bucket without a
+// valid scale too and discard it at the end: a select rather than a branch per element, which
+// would keep the compiler from interleaving the elements of a row.
 template <int MODE>
 HQ_HD hq_u32 hq_encode_code(const HqEnc& e, const HqBucket& b, float v, hq_u32 h, hq_i32 smask) {
   if (MODE == HQ_MODE_UNIFORM) {
-    if (!b.ok) return 0;
-    if (b.boost) v = hq_fmul(v, HQ_TINY_BOOST);
+    v = hq_fmul(v, b.vmul);
     const float fs = (float)e.s;
     float t = hq_fmul(fabsf(v), b.a);
-    t = fs < t ? fs : t;  // numba min(t, fs); t is finite and in [0, s] (b.ok)
+    t = fs < t ? fs : t;  // numba min(t, fs); t is finite and in [0, s] when b.ok
     hq_i32 lvl;
     float flvl;
     hq_floor_split(t, &lvl, &flvl);  // (int)t and (float)(int)t
     const float frac = hq_fsub(t, flvl);
-    const hq_i32 mag = lvl + (hq_i32)(hq_u24(h) < frac);
-    return (hq_u32)(mag | ((v < 0.0f && mag != 0) ? smask : 0));
+    const hq_u32 mag = (hq_u32)lvl + (hq_u32)(hq_u24(h) < frac);
+    const hq_u32 code = mag | ((v < 0.0f && mag != 0) ? (hq_u32)smask : 0u);
+    return b.ok ? code : 0u;
   } else if (MODE == HQ_MODE_GEOMETRIC) {
-    if (!b.ok) return 0;
-    if (b.boost) v = hq_fmul(v, HQ_TINY_BOOST);
+    v = hq_fmul(v, b.vmul);
     float r = hq_fmul(fabsf(v), b.a);
     r = 1.0f < r ? 1.0f : r;  // numba min(r, 1)
     const hq_i32 rb = (hq_i32)hq_f2u(r);
@@ -182,10 +184,11 @@ HQ_HD hq_u32 hq_encode_code(const HqEnc& e, const HqBucket& b, float v, hq_u32 h
     const hq_i32 up_hi = (hq_i32)((hq_i32)(h >> 9) < (rb & 0x7FFFFF));
     const hq_i32 up_lo = (hq_i32)(hq_u24(h) < hq_fmul(r, b.low_mult));
     const hq_i32 mag = lower >= 1 ? lower + up_hi : up_lo;
-    return (hq_u32)(mag | ((v < 0.0f && mag != 0) ? smask : 0));
+    const hq_u32 code = (hq_u32)(mag | ((v < 0.0f && mag != 0) ? smask : 0));
+    return b.ok ? code : 0u;
   } else if (MODE == HQ_MODE_EXP) {
-    if (!b.ok) return 0;
-    return (hq_u32)hq_exp_code(v, b.boostf, b.a, b.low_mult, b.i0, b.i1, b.i2, smask, h);
+    const hq_i32 code = hq_exp_code(v, b.boostf, b.a, b.low_mult, b.i0, b.i1, b.i2, smask, h);
+    return b.ok ? (hq_u32)code : 0u;
   } else if (MODE == HQ_MODE_LINEAR_SM) {
     if (!b.ok) return 0;
     const hq_i32 q = hq_linear_level(v, b.boostf, b.a, (float)e.s, h);

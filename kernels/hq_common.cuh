@@ -197,17 +197,21 @@ HQ_HD hq_i64 hq_div(hq_i64 a, hq_i64 b) {
   return ((hq_u64)(a | b) >> 32) == 0 ? (hq_i64)((hq_u32)a / (hq_u32)b) : a / b;
 }
 
-// floor(t) for |t| < 2^22 as (int, float), exactly, without the conversion instructions
-// (F2I / I2F run at a quarter of the integer rate on current GPUs and would bound the encode):
-// t + 1.5 * 2^23 rounds t to the nearest integer (ulp 1 there), and a rounding up is undone.
+// floor(t) for |t| < 2^22 as (int, float), exactly, in three instructions and without the
+// conversion instructions (F2I / I2F / FRND share a quarter-rate pipe on current GPUs and would
+// bound the encode): t + 1.5 * 2^23 lies in [2^23, 2^24), where the float grid is the integers,
+// so the sum rounded toward zero is 1.5 * 2^23 + floor(t). The host computes the same value as
+// floorf(t) + 1.5 * 2^23 (both terms and the sum exact in that range). NaN gives garbage
+// (callers discard it); integer arithmetic on the bits is unsigned, so it never overflows.
 HQ_HD void hq_floor_split(float t, hq_i32* it, float* ft) {
   const float magic = 12582912.0f;  // 1.5 * 2^23
-  const float r = hq_fadd(t, magic);
-  float f = hq_fsub(r, magic);      // exact: nearest integer to t
-  hq_i32 i = (hq_i32)hq_f2u(r) - (hq_i32)0x4B400000;
-  const bool up = f > t;
-  *it = up ? i - 1 : i;
-  *ft = up ? hq_fsub(f, 1.0f) : f;
+#ifdef __CUDA_ARCH__
+  const float r = __fadd_rz(t, magic);
+#else
+  const float r = floorf(t) + magic;
+#endif
+  *ft = hq_fsub(r, magic);
+  *it = (hq_i32)(hq_f2u(r) - 0x4B400000u);
 }
 
 // 2^k as float32 for -126 <= k <= 127 (np.float32(2.0) ** np.float32(k): exact)

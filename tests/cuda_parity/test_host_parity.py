@@ -57,6 +57,8 @@ from horovod_quant.core import exponent_reduction
 from horovod_quant.core import rng as R
 from horovod_quant.core.base import as_vector, worker_seed
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 PB = packing.PACK_BLOCK
 SIZES = [0, 1, 7, 8, 9, 8191, 8192, 8193, 2 * PB + 17]
 INF = float("inf")
@@ -797,6 +799,27 @@ def test_tile_reductions_replay_warp_collectives(host_cuda):
                               norm_kind=NORM_MAX, s=s)
 
 
+def test_kernel_launches_script_cases(host_cuda):
+    """benchmarks/kernel_launches.py (compute-sanitizer's and ncu's launch list) covers every
+    entry point, and each of its cases runs on valid inputs and launches the specialised
+    program it names (replayed here on the host)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import kernel_launches as KL
+    finally:
+        sys.path.pop(0)
+    cases = KL.cases()
+    declared = {k for c in cases for k in c.kernels}
+    assert declared == {k for ks in kernel_names().values() for k in ks}
+    specialised = re.compile(r"^hq_(encode_tile|encode_block|decode_words|decode_groups)_")
+    for c in cases:
+        host_cuda.kernels.launched.clear()
+        c.run(host_cuda, np, 3 * PB + 5)
+        assert set(host_cuda.kernels.launched) == {k for k in c.kernels if specialised.match(k)}, c
+    assert [c.kernels for c in KL.select(cases, "decode", "words_levels_8b")] == \
+        [("hq_decode_words_levels_8b",)] * 2
+
+
 # -- sources ---------------------------------------------------------------------------------
 def test_entry_points_and_ptx_from_nvcc(tmp_path):
     """Each kernel file compiles to exactly the entry points the launcher knows
@@ -825,6 +848,27 @@ def test_entry_points_and_ptx_from_nvcc(tmp_path):
         assert not [i for i in f32 if "ftz" in i], f
         assert not [i for i in f32 if i.startswith(("fma", "div.full")) or "approx" in i], f
         assert ".local" not in text, f"{f}: local memory (a runtime-indexed array?)"
+
+def test_kernel_launches_script_cases(host_cuda):
+    """benchmarks/kernel_launches.py (compute-sanitizer's and ncu's launch list) covers every
+    entry point, and each of its cases runs on valid inputs and launches the specialised
+    program it names (replayed here on the host)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import kernel_launches as KL
+    finally:
+        sys.path.pop(0)
+    cases = KL.cases()
+    declared = {k for c in cases for k in c.kernels}
+    assert declared == {k for ks in kernel_names().values() for k in ks}
+    specialised = re.compile(r"^hq_(encode_tile|encode_block|decode_words|decode_groups)_")
+    for c in cases:
+        host_cuda.kernels.launched.clear()
+        c.run(host_cuda, np, 3 * PB + 5)
+        assert set(host_cuda.kernels.launched) == {k for k in c.kernels if specialised.match(k)}, c
+    assert [c.kernels for c in KL.select(cases, "decode", "words_levels_8b")] == \
+        [("hq_decode_words_levels_8b",)] * 2
+
 
 # -- sources ---------------------------------------------------------------------------------
 def _find_nvrtc():
