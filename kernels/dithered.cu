@@ -55,15 +55,15 @@ hq_decode_nested(const unsigned char* d, long long scales_off, long long codes_o
                  long long bucket, int M, int k, int bits, float am, float alpha, const float* y,
                  unsigned int k0, unsigned int k1, float* out, float* resid) {
   const hq_i64 stride = (hq_i64)gridDim.x * blockDim.x;
-  hq_with_bits(bits, [&](auto B) {
-    for (hq_i64 i = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-      float r;
-      out[i] = hq_decode_nested_elem<decltype(B)::value>(d, scales_off, codes_off, n, bucket, M,
-                                                          k, am, alpha, y[i], k0, k1, out[i],
-                                                          &r, i);
-      resid[i] = r;
-    }
-  });
+#define HQ_NESTED(B)                                                                     \
+  for (hq_i64 i = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {    \
+    float r;                                                                              \
+    out[i] = hq_decode_nested_elem<B>(d, scales_off, codes_off, n, bucket, M, k, am, alpha, \
+                                      y[i], k0, k1, out[i], &r, i);                       \
+    resid[i] = r;                                                                         \
+  }
+  HQ_WITH_BITS(bits, HQ_NESTED)
+#undef HQ_NESTED
 }
 
 // one block of 8 threads: sum[0] = sum of squared residuals, count[0] = elements counted

@@ -40,10 +40,10 @@ hq_exp_combine(const unsigned char* a, const unsigned char* b, unsigned char* ou
   __shared__ hq_u8 scodes[HQ_PACK_BLOCK];
   HqDevEx ex;
   ex.nt = (int)blockDim.x;
-  hq_with_bits(bits, [&](auto B) {
-    hq_combine_block<decltype(B)::value>(ex, a, b, out, n, first, k0, k1, (hq_i64)blockIdx.x,
-                                         scodes);
-  });
+#define HQ_COMBINE(B) \
+  hq_combine_block<B>(ex, a, b, out, n, first, k0, k1, (hq_i64)blockIdx.x, scodes)
+  HQ_WITH_BITS(bits, HQ_COMBINE)
+#undef HQ_COMBINE
 }
 
 // *result (zero-initialised) = max over x of the bit pattern of |x|
@@ -78,8 +78,9 @@ extern "C" __global__ void __launch_bounds__(HQ_THREADS)
 hq_decode_sparse(const unsigned char* data, long long cnt, int bits, const float* table,
                  float scale, float* out) {
   const hq_i64 stride = (hq_i64)gridDim.x * blockDim.x;
-  hq_with_bits(bits, [&](auto B) {
-    for (hq_i64 j = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; j < cnt; j += stride)
-      hq_decode_sparse_elem<decltype(B)::value>(data, cnt, table, scale, out, j);
-  });
+#define HQ_SPARSE(B)                                                                      \
+  for (hq_i64 j = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; j < cnt; j += stride) \
+    hq_decode_sparse_elem<B>(data, cnt, table, scale, out, j);
+  HQ_WITH_BITS(bits, HQ_SPARSE)
+#undef HQ_SPARSE
 }

@@ -307,30 +307,21 @@ HQ_HD hq_i64 hq_packed_nbytes(hq_i64 n, int bits) {
 // byte offset of packing block `blk` from the start of the packed codes
 HQ_HD hq_i64 hq_block_offset(hq_i64 blk, int bits) { return blk * (HQ_PACK_BLOCK * bits / 8); }
 
-// A compile-time int, for running a template over a runtime bit width (hq_with_bits).
-template <int V>
-struct HqInt {
-  static constexpr int value = V;
-};
-
-// f(HqInt<bits>()) for bits in 1..8: kernels whose bit width is not a template parameter
-// (pack, unpack, exponent combination, sparse and nested decodes) branch once, uniformly,
-// into the specialised code.
-// (exec check off: the host build passes host lambdas)
-#pragma nv_exec_check_disable
-template <class F>
-HQ_HDT inline void hq_with_bits(int bits, F f) {
-  switch (bits) {
-    case 1: f(HqInt<1>()); break;
-    case 2: f(HqInt<2>()); break;
-    case 3: f(HqInt<3>()); break;
-    case 4: f(HqInt<4>()); break;
-    case 5: f(HqInt<5>()); break;
-    case 6: f(HqInt<6>()); break;
-    case 7: f(HqInt<7>()); break;
-    default: f(HqInt<8>()); break;
+// Expands F(b) for the runtime bit width `bits` (1..8): kernels whose bit width is not a
+// template parameter (pack, unpack, exponent combination, sparse and nested decodes) branch
+// once, uniformly, into code specialised for it. A macro, not a generic lambda: NVRTC rejects
+// the unannotated call operator of a generic lambda in device code.
+#define HQ_WITH_BITS(bits, F) \
+  switch (bits) {             \
+    case 1: F(1); break;      \
+    case 2: F(2); break;      \
+    case 3: F(3); break;      \
+    case 4: F(4); break;      \
+    case 5: F(5); break;      \
+    case 6: F(6); break;      \
+    case 7: F(7); break;      \
+    default: F(8); break;     \
   }
-}
 
 // Byte j of plane `plane` of a block of m codes: fields of codes j, j + L, j + 2L, ...
 // (codes past m count as zero). codes[] holds the block's codes.

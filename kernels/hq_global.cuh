@@ -27,7 +27,7 @@ HQ_HD hq_u64 hq_linear_word(const float* x, hq_i64 n, int bits, int s, float boo
   const hq_i64 e0 = w0 * per;
   const hq_i64 rem = n - e0;
   const hq_i64 m = rem < (hq_i64)HQ_WORD_BLOCK * per ? rem : (hq_i64)HQ_WORD_BLOCK * per;
-  const hq_i64 L = (m + per - 1) / per;
+  const hq_i64 L = hq_div(m + per - 1, per);
   const hq_i64 j = w - w0;
   const float fs = (float)s;
   hq_u64 word = 0;
@@ -46,15 +46,15 @@ HQ_HD float hq_linear_value(const hq_u64* words, hq_i64 n, int bits, hq_i32 offs
                             hq_i64 i) {
   const int per = 64 / bits;
   const hq_i64 epb = (hq_i64)HQ_WORD_BLOCK * per;
-  const hq_i64 e0 = (i / epb) * epb;
+  const hq_i64 e0 = hq_div(i, epb) * epb;
   const hq_i64 rem = n - e0;
   const hq_i64 m = rem < epb ? rem : epb;
-  const hq_i64 L = (m + per - 1) / per;
+  const hq_i64 L = hq_div(m + per - 1, per);
   const hq_i64 idx = i - e0;
-  const hq_i64 f = idx / L;
+  const hq_i64 f = hq_div(idx, L);
   const hq_i64 j = idx - f * L;
   const hq_u64 mask = (bits == 64) ? ~0ull : ((1ull << bits) - 1ull);
-  const hq_i32 field = (hq_i32)((words[e0 / per + j] >> (f * bits)) & mask);
+  const hq_i32 field = (hq_i32)((words[hq_div(e0, per) + j] >> (f * bits)) & mask);
   return hq_fmul((float)(field - offset), scale);
 }
 

@@ -165,19 +165,20 @@ hq_pack(const unsigned char* codes, long long n, int bits, unsigned char* out) {
   __shared__ hq_u8 scodes[HQ_PACK_BLOCK];
   HqDevEx ex;
   ex.nt = (int)blockDim.x;
-  hq_with_bits(bits, [&](auto B) {
-    hq_pack_block<decltype(B)::value>(ex, codes, n, (hq_i64)blockIdx.x, out, scodes);
-  });
+#define HQ_PACK(B) hq_pack_block<B>(ex, codes, n, (hq_i64)blockIdx.x, out, scodes)
+  HQ_WITH_BITS(bits, HQ_PACK)
+#undef HQ_PACK
 }
 
 // codes of n packed elements (tests / debugging)
 extern "C" __global__ void hq_unpack(const unsigned char* packed, long long n, int bits,
                                      unsigned char* codes) {
   const hq_i64 stride = (hq_i64)gridDim.x * blockDim.x;
-  hq_with_bits(bits, [&](auto B) {
-    for (hq_i64 i = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-      codes[i] = (hq_u8)hq_packed_code<decltype(B)::value>(packed, n, i);
-  });
+#define HQ_UNPACK(B)                                                                    \
+  for (hq_i64 i = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) \
+    codes[i] = (hq_u8)hq_packed_code<B>(packed, n, i);
+  HQ_WITH_BITS(bits, HQ_UNPACK)
+#undef HQ_UNPACK
 }
 
 extern "C" __global__ void __launch_bounds__(HQ_THREADS)

@@ -15,6 +15,12 @@
 
 #define HQH extern "C"
 
+// a compile-time int for the host's generic lambdas (the host build may use them; NVRTC may not)
+template <int V>
+struct HqInt {
+  static constexpr int value = V;
+};
+
 HQH hq_u64 hqh_splitmix64(hq_u64 x) { return hq_splitmix64(x); }
 HQH hq_u64 hqh_derive_key(hq_u64 seed, const hq_u64* fields, int nfields) {
   return hq_derive_key(seed, fields, nfields);
@@ -38,17 +44,19 @@ HQH void hqh_pack(const hq_u8* codes, hq_i64 n, int bits, hq_u8* out, int nt) {
   HqHostEx ex;
   ex.nt = nt;
   std::vector<hq_u8> sh(HQ_PACK_BLOCK);
-  hq_with_bits(bits, [&](auto B) {
-    for (hq_i64 blk = 0; blk * HQ_PACK_BLOCK < n; ++blk)
-      hq_pack_block<decltype(B)::value>(ex, codes, n, blk, out, sh.data());
-  });
+#define HQH_PACK(B)                                    \
+  for (hq_i64 blk = 0; blk * HQ_PACK_BLOCK < n; ++blk) \
+    hq_pack_block<B>(ex, codes, n, blk, out, sh.data());
+  HQ_WITH_BITS(bits, HQH_PACK)
+#undef HQH_PACK
 }
 
 // kernel hq_unpack
 HQH void hqh_unpack(const hq_u8* packed, hq_i64 n, int bits, hq_u8* codes) {
-  hq_with_bits(bits, [&](auto B) {
-    for (hq_i64 i = 0; i < n; ++i) codes[i] = (hq_u8)hq_packed_code<decltype(B)::value>(packed, n, i);
-  });
+#define HQH_UNPACK(B) \
+  for (hq_i64 i = 0; i < n; ++i) codes[i] = (hq_u8)hq_packed_code<B>(packed, n, i);
+  HQ_WITH_BITS(bits, HQH_UNPACK)
+#undef HQH_UNPACK
 }
 
 // kernel hq_scales, grid = ceil(nb / (nt / 8))
@@ -192,12 +200,13 @@ HQH int hqh_decode(int kind, int words, int bits, const hq_u64* pays, int npay,
   };
   if (words && bits != 4 && bits != 8) return -1;
   if (bits < 2 || bits > 8) return -1;
-  hq_with_bits(bits, [&](auto B) {
-    if (kind == 0)
-      run(B, levels);
-    else
-      run(B, dither);
-  });
+#define HQH_DECODE(B)        \
+  if (kind == 0)             \
+    run(HqInt<B>(), levels); \
+  else                       \
+    run(HqInt<B>(), dither);
+  HQ_WITH_BITS(bits, HQH_DECODE)
+#undef HQH_DECODE
   return 0;
 }
 
@@ -209,11 +218,11 @@ HQH void hqh_decode_nested(const hq_u8* d, hq_i64 scales_off, hq_i64 codes_off, 
   std::vector<float> resid(n > 0 ? n : 1);
   for (hq_i64 i = 0; i < n; ++i) {
     float r;
-    hq_with_bits(bits, [&](auto B) {
-      out[i] = hq_decode_nested_elem<decltype(B)::value>(d, scales_off, codes_off, n, bucket, M,
-                                                          k, am, alpha, y[i], k0, k1, out[i], &r,
-                                                          i);
-    });
+#define HQH_NESTED(B)                                                                      \
+  out[i] = hq_decode_nested_elem<B>(d, scales_off, codes_off, n, bucket, M, k, am, alpha, y[i], \
+                                    k0, k1, out[i], &r, i);
+    HQ_WITH_BITS(bits, HQH_NESTED)
+#undef HQH_NESTED
     resid[i] = r;
   }
   double lanes[HQ_LANES];
@@ -257,10 +266,11 @@ HQH void hqh_exp_combine(const hq_u8* a, const hq_u8* b, hq_u8* out, hq_i64 n, h
   HqHostEx ex;
   ex.nt = nt;
   std::vector<hq_u8> sh(HQ_PACK_BLOCK);
-  hq_with_bits(bits, [&](auto B) {
-    for (hq_i64 blk = 0; blk * HQ_PACK_BLOCK < n; ++blk)
-      hq_combine_block<decltype(B)::value>(ex, a, b, out, n, first, k0, k1, blk, sh.data());
-  });
+#define HQH_COMBINE(B)                                 \
+  for (hq_i64 blk = 0; blk * HQ_PACK_BLOCK < n; ++blk) \
+    hq_combine_block<B>(ex, a, b, out, n, first, k0, k1, blk, sh.data());
+  HQ_WITH_BITS(bits, HQH_COMBINE)
+#undef HQH_COMBINE
 }
 
 // combined code of single elements (for the rare exact path)
@@ -297,8 +307,8 @@ HQH void hqh_to_f32(const double* src, hq_i64 n, float* dst) {
 }
 HQH void hqh_decode_sparse(const hq_u8* data, hq_i64 cnt, int bits, const float* table, float scale,
                            float* out) {
-  hq_with_bits(bits, [&](auto B) {
-    for (hq_i64 j = 0; j < cnt; ++j)
-      hq_decode_sparse_elem<decltype(B)::value>(data, cnt, table, scale, out, j);
-  });
+#define HQH_SPARSE(B) \
+  for (hq_i64 j = 0; j < cnt; ++j) hq_decode_sparse_elem<B>(data, cnt, table, scale, out, j);
+  HQ_WITH_BITS(bits, HQH_SPARSE)
+#undef HQH_SPARSE
 }
