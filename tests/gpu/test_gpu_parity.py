@@ -360,7 +360,8 @@ def _check_encode(cp, mode, bits, x, bucket, seed, offset=0, dx=None, **kw):
     return ref
 
 
-@pytest.mark.parametrize("spec", tile_encode_specs(), ids=lambda s: f"{MODE_NAMES[s[0]]}-{s[1]}-{s[2]}")
+@pytest.mark.parametrize("spec", tile_encode_specs(),
+                         ids=lambda s: f"{MODE_NAMES[s[0]]}-{s[1]}-{s[2]}")
 def test_tile_encode_specialisation(cp, spec):
     mode, kind, bits = spec
     kw = _encode_params(mode, kind, bits)
