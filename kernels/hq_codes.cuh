@@ -230,15 +230,28 @@ struct HqTileShape {
   static constexpr int MAX_LOG2_BUCKET = 9;  // bucket <= PART
 };
 
+// Shared memory of one warp for the L2 tiles (unused by the others): the unit's elements, a
+// round of 32 float64 lane sums, the unit's bucket scales.
+struct HqTileShared {
+  float* x;        // PARTS * PART floats, 16-byte aligned
+  double* lanes;   // 32
+  float* scales;   // PARTS * PART / 4 (buckets of 4 elements)
+};
+
 // Encode unit `unit` (of the full packing blocks) of x. log2_bucket: 2 .. 9 (ignored without
 // scales); scales / codes: the payload's float32 scales and packed codes (4-byte aligned),
-// x 16-byte aligned. NORM: HQ_NORM_MAX or HQ_NORM_POW2.
+// x 16-byte aligned. NORM: HQ_NORM_MAX or HQ_NORM_POW2 (maxima by warp butterflies), or
+// HQ_NORM_L2: float64 sums of squares in the CPU's order (8 interleaved lanes, each left to
+// right, combined in lane order), which is sequential by definition: the unit goes to the
+// warp's shared memory `sh` and 8 lanes per bucket add its lanes (hq_lane_value, as the
+// generic program does), 32 (bucket, lane) pairs per round.
 template <int MODE, int NORM, int BITS, class Ex>
 HQ_HDT inline void hq_encode_tile(Ex& ex, const HqEnc& e, const float* x, int log2_bucket,
-                                  hq_i64 unit, float* scales, hq_u8* codes) {
+                                  hq_i64 unit, float* scales, hq_u8* codes, HqTileShared sh) {
   using S = HqTileShape<BITS>;
   constexpr int NV = S::PARTS * S::ROWS;
   constexpr bool SCALED = hq_has_scales<MODE>();
+  constexpr bool SUMS = SCALED && NORM == HQ_NORM_L2;
   const hq_i64 blk = unit / S::UNITS;
   const int col = (int)(unit - blk * S::UNITS) * S::PART;  // part 0's offset = its code byte
   const hq_i64 b0 = blk * HQ_PACK_BLOCK;
@@ -246,6 +259,7 @@ HQ_HDT inline void hq_encode_tile(Ex& ex, const HqEnc& e, const float* x, int lo
   // a bucket spans rows (>= 128 elements) or groups of lanes within a row
   const int bucket_rows = log2_bucket >= 7 ? 1 << (log2_bucket - 7) : 1;
   const int bucket_lanes = log2_bucket >= 7 ? 32 : 1 << (log2_bucket - 2);
+  const int part_buckets = S::PART >> log2_bucket;
   typename Ex::template Reg<HqArr<float4, NV>> xs;
   typename Ex::template Reg<HqArr<hq_i32, NV>> mb;
   ex.each([&](int lane) {
@@ -253,8 +267,9 @@ HQ_HDT inline void hq_encode_tile(Ex& ex, const HqEnc& e, const float* x, int lo
     for (int i = 0; i < NV; ++i) {
       const int p = i / S::ROWS, r = i % S::ROWS;
       xs[lane].v[i] = hq_ldg_f4(xu + p * S::PART_STRIDE + r * 128 + 4 * lane);
+      if (SUMS) reinterpret_cast<float4*>(sh.x + p * S::PART + r * 128)[lane] = xs[lane].v[i];
     }
-    if (SCALED) {
+    if (SCALED && !SUMS) {
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         const float4 v = xs[lane].v[i];
@@ -279,7 +294,33 @@ HQ_HDT inline void hq_encode_tile(Ex& ex, const HqEnc& e, const float* x, int lo
       }
     }
   });
-  if (SCALED) ex.warp_max(mb, bucket_lanes);
+  if (SCALED && !SUMS) ex.warp_max(mb, bucket_lanes);
+  if (SUMS) {
+    const int pairs = S::PARTS * part_buckets * HQ_LANES;
+    for (int t0 = 0; t0 < pairs; t0 += 32) {
+      ex.sync();  // sh.x stored / the previous round's lanes read
+      ex.each([&](int lane) {
+        const int t = t0 + lane;
+        sh.lanes[lane] = t < pairs ? hq_lane_value(sh.x + ((t / HQ_LANES) << log2_bucket),
+                                                   1 << log2_bucket, t % HQ_LANES, HQ_NORM_L2,
+                                                   2.0)
+                                   : 0.0;
+      });
+      ex.sync();
+      ex.each([&](int lane) {
+        const int t = t0 + lane;
+        if (t % HQ_LANES == 0 && t < pairs) {
+          const int kb = t / HQ_LANES;  // bucket of the unit: part kb / part_buckets
+          const float sc = hq_lanes_scale(sh.lanes + lane, HQ_NORM_L2, 2.0);
+          sh.scales[kb] = sc;
+          const hq_i64 first = b0 + col + (kb / part_buckets) * S::PART_STRIDE +
+                               ((kb % part_buckets) << log2_bucket);
+          scales[first >> log2_bucket] = sc;
+        }
+      });
+    }
+    ex.sync();
+  }
   ex.each([&](int lane) {
     const hq_u32 kb = hq_block_key((hq_u64)b0, e.k0);
     const hq_u32 lo0 = (hq_u32)b0 + (hq_u32)(col + 4 * lane);  // low index word of the lane
@@ -296,11 +337,18 @@ HQ_HDT inline void hq_encode_tile(Ex& ex, const HqEnc& e, const float* x, int lo
         const int i = p * S::ROWS + r;
         const int off = p * S::PART_STRIDE + r * 128;  // from the lane's first element
         if (SCALED && (r & (bucket_rows - 1)) == 0) {
-          const float sc = hq_max_scale(mb[lane].v[i], NORM);
-          if (leader) scales[(b0 + col + off + 4 * lane) >> log2_bucket] = sc;
+          float sc;
+          if (SUMS) {
+            sc = sh.scales[p * part_buckets + ((r * 128 + 4 * lane) >> log2_bucket)];
+          } else {
+            sc = hq_max_scale(mb[lane].v[i], NORM);
+            if (leader) scales[(b0 + col + off + 4 * lane) >> log2_bucket] = sc;
+          }
           bp[p] = hq_bucket_params<MODE>(e, sc);
         }
-        const float4 v = xs[lane].v[i];
+        // (L2: from the shared copy, so that the registers need not live through the sums)
+        const float4 v = SUMS ? reinterpret_cast<const float4*>(sh.x + p * S::PART + r * 128)[lane]
+                              : xs[lane].v[i];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const hq_u32 h = hq_hash32_lo(lo0 + (hq_u32)(off + k), kb, e.k1);
@@ -694,8 +742,10 @@ HQ_HD void hq_decode_sparse_elem(const hq_u8* data, hq_i64 cnt, const float* tab
 #define HQ_TILE_ENCODES_OF_BITS(X, B)                                                      \
   X(uniform, HQ_MODE_UNIFORM, max, HQ_NORM_MAX, B)                                         \
   X(uniform, HQ_MODE_UNIFORM, pow2, HQ_NORM_POW2, B)                                       \
+  X(uniform, HQ_MODE_UNIFORM, l2, HQ_NORM_L2, B)                                           \
   X(geometric, HQ_MODE_GEOMETRIC, max, HQ_NORM_MAX, B)                                     \
   X(geometric, HQ_MODE_GEOMETRIC, pow2, HQ_NORM_POW2, B)                                   \
+  X(geometric, HQ_MODE_GEOMETRIC, l2, HQ_NORM_L2, B)                                       \
   X(exp, HQ_MODE_EXP, global, HQ_NORM_MAX, B)                                              \
   X(dither, HQ_MODE_DITHER, max, HQ_NORM_MAX, B)                                           \
   X(nested, HQ_MODE_NESTED, max, HQ_NORM_MAX, B)

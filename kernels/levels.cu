@@ -1,9 +1,10 @@
 // levels.cu: encode / decode of the packed-code codecs (CuPy RawModule entry points).
 //
 //   hq_encode_tile_<mode>_<scale>_<bits>b   the fast encode (bits 4, 8; buckets of 4 .. 512
-//                    elements with max / power-of-two scales, or the global norm): a warp per
-//                    unit of 512 (8 bits) or 2 x 512 (4 bits) elements held in registers, no
-//                    shared memory (hq_encode_tile). Full packing blocks only.
+//                    elements with max / power-of-two / L2 scales, or the global norm): a warp
+//                    per unit of 512 (8 bits) or 2 x 512 (4 bits) elements held in registers,
+//                    no block barrier; shared memory only for L2's ordered sums
+//                    (hq_encode_tile). Full packing blocks only.
 //   hq_encode_block_<mode>_<bits>b   every other encode: one block per packing block (8192
 //                    elements), x staged in shared memory, per-bucket scales when every bucket
 //                    lies inside the block (norms in 8 float64 lanes combined in lane order),
@@ -35,14 +36,24 @@
           const float* x, long long units, int log2_bucket, int s, int c, int M, int k,      \
           float am, float gnorm, unsigned int k0, unsigned int k1, unsigned char* out,       \
           long long scales_off, long long codes_off) {                                       \
+    using S = HqTileShape<BITS>;                                                             \
+    constexpr bool SUMS = NORM == HQ_NORM_L2; /* shared memory only for L2 scales */        \
+    constexpr int WARPS = HQ_THREADS / 32;                                                   \
+    __shared__ __align__(16) float sx[SUMS ? WARPS * S::PARTS * S::PART : 4];               \
+    __shared__ double slanes[SUMS ? WARPS * 32 : 1];                                        \
+    __shared__ float sscales[SUMS ? WARPS * S::PARTS * S::PART / 4 : 1];                    \
     HqDevWarpEx ex;                                                                          \
-    const HqEnc e = hq_enc(NORM, 0.0, s, c, M, k, am, gnorm, k0, k1);                        \
-    const hq_i64 warps = (hq_i64)gridDim.x * (blockDim.x / 32);                              \
-    for (hq_i64 u = (hq_i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; u < units;    \
-         u += warps)                                                                         \
+    const int warp = threadIdx.x / 32;                                                       \
+    HqTileShared sh;                                                                         \
+    sh.x = SUMS ? sx + warp * S::PARTS * S::PART : sx;                                       \
+    sh.lanes = SUMS ? slanes + warp * 32 : slanes;                                           \
+    sh.scales = SUMS ? sscales + warp * S::PARTS * S::PART / 4 : sscales;                    \
+    const HqEnc e = hq_enc(NORM, 2.0, s, c, M, k, am, gnorm, k0, k1);                        \
+    const hq_i64 warps = (hq_i64)gridDim.x * WARPS;                                          \
+    for (hq_i64 u = (hq_i64)blockIdx.x * WARPS + warp; u < units; u += warps)               \
       hq_encode_tile<MODE, NORM, BITS>(ex, e, x, log2_bucket, u,                             \
                                        reinterpret_cast<float*>(out + scales_off),           \
-                                       out + codes_off);                                     \
+                                       out + codes_off, sh);                                 \
   }
 HQ_TILE_ENCODES(HQ_TILE_ENCODE_KERNEL)
 

@@ -103,15 +103,19 @@ HQH void hqh_max_scales(const float* x, hq_i64 n, hq_i64 bucket, int kind, float
 HQH int hqh_encode_tile(int mode, int norm, int bits, const float* x, hq_i64 units,
                         int log2_bucket, int s, int c, int M, int k, float am, float gnorm,
                         hq_u32 k0, hq_u32 k1, hq_u8* out, hq_i64 scales_off, hq_i64 codes_off) {
-  const HqEnc e = hq_enc(norm, 0.0, s, c, M, k, am, gnorm, k0, k1);
+  const HqEnc e = hq_enc(norm, 2.0, s, c, M, k, am, gnorm, k0, k1);
   float* scales = reinterpret_cast<float*>(out + scales_off);
   HqHostEx ex;
   ex.nt = 32;
-#define HQH_TILE(MN, MODE, SN, NORM, BITS)                                     \
-  if (mode == MODE && norm == NORM && bits == BITS) {                           \
-    for (hq_i64 u = 0; u < units; ++u)                                          \
-      hq_encode_tile<MODE, NORM, BITS>(ex, e, x, log2_bucket, u, scales, out + codes_off); \
-    return 0;                                                                   \
+  std::vector<float> sx(2 * 512);  // one warp's shared memory (HqTileShared), the largest unit
+  std::vector<double> slanes(32);
+  std::vector<float> sscales(2 * 512 / 4);
+  const HqTileShared sh = {sx.data(), slanes.data(), sscales.data()};
+#define HQH_TILE(MN, MODE, SN, NORM, BITS)                                                \
+  if (mode == MODE && norm == NORM && bits == BITS) {                                      \
+    for (hq_i64 u = 0; u < units; ++u)                                                     \
+      hq_encode_tile<MODE, NORM, BITS>(ex, e, x, log2_bucket, u, scales, out + codes_off, sh); \
+    return 0;                                                                              \
   }
   HQ_TILE_ENCODES(HQH_TILE)
 #undef HQH_TILE

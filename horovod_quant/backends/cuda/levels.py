@@ -36,9 +36,9 @@ class LevelLaunches(Launches):
     def _tile_log2_bucket(self, x: Any, out: Any, scales_off: int, codes_off: int, bucket: int,
                           mode: int, kind: int, bits: int) -> int | None:
         """log2 of the bucket (0 without scales) when the warp-tile encode can take the full
-        packing blocks, else None: 4- or 8-bit codes, an order-free scale (max, power of two;
-        or none) of buckets that fit a tile, x 16-byte aligned, scales and codes 4-byte
-        aligned (payload buffers are; views at odd offsets take the generic program)."""
+        packing blocks, else None: 4- or 8-bit codes, a max, power-of-two or L2 scale (or
+        none) of buckets that fit a tile, x 16-byte aligned, scales and codes 4-byte aligned
+        (payload buffers are; views at odd offsets take the generic program)."""
         if bits not in FAST_BITS:
             return None
         addr = self.kernels.address

@@ -16,6 +16,7 @@ from ..protocol import (
     MODE_GEOMETRIC,
     MODE_NESTED,
     MODE_UNIFORM,
+    NORM_L2,
     NORM_MAX,
     NORM_POW2,
 )
@@ -28,9 +29,10 @@ MODE_NAMES = {MODE_UNIFORM: "uniform", MODE_GEOMETRIC: "geometric", MODE_EXP: "e
 FAST_BITS = (4, 8)
 #: bit widths of the generic programs (HQ_CODE_BITS)
 CODE_BITS = tuple(range(2, 9))
-#: scale kinds of the warp-tile encode (order-free maxima); Global-QSGD's exponent codes use
-#: the global norm and have no scales
-TILE_SCALES = {NORM_MAX: "max", NORM_POW2: "pow2"}
+#: scale kinds of the warp-tile encode: order-free maxima, and L2 norms (their ordered float64
+#: sums from the warp's shared memory); Global-QSGD's exponent codes use the global norm and
+#: have no scales
+TILE_SCALES = {NORM_MAX: "max", NORM_POW2: "pow2", NORM_L2: "l2"}
 #: bucket sizes of the warp-tile encode: powers of two 2^2 .. 2^9 (a bucket lies in one part)
 TILE_LOG2_BUCKETS = range(2, 10)
 #: units per packing block of the warp-tile encode (HqTileShape<bits>::UNITS)
@@ -41,9 +43,8 @@ DECODE_FILES = {"levels": "levels.cu", "dither": "dithered.cu"}
 
 def tile_encode_specs() -> list[tuple[int, int, int]]:
     """``(mode, scale kind, bits)`` of every warp-tile encode (HQ_TILE_ENCODES)."""
-    modes = [(MODE_UNIFORM, NORM_MAX), (MODE_UNIFORM, NORM_POW2), (MODE_GEOMETRIC, NORM_MAX),
-             (MODE_GEOMETRIC, NORM_POW2), (MODE_EXP, NORM_MAX), (MODE_DITHER, NORM_MAX),
-             (MODE_NESTED, NORM_MAX)]
+    modes = [(m, k) for m in (MODE_UNIFORM, MODE_GEOMETRIC) for k in TILE_SCALES]
+    modes += [(MODE_EXP, NORM_MAX), (MODE_DITHER, NORM_MAX), (MODE_NESTED, NORM_MAX)]
     return [(m, k, b) for b in FAST_BITS for m, k in modes]
 
 
