@@ -262,6 +262,7 @@ HQ_HDT inline void hq_encode_tile(Ex& ex, const HqEnc& e, const float* x, int lo
   const int part_buckets = S::PART >> log2_bucket;
   typename Ex::template Reg<HqArr<float4, NV>> xs;
   typename Ex::template Reg<HqArr<hq_i32, NV>> mb;
+  if (SUMS) ex.sync();  // every lane done with the warp's previous unit in sh
   ex.each([&](int lane) {
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
