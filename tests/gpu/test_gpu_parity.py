@@ -328,8 +328,9 @@ def _cuda():
 
 
 def _encode_params(mode, kind, bits):
+    # p-norms: p = 1 (exact on both sides; other p call pow, see LEVEL_SPECS)
     if mode == MODE_UNIFORM:
-        return {"norm_kind": kind, "s": hq.get_codec("qsgd", bits=bits).s}
+        return {"norm_kind": kind, "p": 1.0, "s": hq.get_codec("qsgd", bits=bits).s}
     if mode == MODE_EXP:
         codec = hq.get_codec("global_qsgd", world_size=1, bits=bits, levels="exponential")
         return {"s": codec.s, "c": codec.c}
@@ -338,7 +339,7 @@ def _encode_params(mode, kind, bits):
         return {"M": M, "am": float(M)}
     if mode == MODE_NESTED:
         return {"M": 127, "k": (1 << bits) - 1, "am": float(np.float32(0.7 * 127))}
-    return {"norm_kind": kind, "s": hq.get_codec("natural_dithering", bits=bits).s}
+    return {"norm_kind": kind, "p": 1.0, "s": hq.get_codec("natural_dithering", bits=bits).s}
 
 
 def _check_encode(cp, mode, bits, x, bucket, seed, offset=0, dx=None, **kw):
