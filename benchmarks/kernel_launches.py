@@ -49,6 +49,7 @@ from horovod_quant.backends.cuda.specs import (
     MODE_NAMES,
     block_encode_kernel,
     decode_kernel,
+    exp_combine_kernel,
     kernel_names,
     tile_encode_kernel,
     tile_encode_specs,
@@ -170,10 +171,12 @@ def _other_cases() -> list[Case]:
         be.linear_encode(x, 8, 60, 40.0, KEYS, words)
         be.linear_decode(words, n, 8, 60, 0.01, xp.empty(n, np.float32), False)
 
-    def exp_combine(be, xp, n):
-        a, b = (xp.asarray(_payload(numba_backend(), np, _input(np, n, r), MODE_EXP, 8, n))
-                for r in (1, 2))
-        be.exp_combine(a, b, a, n, 0, 8, *KEYS)
+    def exp_combine(be, xp, n):  # full packing blocks (words) and a partial one (block)
+        m = max(PACK_BLOCK, n // PACK_BLOCK * PACK_BLOCK) + 5
+        for bits in FAST_BITS:
+            a, b = (xp.asarray(_payload(numba_backend(), np, _input(np, m, r), MODE_EXP, bits, m))
+                    for r in (1, 2))
+            be.exp_combine(a, b, a, m, 0, bits, *KEYS)
 
     def nested(be, xp, n):
         data = _payload(be, xp, _input(xp, n), MODE_NESTED, 3, 512, offset=4)
@@ -189,7 +192,8 @@ def _other_cases() -> list[Case]:
         Case(("hq_scale", "hq_to_f32", "hq_max_abs_bits", "hq_sum_squares"), "other",
              elementwise),
         Case(("hq_linear_encode", "hq_linear_decode"), "other", linear),
-        Case(("hq_exp_combine",), "other", exp_combine),
+        Case((*(exp_combine_kernel(True, b) for b in FAST_BITS), exp_combine_kernel(False, 8)),
+             "other", exp_combine),
         Case((block_encode_kernel(MODE_NESTED, 3), "hq_decode_nested", "hq_resid_sum"), "other",
              nested),
     ]

@@ -117,6 +117,43 @@ HQ_HD hq_u32 hq_combine_elem(hq_u32 a, hq_u32 b, hq_u64 index, int bits, hq_u32 
   return (hq_u32)hq_combine_codes((hq_i32)a, (hq_i32)b, h, smask);
 }
 
+// Fast program (4- and 8-bit codes, full packing blocks): code word w of two packed ranges
+// combined into out, which may alias a or b (each word is read, then written, by one thread;
+// plain loads, since out may be a). a, b and out 4-byte aligned. The codes of a word are
+// those of hq_decode_word: 4 elements, or 4 + 4 elements 4096 apart at 4 bits.
+template <int BITS>
+HQ_HD void hq_combine_word(const hq_u8* a, const hq_u8* b, hq_u8* out, hq_i64 first, hq_u32 k0,
+                           hq_u32 k1, hq_i64 w) {
+  constexpr int PARTS = 8 / BITS;
+  constexpr int WORDS = HQ_PACK_BLOCK * BITS / 32;
+  constexpr int PART_STRIDE = HQ_PACK_BLOCK / PARTS;
+  constexpr hq_u32 MASK = (1u << BITS) - 1u;
+  const hq_i64 blk = w / WORDS;
+  const int j = 4 * (int)(w - blk * WORDS);
+  const hq_i64 byte = blk * (HQ_PACK_BLOCK * BITS / 8) + j;
+  hq_u32 wa, wb;
+#ifdef __CUDA_ARCH__
+  wa = *reinterpret_cast<const unsigned int*>(a + byte);
+  wb = *reinterpret_cast<const unsigned int*>(b + byte);
+#else
+  memcpy(&wa, a + byte, 4);
+  memcpy(&wb, b + byte, 4);
+#endif
+  const hq_i64 e0 = first + blk * HQ_PACK_BLOCK + j;
+  hq_u32 word = 0;
+#pragma unroll
+  for (int p = 0; p < PARTS; ++p) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int sh = 8 * k + p * BITS;
+      const hq_u32 c = hq_combine_elem((wa >> sh) & MASK, (wb >> sh) & MASK,
+                                       (hq_u64)(e0 + p * PART_STRIDE + k), BITS, k0, k1);
+      word |= (c & MASK) << sh;  // as the block program's byte store and packing keep it
+    }
+  }
+  hq_store_u32(out + byte, word);
+}
+
 // Block program: combine packing block `blk` of two packed ranges (elements first + ...)
 // into out (which may alias a or b: the block reads all its codes before writing).
 template <int BITS, class Ex>

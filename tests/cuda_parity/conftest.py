@@ -22,6 +22,7 @@ from horovod_quant.backends.cuda.specs import (
     TILE_UNITS,
     block_encode_kernel,
     decode_kernel,
+    exp_combine_kernel,
     tile_encode_kernel,
 )
 
@@ -61,7 +62,8 @@ _SIGS = {
                                  P, P]),
     "hqh_linear_encode": (None, [P, I64, I32, I32, F32, U32, U32, P, I64]),
     "hqh_linear_decode": (None, [P, I64, I32, I32, F32, P, I32]),
-    "hqh_exp_combine": (None, [P, P, P, I64, I64, I32, U32, U32, I32]),
+    "hqh_exp_combine": (None, [P, P, P, I64, I64, I32, U32, U32, I64, I32]),
+    "hqh_exp_combine_words": (I32, [P, P, P, I64, I64, I32, U32, U32]),
     "hqh_combine_elem": (U32, [U32, U32, U64, I32, U32, U32]),
     "hqh_combine_codes": (I32, [I32, I32, U32, I32]),
     "hqh_max_abs_bits": (I32, [P, I64]),
@@ -195,9 +197,16 @@ class HostBackend:
         self.lib.hqh_linear_decode(ptr(self._c(words)), n, bits, offset, scale, ptr(self._c(out)),
                                    1 if accumulate else 0)
 
-    def exp_combine(self, a, b, out, n, first, bits, k0, k1):
+    def exp_combine(self, a, b, out, n, first, bits, k0, k1, first_block):
+        self.launched.append(exp_combine_kernel(False, bits))
         self.lib.hqh_exp_combine(ptr(self._c(a)), ptr(self._c(b)), ptr(self._c(out)), n, first,
-                                 bits, k0, k1, self.nt)
+                                 bits, k0, k1, first_block, self.nt)
+
+    def exp_combine_words(self, a, b, out, end, first, bits, k0, k1):
+        self.launched.append(exp_combine_kernel(True, bits))
+        rc = self.lib.hqh_exp_combine_words(ptr(self._c(a)), ptr(self._c(b)), ptr(self._c(out)),
+                                            end, first, bits, k0, k1)
+        assert rc == 0, f"no word combination for bits={bits}"
 
     def scale(self, src, n, f, dst):
         self.lib.hqh_scale(ptr(self._c(src)), n, f, ptr(self._c(dst)))

@@ -266,15 +266,28 @@ HQH void hqh_linear_decode(const hq_u64* words, hq_i64 n, int bits, int offset, 
 
 // kernel hq_exp_combine, grid = packing blocks
 HQH void hqh_exp_combine(const hq_u8* a, const hq_u8* b, hq_u8* out, hq_i64 n, hq_i64 first,
-                         int bits, hq_u32 k0, hq_u32 k1, int nt) {
+                         int bits, hq_u32 k0, hq_u32 k1, hq_i64 first_block, int nt) {
   HqHostEx ex;
   ex.nt = nt;
   std::vector<hq_u8> sh(HQ_PACK_BLOCK);
-#define HQH_COMBINE(B)                                 \
-  for (hq_i64 blk = 0; blk * HQ_PACK_BLOCK < n; ++blk) \
+#define HQH_COMBINE(B)                                           \
+  for (hq_i64 blk = first_block; blk * HQ_PACK_BLOCK < n; ++blk) \
     hq_combine_block<B>(ex, a, b, out, n, first, k0, k1, blk, sh.data());
   HQ_WITH_BITS(bits, HQH_COMBINE)
 #undef HQH_COMBINE
+}
+
+// kernels hq_exp_combine_words_<bits>b: the words of elements [0, end); -1: no such kernel
+HQH int hqh_exp_combine_words(const hq_u8* a, const hq_u8* b, hq_u8* out, hq_i64 end,
+                              hq_i64 first, int bits, hq_u32 k0, hq_u32 k1) {
+  if (bits == 4) {
+    for (hq_i64 w = 0; w < end / 32 * 4; ++w) hq_combine_word<4>(a, b, out, first, k0, k1, w);
+  } else if (bits == 8) {
+    for (hq_i64 w = 0; w < end / 32 * 8; ++w) hq_combine_word<8>(a, b, out, first, k0, k1, w);
+  } else {
+    return -1;
+  }
+  return 0;
 }
 
 // combined code of single elements (for the rare exact path)

@@ -46,6 +46,7 @@ from horovod_quant.backends.cuda.specs import (
     MODE_NAMES,
     block_encode_kernel,
     decode_kernel,
+    exp_combine_kernel,
     kernel_names,
     tile_encode_kernel,
     tile_encode_specs,
@@ -446,8 +447,11 @@ def test_exp_combine(host_cuda, host_cuda_small, bits):
         NG.exp_combine(ref[lo:hi], b[lo:hi], ref[lo:hi], size - i0, i0, bits, k0, k1)
         for ops in (host_cuda, host_cuda_small):
             got = a.copy()  # combined in place (out aliases a)
+            ops.kernels.launched.clear()
             ops.exp_combine(got[lo:hi], b[lo:hi], got[lo:hi], size - i0, i0, bits, k0, k1)
             assert same(got, ref), (bits, size, i0, first_diff(got, ref))
+            words = bits in FAST_BITS and size - i0 >= PB  # the word program on full blocks
+            assert (exp_combine_kernel(True, bits) in ops.kernels.launched) == words
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
@@ -811,7 +815,7 @@ def test_kernel_launches_script_cases(host_cuda):
     cases = KL.cases()
     declared = {k for c in cases for k in c.kernels}
     assert declared == {k for ks in kernel_names().values() for k in ks}
-    specialised = re.compile(r"^hq_(encode_tile|encode_block|decode_words|decode_groups)_")
+    specialised = re.compile(r"^hq_(encode_tile|encode_block|decode_words|decode_groups|exp_comb)")
     for c in cases:
         host_cuda.kernels.launched.clear()
         c.run(host_cuda, np, 3 * PB + 5)
@@ -861,7 +865,7 @@ def test_kernel_launches_script_cases(host_cuda):
     cases = KL.cases()
     declared = {k for c in cases for k in c.kernels}
     assert declared == {k for ks in kernel_names().values() for k in ks}
-    specialised = re.compile(r"^hq_(encode_tile|encode_block|decode_words|decode_groups)_")
+    specialised = re.compile(r"^hq_(encode_tile|encode_block|decode_words|decode_groups|exp_comb)")
     for c in cases:
         host_cuda.kernels.launched.clear()
         c.run(host_cuda, np, 3 * PB + 5)

@@ -27,6 +27,7 @@ from .specs import (
     TILE_UNITS,
     block_encode_kernel,
     decode_kernel,
+    exp_combine_kernel,
     tile_encode_kernel,
 )
 
@@ -277,9 +278,15 @@ class CupyKernels:
             _grid(n), (THREADS,),
             (words, i64(n), i32(bits), i32(offset), f32(scale), out, i32(1 if accumulate else 0)))
 
-    def exp_combine(self, a, b, out, n, first, bits, k0, k1) -> None:
-        get_function("global_qsgd.cu", "hq_exp_combine")(
-            _blocks(n), (THREADS,), (a, b, out, i64(n), i64(first), i32(bits), u32(k0), u32(k1)))
+    def exp_combine(self, a, b, out, n, first, bits, k0, k1, first_block) -> None:
+        get_function("global_qsgd.cu", exp_combine_kernel(False, bits))(
+            (_blocks(n)[0] - first_block,), (THREADS,),
+            (a, b, out, i64(n), i64(first), i32(bits), u32(k0), u32(k1), i64(first_block)))
+
+    def exp_combine_words(self, a, b, out, end, first, bits, k0, k1) -> None:
+        nwords = end // 32 * bits
+        get_function("global_qsgd.cu", exp_combine_kernel(True, bits))(
+            _grid(nwords), (THREADS,), (a, b, out, i64(first), u32(k0), u32(k1), i64(nwords)))
 
     def decode_sparse(self, data, cnt, bits, table, scale, out) -> None:
         get_function("global_qsgd.cu", "hq_decode_sparse")(

@@ -66,6 +66,12 @@ def decode_kernel(values: str, words: bool, bits: int) -> str:
     return f"hq_decode_{'words' if words else 'groups'}_{values}_{bits}b"
 
 
+def exp_combine_kernel(words: bool, bits: int) -> str:
+    """Entry point of the exponent combination: the word program (fast, per bit width) or the
+    block program (one kernel for every width)."""
+    return f"hq_exp_combine_words_{bits}b" if words else "hq_exp_combine"
+
+
 def kernel_names() -> dict[str, list[str]]:
     """Every entry point of every ``kernels/*.cu`` file."""
     levels = [tile_encode_kernel(*spec) for spec in tile_encode_specs()]
@@ -80,6 +86,7 @@ def kernel_names() -> dict[str, list[str]]:
     return {
         "levels.cu": levels,
         "dithered.cu": decodes["dithered.cu"] + ["hq_decode_nested", "hq_resid_sum"],
-        "global_qsgd.cu": ["hq_linear_encode", "hq_linear_decode", "hq_exp_combine",
-                           "hq_max_abs_bits", "hq_sum_squares", "hq_decode_sparse"],
+        "global_qsgd.cu": [exp_combine_kernel(True, b) for b in FAST_BITS] + [
+            "hq_linear_encode", "hq_linear_decode", exp_combine_kernel(False, 8),
+            "hq_max_abs_bits", "hq_sum_squares", "hq_decode_sparse"],
     }
