@@ -1,5 +1,5 @@
 // global_qsgd.cu: Global-QSGD kernels that are not plain packed codes (CuPy RawModule entry
-// points). The exponential and sparse codes use hq_encode / hq_codes of levels.cu.
+// points). The exponential and sparse codes use the encodes / hq_codes of levels.cu.
 //
 //   hq_linear_encode   summable uint64 words (global_qsgd.encode_linear), one thread per word
 //   hq_linear_decode   (field - offset) * scale, optional accumulate (decode_linear)

@@ -183,14 +183,6 @@ HQ_HD void hq_store_u32(hq_u8* p, hq_u32 v) {
 #endif
 }
 
-HQ_HD void hq_store_f32(hq_u8* p, float f) {
-  hq_u32 u = hq_f2u(f);
-  p[0] = (hq_u8)u;
-  p[1] = (hq_u8)(u >> 8);
-  p[2] = (hq_u8)(u >> 16);
-  p[3] = (hq_u8)(u >> 24);
-}
-
 // a / b for a >= 0, b > 0: a 32-bit division when both fit (the common case), since a 64-bit
 // one is a subroutine call.
 HQ_HD hq_i64 hq_div(hq_i64 a, hq_i64 b) {
