@@ -630,22 +630,20 @@ HQ_HD void hq_decode_group(const HqDecode& d, const Vals& vals, hq_i64 i0) {
   }
 #pragma unroll 1
   for (int q = 0; q < d.npay; ++q) {  // not unrolled: the generic program stays small
-    {
-      const hq_u8* pay = d.payload(q);
-      const hq_u8* packed = pay + d.codes_off + hq_block_offset(blk, BITS);
-      float step = vals.step(scaled ? hq_ldg_f32(pay + d.scales_off + 4 * k0) : d.gscale);
+    const hq_u8* pay = d.payload(q);
+    const hq_u8* packed = pay + d.codes_off + hq_block_offset(blk, BITS);
+    float step = vals.step(scaled ? hq_ldg_f32(pay + d.scales_off + 4 * k0) : d.gscale);
 #pragma unroll
-      for (int k = 0; k < HQ_GROUP; ++k) {
-        if (k < cnt) {
-          const hq_i64 i = i0 + k;
-          if (scaled && i >= bound) {  // buckets of fewer than 4 elements: one per element
-            const hq_i64 kk = d.bucket >= HQ_GROUP ? k0 + 1 : hq_div(i, d.bucket);
-            step = vals.step(hq_ldg_f32(pay + d.scales_off + 4 * kk));
-          }
-          const hq_u32 code = hq_unpack_code<BITS>(packed, m, (int)(i - b0));
-          const float v = vals.value(q, code, step, i);
-          acc[k] = (q == 0 && d.start == HQ_START_ASSIGN) ? v : hq_fadd(acc[k], v);
+    for (int k = 0; k < HQ_GROUP; ++k) {
+      if (k < cnt) {
+        const hq_i64 i = i0 + k;
+        if (scaled && i >= bound) {  // into the next bucket (buckets below 4: every element)
+          const hq_i64 kk = d.bucket >= HQ_GROUP ? k0 + 1 : hq_div(i, d.bucket);
+          step = vals.step(hq_ldg_f32(pay + d.scales_off + 4 * kk));
         }
+        const hq_u32 code = hq_unpack_code<BITS>(packed, m, (int)(i - b0));
+        const float v = vals.value(q, code, step, i);
+        acc[k] = (q == 0 && d.start == HQ_START_ASSIGN) ? v : hq_fadd(acc[k], v);
       }
     }
   }
