@@ -208,7 +208,7 @@ HQ_HD hq_u32 hq_encode_code(const HqEnc& e, const HqBucket& b, float v, hq_u32 h
 }
 
 // ------------------------------------------------------------------------------------------
-// encode, warp tiles: the fast program (bits 4 and 8, max / power-of-two scales or none)
+// encode, warp tiles: the fast program (bits 4 and 8; max, power-of-two, L2 scales or none)
 // ------------------------------------------------------------------------------------------
 // A warp encodes a "unit" of a full packing block held in registers: PARTS parts of PART
 // contiguous elements, part p starting PART_STRIDE * p after part 0, so that the codes of all
@@ -218,7 +218,7 @@ HQ_HD hq_u32 hq_encode_code(const HqEnc& e, const HqBucket& b, float v, hq_u32 h
 // a coalesced 32-bit store. A bucket (a power of two from 4 to PART elements) lies inside a
 // part: its max |x| is the max over the rows of the bucket and over its lanes (warp
 // butterflies on the int bit patterns, exact and order-free), so no shared memory and no block
-// barrier. Registers per lane: 4 * ROWS * PARTS floats.
+// barrier (L2 scales: see hq_encode_tile). Registers per lane: 4 * ROWS * PARTS floats.
 template <int BITS>
 struct HqTileShape {
   static constexpr int PARTS = 8 / BITS;
@@ -227,7 +227,6 @@ struct HqTileShape {
   static constexpr int UNITS = HQ_PACK_BLOCK / (PART * PARTS);  // units per packing block
   static constexpr int PART_STRIDE = HQ_PACK_BLOCK / PARTS;
   static constexpr int BLOCK_BYTES = HQ_PACK_BLOCK * BITS / 8;
-  static constexpr int MAX_LOG2_BUCKET = 9;  // bucket <= PART
 };
 
 // Shared memory of one warp for the L2 tiles (unused by the others): the unit's elements, a
@@ -354,7 +353,7 @@ HQ_HDT inline void hq_encode_tile(Ex& ex, const HqEnc& e, const float* x, int lo
         for (int k = 0; k < 4; ++k) {
           const hq_u32 h = hq_hash32_lo(lo0 + (hq_u32)(off + k), kb, e.k1);
           const hq_u32 c = hq_encode_code<MODE>(e, bp[p], hq_f4_get(v, k), h, smask);
-          word |= c << (8 * k + p * BITS);
+          word |= (c & ((1u << BITS) - 1u)) << (8 * k + p * BITS);  // as packing masks it
         }
       }
       hq_store_u32(codes + blk * S::BLOCK_BYTES + col + r * 128 + 4 * lane, word);
