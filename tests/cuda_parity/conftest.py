@@ -226,6 +226,14 @@ class HostBackend:
 
 
 @pytest.fixture(scope="session")
+def nvcc() -> str:
+    """The nvcc of the host build (skips without one)."""
+    if NVCC is None:
+        pytest.skip("nvcc not found: the host parity tests compile kernels/*.cuh with it")
+    return NVCC
+
+
+@pytest.fixture(scope="session")
 def hostlib(tmp_path_factory):
     if NVCC is None:
         pytest.skip("nvcc not found: the host parity tests compile kernels/*.cuh with it")

@@ -825,23 +825,19 @@ def test_kernel_launches_script_cases(host_cuda):
 
 
 # -- sources ---------------------------------------------------------------------------------
-def test_entry_points_and_ptx_from_nvcc(tmp_path):
+def test_entry_points_and_ptx_from_nvcc(nvcc, tmp_path):
     """Each kernel file compiles to exactly the entry points the launcher knows
     (specs.kernel_names), and with the loader's options its PTX has no flush-to-zero and no
     contracted f32 multiply-add (nvcc's front end: NVRTC's is checked below where present)."""
-    from conftest import NVCC
-
     from horovod_quant.backends.cuda.source import KERNEL_FILES, load_source
 
-    if NVCC is None:
-        pytest.skip("nvcc not found")
     names = kernel_names()
     assert sorted(names) == sorted(KERNEL_FILES)
     for f in KERNEL_FILES:
         src = tmp_path / f
         src.write_text(load_source(f))
         ptx = tmp_path / (f + ".ptx")
-        subprocess.run([NVCC, "-ptx", "-arch=compute_90", "-std=c++17", "-fmad=false",
+        subprocess.run([nvcc, "-ptx", "-arch=compute_90", "-std=c++17", "-fmad=false",
                         "-ftz=false", "-prec-div=true", "-prec-sqrt=true", str(src), "-o",
                         str(ptx)], check=True, capture_output=True, timeout=600)
         text = ptx.read_text()
