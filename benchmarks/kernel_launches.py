@@ -14,9 +14,9 @@ horovod_quant.backends.cuda.specs.kernel_names() was not launched.
 examples:
   compute-sanitizer --tool memcheck python3 benchmarks/kernel_launches.py
   compute-sanitizer --tool racecheck python3 benchmarks/kernel_launches.py
-  ncu -k regex:hq_encode_tile_uniform_max_8b python3 benchmarks/kernel_launches.py \\
+  ncu -k regex:hq_encode_tile_uniform_max_8b -c 1 python3 benchmarks/kernel_launches.py \\
       --size 256M --only encode --kernels uniform_max_8b
-  ncu -k regex:hq_decode_words_levels_4b python3 benchmarks/kernel_launches.py \\
+  ncu -k regex:hq_decode_words_levels_4b -c 1 python3 benchmarks/kernel_launches.py \\
       --size 256M --only decode --kernels words_levels_4b
 """
 from __future__ import annotations
@@ -114,29 +114,27 @@ def _block_case(mode: int, bits: int) -> Case:
 def _level_decode_case(bits: int, words: bool, payloads: int) -> Case:
     bucket = 512 if words else 100
 
-    def run(be, xp, n):
+    def run(be, xp, n):  # one payload (encoded on the host) stands for every peer
         m = max(PACK_BLOCK, n // PACK_BLOCK * PACK_BLOCK) if words else n
         codec = hq.get_codec("qsgd", bits=bits)
-        host = [_payload(numba_backend(), np, _input(np, m, r), MODE_UNIFORM, bits,
-                         bucket) for r in range(payloads)]
+        pay = xp.asarray(_payload(numba_backend(), np, _input(np, m), MODE_UNIFORM, bits,
+                                  bucket))
         out = xp.empty(m, np.float32)
-        be.combine_levels([xp.asarray(p) for p in host], m, bucket, bits,
-                          be.constant(codec.table), 1.0 / payloads, out)
+        be.combine_levels([pay] * payloads, m, bucket, bits, be.constant(codec.table),
+                          1.0 / payloads, out)
     return Case((decode_kernel("levels", words, bits),), "decode", run)
 
 
 def _dither_decode_case(bits: int, words: bool, payloads: int) -> Case:
     bucket = 512 if words else 100
 
-    def run(be, xp, n):
+    def run(be, xp, n):  # one payload for every peer, each with its own keys
         m = max(PACK_BLOCK, n // PACK_BLOCK * PACK_BLOCK) if words else n
-        keys = [(r, 77) for r in range(payloads)]
-        pays = [xp.asarray(_payload(numba_backend(), np, _input(np, m, r),
-                                    MODE_DITHER, bits, bucket, keys=keys[r]))
-                for r in range(payloads)]
+        pay = xp.asarray(_payload(numba_backend(), np, _input(np, m), MODE_DITHER, bits,
+                                  bucket))
         out = xp.empty(m, np.float32)
-        be.decode_dither(pays, keys, 0, m, bucket, bits, (1 << (bits - 1)) - 1, out, False,
-                         1.0 / payloads)
+        be.decode_dither([pay] * payloads, [(r, 77) for r in range(payloads)], 0, m, bucket,
+                         bits, (1 << (bits - 1)) - 1, out, False, 1.0 / payloads)
     return Case((decode_kernel("dither", words, bits),), "decode", run)
 
 
