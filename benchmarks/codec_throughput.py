@@ -8,8 +8,8 @@ examples:
   python3 benchmarks/codec_throughput.py --device cuda                      # the CUDA backend
   python3 benchmarks/codec_throughput.py --device cuda --torch-ref          # + plain PyTorch
 
-Throughput is GB/s of float32 input (4 bytes per element), best of --repeat runs after one
-warm-up call (which also compiles the numba kernels). Columns:
+On the CPU, throughput is GB/s of float32 input (4 bytes per element), best of --repeat runs
+after one warm-up call (which also compiles the numba kernels). Columns:
 
   encode        codec.encode(x, seed) (it allocates its payload, as in training)
   decode        codec.decode(payload, out) into a preallocated float32 buffer
@@ -18,6 +18,16 @@ warm-up call (which also compiles the numba kernels). Columns:
                 after an allgather), GB/s of the float32 the payloads stand for
   torch enc/dec with --torch-ref, level quantizers: the same quantizer written in plain
                 PyTorch (benchmarks/torch_ref.py) on a torch tensor of the same device
+
+--device cuda measures what the kernels move: each encode and decode (into a buffer) is timed
+with CUDA events behind a spin kernel (device time only, Python's launch overhead excluded;
+benchmarks/cuda_timing.py), median of --repeat batches after a warm-up call that compiles the
+kernels. A row per codec, bits, size and direction gives the seconds, the bytes moved (encode:
+4 bytes of input per element + the payload; decode: the payload + 4 bytes of output), GB/s
+moved, and copy_fraction: that rate over the rate of a device-to-device copy of the same
+float32 vector measured in the same run (bytes read + written); with --torch-ref also the
+plain-PyTorch time of the same work and the speedup over it. Sizes whose bytes fit in the L2
+cache are flagged: their figures are inflated.
 
 --clock cpu times with the process's CPU time instead of the wall clock: on a machine shared
 with other jobs it leaves out the time the process waits for a core (it still pays for their
@@ -29,6 +39,7 @@ without measuring. Speed is measured here, never asserted in tests.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -91,16 +102,16 @@ class CudaBackend:
                              "(horovod_quant.gpu.available() is False)")
         import cupy
 
+        from cuda_timing import CudaTimer
+
         self.cp = cupy
+        self.timer = CudaTimer(cupy)
 
     def array(self, x):
         return self.cp.asarray(x)
 
     def empty(self, n):
         return self.cp.empty(n, self.cp.float32)
-
-    def sync(self):
-        self.cp.cuda.get_current_stream().synchronize()
 
 
 CLOCK = time.perf_counter
@@ -119,12 +130,12 @@ def best_time(fn, repeat: int, sync) -> float:
 
 def bench_torch_ref(codec, x, repeat: int, backend) -> tuple[float | None, float | None]:
     """GB/s of encode and decode of the plain-PyTorch version of a level quantizer
-    (benchmarks/torch_ref.py) on a torch tensor on x's device; (None, None) for other codecs."""
+    (benchmarks/torch_ref.py) on a CPU tensor; (None, None) for other codecs."""
     import torch
 
     from torch_ref import torch_reference_decode, torch_reference_encode
 
-    t = torch.from_dlpack(x) if backend.name == "cuda" else torch.from_numpy(x)
+    t = torch.from_numpy(x)
     try:
         enc = torch_reference_encode(codec, t)
     except NotImplementedError:
@@ -172,6 +183,102 @@ def bench_one(codec, x, repeat: int, backend, world_size: int, threads: int = 1)
     }
 
 
+def bench_cuda(name: str, codec, x, backend, repeat: int, copy_seconds: float, l2_bytes: int,
+               torch_ref: bool) -> list[dict]:
+    """The encode and decode rows of ``codec`` (registered as ``name``) on the device vector
+    x (module doc)."""
+    n = int(x.size)
+    out = backend.empty(n)
+    payload = codec.encode(x, seed=1)
+    seeds = iter(range(2, 1 << 30))
+    timer = backend.timer
+    times = {"encode": timer.seconds(lambda: codec.encode(x, seed=next(seeds)), repeat),
+             "decode": timer.seconds(lambda: codec.decode(payload, out), repeat)}
+    moved = {"encode": 4 * n + payload.nbytes, "decode": payload.nbytes + 4 * n}
+    torch_times = {"encode": None, "decode": None}
+    if torch_ref:
+        import torch
+
+        from torch_ref import torch_reference_decode, torch_reference_encode
+
+        t = torch.from_dlpack(x)
+        try:
+            enc = torch_reference_encode(codec, t)
+        except NotImplementedError:
+            enc = None
+        if enc is not None:
+            torch_times = {
+                "encode": timer.seconds(lambda: torch_reference_encode(codec, t), repeat),
+                "decode": timer.seconds(lambda: torch_reference_decode(codec, enc), repeat)}
+    copy_rate = 8 * n / copy_seconds
+    rows = []
+    for direction in ("encode", "decode"):
+        sec, tsec = times[direction], torch_times[direction]
+        rows.append({
+            "codec": name, "bits": codec.params.get("bits"), "direction": direction,
+            "elements": n, "seconds": sec, "bytes_moved": moved[direction],
+            "gbps_moved": moved[direction] / sec / 1e9, "input_gbps": 4 * n / sec / 1e9,
+            "copy_fraction": moved[direction] / sec / copy_rate,
+            "torch_seconds": tsec, "speedup_vs_torch": None if tsec is None else tsec / sec,
+            "bits_per_element": payload.nbytes * 8 / n, "l2_resident": moved[direction] <= l2_bytes,
+            "params": codec.params})
+    return rows
+
+
+def run_cuda(args, names: list[str], sizes: list[int], bit_list: list[int], env: dict) -> list:
+    """Every codec, bit width and size on the GPU: rows of bench_cuda, printed as they come."""
+    backend = CudaBackend()
+    cp = backend.cp
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
+    name = props["name"]
+    env.update({"gpu": name.decode() if isinstance(name, bytes) else str(name),
+                "l2_bytes": int(props.get("l2CacheSize", 0)), "cupy": cp.__version__,
+                "timing": "CUDA events behind a spin kernel, median of --repeat batches"})
+    stream = contextlib.nullcontext()
+    if args.torch_ref:
+        import torch
+
+        env["torch"] = torch.__version__
+        # one stream for the codecs, torch and the events
+        stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    print(f"{'codec':<20} {'bits':>4} {'dir':>6} {'elements':>10} {'MB moved':>9} "
+          f"{'seconds':>10} {'GB/s moved':>10} {'of copy':>7}"
+          + (f" {'torch s':>10} {'speedup':>7}" if args.torch_ref else ""))
+    rows = []
+    rng = np.random.default_rng(0)
+    with stream:
+        for n in sizes:
+            x = backend.array(rng.standard_normal(n, dtype=np.float32))
+            copy_s = backend.timer.copy_seconds(x, backend.empty(n), args.repeat)
+            env.setdefault("copy", []).append(
+                {"elements": n, "seconds": copy_s, "gbps_moved": 8 * n / copy_s / 1e9})
+            print(f"# {n} elements: device-to-device copy {8 * n / copy_s / 1e9:.0f} GB/s "
+                  f"(read + write)" + ("; fits in L2: figures inflated"
+                                       if 8 * n <= env["l2_bytes"] else ""), flush=True)
+            for cname in names:
+                widths = bit_list if takes_bits(cname, args.world_size) else [None]
+                for bits in widths:
+                    try:
+                        codec = build(cname, bits, args.world_size)
+                        new = bench_cuda(cname, codec, x, backend, args.repeat, copy_s,
+                                         env["l2_bytes"], args.torch_ref)
+                    except Exception as exc:  # a codec without a GPU path: say so, go on
+                        print(f"{cname:<20} {bits!s:>4} skipped on cuda: "
+                              f"{type(exc).__name__}: {exc}")
+                        continue
+                    for r in new:
+                        ts, sp = r["torch_seconds"], r["speedup_vs_torch"]
+                        print(f"{cname:<20} {bits if bits else '-':>4} {r['direction']:>6} "
+                              f"{n:>10} {r['bytes_moved'] / 1e6:>9.1f} {r['seconds']:>10.3e} "
+                              f"{r['gbps_moved']:>10.1f} {r['copy_fraction']:>7.1%}"
+                              + (f" {'-' if ts is None else f'{ts:.3e}':>10} "
+                                 f"{'-' if sp is None else f'{sp:.1f}x':>7}"
+                                 if args.torch_ref else ""), flush=True)
+                    rows += new
+            del x
+    return rows
+
+
 MEASURES = (("encode_gbps", "encode"), ("decode_gbps", "decode into a buffer"),
             ("decode_alloc_gbps", "decode + alloc"), ("combine_gbps", "combine of n payloads"),
             ("encode_threads_gbps", "encode, threads at once"))
@@ -186,6 +293,8 @@ def plot(blob: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     results = blob["results"]
+    if results and "direction" in results[0]:
+        return plot_cuda(blob, path)
     env = blob.get("env", {})
     sizes = list(dict.fromkeys(r["elements"] for r in results))
     measures = [(k, t) for k, t in MEASURES if any(r.get(k) is not None for r in results)]
@@ -220,6 +329,47 @@ def plot(blob: dict, path: str) -> None:
     plt.close(fig)
 
 
+def plot_cuda(blob: dict, path: str) -> None:
+    """A panel per size: each kernel's fraction of the device-to-device copy rate, with its
+    GB/s moved and the speedup over plain PyTorch; the targets (60 %, 75 %) as lines."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = blob["results"]
+    env = blob.get("env", {})
+    sizes = list(dict.fromkeys(r["elements"] for r in results))
+    nrow = max(sum(r["elements"] == n for r in results) for n in sizes)
+    fig, axes = plt.subplots(1, len(sizes), squeeze=False, layout="constrained",
+                             figsize=(5.2 * len(sizes), 0.3 * nrow + 1.4))
+    for ax, n in zip(axes[0], sizes):
+        sel = [r for r in results if r["elements"] == n]
+        y = np.arange(len(sel))
+        frac = [r["copy_fraction"] for r in sel]
+        colors = ["#3b75af" if r["direction"] == "encode" else "#e1812c" for r in sel]
+        bars = ax.barh(y, frac, 0.7, color=colors)
+        labels = [f"{r['gbps_moved']:.0f} GB/s"
+                  + ("" if r.get("speedup_vs_torch") is None
+                     else f", {r['speedup_vs_torch']:.1f}x torch") for r in sel]
+        ax.bar_label(bars, labels, fontsize=7, padding=2)
+        for target in (0.6, 0.75):
+            ax.axvline(target, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_xlim(0, max(frac + [1.0]) * 1.45)
+        ax.set_yticks(y)
+        ax.set_yticklabels([f"{r['codec']}:{r['bits']} {r['direction']}" for r in sel],
+                           fontsize=8)
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
+        ax.set_xlabel("bytes moved per second / device-to-device copy's")
+        l2 = " (fits in L2)" if sel[0].get("l2_resident") else ""
+        ax.set_title(f"{n:,} elements{l2}", fontsize=9)
+    fig.suptitle(f"codec kernels on {env.get('gpu', 'cuda')}: fraction of a device-to-device "
+                 f"copy, median of {blob.get('repeat', '?')}", fontsize=10)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Every option's default in its help; the epilog's commands one per line."""
 
@@ -230,7 +380,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="1M,64M", help="comma-separated, e.g. 1M,64M,100000")
     ap.add_argument("--codecs", default=None, help="comma-separated (None: all registered)")
     ap.add_argument("--bits", default="4,8", help="bit widths for codecs that take bits")
-    ap.add_argument("--repeat", type=int, default=5, help="runs per measurement (best kept)")
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="runs per measurement (cpu: best kept; cuda: median)")
     ap.add_argument("--world-size", type=int, default=2, help="for codecs that need one")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the results here")
@@ -263,7 +414,6 @@ def main(argv=None) -> int:
             ap.error("--clock cpu measures host CPU time; use the wall clock with --device cuda")
         CLOCK = time.process_time
 
-    backend = CudaBackend() if args.device == "cuda" else CpuBackend()
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     names = [s for s in (args.codecs or "").split(",") if s] or hq.available_codecs()
     unknown = [n for n in names if n not in hq.available_codecs()]
@@ -289,6 +439,25 @@ def main(argv=None) -> int:
     except ImportError:
         pass
     print("# " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    if args.device == "cuda":
+        results = run_cuda(args, names, sizes, bit_list, env)
+    else:
+        results = run_cpu(args, names, sizes, bit_list)
+    blob = {"env": env, "repeat": args.repeat, "results": results}
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(blob, f, indent=1, default=str)
+        print(f"# wrote {args.json}")
+    if args.plot:
+        plot(blob, args.plot)
+        print(f"# wrote {args.plot}")
+    return 0
+
+
+def run_cpu(args, names: list[str], sizes: list[int], bit_list: list[int]) -> list:
+    """Every codec, bit width and size on the CPU (bench_one), printed as they come."""
+    backend = CpuBackend()
     header = f"{'codec':<20} {'bits':>4} {'elements':>10} {'wire b/el':>9} {'encode':>8} " \
              f"{'decode':>8} {'dec+alloc':>9} {'combine':>8}" \
              + (f" {'enc x' + str(args.threads):>8}" if args.threads > 1 else "") \
@@ -308,14 +477,7 @@ def main(argv=None) -> int:
                 except ValueError as exc:
                     print(f"{name:<20} {bits!s:>4} skipped: {exc}")
                     continue
-                try:
-                    r = bench_one(codec, x, args.repeat, backend, args.world_size,
-                                  args.threads)
-                except Exception as exc:  # a codec without a GPU path: say so, go on
-                    if args.device != "cuda":
-                        raise
-                    print(f"{name:<20} {bits!s:>4} skipped on cuda: {type(exc).__name__}: {exc}")
-                    continue
+                r = bench_one(codec, x, args.repeat, backend, args.world_size, args.threads)
                 r.update({"codec": name, "bits": bits, "elements": n, "params": codec.params})
                 if args.torch_ref:
                     r["torch_ref_encode_gbps"], r["torch_ref_decode_gbps"] = bench_torch_ref(
@@ -331,16 +493,7 @@ def main(argv=None) -> int:
                          if args.torch_ref else ""),
                       flush=True)
         del x
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "repeat": args.repeat, "results": results}, f, indent=1,
-                      default=str)
-        print(f"# wrote {args.json}")
-    if args.plot:
-        plot({"env": env, "repeat": args.repeat, "results": results}, args.plot)
-        print(f"# wrote {args.plot}")
-    return 0
+    return results
 
 
 if __name__ == "__main__":

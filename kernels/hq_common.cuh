@@ -13,12 +13,14 @@
 // operators on the host (compile with -ffp-contract=off; x86-64 SSE has no excess precision).
 // Compile device code with -fmad=false as a second line of defence.
 //
-// Execution model. A "block program" (hq_levels.cuh, ...) is a __host__ __device__ template
+// Execution model. A "block program" (hq_codes.cuh, ...) is a __host__ __device__ template
 // over an executor: ex.each(f) runs f(tid) for the calling thread on the GPU and for every tid
-// in turn on the host; ex.sync() is __syncthreads() on the GPU and nothing on the host. A block
-// program may share data between threads only through the "shared" buffers it is given, and
-// only across a sync; it is then the same computation on both, which is what the host parity
-// tests exercise.
+// in turn on the host; ex.sync() is __syncthreads() (__syncwarp() for a warp executor) on the
+// GPU and nothing on the host. Values a thread keeps from one phase to the next live in
+// ex.Reg<T> (registers on the GPU, one slot per tid on the host), and warp collectives
+// (ex.warp_max) are phases of their own. A block program may share data between threads only
+// through the "shared" buffers it is given, across a sync, or through a collective; it is then
+// the same computation on both, which is what the host parity tests exercise.
 #ifndef HQ_COMMON_CUH
 #define HQ_COMMON_CUH
 
@@ -133,17 +135,75 @@ HQ_HD bool hq_isfinite(float f) { return (hq_f2u(f) & 0x7F800000u) != 0x7F800000
 // depend on the platform; both decode to non-finite values).
 HQ_HD float hq_nan() { return hq_u2f(0x7FC00000u); }
 
-// Unaligned little-endian float32 load (payload views may sit at any byte offset).
-HQ_HD float hq_load_f32(const hq_u8* p) {
-  hq_u32 u = (hq_u32)p[0] | ((hq_u32)p[1] << 8) | ((hq_u32)p[2] << 16) | ((hq_u32)p[3] << 24);
-  return hq_u2f(u);
+// Unaligned little-endian 32-bit loads (payload views may sit at any byte offset).
+HQ_HD hq_u32 hq_load_u32_bytes(const hq_u8* p) {
+  return (hq_u32)p[0] | ((hq_u32)p[1] << 8) | ((hq_u32)p[2] << 16) | ((hq_u32)p[3] << 24);
 }
-HQ_HD void hq_store_f32(hq_u8* p, float f) {
-  hq_u32 u = hq_f2u(f);
-  p[0] = (hq_u8)u;
-  p[1] = (hq_u8)(u >> 8);
-  p[2] = (hq_u8)(u >> 16);
-  p[3] = (hq_u8)(u >> 24);
+HQ_HD float hq_load_f32(const hq_u8* p) { return hq_u2f(hq_load_u32_bytes(p)); }
+
+// Loads of data that no thread writes during the kernel (payloads, inputs): one aligned
+// read-only load (ld.global.nc) where the address allows it, bytes otherwise. Gathered
+// payloads can start at any byte, but a payload's alignment is the same for all its words, so
+// the branch does not diverge.
+HQ_HD hq_u32 hq_ldg_u32(const hq_u8* p) {
+  if (((hq_u64)(const void*)p & 3u) != 0) return hq_load_u32_bytes(p);
+#ifdef __CUDA_ARCH__
+  return __ldg(reinterpret_cast<const unsigned int*>(p));
+#else
+  hq_u32 u;
+  memcpy(&u, p, 4);
+  return u;
+#endif
+}
+HQ_HD float hq_ldg_f32(const hq_u8* p) { return hq_u2f(hq_ldg_u32(p)); }
+
+// 16-byte read-only load of x[0:4]; x must be 16-byte aligned.
+HQ_HD float4 hq_ldg_f4(const float* x) {
+#ifdef __CUDA_ARCH__
+  return __ldg(reinterpret_cast<const float4*>(x));
+#else
+  float4 v;
+  memcpy(&v, x, sizeof v);
+  return v;
+#endif
+}
+
+// Component k (0..3) of a float4; k must be a compile-time constant after unrolling, or the
+// vector would leave registers.
+HQ_HD float hq_f4_get(const float4& v, int k) {
+  return k == 0 ? v.x : (k == 1 ? v.y : (k == 2 ? v.z : v.w));
+}
+
+// 32-bit store; p must be 4-byte aligned.
+HQ_HD void hq_store_u32(hq_u8* p, hq_u32 v) {
+#ifdef __CUDA_ARCH__
+  *reinterpret_cast<unsigned int*>(p) = v;
+#else
+  memcpy(p, &v, 4);
+#endif
+}
+
+// a / b for a >= 0, b > 0: a 32-bit division when both fit (the common case), since a 64-bit
+// one is a subroutine call.
+HQ_HD hq_i64 hq_div(hq_i64 a, hq_i64 b) {
+  return ((hq_u64)(a | b) >> 32) == 0 ? (hq_i64)((hq_u32)a / (hq_u32)b) : a / b;
+}
+
+// floor(t) for |t| < 2^22 as (int, float), exactly, in three instructions and without the
+// conversion instructions (F2I / I2F / FRND share a quarter-rate pipe on current GPUs and would
+// bound the encode): t + 1.5 * 2^23 lies in [2^23, 2^24), where the float grid is the integers,
+// so the sum rounded toward zero is 1.5 * 2^23 + floor(t). The host computes the same value as
+// floorf(t) + 1.5 * 2^23 (both terms and the sum exact in that range). NaN gives garbage
+// (callers discard it); integer arithmetic on the bits is unsigned, so it never overflows.
+HQ_HD void hq_floor_split(float t, hq_i32* it, float* ft) {
+  const float magic = 12582912.0f;  // 1.5 * 2^23
+#ifdef __CUDA_ARCH__
+  const float r = __fadd_rz(t, magic);
+#else
+  const float r = floorf(t) + magic;
+#endif
+  *ft = hq_fsub(r, magic);
+  *it = (hq_i32)(hq_f2u(r) - 0x4B400000u);
 }
 
 // 2^k as float32 for -126 <= k <= 127 (np.float32(2.0) ** np.float32(k): exact)
@@ -196,33 +256,35 @@ HQ_HD float hq_u24(hq_u32 h) { return hq_fmul((float)(hq_i32)(h >> 8), 5.9604644
 // ------------------------------------------------------------------------------------------
 // bit planes (packing.py)
 // ------------------------------------------------------------------------------------------
-// (width, shift) of the plane-th field of a bits-wide code; width 0 past the last plane
-HQ_HD void hq_plane(int bits, int plane, int* w, int* shift) {
-  *w = 0;
-  *shift = 0;
-  if (bits == 8) {
-    if (plane == 0) *w = 8;
-    return;
-  }
-  int sh = 0, k = 0;
-  for (int ww = 1; ww <= 4; ww <<= 1) {
-    if (bits & ww) {
-      if (k == plane) {
-        *w = ww;
-        *shift = sh;
-        return;
-      }
+// Width and shift of the plane-th field of a bits-wide code (width 0 past the last plane).
+// constexpr: with a compile-time `bits` every plane loop below unrolls into constants.
+HQ_HDT constexpr int hq_plane_width(int bits, int plane) {
+  if (bits == 8) return plane == 0 ? 8 : 0;
+  int k = 0;
+  for (int w = 1; w <= 4; w <<= 1) {
+    if (bits & w) {
+      if (k == plane) return w;
       ++k;
-      sh += ww;
     }
   }
+  return 0;
+}
+HQ_HDT constexpr int hq_plane_shift(int bits, int plane) {
+  int sh = 0, k = 0;
+  for (int w = 1; w <= 4; w <<= 1) {
+    if (bits & w) {
+      if (k == plane) return sh;
+      ++k;
+      sh += w;
+    }
+  }
+  return 0;
 }
 
 HQ_HD hq_i64 hq_block_nbytes(hq_i64 m, int bits) {
   hq_i64 total = 0;
-  for (int plane = 0; plane < 4; ++plane) {
-    int w, sh;
-    hq_plane(bits, plane, &w, &sh);
+  for (int plane = 0; plane < 3; ++plane) {
+    const int w = hq_plane_width(bits, plane);
     if (w == 0) break;
     total += (m * w + 7) / 8;
   }
@@ -237,9 +299,27 @@ HQ_HD hq_i64 hq_packed_nbytes(hq_i64 n, int bits) {
 // byte offset of packing block `blk` from the start of the packed codes
 HQ_HD hq_i64 hq_block_offset(hq_i64 blk, int bits) { return blk * (HQ_PACK_BLOCK * bits / 8); }
 
-// Byte j of plane (w, shift) of a block of m codes: fields of codes j, j + L, j + 2L, ...
+// Expands F(b) for the runtime bit width `bits` (1..8): kernels whose bit width is not a
+// template parameter (pack, unpack, exponent combination, sparse and nested decodes) branch
+// once, uniformly, into code specialised for it. A macro, not a generic lambda: NVRTC rejects
+// the unannotated call operator of a generic lambda in device code.
+#define HQ_WITH_BITS(bits, F) \
+  switch (bits) {             \
+    case 1: F(1); break;      \
+    case 2: F(2); break;      \
+    case 3: F(3); break;      \
+    case 4: F(4); break;      \
+    case 5: F(5); break;      \
+    case 6: F(6); break;      \
+    case 7: F(7); break;      \
+    default: F(8); break;     \
+  }
+
+// Byte j of plane `plane` of a block of m codes: fields of codes j, j + L, j + 2L, ...
 // (codes past m count as zero). codes[] holds the block's codes.
-HQ_HD hq_u8 hq_pack_byte(const hq_u8* codes, int m, int w, int shift, int L, int j) {
+template <int BITS>
+HQ_HD hq_u8 hq_pack_byte(const hq_u8* codes, int m, int plane, int L, int j) {
+  const int w = hq_plane_width(BITS, plane), shift = hq_plane_shift(BITS, plane);
   if (w == 8) return codes[j];
   const int per = 8 / w;
   const hq_u32 mask = (1u << w) - 1u;
@@ -252,57 +332,87 @@ HQ_HD hq_u8 hq_pack_byte(const hq_u8* codes, int m, int w, int shift, int L, int
   return (hq_u8)v;
 }
 
-// Block program piece: pack codes[0:m] into out[0:hq_block_nbytes(m, bits)], bytes split over
-// threads (coalesced writes). codes must not change during the call.
-template <class Ex>
-HQ_HDT inline void hq_pack_phase(Ex& ex, const hq_u8* codes, int m, int bits, hq_u8* out) {
+// Block program piece: pack codes[0:m] into out[0:hq_block_nbytes(m, BITS)], bytes split
+// over threads (coalesced writes). codes must not change during the call.
+template <int BITS, class Ex>
+HQ_HDT inline void hq_pack_phase(Ex& ex, const hq_u8* codes, int m, hq_u8* out) {
   int o = 0;
-  for (int plane = 0; plane < 4; ++plane) {
-    int w, sh;
-    hq_plane(bits, plane, &w, &sh);
+#pragma unroll
+  for (int plane = 0; plane < 3; ++plane) {
+    const int w = hq_plane_width(BITS, plane);
     if (w == 0) break;
     const int per = 8 / w;
     const int L = (m + per - 1) / per;
     hq_u8* dst = out + o;
     ex.each([&](int tid) {
-      for (int j = tid; j < L; j += ex.nt) dst[j] = hq_pack_byte(codes, m, w, sh, L, j);
+      for (int j = tid; j < L; j += ex.nt) dst[j] = hq_pack_byte<BITS>(codes, m, plane, L, j);
     });
     o += L;
   }
 }
 
-// Code of element p (0 <= p < m) of a packed block of m codes starting at blk.
-HQ_HD hq_u32 hq_unpack_code(const hq_u8* blk, int m, int bits, int p) {
-  if (bits == 8) return blk[p];
+// Code of element p (0 <= p < m) of a packed block of m codes starting at blk. In a full
+// block a plane of width w has L = 1024 w bytes, so the field index is a shift.
+template <int BITS>
+HQ_HD hq_u32 hq_unpack_code(const hq_u8* blk, int m, int p) {
+  if (BITS == 8) return blk[p];
   hq_u32 code = 0;
   int o = 0;
   const bool full = (m == HQ_PACK_BLOCK);
+#pragma unroll
   for (int plane = 0; plane < 3; ++plane) {
-    int w, sh;
-    hq_plane(bits, plane, &w, &sh);
+    const int w = hq_plane_width(BITS, plane);
     if (w == 0) break;
     const int per = 8 / w;
-    int L, t;
-    if (full) {  // L = 1024 w, a power of two
-      L = (HQ_PACK_BLOCK / 8) * w;
-      t = p >> (w == 1 ? 10 : (w == 2 ? 11 : 12));
-    } else {
-      L = (m + per - 1) / per;
-      t = p / L;
-    }
+    const int L = full ? (HQ_PACK_BLOCK / 8) * w : (m + per - 1) / per;
+    const int t = full ? p >> (w == 1 ? 10 : (w == 2 ? 11 : 12)) : p / L;
     const int j = p - t * L;
-    code |= (((hq_u32)blk[o + j] >> (t * w)) & ((1u << w) - 1u)) << sh;
+    code |= (((hq_u32)blk[o + j] >> (t * w)) & ((1u << w) - 1u)) << hq_plane_shift(BITS, plane);
     o += L;
   }
   return code;
 }
 
+// Code of element i of the packed codes of an n-element vector.
+template <int BITS>
+HQ_HD hq_u32 hq_packed_code(const hq_u8* packed, hq_i64 n, hq_i64 i) {
+  const hq_i64 blk = i / HQ_PACK_BLOCK;
+  const hq_i64 b0 = blk * HQ_PACK_BLOCK;
+  const int m = (int)(n - b0 < HQ_PACK_BLOCK ? n - b0 : HQ_PACK_BLOCK);
+  return hq_unpack_code<BITS>(packed + hq_block_offset(blk, BITS), m, (int)(i - b0));
+}
+
 // ------------------------------------------------------------------------------------------
 // executors
 // ------------------------------------------------------------------------------------------
+// A fixed-size array as one value (per-thread register storage of a block program). Index it
+// only with compile-time constants (unrolled loops): a runtime index sends it to local memory.
+template <class T, int N>
+struct HqArr {
+  T v[N];
+};
+
+#define HQ_HOST_MAX_THREADS 256  // threads per block the host executor can replay
+
+// Per-thread storage that outlives a phase: r[tid] is the thread's value. On the GPU each
+// thread holds its own copy (registers) and the index is ignored; on the host, where the
+// threads of a phase run one after the other, every thread has its slot.
+template <class T>
+struct HqDevReg {
+  T v;
+  HQ_HDT inline T& operator[](int) { return v; }
+};
+template <class T>
+struct HqHostReg {
+  T v[HQ_HOST_MAX_THREADS];
+  HQ_HDT inline T& operator[](int tid) { return v[tid]; }
+};
+
 // GPU: one CUDA thread block runs the block program, each thread its own tid.
 struct HqDevEx {
   int nt;
+  template <class T>
+  using Reg = HqDevReg<T>;
   template <class F>
   HQ_HDT inline void each(F f) {
 #ifdef __CUDA_ARCH__
@@ -316,14 +426,59 @@ struct HqDevEx {
   }
 };
 
-// Host: every thread of the block in turn; a sync is the end of a phase.
+// GPU: one warp runs the program (warps of a block are independent), tid = lane.
+struct HqDevWarpEx {
+  static constexpr int nt = 32;
+  template <class T>
+  using Reg = HqDevReg<T>;
+  template <class F>
+  HQ_HDT inline void each(F f) {
+#ifdef __CUDA_ARCH__
+    f((int)(threadIdx.x & 31u));
+#endif
+  }
+  HQ_HDT inline void sync() {
+#ifdef __CUDA_ARCH__
+    __syncwarp();
+#endif
+  }
+  // Every entry of r becomes the max over its aligned group of `width` lanes (a power of two
+  // <= 32): xor butterflies, which never leave the group. Integer max: order-free, exact.
+  template <int N>
+  HQ_HDT inline void warp_max(Reg<HqArr<hq_i32, N>>& r, int width) {
+#ifdef __CUDA_ARCH__
+    for (int o = 1; o < width; o <<= 1) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const hq_i32 t = __shfl_xor_sync(0xFFFFFFFFu, r.v.v[i], o);
+        r.v.v[i] = t > r.v.v[i] ? t : r.v.v[i];
+      }
+    }
+#endif
+  }
+};
+
+// Host: every thread of the block in turn; a sync is the end of a phase; a warp collective
+// runs over each warp's lanes once every thread has finished the phase before it.
 struct HqHostEx {
   int nt;
+  template <class T>
+  using Reg = HqHostReg<T>;
   template <class F>
   HQ_HDT inline void each(F f) {
     for (int t = 0; t < nt; ++t) f(t);
   }
   HQ_HDT inline void sync() {}
+  template <int N>
+  HQ_HDT inline void warp_max(Reg<HqArr<hq_i32, N>>& r, int width) {
+    for (int g = 0; g < nt; g += width) {
+      for (int i = 0; i < N; ++i) {
+        hq_i32 m = r[g].v[i];
+        for (int l = g + 1; l < g + width; ++l) m = r[l].v[i] > m ? r[l].v[i] : m;
+        for (int l = g; l < g + width; ++l) r[l].v[i] = m;
+      }
+    }
+  }
 };
 
 // ------------------------------------------------------------------------------------------
@@ -343,6 +498,18 @@ HQ_HD float hq_pow2_ceil(float m) {
   return m;
 }
 
+// Max / power-of-two scale from the largest bit pattern of |x| in the bucket (NaN when the
+// bucket holds Inf or NaN).
+HQ_HD float hq_max_scale(hq_i32 max_bits, int kind) {
+  if (max_bits >= 0x7F800000) return hq_nan();
+  const float m = hq_u2f((hq_u32)max_bits);
+  return kind == HQ_NORM_POW2 ? hq_pow2_ceil(m) : m;
+}
+
+// |x| as its int32 bit pattern: ordered like |x| for finite values, above 0x7F800000 - 1 for
+// Inf / NaN.
+HQ_HD hq_i32 hq_abs_bits(float v) { return (hq_i32)(hq_f2u(v) & 0x7FFFFFFFu); }
+
 // |v| ** p in float64 (backends/numba/levels.py _abs_pow)
 HQ_HD double hq_abs_pow(double v, double p) {
   double a = v < 0 ? -v : v;
@@ -357,7 +524,7 @@ HQ_HD double hq_lane_value(const float* xs, hq_i64 cnt, int lane, int kind, doub
   if (kind == HQ_NORM_MAX || kind == HQ_NORM_POW2) {
     hq_i32 mb = 0;
     for (hq_i64 i = lane; i < cnt; i += HQ_LANES) {
-      hq_i32 a = (hq_i32)(hq_f2u(xs[i]) & 0x7FFFFFFFu);
+      const hq_i32 a = hq_abs_bits(xs[i]);
       mb = a > mb ? a : mb;
     }
     return (double)mb;
@@ -382,9 +549,7 @@ HQ_HD float hq_lanes_scale(const double* lanes, int kind, double p) {
       hq_i32 a = (hq_i32)lanes[j];
       mb = a > mb ? a : mb;
     }
-    if (mb >= 0x7F800000) return hq_nan();  // Inf/NaN in the bucket
-    float m = hq_u2f((hq_u32)mb);
-    return kind == HQ_NORM_POW2 ? hq_pow2_ceil(m) : m;
+    return hq_max_scale(mb, kind);
   }
   double acc = 0.0;
   for (int j = 0; j < HQ_LANES; ++j) acc = hq_dadd(acc, lanes[j]);

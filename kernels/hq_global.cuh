@@ -27,7 +27,7 @@ HQ_HD hq_u64 hq_linear_word(const float* x, hq_i64 n, int bits, int s, float boo
   const hq_i64 e0 = w0 * per;
   const hq_i64 rem = n - e0;
   const hq_i64 m = rem < (hq_i64)HQ_WORD_BLOCK * per ? rem : (hq_i64)HQ_WORD_BLOCK * per;
-  const hq_i64 L = (m + per - 1) / per;
+  const hq_i64 L = hq_div(m + per - 1, per);
   const hq_i64 j = w - w0;
   const float fs = (float)s;
   hq_u64 word = 0;
@@ -46,15 +46,15 @@ HQ_HD float hq_linear_value(const hq_u64* words, hq_i64 n, int bits, hq_i32 offs
                             hq_i64 i) {
   const int per = 64 / bits;
   const hq_i64 epb = (hq_i64)HQ_WORD_BLOCK * per;
-  const hq_i64 e0 = (i / epb) * epb;
+  const hq_i64 e0 = hq_div(i, epb) * epb;
   const hq_i64 rem = n - e0;
   const hq_i64 m = rem < epb ? rem : epb;
-  const hq_i64 L = (m + per - 1) / per;
+  const hq_i64 L = hq_div(m + per - 1, per);
   const hq_i64 idx = i - e0;
-  const hq_i64 f = idx / L;
+  const hq_i64 f = hq_div(idx, L);
   const hq_i64 j = idx - f * L;
   const hq_u64 mask = (bits == 64) ? ~0ull : ((1ull << bits) - 1ull);
-  const hq_i32 field = (hq_i32)((words[e0 / per + j] >> (f * bits)) & mask);
+  const hq_i32 field = (hq_i32)((words[hq_div(e0, per) + j] >> (f * bits)) & mask);
   return hq_fmul((float)(field - offset), scale);
 }
 
@@ -117,30 +117,61 @@ HQ_HD hq_u32 hq_combine_elem(hq_u32 a, hq_u32 b, hq_u64 index, int bits, hq_u32 
   return (hq_u32)hq_combine_codes((hq_i32)a, (hq_i32)b, h, smask);
 }
 
+// Fast program (4- and 8-bit codes, full packing blocks): code word w of two packed ranges
+// combined into out, which may alias a or b (each word is read, then written, by one thread;
+// plain loads, since out may be a). a, b and out 4-byte aligned. The codes of a word are
+// those of hq_decode_word: 4 elements, or 4 + 4 elements 4096 apart at 4 bits.
+template <int BITS>
+HQ_HD void hq_combine_word(const hq_u8* a, const hq_u8* b, hq_u8* out, hq_i64 first, hq_u32 k0,
+                           hq_u32 k1, hq_i64 w) {
+  constexpr int PARTS = 8 / BITS;
+  constexpr int WORDS = HQ_PACK_BLOCK * BITS / 32;
+  constexpr int PART_STRIDE = HQ_PACK_BLOCK / PARTS;
+  constexpr hq_u32 MASK = (1u << BITS) - 1u;
+  const hq_i64 blk = w / WORDS;
+  const int j = 4 * (int)(w - blk * WORDS);
+  const hq_i64 byte = blk * (HQ_PACK_BLOCK * BITS / 8) + j;
+  hq_u32 wa, wb;
+#ifdef __CUDA_ARCH__
+  wa = *reinterpret_cast<const unsigned int*>(a + byte);
+  wb = *reinterpret_cast<const unsigned int*>(b + byte);
+#else
+  memcpy(&wa, a + byte, 4);
+  memcpy(&wb, b + byte, 4);
+#endif
+  const hq_i64 e0 = first + blk * HQ_PACK_BLOCK + j;
+  hq_u32 word = 0;
+#pragma unroll
+  for (int p = 0; p < PARTS; ++p) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int sh = 8 * k + p * BITS;
+      const hq_u32 c = hq_combine_elem((wa >> sh) & MASK, (wb >> sh) & MASK,
+                                       (hq_u64)(e0 + p * PART_STRIDE + k), BITS, k0, k1);
+      word |= (c & MASK) << sh;  // as the block program's byte store and packing keep it
+    }
+  }
+  hq_store_u32(out + byte, word);
+}
+
 // Block program: combine packing block `blk` of two packed ranges (elements first + ...)
 // into out (which may alias a or b: the block reads all its codes before writing).
-template <class Ex>
+template <int BITS, class Ex>
 HQ_HDT inline void hq_combine_block(Ex& ex, const hq_u8* a, const hq_u8* b, hq_u8* out,
-                                    hq_i64 n, hq_i64 first, int bits, hq_u32 k0, hq_u32 k1,
-                                    hq_i64 blk, hq_u8* sh_codes) {
+                                    hq_i64 n, hq_i64 first, hq_u32 k0, hq_u32 k1, hq_i64 blk,
+                                    hq_u8* sh_codes) {
   const hq_i64 b0 = blk * HQ_PACK_BLOCK;
   const int m = (int)(n - b0 < HQ_PACK_BLOCK ? n - b0 : HQ_PACK_BLOCK);
-  const hq_i64 off = hq_block_offset(blk, bits);
+  const hq_i64 off = hq_block_offset(blk, BITS);
   ex.each([&](int tid) {
     for (int j = tid; j < m; j += ex.nt) {
-      const hq_u32 ca = hq_unpack_code(a + off, m, bits, j);
-      const hq_u32 cb = hq_unpack_code(b + off, m, bits, j);
-      sh_codes[j] = (hq_u8)hq_combine_elem(ca, cb, (hq_u64)(first + b0 + j), bits, k0, k1);
+      const hq_u32 ca = hq_unpack_code<BITS>(a + off, m, j);
+      const hq_u32 cb = hq_unpack_code<BITS>(b + off, m, j);
+      sh_codes[j] = (hq_u8)hq_combine_elem(ca, cb, (hq_u64)(first + b0 + j), BITS, k0, k1);
     }
   });
   ex.sync();
-  hq_pack_phase(ex, sh_codes, m, bits, out + off);
+  hq_pack_phase<BITS>(ex, sh_codes, m, out + off);
 }
-
-// ------------------------------------------------------------------------------------------
-// norm statistics (global_qsgd._max_abs / _sum_squares)
-// ------------------------------------------------------------------------------------------
-// max |x| as int32 bit pattern, >= 0x7F800000 when x holds Inf/NaN (then _max_abs is NaN)
-HQ_HD hq_i32 hq_abs_bits(float v) { return (hq_i32)(hq_f2u(v) & 0x7FFFFFFFu); }
 
 #endif  // HQ_GLOBAL_CUH

@@ -1,56 +1,84 @@
-// levels.cu: fused encode / decode of the packed-code codecs (CuPy RawModule entry points).
+// levels.cu: encode / decode of the packed-code codecs (CuPy RawModule entry points).
 //
-//   hq_encode        one block per packing block (8192 elements): stage x, per-bucket scales
-//                    (when every bucket lies inside the block), counter-based rounding, bit
-//                    planes. Modes: level quantizers (uniform / geometric), Global-QSGD
-//                    exponential codes, DQSG / NDQSG codes (hq_codes.cuh).
-//   hq_scales        scales of buckets that straddle packing blocks (norms in 8 float64 lanes
-//                    combined in lane order; one thread per lane)
+//   hq_encode_tile_<mode>_<scale>_<bits>b   the fast encode (bits 4, 8; buckets of 4 .. 512
+//                    elements with max / power-of-two / L2 scales, or the global norm): a warp
+//                    per unit of 512 (8 bits) or 2 x 512 (4 bits) elements held in registers,
+//                    no block barrier; shared memory only for L2's ordered sums
+//                    (hq_encode_tile). Full packing blocks only.
+//   hq_encode_block_<mode>_<bits>b   every other encode: one block per packing block (8192
+//                    elements), x staged in shared memory, per-bucket scales when every bucket
+//                    lies inside the block (norms in 8 float64 lanes combined in lane order),
+//                    counter-based rounding, bit planes (hq_encode_block)
+//   hq_scales        scales of buckets that straddle packing blocks (lane-ordered norms)
 //   hq_max_bits      max |x| bit pattern per bucket by atomicMax (max / pow2 scales of large
 //   hq_scales_from_bits   or straddling buckets: the max does not depend on the order)
-//   hq_decode_levels table[code] * scale of n payloads summed in payload order (gather
-//                    exchanges decode every peer in one pass), optional final multiply
+//   hq_decode_words_levels_<bits>b   the fast decode (bits 4, 8; full packing blocks; power
+//                    of two buckets >= 4 or one global scale): one 32-bit code word per thread
+//   hq_decode_groups_levels_<bits>b  every other decode: 4 elements per thread
+//                    Both: table[code] * scale of up to HQ_MAX_PAYLOADS payloads (pointers passed
+//                    as arguments) summed in payload order, onto out / zero / nothing, optional
+//                    final multiply (gather exchanges decode every peer in one pass).
 //   hq_codes         unpacked codes (Global-QSGD sparse mode compacts them afterwards)
-//   hq_pack          pack an array of codes
+//   hq_pack / hq_unpack   pack / unpack an array of codes
 //   hq_scale         dst = src * f (float32, IEEE: CuPy's own elementwise ops flush subnormals)
 //   hq_to_f32        float64 -> float32 (round to nearest, subnormals kept)
 //
-// Launch with blockDim.x = HQ_THREADS (a multiple of 8, at most 256).
-// Build options: -fmad=false (the arithmetic also uses the _rn intrinsics).
+// Launch with blockDim.x = HQ_THREADS. Build options: -fmad=false (the arithmetic also uses
+// the _rn intrinsics).
 #include "hq_codes.cuh"
 
 #define HQ_THREADS 256
 
-extern "C" __global__ void __launch_bounds__(HQ_THREADS)
-hq_encode(const float* x, long long n, long long bucket, int mode, int bits, int norm_kind,
-          double p, int s, int c, int M, int k, float am, float gnorm, unsigned int k0,
-          unsigned int k1, unsigned char* out, long long scales_off, long long codes_off,
-          int fused) {
-  __shared__ __align__(16) float sx[HQ_PACK_BLOCK];  // float4 stores
-  __shared__ hq_u8 scodes[HQ_PACK_BLOCK];
-  __shared__ double slanes[HQ_THREADS];
-  HqDevEx ex;
-  ex.nt = (int)blockDim.x;
-  HqEnc e;
-  e.mode = mode;
-  e.bits = bits;
-  e.norm_kind = norm_kind;
-  e.p = p;
-  e.s = s;
-  e.c = c;
-  e.M = M;
-  e.k = k;
-  e.am = am;
-  e.gnorm = gnorm;
-  e.k0 = k0;
-  e.k1 = k1;
-  HqEncShared sh;
-  sh.x = sx;
-  sh.codes = scodes;
-  sh.lanes = slanes;
-  float* scales = reinterpret_cast<float*>(out + scales_off);
-  hq_encode_block(ex, e, x, n, bucket, (hq_i64)blockIdx.x, scales, fused != 0, out + codes_off, sh);
-}
+// units: HqTileShape<bits>::UNITS per full packing block; a warp per unit (grid-stride)
+#define HQ_TILE_ENCODE_KERNEL(MNAME, MODE, SNAME, NORM, BITS)                               \
+  extern "C" __global__ void __launch_bounds__(HQ_THREADS, 4)                                \
+      hq_encode_tile_##MNAME##_##SNAME##_##BITS##b(                                          \
+          const float* x, long long units, int log2_bucket, int s, int c, int M, int k,      \
+          float am, float gnorm, unsigned int k0, unsigned int k1, unsigned char* out,       \
+          long long scales_off, long long codes_off) {                                       \
+    using S = HqTileShape<BITS>;                                                             \
+    constexpr bool SUMS = NORM == HQ_NORM_L2; /* shared memory only for L2 scales */        \
+    constexpr int WARPS = HQ_THREADS / 32;                                                   \
+    __shared__ __align__(16) float sx[SUMS ? WARPS * S::PARTS * S::PART : 4];               \
+    __shared__ double slanes[SUMS ? WARPS * 32 : 1];                                        \
+    __shared__ float sscales[SUMS ? WARPS * S::PARTS * S::PART / 4 : 1];                    \
+    HqDevWarpEx ex;                                                                          \
+    const int warp = threadIdx.x / 32;                                                       \
+    HqTileShared sh;                                                                         \
+    sh.x = SUMS ? sx + warp * S::PARTS * S::PART : sx;                                       \
+    sh.lanes = SUMS ? slanes + warp * 32 : slanes;                                           \
+    sh.scales = SUMS ? sscales + warp * S::PARTS * S::PART / 4 : sscales;                    \
+    const HqEnc e = hq_enc(NORM, 2.0, s, c, M, k, am, gnorm, k0, k1);                        \
+    const hq_i64 warps = (hq_i64)gridDim.x * WARPS;                                          \
+    for (hq_i64 u = (hq_i64)blockIdx.x * WARPS + warp; u < units; u += warps)               \
+      hq_encode_tile<MODE, NORM, BITS>(ex, e, x, log2_bucket, u,                             \
+                                       reinterpret_cast<float*>(out + scales_off),           \
+                                       out + codes_off, sh);                                 \
+  }
+HQ_TILE_ENCODES(HQ_TILE_ENCODE_KERNEL)
+
+// one block per packing block, blocks first_block, first_block + 1, ...
+#define HQ_BLOCK_ENCODE_KERNEL(MNAME, MODE, BITS)                                            \
+  extern "C" __global__ void __launch_bounds__(HQ_THREADS) hq_encode_block_##MNAME##_##BITS##b( \
+      const float* x, long long n, long long bucket, int norm_kind, double p, int s, int c,  \
+      int M, int k, float am, float gnorm, unsigned int k0, unsigned int k1,                 \
+      unsigned char* out, long long scales_off, long long codes_off, int fused,              \
+      long long first_block) {                                                               \
+    __shared__ __align__(16) float sx[HQ_PACK_BLOCK]; /* float4 stores */                   \
+    __shared__ hq_u8 scodes[HQ_PACK_BLOCK];                                                  \
+    __shared__ double slanes[HQ_THREADS];                                                    \
+    HqDevEx ex;                                                                              \
+    ex.nt = (int)blockDim.x;                                                                 \
+    HqEncShared sh;                                                                          \
+    sh.x = sx;                                                                               \
+    sh.codes = scodes;                                                                       \
+    sh.lanes = slanes;                                                                       \
+    hq_encode_block<MODE, BITS>(ex, hq_enc(norm_kind, p, s, c, M, k, am, gnorm, k0, k1), x, \
+                                n, bucket, first_block + (hq_i64)blockIdx.x,                 \
+                                reinterpret_cast<float*>(out + scales_off), fused != 0,      \
+                                out + codes_off, sh);                                        \
+  }
+HQ_BLOCK_ENCODES(HQ_BLOCK_ENCODE_KERNEL)
 
 // scales of buckets [blockIdx.x * nt/8, ...): 8 threads per bucket
 extern "C" __global__ void __launch_bounds__(HQ_THREADS)
@@ -77,7 +105,7 @@ hq_max_bits(const float* x, long long n, long long bucket, int* mbits) {
       cur = kk;
       best = 0;
     }
-    const hq_i32 a = (hq_i32)(hq_f2u(x[i]) & 0x7FFFFFFFu);
+    const hq_i32 a = hq_abs_bits(x[i]);
     best = a > best ? a : best;
   }
   if (cur >= 0) atomicMax(mbits + cur, best);
@@ -87,74 +115,60 @@ extern "C" __global__ void hq_scales_from_bits(const int* mbits, long long nb, i
                                                float* scales) {
   const hq_i64 kk = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x;
   if (kk >= nb) return;
-  double lanes[HQ_LANES] = {(double)mbits[kk], 0, 0, 0, 0, 0, 0, 0};
-  scales[kk] = hq_lanes_scale(lanes, kind, 0.0);
+  scales[kk] = hq_max_scale(mbits[kk], kind);
 }
 
-extern "C" __global__ void __launch_bounds__(HQ_THREADS, 4)  // <= 64 registers: occupancy
-hq_decode_levels(const unsigned long long* ptrs, int npay, long long scales_off,
-                 long long codes_off, const float* gscale, long long n, long long bucket,
-                 int bits, const float* table, float* out, int accumulate, int has_post,
-                 float post) {
-  __shared__ float stable[256];
-  for (int t = threadIdx.x; t < (1 << bits); t += blockDim.x) stable[t] = table[t];
-  __syncthreads();
-  const hq_u8* const* pays = reinterpret_cast<const hq_u8* const*>(ptrs);
-  const hq_i64 groups = (n + HQ_GROUP - 1) / HQ_GROUP;
-  const bool vec = ((hq_u64)(void*)out & 15u) == 0;
-  const hq_i64 stride = (hq_i64)gridDim.x * blockDim.x;
-  for (hq_i64 gi = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; gi < groups; gi += stride) {
-    const hq_i64 i0 = gi * HQ_GROUP;
-    const int cnt = (int)(n - i0 < HQ_GROUP ? n - i0 : HQ_GROUP);
-    float acc[HQ_GROUP] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const bool v4 = vec && cnt == HQ_GROUP;
-    if (accumulate) {
-      if (v4) {
-        const float4 o = *reinterpret_cast<const float4*>(out + i0);
-        acc[0] = o.x; acc[1] = o.y; acc[2] = o.z; acc[3] = o.w;
-      } else {
-#pragma unroll
-        for (int e = 0; e < HQ_GROUP; ++e)
-          if (e < cnt) acc[e] = out[i0 + e];
-      }
-    }
-    hq_decode_levels_group(pays, npay, scales_off, codes_off, gscale, n, bucket, bits, stable,
-                           acc, accumulate != 0, i0, cnt);
-    if (has_post) {
-#pragma unroll
-      for (int e = 0; e < HQ_GROUP; ++e) acc[e] = hq_fmul(acc[e], post);
-    }
-    if (v4) {
-      *reinterpret_cast<float4*>(out + i0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < HQ_GROUP; ++e)
-        if (e < cnt) out[i0 + e] = acc[e];
-    }
+
+// words of the full packing blocks: w in [0, nwords)
+#define HQ_DECODE_WORDS_LEVELS_KERNEL(NAME, VALS, BITS)                                       \
+  extern "C" __global__ void __launch_bounds__(HQ_THREADS) hq_decode_words_##NAME##_##BITS##b( \
+      HQ_DECODE_PARAMS, const float* table, long long nwords) {                              \
+    __shared__ float stable[1 << BITS];                                                      \
+    for (int t = threadIdx.x; t < (1 << BITS); t += blockDim.x) stable[t] = table[t];        \
+    __syncthreads();                                                                         \
+    const HqDecode d = HQ_DECODE_ARGS;                                                       \
+    const VALS vals = {stable};                                                              \
+    const hq_i64 stride = (hq_i64)gridDim.x * blockDim.x;                                    \
+    for (hq_i64 w = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; w < nwords; w += stride)  \
+      hq_decode_word<BITS>(d, vals, w);                                                      \
   }
-}
+HQ_WORD_DECODES(HQ_DECODE_WORDS_LEVELS_KERNEL, levels, HqLevelValues)
+
+// groups of 4 elements from element `first` (a multiple of 4) to n
+#define HQ_DECODE_GROUPS_LEVELS_KERNEL(NAME, VALS, BITS)                                      \
+  extern "C" __global__ void __launch_bounds__(HQ_THREADS) hq_decode_groups_##NAME##_##BITS##b( \
+      HQ_DECODE_PARAMS, const float* table, long long first) {                               \
+    __shared__ float stable[1 << BITS];                                                      \
+    for (int t = threadIdx.x; t < (1 << BITS); t += blockDim.x) stable[t] = table[t];        \
+    __syncthreads();                                                                         \
+    const HqDecode d = HQ_DECODE_ARGS;                                                       \
+    const VALS vals = {stable};                                                              \
+    const hq_i64 groups = (n - first + HQ_GROUP - 1) / HQ_GROUP;                             \
+    const hq_i64 stride = (hq_i64)gridDim.x * blockDim.x;                                    \
+    for (hq_i64 g = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride)  \
+      hq_decode_group<BITS>(d, vals, first + g * HQ_GROUP);                                  \
+  }
+HQ_GROUP_DECODES(HQ_DECODE_GROUPS_LEVELS_KERNEL, levels, HqLevelValues)
 
 // unpacked codes of the global-norm modes (EXP, LINEAR_SM)
+template <int MODE>
+__device__ void hq_codes_of(const float* x, long long n, int bits, int s, int c, float gnorm,
+                            unsigned int k0, unsigned int k1, unsigned char* codes) {
+  const HqEnc e = hq_enc(HQ_NORM_L2, 2.0, s, c, 0, 0, 0.0f, gnorm, k0, k1);
+  const HqBucket b = hq_bucket_params<MODE>(e, 0.0f);
+  const hq_i32 smask = 1 << (bits - 1);
+  const hq_i64 stride = (hq_i64)gridDim.x * blockDim.x;
+  for (hq_i64 i = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    codes[i] = (hq_u8)hq_encode_code<MODE>(e, b, x[i], hq_hash32((hq_u64)i, k0, k1), smask);
+}
+
 extern "C" __global__ void __launch_bounds__(HQ_THREADS)
 hq_codes(const float* x, long long n, int mode, int bits, int s, int c, float gnorm,
          unsigned int k0, unsigned int k1, unsigned char* codes) {
-  HqEnc e;
-  e.mode = mode;
-  e.bits = bits;
-  e.norm_kind = 0;
-  e.p = 2.0;
-  e.s = s;
-  e.c = c;
-  e.M = 0;
-  e.k = 0;
-  e.am = 0.0f;
-  e.gnorm = gnorm;
-  e.k0 = k0;
-  e.k1 = k1;
-  const HqBucket b = hq_bucket_params(e, 0.0f);
-  const hq_i64 stride = (hq_i64)gridDim.x * blockDim.x;
-  for (hq_i64 i = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-    codes[i] = (hq_u8)hq_encode_code(e, b, x[i], hq_hash32((hq_u64)i, k0, k1));
+  if (mode == HQ_MODE_EXP)
+    hq_codes_of<HQ_MODE_EXP>(x, n, bits, s, c, gnorm, k0, k1, codes);
+  else
+    hq_codes_of<HQ_MODE_LINEAR_SM>(x, n, bits, s, c, gnorm, k0, k1, codes);
 }
 
 extern "C" __global__ void __launch_bounds__(HQ_THREADS)
@@ -162,15 +176,20 @@ hq_pack(const unsigned char* codes, long long n, int bits, unsigned char* out) {
   __shared__ hq_u8 scodes[HQ_PACK_BLOCK];
   HqDevEx ex;
   ex.nt = (int)blockDim.x;
-  hq_pack_block(ex, codes, n, bits, (hq_i64)blockIdx.x, out, scodes);
+#define HQ_PACK(B) hq_pack_block<B>(ex, codes, n, (hq_i64)blockIdx.x, out, scodes)
+  HQ_WITH_BITS(bits, HQ_PACK)
+#undef HQ_PACK
 }
 
 // codes of n packed elements (tests / debugging)
 extern "C" __global__ void hq_unpack(const unsigned char* packed, long long n, int bits,
                                      unsigned char* codes) {
   const hq_i64 stride = (hq_i64)gridDim.x * blockDim.x;
-  for (hq_i64 i = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-    codes[i] = (hq_u8)hq_packed_code(packed, n, bits, i);
+#define HQ_UNPACK(B)                                                                    \
+  for (hq_i64 i = (hq_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) \
+    codes[i] = (hq_u8)hq_packed_code<B>(packed, n, i);
+  HQ_WITH_BITS(bits, HQ_UNPACK)
+#undef HQ_UNPACK
 }
 
 extern "C" __global__ void __launch_bounds__(HQ_THREADS)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile every kernels/*.cu with nvcc for sm_80 and sm_90 (-fmad=false, warnings are errors),
 # plus the host build of the block programs used by tests/cuda_parity/test_host_parity.py.
-# Fails on any error. No GPU needed. About 30 s on 2 cores.
+# Fails on any error. No GPU needed. About a minute on 2 cores.
 #
 #   bash tests/cuda_parity/compile.sh            # compile check (part of `make test`)
 #   bash tests/cuda_parity/compile.sh --parity   # also run the CPU parity tests (pytest tests/cuda_parity)

@@ -17,6 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from horovod_quant.backends.cuda.launch import MAX_PAYLOADS, DitherValues, log2_exact
+from horovod_quant.backends.cuda.specs import (
+    TILE_UNITS,
+    block_encode_kernel,
+    decode_kernel,
+    exp_combine_kernel,
+    tile_encode_kernel,
+)
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 NVCC = os.environ.get("NVCC") or shutil.which("nvcc") or (
@@ -42,16 +51,19 @@ _SIGS = {
     "hqh_unpack": (None, [P, I64, I32, P]),
     "hqh_scales": (None, [P, I64, I64, I32, F64, P, I32]),
     "hqh_max_scales": (None, [P, I64, I64, I32, P, I32]),
-    "hqh_encode": (None, [P, I64, I64, I32, I32, I32, F64, I32, I32, I32, I32, F32, F32, U32,
-                          U32, P, I64, I64, I32, I32]),
+    "hqh_encode_tile": (I32, [I32, I32, I32, P, I64, I32, I32, I32, I32, I32, F32, F32, U32, U32,
+                              P, I64, I64]),
+    "hqh_encode_block": (I32, [I32, I32, P, I64, I64, I32, F64, I32, I32, I32, I32, F32, F32,
+                               U32, U32, P, I64, I64, I32, I64, I32]),
     "hqh_codes": (None, [P, I64, I32, I32, I32, I32, F32, U32, U32, P]),
-    "hqh_decode_levels": (None, [P, I32, I64, I64, P, I64, I64, I32, P, P, I32, I32, F32]),
-    "hqh_decode_dither": (None, [P, I32, I64, I64, P, I64, I64, I32, I32, P, I32, I32, F32]),
+    "hqh_decode": (I32, [I32, I32, I32, P, I32, I64, I64, F32, I64, I64, I32, P, I32, I32, F32,
+                         I64, P, P, I32]),
     "hqh_decode_nested": (None, [P, I64, I64, I64, I64, I32, I32, I32, F32, F32, P, U32, U32, P,
                                  P, P]),
     "hqh_linear_encode": (None, [P, I64, I32, I32, F32, U32, U32, P, I64]),
     "hqh_linear_decode": (None, [P, I64, I32, I32, F32, P, I32]),
-    "hqh_exp_combine": (None, [P, P, P, I64, I64, I32, U32, U32, I32]),
+    "hqh_exp_combine": (None, [P, P, P, I64, I64, I32, U32, U32, I64, I32]),
+    "hqh_exp_combine_words": (I32, [P, P, P, I64, I64, I32, U32, U32]),
     "hqh_combine_elem": (U32, [U32, U32, U64, I32, U32, U32]),
     "hqh_combine_codes": (I32, [I32, I32, U32, I32]),
     "hqh_max_abs_bits": (I32, [P, I64]),
@@ -84,13 +96,16 @@ def ptr(a: np.ndarray) -> int:
 
 class HostBackend:
     """The kernel launcher of :class:`horovod_quant.backends.cuda.CudaBackend` (see its module
-    doc) on NumPy arrays, each call replaying the kernel of the same name on the CPU."""
+    doc) on NumPy arrays, each call replaying the kernel of the same name on the CPU.
+    ``launched`` lists the specialised entry points replayed (names as on the GPU), so tests
+    can check which program ran."""
 
     xp = np
 
     def __init__(self, lib: ctypes.CDLL, nt: int = 256) -> None:
         self.lib = lib
         self.nt = nt
+        self.launched: list[str] = []
 
     @staticmethod
     def _c(a: np.ndarray) -> np.ndarray:
@@ -100,16 +115,27 @@ class HostBackend:
     def to_host(self, a):
         return np.asarray(a)
 
-    def _ptrs(self, arrays):
-        return np.array([ptr(self._c(a)) for a in arrays], np.uint64)
+    def address(self, a):
+        return ptr(a)
 
-    def encode(self, x, n, bucket, mode, bits, norm_kind, p, s, c, M, k, am, gnorm, k0, k1, out,
-               scales_off, codes_off, fused):
+    def encode_tiles(self, x, full_blocks, log2_bucket, mode, kind, bits, s, c, M, k, am, gnorm,
+                     k0, k1, out, scales_off, codes_off):
+        self.launched.append(tile_encode_kernel(mode, kind, bits))
+        units = full_blocks * TILE_UNITS[bits]
+        rc = self.lib.hqh_encode_tile(mode, kind, bits, ptr(self._c(x)), units, log2_bucket, s, c,
+                                      M, k, am, gnorm, k0, k1, ptr(self._c(out)), scales_off,
+                                      codes_off)
+        assert rc == 0, f"no warp-tile encode for mode={mode} kind={kind} bits={bits}"
+
+    def encode_blocks(self, x, n, bucket, mode, bits, norm_kind, p, s, c, M, k, am, gnorm, k0,
+                      k1, out, scales_off, codes_off, fused, first_block):
         if scales_off % 4:
             raise AssertionError("scales must be 4-byte aligned (float stores)")
-        self.lib.hqh_encode(ptr(self._c(x)), n, bucket, mode, bits, norm_kind, p, s, c, M, k, am,
-                            gnorm, k0, k1, ptr(self._c(out)), scales_off, codes_off,
-                            1 if fused else 0, self.nt)
+        self.launched.append(block_encode_kernel(mode, bits))
+        rc = self.lib.hqh_encode_block(mode, bits, ptr(self._c(x)), n, bucket, norm_kind, p, s, c,
+                                       M, k, am, gnorm, k0, k1, ptr(self._c(out)), scales_off,
+                                       codes_off, 1 if fused else 0, first_block, self.nt)
+        assert rc == 0, f"no block encode for mode={mode} bits={bits}"
 
     def scales(self, x, n, bucket, kind, p, scales):
         self.lib.hqh_scales(ptr(x), n, bucket, kind, p, ptr(self._c(scales)), self.nt)
@@ -117,14 +143,34 @@ class HostBackend:
     def max_scales(self, x, n, bucket, kind, scales):
         self.lib.hqh_max_scales(ptr(x), n, bucket, kind, ptr(self._c(scales)), self.nt)
 
-    def decode_levels(self, pays, scales_off, codes_off, gscale, n, bucket, bits, table, out,
-                      accumulate, post):
-        ptrs = self._ptrs(pays)
-        gs = np.asarray(gscale if gscale is not None else [0.0], np.float32)
-        self.lib.hqh_decode_levels(ptr(ptrs), len(pays), scales_off, codes_off, ptr(gs), n, bucket,
-                                   bits, ptr(self._c(table)), ptr(self._c(out)),
-                                   1 if accumulate else 0, 0 if post is None else 1,
-                                   0.0 if post is None else float(post))
+    def _decode(self, words, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                start, post, rng):
+        ptrs = np.zeros(MAX_PAYLOADS, np.uint64)
+        ptrs[: len(pays)] = [ptr(self._c(a)) for a in pays]
+        keys = np.zeros(MAX_PAYLOADS, np.uint64)
+        table = np.zeros(1, np.float32)
+        if isinstance(values, DitherValues):
+            keys[: len(values.keys)] = [k0 | (k1 << 32) for k0, k1 in values.keys]
+            kind, M = 1, values.M
+        else:
+            table, kind, M = self._c(values.table), 0, 0
+        self.launched.append(decode_kernel(("levels", "dither")[kind], words, bits))
+        rc = self.lib.hqh_decode(kind, 1 if words else 0, bits, ptr(ptrs), len(pays), scales_off,
+                                 codes_off, 0.0 if gscale is None else float(gscale), n, bucket,
+                                 log2_exact(bucket) or 0, ptr(self._c(out)), start,
+                                 0 if post is None else 1, 0.0 if post is None else float(post),
+                                 rng, ptr(table), ptr(keys), M)
+        assert rc == 0, f"no decode for bits={bits} (words={words})"
+
+    def decode_words(self, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                     start, post, end):
+        self._decode(True, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                     start, post, end)
+
+    def decode_groups(self, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                      start, post, begin):
+        self._decode(False, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                     start, post, begin)
 
     def codes(self, x, n, mode, bits, s, c, gnorm, k0, k1, codes):
         self.lib.hqh_codes(ptr(x), n, mode, bits, s, c, gnorm, k0, k1, ptr(self._c(codes)))
@@ -134,14 +180,6 @@ class HostBackend:
 
     def unpack(self, packed, n, bits, codes):
         self.lib.hqh_unpack(ptr(self._c(packed)), n, bits, ptr(self._c(codes)))
-
-    def decode_dither(self, pays, scales_off, codes_off, keys, n, bucket, bits, M, out,
-                      accumulate, post):
-        ptrs = self._ptrs(pays)
-        kd = np.asarray(keys, np.uint32)
-        self.lib.hqh_decode_dither(ptr(ptrs), len(pays), scales_off, codes_off, ptr(kd), n, bucket,
-                                   bits, M, ptr(self._c(out)), 1 if accumulate else 0,
-                                   0 if post is None else 1, 0.0 if post is None else float(post))
 
     def decode_nested(self, d, scales_off, codes_off, n, bucket, M, k, bits, am, alpha, y, k0, k1,
                       out):
@@ -160,9 +198,16 @@ class HostBackend:
         self.lib.hqh_linear_decode(ptr(self._c(words)), n, bits, offset, scale, ptr(self._c(out)),
                                    1 if accumulate else 0)
 
-    def exp_combine(self, a, b, out, n, first, bits, k0, k1):
+    def exp_combine(self, a, b, out, n, first, bits, k0, k1, first_block):
+        self.launched.append(exp_combine_kernel(False, bits))
         self.lib.hqh_exp_combine(ptr(self._c(a)), ptr(self._c(b)), ptr(self._c(out)), n, first,
-                                 bits, k0, k1, self.nt)
+                                 bits, k0, k1, first_block, self.nt)
+
+    def exp_combine_words(self, a, b, out, end, first, bits, k0, k1):
+        self.launched.append(exp_combine_kernel(True, bits))
+        rc = self.lib.hqh_exp_combine_words(ptr(self._c(a)), ptr(self._c(b)), ptr(self._c(out)),
+                                            end, first, bits, k0, k1)
+        assert rc == 0, f"no word combination for bits={bits}"
 
     def scale(self, src, n, f, dst):
         self.lib.hqh_scale(ptr(self._c(src)), n, f, ptr(self._c(dst)))
@@ -183,6 +228,14 @@ class HostBackend:
 
     def sum_squares(self, x, n):
         return float(self.lib.hqh_sum_squares(ptr(x), n))
+
+
+@pytest.fixture(scope="session")
+def nvcc() -> str:
+    """The nvcc of the host build (skips without one)."""
+    if NVCC is None:
+        pytest.skip("nvcc not found: the host parity tests compile kernels/*.cuh with it")
+    return NVCC
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,11 @@
 // Compiled by nvcc as host code (the __host__ __device__ functions of kernels/*.cuh) into a
 // shared library loaded with ctypes. Each hqh_* function replays one CUDA kernel of
 // kernels/*.cu on the CPU: the same block programs, every thread of a block in turn between
-// two syncs (HqHostEx), every block in turn. The elementwise kernels are loops over the same
-// element functions. Nothing here computes a result by other means.
+// two syncs (HqHostEx), every block in turn; the warp programs (encode tiles) warp by warp,
+// their collectives over the 32 lanes; the elementwise kernels (and the decode programs,
+// whose threads share nothing) are loops over the same functions, every specialisation the
+// kernels instantiate through the same lists (HQ_TILE_ENCODES, ...). Nothing here computes a
+// result by other means.
 #include "../../kernels/hq_global.cuh"
 #include "../../kernels/hq_reduce.cuh"
 
@@ -12,6 +15,12 @@
 #include <vector>
 
 #define HQH extern "C"
+
+// a compile-time int for the host's generic lambdas (the host build may use them; NVRTC may not)
+template <int V>
+struct HqInt {
+  static constexpr int value = V;
+};
 
 HQH hq_u64 hqh_splitmix64(hq_u64 x) { return hq_splitmix64(x); }
 HQH hq_u64 hqh_derive_key(hq_u64 seed, const hq_u64* fields, int nfields) {
@@ -36,12 +45,19 @@ HQH void hqh_pack(const hq_u8* codes, hq_i64 n, int bits, hq_u8* out, int nt) {
   HqHostEx ex;
   ex.nt = nt;
   std::vector<hq_u8> sh(HQ_PACK_BLOCK);
-  for (hq_i64 blk = 0; blk * HQ_PACK_BLOCK < n; ++blk) hq_pack_block(ex, codes, n, bits, blk, out, sh.data());
+#define HQH_PACK(B)                                    \
+  for (hq_i64 blk = 0; blk * HQ_PACK_BLOCK < n; ++blk) \
+    hq_pack_block<B>(ex, codes, n, blk, out, sh.data());
+  HQ_WITH_BITS(bits, HQH_PACK)
+#undef HQH_PACK
 }
 
 // kernel hq_unpack
 HQH void hqh_unpack(const hq_u8* packed, hq_i64 n, int bits, hq_u8* codes) {
-  for (hq_i64 i = 0; i < n; ++i) codes[i] = (hq_u8)hq_packed_code(packed, n, bits, i);
+#define HQH_UNPACK(B) \
+  for (hq_i64 i = 0; i < n; ++i) codes[i] = (hq_u8)hq_packed_code<B>(packed, n, i);
+  HQ_WITH_BITS(bits, HQH_UNPACK)
+#undef HQH_UNPACK
 }
 
 // kernel hq_scales, grid = ceil(nb / (nt / 8))
@@ -75,38 +91,46 @@ HQH void hqh_max_scales(const float* x, hq_i64 n, hq_i64 bucket, int kind, float
           cur = kk;
           best = 0;
         }
-        const hq_i32 a = (hq_i32)(hq_f2u(x[i]) & 0x7FFFFFFFu);
+        const hq_i32 a = hq_abs_bits(x[i]);
         best = a > best ? a : best;
       }
       if (cur >= 0 && best > mbits[cur]) mbits[cur] = best;
     }
   }
-  for (hq_i64 kk = 0; kk < nb; ++kk) {
-    double lanes[HQ_LANES] = {(double)mbits[kk], 0, 0, 0, 0, 0, 0, 0};
-    scales[kk] = hq_lanes_scale(lanes, kind, 0.0);
-  }
+  for (hq_i64 kk = 0; kk < nb; ++kk) scales[kk] = hq_max_scale(mbits[kk], kind);
 }
 
-// kernel hq_encode, grid = packing blocks
-HQH void hqh_encode(const float* x, hq_i64 n, hq_i64 bucket, int mode, int bits, int norm_kind,
-                    double p, int s, int c, int M, int k, float am, float gnorm, hq_u32 k0,
-                    hq_u32 k1, hq_u8* out, hq_i64 scales_off, hq_i64 codes_off, int fused,
-                    int nt) {
+// kernels hq_encode_tile_*, a warp per unit (grid-stride); -1: no such specialisation
+HQH int hqh_encode_tile(int mode, int norm, int bits, const float* x, hq_i64 units,
+                        int log2_bucket, int s, int c, int M, int k, float am, float gnorm,
+                        hq_u32 k0, hq_u32 k1, hq_u8* out, hq_i64 scales_off, hq_i64 codes_off) {
+  const HqEnc e = hq_enc(norm, 2.0, s, c, M, k, am, gnorm, k0, k1);
+  float* scales = reinterpret_cast<float*>(out + scales_off);
+  HqHostEx ex;
+  ex.nt = 32;
+  std::vector<float> sx(2 * 512);  // one warp's shared memory (HqTileShared), the largest unit
+  std::vector<double> slanes(32);
+  std::vector<float> sscales(2 * 512 / 4);
+  const HqTileShared sh = {sx.data(), slanes.data(), sscales.data()};
+#define HQH_TILE(MN, MODE, SN, NORM, BITS)                                                \
+  if (mode == MODE && norm == NORM && bits == BITS) {                                      \
+    for (hq_i64 u = 0; u < units; ++u)                                                     \
+      hq_encode_tile<MODE, NORM, BITS>(ex, e, x, log2_bucket, u, scales, out + codes_off, sh); \
+    return 0;                                                                              \
+  }
+  HQ_TILE_ENCODES(HQH_TILE)
+#undef HQH_TILE
+  return -1;
+}
+
+// kernels hq_encode_block_*, grid = packing blocks first_block, ...
+HQH int hqh_encode_block(int mode, int bits, const float* x, hq_i64 n, hq_i64 bucket,
+                         int norm_kind, double p, int s, int c, int M, int k, float am,
+                         float gnorm, hq_u32 k0, hq_u32 k1, hq_u8* out, hq_i64 scales_off,
+                         hq_i64 codes_off, int fused, hq_i64 first_block, int nt) {
+  const HqEnc e = hq_enc(norm_kind, p, s, c, M, k, am, gnorm, k0, k1);
   HqHostEx ex;
   ex.nt = nt;
-  HqEnc e;
-  e.mode = mode;
-  e.bits = bits;
-  e.norm_kind = norm_kind;
-  e.p = p;
-  e.s = s;
-  e.c = c;
-  e.M = M;
-  e.k = k;
-  e.am = am;
-  e.gnorm = gnorm;
-  e.k0 = k0;
-  e.k1 = k1;
   std::vector<float> sx(HQ_PACK_BLOCK);
   std::vector<hq_u8> sc(HQ_PACK_BLOCK);
   std::vector<double> sl(nt);
@@ -115,61 +139,80 @@ HQH void hqh_encode(const float* x, hq_i64 n, hq_i64 bucket, int mode, int bits,
   sh.codes = sc.data();
   sh.lanes = sl.data();
   float* scales = reinterpret_cast<float*>(out + scales_off);
-  for (hq_i64 blk = 0; blk * HQ_PACK_BLOCK < n; ++blk)
-    hq_encode_block(ex, e, x, n, bucket, blk, scales, fused != 0, out + codes_off, sh);
+#define HQH_BLOCK(MN, MODE, BITS)                                                         \
+  if (mode == MODE && bits == BITS) {                                                    \
+    for (hq_i64 blk = first_block; blk * HQ_PACK_BLOCK < n; ++blk)                       \
+      hq_encode_block<MODE, BITS>(ex, e, x, n, bucket, blk, scales, fused != 0,          \
+                                  out + codes_off, sh);                                  \
+    return 0;                                                                            \
+  }
+  HQ_BLOCK_ENCODES(HQH_BLOCK)
+#undef HQH_BLOCK
+  return -1;
 }
 
 // kernel hq_codes
 HQH void hqh_codes(const float* x, hq_i64 n, int mode, int bits, int s, int c, float gnorm,
                    hq_u32 k0, hq_u32 k1, hq_u8* codes) {
-  HqEnc e;
-  e.mode = mode;
-  e.bits = bits;
-  e.norm_kind = 0;
-  e.p = 2.0;
-  e.s = s;
-  e.c = c;
-  e.M = 0;
-  e.k = 0;
-  e.am = 0.0f;
-  e.gnorm = gnorm;
-  e.k0 = k0;
-  e.k1 = k1;
-  const HqBucket b = hq_bucket_params(e, 0.0f);
-  for (hq_i64 i = 0; i < n; ++i) codes[i] = (hq_u8)hq_encode_code(e, b, x[i], hq_hash32((hq_u64)i, k0, k1));
+  const HqEnc e = hq_enc(HQ_NORM_L2, 2.0, s, c, 0, 0, 0.0f, gnorm, k0, k1);
+  const hq_i32 smask = 1 << (bits - 1);
+  auto run = [&](auto M) {
+    constexpr int MODE = decltype(M)::value;
+    const HqBucket b = hq_bucket_params<MODE>(e, 0.0f);
+    for (hq_i64 i = 0; i < n; ++i)
+      codes[i] = (hq_u8)hq_encode_code<MODE>(e, b, x[i], hq_hash32((hq_u64)i, k0, k1), smask);
+  };
+  if (mode == HQ_MODE_EXP)
+    run(HqInt<HQ_MODE_EXP>());
+  else
+    run(HqInt<HQ_MODE_LINEAR_SM>());
 }
 
-// kernel hq_decode_levels (groups of HQ_GROUP elements per thread)
-HQH void hqh_decode_levels(const hq_u8* const* pays, int npay, hq_i64 scales_off, hq_i64 codes_off,
-                           const float* gscale, hq_i64 n, hq_i64 bucket, int bits,
-                           const float* table, float* out, int accumulate, int has_post,
-                           float post) {
-  const hq_i64 groups = (n + HQ_GROUP - 1) / HQ_GROUP;
-  for (hq_i64 gi = 0; gi < groups; ++gi) {
-    const hq_i64 i0 = gi * HQ_GROUP;
-    const int cnt = (int)(n - i0 < HQ_GROUP ? n - i0 : HQ_GROUP);
-    float acc[HQ_GROUP] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (accumulate)
-      for (int e = 0; e < cnt; ++e) acc[e] = out[i0 + e];
-    hq_decode_levels_group(pays, npay, scales_off, codes_off, gscale, n, bucket, bits, table, acc,
-                           accumulate != 0, i0, cnt);
-    if (has_post)
-      for (int e = 0; e < cnt; ++e) acc[e] = hq_fmul(acc[e], post);
-    for (int e = 0; e < cnt; ++e) out[i0 + e] = acc[e];
+// kernels hq_decode_words_* (words: elements [0, range) of full packing blocks) and
+// hq_decode_groups_* (range: the first element); kind 0: levels (table), 1: dither (keys, M).
+// -1: no such specialisation.
+HQH int hqh_decode(int kind, int words, int bits, const hq_u64* pays, int npay,
+                   hq_i64 scales_off, hq_i64 codes_off, float gscale, hq_i64 n, hq_i64 bucket,
+                   int log2_bucket, float* out, int start, int has_post, float post,
+                   hq_i64 range, const float* table, const hq_u64* keys, int M) {
+  HqDecode d;
+  for (int q = 0; q < HQ_MAX_PAYLOADS; ++q) d.pays[q] = reinterpret_cast<const hq_u8*>(pays[q]);
+  d.npay = npay;
+  d.scales_off = scales_off;
+  d.codes_off = codes_off;
+  d.gscale = gscale;
+  d.n = n;
+  d.bucket = bucket;
+  d.log2_bucket = log2_bucket;
+  d.out = out;
+  d.start = start;
+  d.has_post = has_post != 0;
+  d.post = post;
+  HqLevelValues levels = {table};
+  HqDitherValues dither;
+  for (int q = 0; q < HQ_MAX_PAYLOADS; ++q) {
+    dither.k0[q] = (hq_u32)keys[q];
+    dither.k1[q] = (hq_u32)(keys[q] >> 32);
   }
-}
-
-// kernel hq_decode_dither
-HQH void hqh_decode_dither(const hq_u8* const* pays, int npay, hq_i64 scales_off, hq_i64 codes_off,
-                           const hq_u32* keys, hq_i64 n, hq_i64 bucket, int bits, int M, float* out,
-                           int accumulate, int has_post, float post) {
-  for (hq_i64 i = 0; i < n; ++i) {
-    float acc = accumulate ? out[i] : 0.0f;
-    acc = hq_decode_dither_elem(pays, npay, scales_off, codes_off, keys, n, bucket, bits, M, acc,
-                                accumulate != 0, i);
-    if (has_post) acc = hq_fmul(acc, post);
-    out[i] = acc;
-  }
+  dither.M = M;
+  auto run = [&](auto B, const auto& vals) {
+    constexpr int BITS = decltype(B)::value;
+    if (words) {
+      for (hq_i64 w = 0; w < range / 32 * BITS; ++w) hq_decode_word<BITS>(d, vals, w);
+    } else {
+      for (hq_i64 i0 = range; i0 < n; i0 += HQ_GROUP) hq_decode_group<BITS>(d, vals, i0);
+    }
+  };
+  if (words && bits != 4 && bits != 8) return -1;
+  if (bits < 2 || bits > 8) return -1;
+#define HQH_DECODE(B)        \
+  if (kind == 0)             \
+    run(HqInt<B>(), levels); \
+  else                       \
+    run(HqInt<B>(), dither);
+  HQ_WITH_BITS(bits, HQH_DECODE)
+#undef HQH_DECODE
+  return 0;
 }
 
 // kernels hq_decode_nested + hq_resid_sum
@@ -180,8 +223,11 @@ HQH void hqh_decode_nested(const hq_u8* d, hq_i64 scales_off, hq_i64 codes_off, 
   std::vector<float> resid(n > 0 ? n : 1);
   for (hq_i64 i = 0; i < n; ++i) {
     float r;
-    out[i] = hq_decode_nested_elem(d, scales_off, codes_off, n, bucket, M, k, bits, am, alpha, y[i],
-                                   k0, k1, out[i], &r, i);
+#define HQH_NESTED(B)                                                                      \
+  out[i] = hq_decode_nested_elem<B>(d, scales_off, codes_off, n, bucket, M, k, am, alpha, y[i], \
+                                    k0, k1, out[i], &r, i);
+    HQ_WITH_BITS(bits, HQH_NESTED)
+#undef HQH_NESTED
     resid[i] = r;
   }
   double lanes[HQ_LANES];
@@ -221,12 +267,28 @@ HQH void hqh_linear_decode(const hq_u64* words, hq_i64 n, int bits, int offset, 
 
 // kernel hq_exp_combine, grid = packing blocks
 HQH void hqh_exp_combine(const hq_u8* a, const hq_u8* b, hq_u8* out, hq_i64 n, hq_i64 first,
-                         int bits, hq_u32 k0, hq_u32 k1, int nt) {
+                         int bits, hq_u32 k0, hq_u32 k1, hq_i64 first_block, int nt) {
   HqHostEx ex;
   ex.nt = nt;
   std::vector<hq_u8> sh(HQ_PACK_BLOCK);
-  for (hq_i64 blk = 0; blk * HQ_PACK_BLOCK < n; ++blk)
-    hq_combine_block(ex, a, b, out, n, first, bits, k0, k1, blk, sh.data());
+#define HQH_COMBINE(B)                                           \
+  for (hq_i64 blk = first_block; blk * HQ_PACK_BLOCK < n; ++blk) \
+    hq_combine_block<B>(ex, a, b, out, n, first, k0, k1, blk, sh.data());
+  HQ_WITH_BITS(bits, HQH_COMBINE)
+#undef HQH_COMBINE
+}
+
+// kernels hq_exp_combine_words_<bits>b: the words of elements [0, end); -1: no such kernel
+HQH int hqh_exp_combine_words(const hq_u8* a, const hq_u8* b, hq_u8* out, hq_i64 end,
+                              hq_i64 first, int bits, hq_u32 k0, hq_u32 k1) {
+  if (bits == 4) {
+    for (hq_i64 w = 0; w < end / 32 * 4; ++w) hq_combine_word<4>(a, b, out, first, k0, k1, w);
+  } else if (bits == 8) {
+    for (hq_i64 w = 0; w < end / 32 * 8; ++w) hq_combine_word<8>(a, b, out, first, k0, k1, w);
+  } else {
+    return -1;
+  }
+  return 0;
 }
 
 // combined code of single elements (for the rare exact path)
@@ -263,7 +325,10 @@ HQH void hqh_to_f32(const double* src, hq_i64 n, float* dst) {
 }
 HQH void hqh_decode_sparse(const hq_u8* data, hq_i64 cnt, int bits, const float* table, float scale,
                            float* out) {
-  for (hq_i64 j = 0; j < cnt; ++j) hq_decode_sparse_elem(data, cnt, bits, table, scale, out, j);
+#define HQH_SPARSE(B) \
+  for (hq_i64 j = 0; j < cnt; ++j) hq_decode_sparse_elem<B>(data, cnt, table, scale, out, j);
+  HQ_WITH_BITS(bits, HQH_SPARSE)
+#undef HQH_SPARSE
 }
 
 // kernel hq_mean_parts (reduce.cu)

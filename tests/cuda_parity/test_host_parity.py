@@ -18,6 +18,7 @@ import glob
 import math
 import os
 import re
+import subprocess
 import sys
 
 import numba
@@ -25,13 +26,39 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.backends import use_backend
+from horovod_quant.backends import (
+    MODE_DITHER,
+    MODE_EXP,
+    MODE_GEOMETRIC,
+    MODE_NESTED,
+    MODE_UNIFORM,
+    NORM_L2,
+    NORM_MAX,
+    NORM_P,
+    NORM_POW2,
+    SCALED_MODES,
+    numba_backend,
+    use_backend,
+)
+from horovod_quant.backends.cuda.specs import (
+    CODE_BITS,
+    FAST_BITS,
+    MODE_NAMES,
+    block_encode_kernel,
+    decode_kernel,
+    exp_combine_kernel,
+    kernel_names,
+    tile_encode_kernel,
+    tile_encode_specs,
+)
 from horovod_quant.backends.numba import global_qsgd as NG
 from horovod_quant.backends.numba import packing
 from horovod_quant.backends.numba import rng as NR
 from horovod_quant.core import exponent_reduction
 from horovod_quant.core import rng as R
 from horovod_quant.core.base import as_vector, worker_seed
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PB = packing.PACK_BLOCK
 SIZES = [0, 1, 7, 8, 9, 8191, 8192, 8193, 2 * PB + 17]
@@ -420,8 +447,11 @@ def test_exp_combine(host_cuda, host_cuda_small, bits):
         NG.exp_combine(ref[lo:hi], b[lo:hi], ref[lo:hi], size - i0, i0, bits, k0, k1)
         for ops in (host_cuda, host_cuda_small):
             got = a.copy()  # combined in place (out aliases a)
+            ops.kernels.launched.clear()
             ops.exp_combine(got[lo:hi], b[lo:hi], got[lo:hi], size - i0, i0, bits, k0, k1)
             assert same(got, ref), (bits, size, i0, first_diff(got, ref))
+            words = bits in FAST_BITS and size - i0 >= PB  # the word program on full blocks
+            assert (exp_combine_kernel(True, bits) in ops.kernels.launched) == words
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
@@ -530,6 +560,314 @@ def test_nested_dithered(host_cuda, world, bits):
                     assert c_gpu.last_stats == c_cpu.last_stats
                     if n <= 600:
                         assert same(on(host_cuda, c_gpu.decode, got[0]), c_cpu.decode(ref[0]))
+
+
+# -- every specialisation, at the backend entry points -----------------------------------------
+# The warp-tile encode and the word decode take full packing blocks of 4- and 8-bit codes; the
+# generic programs the rest. Each test names the entry point it must have replayed
+# (HostBackend.launched), so every compiled specialisation is compared with numba bit for bit.
+SPEC_SIZES = [0, 1, 7, 8191, 8192, 8193, 2 * PB + 17, 5 * PB]
+DATA_KINDS = ("normal", "special", "nonfinite")
+
+
+def _encode_params(mode: int, kind: int, bits: int) -> dict:
+    """``Backend.encode`` keywords of a codec of ``mode`` with ``bits``-bit codes (NESTED: the
+    P2 code width, k = 2^bits - 1 of 127 fine levels; alpha 0.7)."""
+    if mode == MODE_UNIFORM:
+        return {"norm_kind": kind, "p": 3.0, "s": hq.get_codec("qsgd", bits=bits).s}
+    if mode == MODE_GEOMETRIC:
+        return {"norm_kind": kind, "p": 3.0,
+                "s": hq.get_codec("natural_dithering", bits=bits).s}
+    if mode == MODE_EXP:
+        codec = hq.get_codec("global_qsgd", world_size=1, bits=bits, levels="exponential")
+        return {"s": codec.s, "c": codec.c}
+    if mode == MODE_DITHER:
+        M = (1 << (bits - 1)) - 1
+        return {"M": M, "am": float(M)}
+    return {"M": 127, "k": (1 << bits) - 1, "am": float(np.float32(0.7 * 127))}
+
+
+def _payload_size(mode: int, n: int, bucket: int, bits: int, offset: int) -> int:
+    nb = -(-n // bucket) if n else 0
+    return offset + (4 * nb if mode in SCALED_MODES else 0) + packing.packed_nbytes(n, bits)
+
+
+def _check_encode(ops, mode, bits, x, bucket, seed, offset=0, **kw):
+    """Encode x on both backends into buffers prefilled alike; compare every byte (scales:
+    any NaN matches any NaN). Returns the numba payload."""
+    n = x.size
+    keys = R.split_key(R.derive_key(seed))
+    size = _payload_size(mode, n, bucket, bits, offset)
+    ref = np.full(size, 0xCD, np.uint8)
+    got = ref.copy()
+    numba_backend().encode(x, ref, offset, bucket, mode, bits, keys, **kw)
+    ops.encode(x, got, offset, bucket, mode, bits, keys, **kw)
+    nb = 4 * -(-n // bucket) if n and mode in SCALED_MODES else 0
+    where = f"mode={MODE_NAMES[mode]} bits={bits} n={n} bucket={bucket} {kw}"
+    sc = slice(offset, offset + nb)
+    assert same_nan(got[sc].view(np.float32), ref[sc].view(np.float32)), where
+    assert same(got[: offset], ref[: offset]) and same(got[offset + nb:], ref[offset + nb:]), \
+        f"{where}: {first_diff(got, ref)}"
+    return ref
+
+
+@pytest.mark.parametrize("spec", tile_encode_specs(),
+                         ids=lambda s: tile_encode_kernel(*s).replace("hq_encode_tile_", ""))
+def test_tile_encode_specialisation(host_cuda, spec):
+    """Every warp-tile encode: buckets 4 .. 512, sizes around and across packing blocks,
+    special and non-finite values, against numba; the tile ran on the full blocks."""
+    mode, kind, bits = spec
+    name = tile_encode_kernel(mode, kind, bits)
+    kw = _encode_params(mode, kind, bits)
+    launched = host_cuda.kernels.launched
+    for bucket in ([PB] if mode == MODE_EXP else [4, 8, 32, 128, 256, 512]):
+        edges = [3 * PB + bucket - 1, 3 * PB + bucket, 3 * PB + bucket + 1]
+        for n in SPEC_SIZES + edges:
+            for i, data in enumerate(DATA_KINDS):
+                x = gen(data, n, n + bits + i)
+                if mode == MODE_EXP:
+                    amax = float(np.max(np.abs(x))) if n else 0.0
+                    kw["gnorm"] = float(np.float32(2 * amax)) if math.isfinite(amax) else amax
+                launched.clear()
+                _check_encode(host_cuda, mode, bits, x, bucket, seed=n + i,
+                              offset=4 if mode == MODE_NESTED else 0, **kw)
+                assert (name in launched) == (n >= PB), (name, n, launched)
+    if mode == MODE_EXP:  # zero, non-finite and tiny (boosted) global norms
+        x = gen("normal", 3 * PB + 5, 1)
+        for gnorm in (0.0, math.inf, math.nan, 1e-38, 5e-31):
+            _check_encode(host_cuda, mode, bits, x, PB, seed=2, **{**kw, "gnorm": gnorm})
+
+
+@pytest.mark.parametrize("bits", CODE_BITS)
+@pytest.mark.parametrize("mode", list(MODE_NAMES), ids=lambda m: MODE_NAMES[m])
+def test_block_encode_specialisation(host_cuda, host_cuda_small, mode, bits):
+    """Every generic encode: buckets that are not powers of two, straddle packing blocks or
+    hold the whole vector; every scale kind; bits 4 / 8 where the tile cannot run (tails,
+    odd buckets, misaligned input); 256- and 64-thread blocks."""
+    name = block_encode_kernel(mode, bits)
+    kinds = [NORM_MAX] if mode in (MODE_EXP, MODE_DITHER, MODE_NESTED) else \
+        [NORM_L2, NORM_MAX, NORM_P, NORM_POW2]
+    buckets = [1, 3, 100, 512, PB, PB + 1, 20000]
+    for kind in kinds:
+        kw = _encode_params(mode, kind, bits)
+        for ops in (host_cuda, host_cuda_small):
+            for bucket in buckets:
+                for n in (9, PB + 3, 3 * PB + 5):
+                    x = gen("special" if n % 2 else "normal", n, n + bucket)
+                    if mode == MODE_EXP:
+                        kw["gnorm"] = float(np.float32(1.5 * np.max(np.abs(x))))
+                    ops.kernels.launched.clear()
+                    _check_encode(ops, mode, bits, x, bucket, seed=bucket,
+                                  offset=4 if mode == MODE_NESTED else 0, **kw)
+                    assert name in ops.kernels.launched, (name, n, bucket)
+            # a whole vector as one bucket (bucket_size=None)
+            x = gen("normal", 2 * PB + 17, bits)
+            _check_encode(ops, mode, bits, x, x.size, seed=3, **kw)
+    # misaligned input: x not 16-byte aligned takes the generic program on every block
+    base = gen("normal", 2 * PB + 1, bits)
+    x = base[1:]
+    kw = _encode_params(mode, NORM_MAX, bits)
+    if mode == MODE_EXP:
+        kw["gnorm"] = 7.0
+    host_cuda.kernels.launched.clear()
+    _check_encode(host_cuda, mode, bits, x, 512, seed=9, **kw)
+    assert host_cuda.kernels.launched == [name]
+
+
+def _level_payloads(bits, n, bucket, count, seed=0, kind="normal"):
+    """``count`` numba payloads of qsgd-like uniform codes (max norm), and the codec table."""
+    codec = hq.get_codec("qsgd", bits=bits)
+    pays = []
+    for r in range(count):
+        x = gen(kind, n, seed + 31 * r)
+        pay = np.empty(_payload_size(MODE_UNIFORM, n, bucket, bits, 0), np.uint8)
+        numba_backend().encode(x, pay, 0, bucket, MODE_UNIFORM, bits,
+                               R.split_key(R.derive_key(seed + r)), norm_kind=NORM_MAX,
+                               s=codec.s)
+        pays.append(pay)
+    return pays, codec.table
+
+
+def _dither_payloads(bits, n, bucket, count, seed=0):
+    M = (1 << (bits - 1)) - 1
+    keys = [R.split_key(R.derive_key(seed + r, 5)) for r in range(count)]
+    pays = []
+    for r in range(count):
+        x = gen("special" if r % 2 else "normal", n, seed + 17 * r)
+        pay = np.empty(_payload_size(MODE_DITHER, n, bucket, bits, 0), np.uint8)
+        numba_backend().encode(x, pay, 0, bucket, MODE_DITHER, bits, keys[r], M=M, am=float(M))
+        pays.append(pay)
+    return pays, keys, M
+
+
+def _misaligned(a: np.ndarray, shift: int) -> np.ndarray:
+    """A copy of the uint8 array ``a`` that starts ``shift`` bytes past an aligned address
+    (payloads inside gathered buffers can start anywhere)."""
+    buf = np.zeros(a.size + 64, np.uint8)
+    start = (-buf.ctypes.data) % 16 + shift
+    out = buf[start: start + a.size]
+    out[:] = a
+    return out
+
+
+def _program(bits, n, bucket_ok):
+    """The decode entry points expected for n elements: words on full blocks, groups on the
+    rest."""
+    words = bits in FAST_BITS and bucket_ok and n >= PB
+    return words, (not words) or n % PB != 0
+
+
+@pytest.mark.parametrize("bits", CODE_BITS)
+def test_level_decode_specialisation(host_cuda, bits):
+    """Every level decode (word program at 4 / 8 bits, group program at all widths): decode,
+    decode_add, the gather mean of 1 .. 17 payloads (several launches of 8), the global-scale
+    decode; payloads at every byte alignment, output misaligned; against numba."""
+    nb_ = numba_backend()
+    launched = host_cuda.kernels.launched
+    for bucket in (4, 512, 3, 100, PB + 1):
+        pow2 = bucket & (bucket - 1) == 0
+        for n in (1, 7, PB, PB + 1, 2 * PB + 17, 4 * PB):
+            pays, table = _level_payloads(bits, n, bucket, 17, seed=n + bucket,
+                                          kind="special" if n % 2 else "normal")
+            words, groups = _program(bits, n, pow2)
+            base = gen("normal", n, 5)
+            for shift in (0, 1, 2, 3):
+                data = _misaligned(pays[0], shift)
+                for accumulate in (False, True):
+                    ref, got = base.copy(), base.copy()
+                    nb_.decode_levels(pays[0], n, bucket, bits, table, ref, accumulate)
+                    launched.clear()
+                    host_cuda.decode_levels(data, n, bucket, bits, table, got, accumulate)
+                    assert same(got, ref), (bits, n, bucket, shift, accumulate)
+                    assert (decode_kernel("levels", True, bits) in launched) == words
+                    assert (decode_kernel("levels", False, bits) in launched) == groups
+            for count in (1, 2, 8, 9, 17):
+                datas = [_misaligned(p, r % 4) for r, p in enumerate(pays[:count])]
+                ref = np.full(n, np.nan, np.float32)
+                nb_.combine_levels(pays[:count], n, bucket, bits, table, 1.0 / count, ref)
+                buf = np.full(n + 1, np.nan, np.float32)
+                for got in (buf[:n], buf[1:]):  # output 16-byte aligned or not
+                    launched.clear()
+                    host_cuda.combine_levels(datas, n, bucket, bits, table, 1.0 / count, got)
+                    assert same(got, ref), (bits, n, bucket, count)
+                    assert len(launched) == -(-count // 8) * (words + groups), launched
+    # one global scale (Global-QSGD exponent codes): any n takes the word program
+    codec = hq.get_codec("global_qsgd", world_size=1, bits=bits, levels="exponential")
+    for n in (5, PB, 3 * PB + 9):
+        x = gen("special", n, n)
+        pay = np.empty(packing.packed_nbytes(n, bits), np.uint8)
+        numba_backend().encode(x, pay, 0, max(n, 1), MODE_EXP, bits, (3, 4), s=codec.s,
+                               c=codec.c, gnorm=float(np.max(np.abs(x))))
+        for accumulate in (False, True):
+            ref, got = gen("normal", n, 1), gen("normal", n, 1)
+            nb_.decode_codes(pay, n, bits, codec.table, np.float32(0.37), ref, accumulate)
+            host_cuda.decode_codes(_misaligned(pay, n % 4), n, bits, codec.table,
+                                   np.float32(0.37), got, accumulate)
+            assert same(got, ref), (bits, n, accumulate)
+
+
+@pytest.mark.parametrize("bits", CODE_BITS)
+def test_dither_decode_specialisation(host_cuda, bits):
+    """Every DQSG decode (word and group programs): 1 .. 17 payloads with their own keys,
+    assign / accumulate, a final multiply, misaligned payloads; against numba."""
+    nb_ = numba_backend()
+    launched = host_cuda.kernels.launched
+    for bucket in (4, 512, 100):
+        for n in (7, PB, 2 * PB + 17):
+            pays, keys, M = _dither_payloads(bits, n, bucket, 17, seed=bucket + n)
+            words, groups = _program(bits, n, bucket & (bucket - 1) == 0)
+            for count in (1, 3, 9, 17):
+                for accumulate, post in ((False, None), (True, None), (False, 0.25)):
+                    ref, got = gen("normal", n, 2), gen("normal", n, 2)
+                    nb_.decode_dither(pays[:count], keys[:count], 0, n, bucket, bits, M, ref,
+                                      accumulate, post)
+                    launched.clear()
+                    host_cuda.decode_dither([_misaligned(p, 3 * r % 4) for r, p in
+                                             enumerate(pays[:count])], keys[:count], 0, n,
+                                            bucket, bits, M, got, accumulate, post)
+                    assert same(got, ref), (bits, n, bucket, count, accumulate, post)
+                    assert (decode_kernel("dither", True, bits) in launched) == words
+                    assert (decode_kernel("dither", False, bits) in launched) == groups
+
+
+def test_tile_reductions_replay_warp_collectives(host_cuda):
+    """A bucket's maximum sits in each lane, row and part of a tile in turn: the warp
+    butterflies (replayed lane group by lane group on the host) must find it wherever it is."""
+    for bits in FAST_BITS:
+        s = hq.get_codec("qsgd", bits=bits).s
+        for bucket in (4, 16, 128, 256, 512):
+            for pos in range(0, 2 * PB, 97):
+                x = gen("normal", 2 * PB, pos) * np.float32(1e-3)
+                x[pos] = np.float32(-3.0)
+                _check_encode(host_cuda, MODE_UNIFORM, bits, x, bucket, seed=pos,
+                              norm_kind=NORM_MAX, s=s)
+
+
+def test_kernel_launches_script_cases(host_cuda):
+    """benchmarks/kernel_launches.py (compute-sanitizer's and ncu's launch list) covers every
+    entry point, and each of its cases runs on valid inputs and launches the specialised
+    program it names (replayed here on the host)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import kernel_launches as KL
+    finally:
+        sys.path.pop(0)
+    cases = KL.cases()
+    declared = {k for c in cases for k in c.kernels}
+    assert declared == {k for ks in kernel_names().values() for k in ks}
+    specialised = re.compile(r"^hq_(encode_tile|encode_block|decode_words|decode_groups|exp_comb)")
+    for c in cases:
+        host_cuda.kernels.launched.clear()
+        c.run(host_cuda, np, 3 * PB + 5)
+        assert set(host_cuda.kernels.launched) == {k for k in c.kernels if specialised.match(k)}, c
+    assert [c.kernels for c in KL.select(cases, "decode", "words_levels_8b")] == \
+        [("hq_decode_words_levels_8b",)] * 2
+
+
+# -- sources ---------------------------------------------------------------------------------
+def test_entry_points_and_ptx_from_nvcc(nvcc, tmp_path):
+    """Each kernel file compiles to exactly the entry points the launcher knows
+    (specs.kernel_names), and with the loader's options its PTX has no flush-to-zero and no
+    contracted f32 multiply-add (nvcc's front end: NVRTC's is checked below where present)."""
+    from horovod_quant.backends.cuda.source import KERNEL_FILES, load_source
+
+    names = kernel_names()
+    assert sorted(names) == sorted(KERNEL_FILES)
+    for f in KERNEL_FILES:
+        src = tmp_path / f
+        src.write_text(load_source(f))
+        ptx = tmp_path / (f + ".ptx")
+        subprocess.run([nvcc, "-ptx", "-arch=compute_90", "-std=c++17", "-fmad=false",
+                        "-ftz=false", "-prec-div=true", "-prec-sqrt=true", str(src), "-o",
+                        str(ptx)], check=True, capture_output=True, timeout=600)
+        text = ptx.read_text()
+        entries = re.findall(r"^\.visible \.entry (\w+)\(", text, re.M)
+        assert sorted(entries) == sorted(names[f]), (f, set(entries) ^ set(names[f]))
+        instr = re.findall(r"^\s*([a-z]+(?:\.[a-z0-9]+)+)\s", text, re.M)
+        f32 = [i for i in instr if "f32" in i]
+        assert not [i for i in f32 if "ftz" in i], f
+        assert not [i for i in f32 if i.startswith(("fma", "div.full")) or "approx" in i], f
+        assert ".local" not in text, f"{f}: local memory (a runtime-indexed array?)"
+
+def test_kernel_launches_script_cases(host_cuda):
+    """benchmarks/kernel_launches.py (compute-sanitizer's and ncu's launch list) covers every
+    entry point, and each of its cases runs on valid inputs and launches the specialised
+    program it names (replayed here on the host)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import kernel_launches as KL
+    finally:
+        sys.path.pop(0)
+    cases = KL.cases()
+    declared = {k for c in cases for k in c.kernels}
+    assert declared == {k for ks in kernel_names().values() for k in ks}
+    specialised = re.compile(r"^hq_(encode_tile|encode_block|decode_words|decode_groups|exp_comb)")
+    for c in cases:
+        host_cuda.kernels.launched.clear()
+        c.run(host_cuda, np, 3 * PB + 5)
+        assert set(host_cuda.kernels.launched) == {k for k in c.kernels if specialised.match(k)}, c
+    assert [c.kernels for c in KL.select(cases, "decode", "words_levels_8b")] == \
+        [("hq_decode_words_levels_8b",)] * 2
 
 
 # -- sources ---------------------------------------------------------------------------------

@@ -16,6 +16,17 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
+from horovod_quant.backends import (
+    MODE_DITHER,
+    MODE_EXP,
+    MODE_NESTED,
+    MODE_UNIFORM,
+    NORM_MAX,
+    NORM_P,
+    SCALED_MODES,
+    numba_backend,
+)
+from horovod_quant.backends.cuda.specs import CODE_BITS, FAST_BITS, MODE_NAMES, tile_encode_specs
 from horovod_quant.backends.numba import global_qsgd as NG
 from horovod_quant.backends.numba import packing
 from horovod_quant.core import exponent_reduction
@@ -305,6 +316,164 @@ def test_nested_dithered(cp, world):
                 assert same(a.data, b.data)
             assert same(c_gpu.combine_gathered(got, rnd), c_cpu.combine_gathered(ref, rnd))
             assert c_gpu.last_stats == c_cpu.last_stats
+
+
+# -- every specialisation, at the backend entry points -----------------------------------------
+# The same checks as tests/cuda_parity (which replays these programs on the CPU), here with
+# the real launch: grid shapes, warp shuffles, 16-byte loads, alignment branches.
+def _cuda():
+    from horovod_quant.backends.cuda import cuda_backend
+
+    return cuda_backend()
+
+
+def _encode_params(mode, kind, bits):
+    # p-norms: p = 1 (exact on both sides; other p call pow, see LEVEL_SPECS)
+    if mode == MODE_UNIFORM:
+        return {"norm_kind": kind, "p": 1.0, "s": hq.get_codec("qsgd", bits=bits).s}
+    if mode == MODE_EXP:
+        codec = hq.get_codec("global_qsgd", world_size=1, bits=bits, levels="exponential")
+        return {"s": codec.s, "c": codec.c}
+    if mode == MODE_DITHER:
+        M = (1 << (bits - 1)) - 1
+        return {"M": M, "am": float(M)}
+    if mode == MODE_NESTED:
+        return {"M": 127, "k": (1 << bits) - 1, "am": float(np.float32(0.7 * 127))}
+    return {"norm_kind": kind, "p": 1.0, "s": hq.get_codec("natural_dithering", bits=bits).s}
+
+
+def _check_encode(cp, mode, bits, x, bucket, seed, offset=0, dx=None, **kw):
+    """Backend.encode on the GPU (of dx, default a copy of x) and with numba: same bytes."""
+    n = x.size
+    keys = R.split_key(R.derive_key(seed))
+    nb = 4 * -(-n // bucket) if n and mode in SCALED_MODES else 0
+    size = offset + nb + packing.packed_nbytes(n, bits)
+    ref = np.full(size, 0xCD, np.uint8)
+    numba_backend().encode(x, ref, offset, bucket, mode, bits, keys, **kw)
+    got = cp.full(size, 0xCD, cp.uint8)
+    _cuda().encode(cp.asarray(x) if dx is None else dx, got, offset, bucket, mode, bits, keys,
+                   **kw)
+    got = host(got)
+    where = (MODE_NAMES[mode], bits, n, bucket)
+    sc = slice(offset, offset + nb)
+    assert same_nan(got[sc].view(np.float32), ref[sc].view(np.float32)), where
+    assert same(got[:offset], ref[:offset]) and same(got[offset + nb:], ref[offset + nb:]), where
+    return ref
+
+
+@pytest.mark.parametrize("spec", tile_encode_specs(),
+                         ids=lambda s: f"{MODE_NAMES[s[0]]}-{s[1]}-{s[2]}")
+def test_tile_encode_specialisation(cp, spec):
+    mode, kind, bits = spec
+    kw = _encode_params(mode, kind, bits)
+    for bucket in ([PB] if mode == MODE_EXP else [4, 32, 256, 512]):
+        for n in (PB, 3 * PB + bucket + 1, 5 * PB):
+            for data in ("normal", "special", "nonfinite"):
+                x = gen(data, n, n + bucket)
+                if mode == MODE_EXP:
+                    kw["gnorm"] = 7.0
+                _check_encode(cp, mode, bits, x, bucket, seed=n,
+                              offset=4 if mode == MODE_NESTED else 0, **kw)
+
+
+@pytest.mark.parametrize("bits", CODE_BITS)
+@pytest.mark.parametrize("mode", list(MODE_NAMES), ids=lambda m: MODE_NAMES[m])
+def test_block_encode_specialisation(cp, mode, bits):
+    kind = NORM_MAX if mode in (MODE_EXP, MODE_DITHER, MODE_NESTED) else NORM_P
+    kw = _encode_params(mode, kind, bits)
+    if mode == MODE_EXP:
+        kw["gnorm"] = 7.0
+    for bucket in (3, 100, PB + 1):
+        for n in (9, 2 * PB + 17):
+            _check_encode(cp, mode, bits, gen("special", n, n), bucket, seed=bucket,
+                          offset=4 if mode == MODE_NESTED else 0, **kw)
+    # misaligned input (not 16-byte aligned): the generic program
+    x = gen("normal", 2 * PB + 1, bits)
+    _check_encode(cp, mode, bits, x[1:], 512, seed=4, dx=cp.asarray(x)[1:], **kw)
+
+
+def _misaligned(cp, a, shift):
+    """A device copy of the uint8 array a starting `shift` bytes past a 16-byte boundary."""
+    buf = cp.zeros(a.size + 64, cp.uint8)
+    start = (-buf.data.ptr) % 16 + shift
+    out = buf[start: start + a.size]
+    out[...] = cp.asarray(a)
+    return out
+
+
+@pytest.mark.parametrize("bits", CODE_BITS)
+def test_level_decode_specialisation(cp, bits):
+    """Word (4 / 8 bits) and group decodes: payloads at every byte alignment, 1 .. 17
+    payloads summed (several launches of 8 pointers), output misaligned."""
+    codec = hq.get_codec("qsgd", bits=bits)
+    be, nb_ = _cuda(), numba_backend()
+    for bucket in (4, 512, 100):
+        for n in (7, PB, 2 * PB + 17, 4 * PB):
+            pays = []
+            for r in range(17):
+                pay = np.empty(4 * -(-n // bucket) + packing.packed_nbytes(n, bits), np.uint8)
+                nb_.encode(gen("special" if r % 2 else "normal", n, r), pay, 0, bucket,
+                           MODE_UNIFORM, bits, (r, 7), norm_kind=NORM_MAX, s=codec.s)
+                pays.append(pay)
+            base = gen("normal", n, 5)
+            for shift in range(4):
+                for accumulate in (False, True):
+                    ref = base.copy()
+                    nb_.decode_levels(pays[0], n, bucket, bits, codec.table, ref, accumulate)
+                    got = cp.asarray(base)
+                    be.decode_levels(_misaligned(cp, pays[0], shift), n, bucket, bits,
+                                     be.constant(codec.table), got, accumulate)
+                    assert same(got, ref), (bits, n, bucket, shift, accumulate)
+            for count in (1, 8, 9, 17):
+                ref = np.empty(n, np.float32)
+                nb_.combine_levels(pays[:count], n, bucket, bits, codec.table, 1.0 / count, ref)
+                buf = cp.full(n + 1, np.nan, cp.float32)
+                for got in (buf[:n], buf[1:]):
+                    be.combine_levels([_misaligned(cp, p, r % 4) for r, p in
+                                       enumerate(pays[:count])], n, bucket, bits,
+                                      be.constant(codec.table), 1.0 / count, got)
+                    assert same(got, ref), (bits, n, bucket, count)
+
+
+@pytest.mark.parametrize("bits", CODE_BITS)
+def test_dither_decode_specialisation(cp, bits):
+    be, nb_ = _cuda(), numba_backend()
+    M = (1 << (bits - 1)) - 1
+    for bucket in (4, 512, 100):
+        for n in (7, 2 * PB + 17):
+            keys = [R.split_key(R.derive_key(r, 5)) for r in range(17)]
+            pays = []
+            for r in range(17):
+                pay = np.empty(4 * -(-n // bucket) + packing.packed_nbytes(n, bits), np.uint8)
+                nb_.encode(gen("special", n, r), pay, 0, bucket, MODE_DITHER, bits, keys[r], M=M,
+                           am=float(M))
+                pays.append(pay)
+            for count in (1, 9, 17):
+                for accumulate, post in ((False, None), (True, 0.25)):
+                    ref, got = gen("normal", n, 2), cp.asarray(gen("normal", n, 2))
+                    nb_.decode_dither(pays[:count], keys[:count], 0, n, bucket, bits, M, ref,
+                                      accumulate, post)
+                    be.decode_dither([_misaligned(cp, p, r % 4) for r, p in
+                                      enumerate(pays[:count])], keys[:count], 0, n, bucket,
+                                     bits, M, got, accumulate, post)
+                    assert same(got, ref), (bits, n, bucket, count, accumulate)
+
+
+@pytest.mark.parametrize("bits", FAST_BITS)
+def test_gather_many_payloads_and_views(cp, bits):
+    """combine_gathered of 17 peers whose payloads are views at odd offsets of one gathered
+    buffer (as an allgather delivers them)."""
+    codec = hq.get_codec("qsgd", bits=bits)
+    n = 3 * PB + 5
+    ref = [codec.encode(gen("normal", n, r), worker_seed(2, r)) for r in range(17)]
+    size = ref[0].data.size
+    gathered = cp.zeros(17 * size + 17, cp.uint8)
+    views = []
+    for r, p in enumerate(ref):
+        v = gathered[r * (size + 1) + 1: r * (size + 1) + 1 + size]
+        v[...] = cp.asarray(p.data)
+        views.append(hq.Payload(v, p.size, dict(p.meta)))
+    assert same(codec.combine_gathered(views, 2), codec.combine_gathered(ref, 2))
 
 
 # -- statistics on the GPU -------------------------------------------------------------------

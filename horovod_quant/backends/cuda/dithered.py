@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..protocol import Keys
-from .launch import Launches, int_keys
+from .launch import START_ASSIGN, START_OUT, DitherValues, Launches, decode_payloads, int_keys
 
 
 class DitheredLaunches(Launches):
@@ -17,10 +17,10 @@ class DitheredLaunches(Launches):
                       bucket: int, bits: int, M: int, out: Any, accumulate: bool,
                       post: float | None = None) -> None:
         if n:
-            flat = [k for pair in keys for k in int_keys(pair)]
-            self.kernels.decode_dither(list(datas), offset, offset + 4 * -(-n // bucket), flat,
-                                       n, bucket, bits, M, out, accumulate,
-                                       None if post is None else np.float32(post))
+            decode_payloads(self.kernels, DitherValues([int_keys(kk) for kk in keys], M),
+                            list(datas), offset, offset + 4 * -(-n // bucket), None, n, bucket,
+                            bits, out, START_OUT if accumulate else START_ASSIGN,
+                            None if post is None else np.float32(post))
 
     def decode_nested(self, data: Any, offset: int, n: int, bucket: int, M: int, k: int,
                       bits: int, am: float, alpha: float, y: Any, keys: Keys,

@@ -16,6 +16,7 @@ from ..protocol import (
     packed_nbytes,
 )
 from .launch import Launches, int_keys
+from .specs import FAST_BITS
 
 
 def sparse_positions_error(pos: Any, size: int) -> bool:
@@ -88,7 +89,13 @@ class GlobalQSGDLaunches(Launches):
         nbytes = int(packed_nbytes(n_elements, bits))
         if a.size < nbytes or b.size < nbytes or out.size < nbytes:
             raise ValueError("packed buffers are shorter than packed_nbytes(n_elements, bits)")
-        if n_elements:
-            self.kernels.exp_combine(a, b, out, int(n_elements), int(first_element_index),
-                                     int(bits), int(k0), int(k1))
+        n, first = int(n_elements), int(first_element_index)
+        # full packing blocks of 4- / 8-bit codes a word per thread, the rest a block each
+        aligned = all(self.kernels.address(v) % 4 == 0 for v in (a, b, out))
+        full = n // PACK_BLOCK if bits in FAST_BITS and aligned else 0
+        if full:
+            self.kernels.exp_combine_words(a, b, out, full * PACK_BLOCK, first, int(bits),
+                                           int(k0), int(k1))
+        if full * PACK_BLOCK < n:
+            self.kernels.exp_combine(a, b, out, n, first, int(bits), int(k0), int(k1), full)
         return nbytes

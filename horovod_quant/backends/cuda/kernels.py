@@ -20,7 +20,16 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..protocol import PACK_BLOCK
+from .launch import MAX_PAYLOADS, DitherValues, log2_exact
 from .source import load_source, nvrtc_options
+from .specs import (
+    DECODE_FILES,
+    TILE_UNITS,
+    block_encode_kernel,
+    decode_kernel,
+    exp_combine_kernel,
+    tile_encode_kernel,
+)
 
 THREADS = 256  # HQ_THREADS of the .cu files
 _MAX_GRID = 1 << 16  # grid-stride kernels: enough blocks to fill any current GPU
@@ -157,20 +166,29 @@ class CupyKernels:
         self.cp = cupy
         self.xp = cupy
 
-    def _ptrs(self, arrays: Sequence[Any]) -> Any:
-        return self.cp.asarray(np.array([a.data.ptr for a in arrays], np.uint64))
+    def address(self, a: Any) -> int:
+        return int(a.data.ptr)
 
     def to_host(self, a: Any) -> np.ndarray:
         return self.cp.asnumpy(a)
 
     # -- levels.cu ---------------------------------------------------------------------------
-    def encode(self, x, n, bucket, mode, bits, norm_kind, p, s, c, M, k, am, gnorm, k0, k1, out,
-               scales_off, codes_off, fused) -> None:
-        get_function("levels.cu", "hq_encode")(
-            _blocks(n), (THREADS,),
-            (x, i64(n), i64(bucket), i32(mode), i32(bits), i32(norm_kind), f64(p), i32(s),
-             i32(c), i32(M), i32(k), f32(am), f32(gnorm), u32(k0), u32(k1), out,
-             i64(scales_off), i64(codes_off), i32(1 if fused else 0)))
+    def encode_tiles(self, x, full_blocks, log2_bucket, mode, kind, bits, s, c, M, k, am, gnorm,
+                     k0, k1, out, scales_off, codes_off) -> None:
+        units = full_blocks * TILE_UNITS[bits]
+        warps = THREADS // 32
+        get_function("levels.cu", tile_encode_kernel(mode, kind, bits))(
+            (min(-(-units // warps), _MAX_GRID),), (THREADS,),
+            (x, i64(units), i32(log2_bucket), i32(s), i32(c), i32(M), i32(k), f32(am),
+             f32(gnorm), u32(k0), u32(k1), out, i64(scales_off), i64(codes_off)))
+
+    def encode_blocks(self, x, n, bucket, mode, bits, norm_kind, p, s, c, M, k, am, gnorm, k0,
+                      k1, out, scales_off, codes_off, fused, first_block) -> None:
+        get_function("levels.cu", block_encode_kernel(mode, bits))(
+            (-(-n // PACK_BLOCK) - first_block,), (THREADS,),
+            (x, i64(n), i64(bucket), i32(norm_kind), f64(p), i32(s), i32(c), i32(M), i32(k),
+             f32(am), f32(gnorm), u32(k0), u32(k1), out, i64(scales_off), i64(codes_off),
+             i32(1 if fused else 0), i64(first_block)))
 
     def scales(self, x, n, bucket, kind, p, scales) -> None:
         nb = -(-n // bucket)
@@ -186,14 +204,35 @@ class CupyKernels:
         get_function("levels.cu", "hq_scales_from_bits")(
             (-(-nb // THREADS),), (THREADS,), (mbits, i64(nb), i32(kind), scales))
 
-    def decode_levels(self, pays, scales_off, codes_off, gscale, n, bucket, bits, table, out,
-                      accumulate, post) -> None:
-        gs = self.cp.asarray(np.asarray(gscale if gscale is not None else [0.0], np.float32))
-        get_function("levels.cu", "hq_decode_levels")(
-            _grid(-(-n // 4)), (THREADS,),  # 4 elements per thread (HQ_GROUP)
-            (self._ptrs(pays), i32(len(pays)), i64(scales_off), i64(codes_off), gs, i64(n),
-             i64(bucket), i32(bits), table, out, i32(1 if accumulate else 0),
-             i32(0 if post is None else 1), f32(0.0 if post is None else post)))
+    def _decode(self, words, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                start, post, rng, threads_needed) -> None:
+        """One decode launch; the payload pointers (and DQSG keys) are kernel arguments."""
+        ptrs = [np.uint64(self.address(a)) for a in pays]
+        ptrs += [np.uint64(0)] * (MAX_PAYLOADS - len(ptrs))
+        args = (*ptrs, i32(len(pays)), i64(scales_off), i64(codes_off),
+                f32(0.0 if gscale is None else gscale), i64(n), i64(bucket),
+                i32(log2_exact(bucket) or 0), out, i32(start), i32(0 if post is None else 1),
+                f32(0.0 if post is None else post))
+        if isinstance(values, DitherValues):
+            keys = [np.uint64(k0 | (k1 << 32)) for k0, k1 in values.keys]
+            args += (*keys, *[np.uint64(0)] * (MAX_PAYLOADS - len(keys)), i32(values.M))
+            kind = "dither"
+        else:
+            args += (values.table,)
+            kind = "levels"
+        get_function(DECODE_FILES[kind], decode_kernel(kind, words, bits))(
+            _grid(threads_needed), (THREADS,), (*args, i64(rng)))
+
+    def decode_words(self, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                     start, post, end) -> None:
+        nwords = end // 32 * bits
+        self._decode(True, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                     start, post, nwords, nwords)
+
+    def decode_groups(self, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                      start, post, begin) -> None:
+        self._decode(False, values, pays, scales_off, codes_off, gscale, n, bucket, bits, out,
+                     start, post, begin, -(-(n - begin) // 4))
 
     def codes(self, x, n, mode, bits, s, c, gnorm, k0, k1, codes) -> None:
         get_function("levels.cu", "hq_codes")(
@@ -213,16 +252,7 @@ class CupyKernels:
         get_function("levels.cu", "hq_unpack")(_grid(n), (THREADS,),
                                                (packed, i64(n), i32(bits), codes))
 
-    # -- dithered.cu -------------------------------------------------------------------------
-    def decode_dither(self, pays, scales_off, codes_off, keys, n, bucket, bits, M, out,
-                      accumulate, post) -> None:
-        kd = self.cp.asarray(np.asarray(keys, np.uint32))
-        get_function("dithered.cu", "hq_decode_dither")(
-            _grid(n), (THREADS,),
-            (self._ptrs(pays), i32(len(pays)), i64(scales_off), i64(codes_off), kd, i64(n),
-             i64(bucket), i32(bits), i32(M), out, i32(1 if accumulate else 0),
-             i32(0 if post is None else 1), f32(0.0 if post is None else post)))
-
+    # -- dithered.cu (its decodes of P1 payloads: decode_words / decode_groups) ---------------
     def decode_nested(self, d, scales_off, codes_off, n, bucket, M, k, bits, am, alpha, y, k0,
                       k1, out) -> tuple[float, int]:
         cp = self.cp
@@ -248,9 +278,15 @@ class CupyKernels:
             _grid(n), (THREADS,),
             (words, i64(n), i32(bits), i32(offset), f32(scale), out, i32(1 if accumulate else 0)))
 
-    def exp_combine(self, a, b, out, n, first, bits, k0, k1) -> None:
-        get_function("global_qsgd.cu", "hq_exp_combine")(
-            _blocks(n), (THREADS,), (a, b, out, i64(n), i64(first), i32(bits), u32(k0), u32(k1)))
+    def exp_combine(self, a, b, out, n, first, bits, k0, k1, first_block) -> None:
+        get_function("global_qsgd.cu", exp_combine_kernel(False, bits))(
+            (_blocks(n)[0] - first_block,), (THREADS,),
+            (a, b, out, i64(n), i64(first), i32(bits), u32(k0), u32(k1), i64(first_block)))
+
+    def exp_combine_words(self, a, b, out, end, first, bits, k0, k1) -> None:
+        nwords = end // 32 * bits
+        get_function("global_qsgd.cu", exp_combine_kernel(True, bits))(
+            _grid(nwords), (THREADS,), (a, b, out, i64(first), u32(k0), u32(k1), i64(nwords)))
 
     def decode_sparse(self, data, cnt, bits, table, scale, out) -> None:
         get_function("global_qsgd.cu", "hq_decode_sparse")(
@@ -268,5 +304,7 @@ class CupyKernels:
 
     # -- reduce.cu ---------------------------------------------------------------------------
     def mean_parts(self, parts, nparts, n, divisor, out) -> None:
+        # a host may hold more ranks than a launch takes pointer arguments: a device array
+        ptrs = self.cp.asarray(np.array([self.address(a) for a in parts], np.uint64))
         get_function("reduce.cu", "hq_mean_parts")(
-            _grid(n), (THREADS,), (self._ptrs(parts), i32(nparts), i64(n), f32(divisor), out))
+            _grid(n), (THREADS,), (ptrs, i32(nparts), i64(n), f32(divisor), out))

@@ -3,9 +3,11 @@
 Sources are looked up, in order:
 
 1. ``$HQ_KERNEL_DIR`` (a folder holding ``*.cu`` / ``*.cuh``), for development;
-2. the installed package ``horovod_quant.kernels`` (setup.py ships ``kernels/`` there; works for
-   wheels and editable installs alike), through :mod:`importlib.resources`;
-3. ``<repo>/kernels`` next to the ``horovod_quant`` folder of a source checkout.
+2. ``<repo>/kernels`` next to the ``horovod_quant`` folder that was imported, in a source
+   checkout: the sources that match the Python code, also when another checkout is installed
+   in editable mode (whose ``horovod_quant.kernels`` would win otherwise);
+3. the installed package ``horovod_quant.kernels`` (setup.py ships ``kernels/`` there),
+   through :mod:`importlib.resources`.
 
 ``#include "hq_*.cuh"`` lines are inlined here (each header once, like its include guard), so
 NVRTC needs no include path and the compile cache, keyed by the source text, sees every header
@@ -43,13 +45,13 @@ def _candidates() -> list[Path]:
     env = os.environ.get("HQ_KERNEL_DIR")
     if env:
         out.append(Path(env))
+    out.append(Path(__file__).resolve().parents[3] / "kernels")
     try:
         from importlib.resources import files
 
         out.append(Path(str(files("horovod_quant.kernels"))))
     except (ImportError, ModuleNotFoundError, TypeError):
         pass
-    out.append(Path(__file__).resolve().parents[3] / "kernels")
     return out
 
 
