@@ -182,6 +182,9 @@ def _other_cases() -> list[Case]:
         be.decode_nested(data, 4, n, 512, p["M"], p["k"], 3, p["am"], 0.7, _input(xp, n, 3),
                          KEYS, xp.zeros(n, np.float32))
 
+    def host_mean(be, xp, n):  # the hierarchical exchange's host mean of three shards
+        be.mean_in_order([_input(xp, n, r) for r in range(3)], 3, xp.empty(n, np.float32))
+
     return [
         Case(("hq_scales", "hq_max_bits", "hq_scales_from_bits",
               block_encode_kernel(MODE_UNIFORM, 3)), "encode", scales),
@@ -194,6 +197,7 @@ def _other_cases() -> list[Case]:
              "other", exp_combine),
         Case((block_encode_kernel(MODE_NESTED, 3), "hq_decode_nested", "hq_resid_sum"), "other",
              nested),
+        Case(("hq_mean_parts",), "other", host_mean),
     ]
 
 

@@ -25,7 +25,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
 : "${GPU_CHECK_OUT:=$ROOT/gpu_check_out}"
 : "${GPU_CHECK_SIZE:=256M}"        # elements of the throughput benchmark's largest vector
 : "${GPU_CHECK_BUDGET:=480}"       # seconds for the whole run: a step's deadline never passes it
-NCU_KERNELS='regex:^hq_(encode|decode)'  # the kernels ncu profiles (qsgd 8 and 4 bits)
+# the kernels ncu profiles: qsgd's (uniform levels, max scales) 8- and 4-bit encode and decode
+NCU_KERNELS='hq_(encode_tile_uniform_max|decode_words_levels)_[48]b'
 
 # name|deadline in seconds|file|what
 STEPS=(
@@ -186,9 +187,9 @@ throughput_step() {
 }
 
 ncu_step() {
-  ncu --clock-control none --target-processes all -k "$NCU_KERNELS" \
-    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__shared_mem_per_block_static \
-    "$PYTHON" benchmarks/kernel_launches.py --codecs qsgd --bits 4,8 --size 64M --repeat 1
+  ncu --clock-control none --target-processes all -k "regex:$NCU_KERNELS" -c 8 \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers \
+    "$PYTHON" benchmarks/kernel_launches.py --size "$GPU_CHECK_SIZE" --kernels "$NCU_KERNELS"
 }
 
 sanitizer_step() {
@@ -196,7 +197,7 @@ sanitizer_step() {
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool"
     compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
-      "$PYTHON" benchmarks/kernel_launches.py --size 100000 --repeat 1 || rc=1
+      "$PYTHON" benchmarks/kernel_launches.py || rc=1
   done
   return $rc
 }

@@ -220,7 +220,7 @@ class HostBackend:
                                    ptr(self._c(out)))
 
     def mean_parts(self, parts, nparts, n, divisor, out):
-        ptrs = self._ptrs(parts)
+        ptrs = np.array([self.address(self._c(a)) for a in parts], np.uint64)
         self.lib.hqh_mean_parts(ptr(ptrs), nparts, n, divisor, ptr(self._c(out)))
 
     def max_abs_bits(self, x, n):

@@ -89,4 +89,5 @@ def kernel_names() -> dict[str, list[str]]:
         "global_qsgd.cu": [exp_combine_kernel(True, b) for b in FAST_BITS] + [
             "hq_linear_encode", "hq_linear_decode", exp_combine_kernel(False, 8),
             "hq_max_abs_bits", "hq_sum_squares", "hq_decode_sparse"],
+        "reduce.cu": ["hq_mean_parts"],
     }
