@@ -31,13 +31,13 @@ NCU_KERNELS='hq_(encode_tile_uniform_max|decode_words_levels)_[48]b'
 # name|deadline in seconds|file|what
 STEPS=(
   "preflight|60|gpu_check_summary.md|GPU, Python packages, tools and the Horovod sdist"
-  "horovod|420|gpu_check_horovod.log|Horovod (gloo) built from the sdist, in the background"
+  "horovod|420|gpu_check_doors.log|Horovod (gloo) built from the sdist, in the background"
   "throughput|240|gpu_check_throughput.json|codec kernels vs a device copy and plain PyTorch (+ .png)"
   "ncu|240|gpu_check_ncu.txt|Nsight Compute summary of qsgd 8/4-bit encode and decode"
   "sanitizer|300|gpu_check_sanitizer.log|compute-sanitizer memcheck and racecheck, every kernel once"
   "tests|420|gpu_check_tests.log|tests/gpu: every codec on the GPU equals the CPU bit for bit"
   "doors|420|gpu_check_doors.log|both Horovod doors on CUDA parameters (horovodrun 2 and 2 x 2)"
-  "ddp|300|gpu_check_doors.log|the DDP hook on CUDA parameters (torchrun 2 and 2 x 2)"
+  "ddp|300|gpu_check_ddp.log|the DDP hook on CUDA parameters (torchrun 2 and 2 x 2)"
 )
 ALL_STEPS="$(printf '%s\n' "${STEPS[@]}" | cut -d'|' -f1 | paste -sd, -)"
 
@@ -78,6 +78,11 @@ rm -f "$OUT"/gpu_check_*  # one run's files, never a mix of two runs
 SUMMARY="$OUT/gpu_check_summary.md"
 PYTHON="$(command -v "$PYTHON" || echo "$PYTHON")"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HQ_TEST_GPU=1
+# where CUDA toolkits and Nsight Compute install themselves, for PATHs that lack them
+for dir in /usr/local/cuda/bin /opt/nvidia/nsight-compute/*/ /usr/local/cuda/nsight-compute*/; do
+  [[ -d "$dir" && ":$PATH:" != *":${dir%/}:"* ]] && PATH="$PATH:${dir%/}"
+done
+export PATH
 export HQ_KERNEL_CACHE="${HQ_KERNEL_CACHE:-$HQ_CACHE/kernels}"
 cd "$ROOT" || exit 2
 T0=$SECONDS
@@ -115,6 +120,10 @@ run_step() {
   ((rc == 0))
 }
 
+until_file() {  # FILE: wait until it exists (the timed steps have finished)
+  while [[ ! -e "$1" ]]; do sleep 1; done
+}
+
 # ---- preflight: what the steps need, before anything runs ---------------------------------------
 preflight() {  # prints the summary's head; fails, saying why, when a step would miss something
   local bad=() tool report
@@ -138,18 +147,18 @@ print(f"- Python {sys.version.split()[0]}; " + ", ".join(f"{k} {v}" for k, v in 
       + f"; torch CUDA {torch.version.cuda}")
 PY
 )"; then echo "$report"; else bad+=("Python packages: $(echo "$report" | tail -1)"); fi
-  for tool in nvcc ncu compute-sanitizer; do
-    command -v "$tool" >/dev/null || bad+=("$tool not on PATH")
+  for tool in nvcc ncu compute-sanitizer; do  # a missing tool fails its own step only
+    command -v "$tool" >/dev/null || echo "- note: $tool is not on PATH: its step will fail"
   done
   if ! "$PYTHON" -c "import horovod.torch" 2>/dev/null; then
-    [[ -f "$HOROVOD_SDIST" ]] || bad+=("no Horovod and no sdist at $HOROVOD_SDIST (set HOROVOD_SDIST; with network: pip download --no-binary :all: --no-deps horovod==$HOROVOD_VERSION)")
-    command -v cmake >/dev/null || [[ -x /usr/bin/cmake ]] || bad+=("cmake not found (Horovod's build needs it)")
+    [[ -f "$HOROVOD_SDIST" ]] || echo "- note: no Horovod and no sdist at $HOROVOD_SDIST: the doors cannot run (set HOROVOD_SDIST; with network: pip download --no-binary :all: --no-deps horovod==$HOROVOD_VERSION)"
+    command -v cmake >/dev/null || [[ -x /usr/bin/cmake ]] || echo "- note: cmake not found: Horovod cannot be built"
   fi
   if ((${#bad[@]})); then
     printf -- '- preflight failed: %s\n' "${bad[@]}"
     return 1
   fi
-  echo "- tools: $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/nvcc \1/p'), $(ncu --version | tail -1), $(compute-sanitizer --version | sed -n 's/.*Version \(.*\)/compute-sanitizer \1/p')"
+  echo "- tools: $(nvcc --version 2>&1 | sed -n 's/.*release \([0-9.]*\).*/nvcc \1/p'), $(ncu --version 2>&1 | tail -1), $(compute-sanitizer --version 2>&1 | sed -n 's/.*Version \(.*\)/compute-sanitizer \1/p'), $(cmake --version 2>&1 | head -1)"
 }
 
 # ---- horovod: build (or find) a Horovod with CPU collectives; runs in the background -------------
@@ -245,33 +254,32 @@ ddp_step() {
 # ---- the run -----------------------------------------------------------------------------------
 export HVD_PREFIX STATE
 export -f say die step_field preflight horovod_step throughput_step ncu_step sanitizer_step \
-  tests_step with_horovod doors_step torchrun_nodes ddp_step
+  tests_step with_horovod doors_step torchrun_nodes ddp_step until_file
 say "output: $OUT; steps: $WANT"
 if ! run_step preflight preflight; then
   grep -- '- preflight failed' "$SUMMARY" >&2
   exit 2
 fi
-hvd_pid=""
-if wanted horovod || wanted doors; then  # the doors need it; the build takes minutes: start it now
-  run_step horovod horovod_step &
-  hvd_pid=$!
+# the Horovod build takes minutes (the doors need it): it starts now, and the doors after it
+chain_pid=""
+if wanted horovod || wanted doors; then
+  { run_step horovod horovod_step && wanted doors && until_file "$STATE/timed.done" &&
+      run_step doors doors_step; } &
+  chain_pid=$!
 fi
 "$PYTHON" -c "import horovod_quant.gpu as g; print('- kernels compiled:', g.compile_kernels())" \
   >>"$SUMMARY" 2>&1 || say "the kernels do not compile ($SUMMARY); the steps will fail"
+# timed steps alone on the GPU, one after the other
 wanted throughput && run_step throughput throughput_step
 wanted ncu && run_step ncu ncu_step
-san_pid=""  # correctness checks side by side: nothing is timed while they run
-if wanted sanitizer; then run_step sanitizer sanitizer_step & san_pid=$!; fi
-wanted tests && run_step tests tests_step
-[[ -n "$san_pid" ]] && wait "$san_pid"
-wanted ddp && run_step ddp ddp_step
-if [[ -n "$hvd_pid" ]]; then
-  wait "$hvd_pid"
-  if wanted doors; then
-    if [[ "$(cut -d'|' -f1 "$STATE/horovod")" == ok ]]; then run_step doors doors_step
-    else echo "not run (no Horovod)|0" >"$STATE/doors"; fi
-  fi
-fi
+touch "$STATE/timed.done"
+# then the correctness checks side by side (nothing is timed while they run)
+pids=()
+for step in sanitizer tests ddp; do
+  if wanted "$step"; then run_step "$step" "${step}_step" & pids+=($!); fi
+done
+for pid in "${pids[@]}" $chain_pid; do wait "$pid"; done
+if wanted doors && [[ ! -f "$STATE/doors" ]]; then echo "not run (no Horovod)|0" >"$STATE/doors"; fi
 
 status=0
 {

@@ -16,9 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 SDIST = Path(os.environ.get("HQ_CACHE", Path.home() / ".cache" / "horovod_quant")) / "src" / \
     "horovod-0.28.1.tar.gz"
-FILES = {"gpu_check_summary.md", "gpu_check_horovod.log", "gpu_check_throughput.json",
-         "gpu_check_throughput.png", "gpu_check_ncu.txt", "gpu_check_sanitizer.log",
-         "gpu_check_tests.log", "gpu_check_doors.log"}
+FILES = {"gpu_check_summary.md", "gpu_check_throughput.json", "gpu_check_throughput.png",
+         "gpu_check_ncu.txt", "gpu_check_sanitizer.log", "gpu_check_tests.log",
+         "gpu_check_doors.log", "gpu_check_ddp.log"}
 
 # The interpreter the script is given: answers the GPU-bound and slow invocations itself (and
 # records each in calls.jsonl), hands every other one to the real Python.
@@ -59,7 +59,7 @@ PYTHON_STUB = textwrap.dedent('''\
         (prefix / "horovod" / "torch" / "__init__.py").write_text("def gloo_built(): return True\\n")
         (prefix / "bin").mkdir()
         run = prefix / "bin" / "horovodrun"
-        run.write_text("#!/bin/sh\\necho horovodrun \\"$@\\" >> \\"$STUB_LOG.horovodrun\\"\\n"
+        run.write_text("#!/bin/sh\\necho $(date +%s.%N) horovodrun \\"$@\\" >> \\"$STUB_LOG.horovodrun\\"\\n"
                        "exit ${{STUB_HOROVODRUN_RC:-0}}\\n")
         run.chmod(0o755)
     elif args[:2] == ["-m", "pytest"]:
@@ -95,7 +95,8 @@ def stubs(tmp_path):
     _tool(bin_dir / "nvidia-smi", 'case "$1" in -L) echo "GPU 0: Stub H100";; '
                                   '*) echo "Stub H100, 81559 MiB, 580.0";; esac')
     _tool(bin_dir / "nvcc", 'echo "Cuda compilation tools, release 13.0, V13.0.0"')
-    _tool(bin_dir / "ncu", 'echo "ncu $*" >> "$STUB_LOG.tools"; echo "NVIDIA (R) Nsight Compute 2025.3"')
+    _tool(bin_dir / "ncu", 'echo "$(date +%s.%N) ncu $*" >> "$STUB_LOG.tools"; '
+                           'echo "NVIDIA (R) Nsight Compute 2025.3"')
     _tool(bin_dir / "compute-sanitizer",
           'echo "sanitizer $*" >> "$STUB_LOG.tools"; echo "Version 2025.3"; '
           'echo "ERROR SUMMARY: 0 errors"')
@@ -136,8 +137,10 @@ def test_preflight_stops_before_anything_runs(stubs, tmp_path):
     env["PATH"] = env["PATH"].split(":", 1)[1]  # no stub GPU tools either
     res = _run(env, out=tmp_path / "out")
     assert res.returncode == 2
-    assert "no GPU" in res.stderr and "no Horovod and no sdist" in res.stderr
+    assert "no GPU" in res.stderr
     assert os.listdir(tmp_path / "out") == ["gpu_check_summary.md"]
+    summary = (tmp_path / "out" / "gpu_check_summary.md").read_text()
+    assert "no Horovod and no sdist" in summary  # said too, though it fails only the doors
     assert _calls(env) == []
 
 
@@ -161,8 +164,13 @@ def test_every_step_runs_and_the_folder_holds_its_eight_files(stubs, tmp_path):
     pytest_runs = [c["args"][-1] for c in calls if c["kind"] == "pytest"]
     assert pytest_runs == ["tests/gpu"]  # the ranks' pytest runs go through the launchers
     launched = Path(stubs["STUB_LOG"] + ".horovodrun").read_text().splitlines()
-    assert [line.split()[2] for line in launched] == ["2", "4"]
+    assert [line.split()[3] for line in launched] == ["2", "4"]
     assert "localhost:2,127.0.0.1:2" in launched[1]
+    # nothing else runs on the GPU while the timed steps do: the doors start after ncu
+    profiled = [float(line.split()[0]) for line in
+                Path(stubs["STUB_LOG"] + ".tools").read_text().splitlines()
+                if "regex:" in line]
+    assert len(profiled) == 1 and float(launched[0].split()[0]) > profiled[0]
     assert len([c for c in calls if c["kind"] == "torchrun"]) == 3  # 1 node, then 2 nodes
     tools = Path(stubs["STUB_LOG"] + ".tools").read_text()
     assert "--tool memcheck" in tools and "--tool racecheck" in tools and "ncu " in tools
@@ -170,7 +178,7 @@ def test_every_step_runs_and_the_folder_holds_its_eight_files(stubs, tmp_path):
     Path(stubs["STUB_LOG"]).unlink()
     assert _run(stubs, "--steps", "horovod", out=out).returncode == 0
     assert [c["kind"] for c in _calls(stubs)] == ["pip install"]
-    assert set(os.listdir(out)) == {"gpu_check_summary.md", "gpu_check_horovod.log"}
+    assert set(os.listdir(out)) == {"gpu_check_summary.md", "gpu_check_doors.log"}
 
 
 @pytest.mark.skipif(not SDIST.is_file(), reason=f"no Horovod sdist at {SDIST}")
