@@ -92,7 +92,7 @@ export ROOT PYTHON HOROVOD_VERSION HQ_CACHE HOROVOD_SDIST OUT SUMMARY T0 GPU_CHE
   GPU_CHECK_BUDGET
 
 say() { printf '[gpu-check %3ds] %s\n' "$((SECONDS - T0))" "$*"; }
-die() { say "ERROR: $*" >&2; return 1; }
+die() { say "ERROR: $*" >&2; exit 1; }  # (only ever called inside a step's own bash)
 
 # run_step NAME FUNCTION: the step's function under its deadline (in a bash of its own, so that
 # the deadline reaches every process it starts), its output appended to the step's file and kept
@@ -201,12 +201,15 @@ ncu_step() {
     "$PYTHON" benchmarks/kernel_launches.py --size "$GPU_CHECK_SIZE" --kernels "$NCU_KERNELS"
 }
 
-sanitizer_step() {
-  local tool rc=0
+sanitizer_step() {  # fails on any error, and on any hazard in this package's kernels (hq_*)
+  local tool rc=0 log
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool"
-    compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
-      "$PYTHON" benchmarks/kernel_launches.py || rc=1
+    log="$(compute-sanitizer --tool "$tool" --print-limit 20 \
+           "$PYTHON" benchmarks/kernel_launches.py 2>&1)" || rc=1
+    echo "$log"
+    grep -Eq "(ERROR|RACECHECK) SUMMARY: 0 (errors|hazards)|SUMMARY: .*\(0 errors" <<<"$log" || rc=1
+    if grep -E "(Race reported|Invalid|Error).* hq_" <<<"$log" >/dev/null; then rc=1; fi
   done
   return $rc
 }

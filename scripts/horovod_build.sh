@@ -16,7 +16,7 @@
 # Callers define say/die (messages) before sourcing.
 
 # Bump when the patches change, so that cached wheels built without them are not reused.
-HOROVOD_PATCH_REV=p3
+HOROVOD_PATCH_REV=p4
 
 # The C++ standard the installed torch's headers ask for (ATen.h refuses older ones by name).
 _HVD_TORCH_STD='import os, re, torch
@@ -67,6 +67,10 @@ horovod_patch_source() {  # DIR: an unpacked horovod-<version> sdist
     "import sysconfig; print(sysconfig.get_paths()['include'])"
   _hvd_replace_once "$dir/horovod/runner/js_run.py" \
     'from distutils.spawn import find_executable' 'from shutil import which as find_executable'
+  # Patch 5: setup.py asks for cffi at build time for the PyTorch extension, which nothing uses
+  # (the extension is pybind11's); a machine without network and without cffi cannot fetch it.
+  _hvd_replace_once "$dir/setup.py" \
+    $'if not os.environ.get(\'HOROVOD_WITHOUT_PYTORCH\'):\n    require_list.append(\'cffi>=1.4.0\')\n' ''
 }
 
 _hvd_cmake() {  # prints the CMake to build with: HOROVOD_CMAKE, else the system's, else PATH's
@@ -114,6 +118,7 @@ horovod_build_wheel() {  # SDIST OUT LOG
     tail -n 60 "$log" >&2
     rm -rf "$work"
     die "Horovod build failed (full log: $log)"
+    return 1  # where the caller's die does not exit
   fi
   say "horovod: wheel built in $((SECONDS - t))s"
   mkdir -p "$out"

@@ -57,11 +57,12 @@ class _FloatBaseline(Codec):
         n = check_int("n", n, 1, hint=f"{self.name}: the number of summed payloads.")
         data = _wire_values(self, payload, out)
         be = backend_of(payload.data)
-        # one pass: widen and scale together (out may be the summed buffer itself)
-        dst = None if out is None else be.array(out)
-        res = be.xp.multiply(data, np.float32(1.0 / n), out=dst, dtype=np.float32,
-                             casting="unsafe")
-        return res if out is None else out
+        # the backend's scale, not the array module's multiply: CuPy's elementwise kernels
+        # flush subnormals (out may be the summed buffer itself)
+        wide = data if data.dtype == np.float32 else be.vector(data)
+        dst = be.xp.empty(payload.size, np.float32) if out is None else be.array(out)
+        be.scale(wide, np.float32(1.0 / n), dst)
+        return dst if out is None else out
 
 
 class NoCompression(_FloatBaseline):

@@ -4,7 +4,7 @@ a backend that runs the numba kernels on them, and the stream and staging hooks 
 
 * :class:`DeviceArray`: a NumPy array whose type's module says CuPy, so ``backend_of`` and
   ``gpu.is_device_array`` take it for a device array. Float arithmetic on it (NumPy's ``+``,
-  ``-``, ``*``, ``/``) raises, as a reminder that CuPy's own elementwise kernels flush
+  ``-``, ``*``, ``/``, and ``xp.multiply`` and its kin) raises, as a reminder that CuPy's own elementwise kernels flush
   subnormals: the GPU path must leave that arithmetic to the backends' kernels.
 * :class:`EmulatedDeviceBackend`: every ``Backend`` entry point of the numba backend, run on
   plain views of its arguments (a kernel reading device memory); arrays it returns, and the
@@ -26,6 +26,17 @@ from horovod_quant.backends import numba_backend
 
 _FLOAT_ARITHMETIC = {np.add, np.subtract, np.multiply, np.true_divide, np.divide, np.power,
                      np.floor_divide}
+
+
+def _refuse_float_arithmetic(func: Any, inputs: tuple, kwargs: dict) -> None:
+    """Raise where ``func`` is float arithmetic with a float device array among its operands
+    (``out=`` included)."""
+    out = kwargs.get("out", ())
+    operands = inputs + (out if isinstance(out, tuple) else (out,))
+    if func in _FLOAT_ARITHMETIC and any(
+            isinstance(o, DeviceArray) and o.dtype.kind in "fc" for o in operands):
+        raise AssertionError(f"np.{func.__name__} on a device array outside a kernel: "
+                             "CuPy's elementwise kernels flush subnormals")
 
 
 def _plain(obj: Any) -> Any:
@@ -54,11 +65,7 @@ class DeviceArray(np.ndarray):
     __module__ = "cupy.emulated"
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        operands = inputs + tuple(kwargs.get("out", ()))
-        if ufunc in _FLOAT_ARITHMETIC and any(
-                isinstance(o, DeviceArray) and o.dtype.kind in "fc" for o in operands):
-            raise AssertionError(f"np.{ufunc.__name__} on a device array outside a kernel: "
-                                 "CuPy's elementwise kernels flush subnormals")
+        _refuse_float_arithmetic(ufunc, inputs, kwargs)
         if "out" in kwargs:
             kwargs["out"] = tuple(_plain(o) for o in kwargs["out"])
         return getattr(ufunc, method)(*_plain(inputs), **kwargs)
@@ -73,6 +80,7 @@ class _DeviceNumpy:
             return attr
 
         def call(*args, **kwargs):
+            _refuse_float_arithmetic(attr, args, kwargs)  # cupy.multiply(...) is such a kernel
             kwargs = {k: _plain(v) for k, v in kwargs.items()}
             return _device(attr(*_plain(args), **kwargs))
         return call
