@@ -32,7 +32,7 @@ NCU_KERNELS='hq_(encode_tile_uniform_max|decode_words_levels)_[48]b'
 STEPS=(
   "preflight|60|gpu_check_summary.md|GPU, Python packages, tools and the Horovod sdist"
   "horovod|420|gpu_check_doors.log|Horovod (gloo) built from the sdist, in the background"
-  "throughput|240|gpu_check_throughput.json|codec kernels vs a device copy and plain PyTorch (+ .png)"
+  "throughput|240|gpu_check_throughput.txt|codec kernels vs a device copy and plain PyTorch (+ .json)"
   "ncu|240|gpu_check_ncu.txt|Nsight Compute summary of qsgd 8/4-bit encode and decode"
   "sanitizer|300|gpu_check_sanitizer.log|compute-sanitizer memcheck and racecheck, every kernel once"
   "tests|420|gpu_check_tests.log|tests/gpu: every codec on the GPU equals the CPU bit for bit"
@@ -191,8 +191,7 @@ horovod_step() {
 # ---- the GPU steps -----------------------------------------------------------------------------
 throughput_step() {
   "$PYTHON" benchmarks/codec_throughput.py --device cuda --sizes "1M,64M,$GPU_CHECK_SIZE" \
-    --codecs qsgd --bits 4,8 --torch-ref --json "$OUT/gpu_check_throughput.json" \
-    --plot "$OUT/gpu_check_throughput.png"
+    --codecs qsgd --bits 4,8 --torch-ref --json "$OUT/gpu_check_throughput.json"
 }
 
 ncu_step() {

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 SDIST = Path(os.environ.get("HQ_CACHE", Path.home() / ".cache" / "horovod_quant")) / "src" / \
     "horovod-0.28.1.tar.gz"
-FILES = {"gpu_check_summary.md", "gpu_check_throughput.json", "gpu_check_throughput.png",
+FILES = {"gpu_check_summary.md", "gpu_check_throughput.json", "gpu_check_throughput.txt",
          "gpu_check_ncu.txt", "gpu_check_sanitizer.log", "gpu_check_tests.log",
          "gpu_check_doors.log", "gpu_check_ddp.log"}
 
@@ -71,7 +71,7 @@ PYTHON_STUB = textwrap.dedent('''\
     elif args and args[0] == "benchmarks/codec_throughput.py":
         record("throughput")
         Path(value("--json")).write_text(json.dumps({{"rows": []}}))
-        Path(value("--plot")).write_bytes(b"png")
+        print("a table (stub)")
     elif args and args[0] == "benchmarks/kernel_launches.py":
         record("kernel_launches")
     else:
@@ -123,7 +123,7 @@ def test_help_list_and_bad_arguments(tmp_path):
     listed = _run(os.environ, "--list")
     assert listed.returncode == 0
     assert {line.split()[2] for line in listed.stdout.splitlines()} == FILES - {
-        "gpu_check_throughput.png"}
+        "gpu_check_throughput.json"}
     bad = _run(os.environ, "--steps", "tests,warp")
     assert bad.returncode == 2 and "unknown step 'warp'" in bad.stderr
     assert _run(os.environ, "--frobnicate").returncode == 2
@@ -151,6 +151,7 @@ def test_every_step_runs_and_the_folder_holds_its_eight_files(stubs, tmp_path):
     res = _run(stubs, out=out)
     assert res.returncode == 0, res.stdout + res.stderr
     assert set(os.listdir(out)) == FILES
+    assert json.loads((out / "gpu_check_throughput.json").read_text())  # the benchmark's alone
     summary = (out / "gpu_check_summary.md").read_text()
     for step in ("horovod", "throughput", "ncu", "sanitizer", "tests", "doors", "ddp"):
         assert f"| {step} | ok |" in summary, summary
