@@ -16,7 +16,7 @@
 # Callers define say/die (messages) before sourcing.
 
 # Bump when the patches change, so that cached wheels built without them are not reused.
-HOROVOD_PATCH_REV=p4
+HOROVOD_PATCH_REV=p5
 
 # The C++ standard the installed torch's headers ask for (ATen.h refuses older ones by name).
 _HVD_TORCH_STD='import os, re, torch
@@ -101,6 +101,8 @@ horovod_build_wheel() {  # SDIST OUT LOG
     HOROVOD_BUILD_CUDA_CC_LIST="${HQ_HOROVOD_CUDA_CC:-80,86,89,90}"
   )
   ((major >= 4)) && env_build+=(CMAKE_POLICY_VERSION_MINIMUM=3.5)
+  # GCC 13's headers no longer include <cstdint> on the way; Horovod's bundled gloo relied on it
+  env_build+=(CXXFLAGS="${CXXFLAGS:+$CXXFLAGS }-include cstdint")
   # a CUDA torch makes Horovod compile its CUDA pieces: name the toolkit's folder to CMake and
   # torch alike (an nvcc on PATH may be a wrapper script outside the toolkit)
   local cuda_home
@@ -115,7 +117,8 @@ horovod_build_wheel() {  # SDIST OUT LOG
   t=$SECONDS
   if ! (cd "${src[0]}" && env "${env_build[@]}" "${PYTHON:-python3}" -m pip wheel \
         --no-build-isolation --no-deps --no-index -v -w "$work/dist" .) >"$log" 2>&1; then
-    tail -n 60 "$log" >&2
+    grep -n -m 12 -B 2 -A 8 -E "error:|Error [0-9]|CMake Error|No such file" "$log" >&2
+    tail -n 30 "$log" >&2
     rm -rf "$work"
     die "Horovod build failed (full log: $log)"
     return 1  # where the caller's die does not exit
