@@ -101,8 +101,8 @@ horovod_build_wheel() {  # SDIST OUT LOG
     HOROVOD_BUILD_CUDA_CC_LIST="${HQ_HOROVOD_CUDA_CC:-80,86,89,90}"
   )
   ((major >= 4)) && env_build+=(CMAKE_POLICY_VERSION_MINIMUM=3.5)
-  # GCC 13's headers no longer include <cstdint> on the way; Horovod's bundled gloo relied on it
-  env_build+=(CXXFLAGS="${CXXFLAGS:+$CXXFLAGS }-include cstdint")
+  # GCC 13 no longer includes <cstdint>, <string>, <stdexcept> on the way; Horovod relied on it
+  env_build+=(CXXFLAGS="${CXXFLAGS:+$CXXFLAGS }-include cstdint -include string -include stdexcept")
   # a CUDA torch makes Horovod compile its CUDA pieces: name the toolkit's folder to CMake and
   # torch alike (an nvcc on PATH may be a wrapper script outside the toolkit)
   local cuda_home
