@@ -14,7 +14,7 @@ import horovod.torch as hvd
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt
-from horovod_quant.core.rng import derive_key
+from horovod_quant.core.rng import derive_key, name_key
 from horovod_quant.exchange import plans
 
 from conftest import codec_params, rank_gradients
@@ -53,16 +53,16 @@ class CudaLinear(torch.nn.Module):
 
 
 def _want(name, shapes, step, seed, reverse, opt=None):
-    """mean_estimate of the step's gradients (``opt``: hq.DistributedOptimizer, whose
-    topology, fabric and pieces choose its plans; None: Horovod's optimizer, flat plans)."""
+    """mean_estimate of the step's gradients, exchanged with ``seed`` (``opt``:
+    hq.DistributedOptimizer, whose topology, fabric and pieces choose its plans; None:
+    Horovod's optimizer, flat plans)."""
     codec = hq.get_codec(name, **codec_params(name))
     per_rank = [rank_gradients(shapes, step, r) for r in range(hvd.size())]
     order = (lambda gs: list(reversed(gs))) if reverse else list
     flats = [np.concatenate([g.reshape(-1) for g in order(gs)]) for gs in per_rank]
     shape = {} if opt is None else {"topology": opt.topology, "fabric": opt.fabric,
                                     "pipeline_elems": opt.pipeline_elems}
-    want, _ = hq.mean_estimate(codec, flats, seed=derive_key(seed, step, 0), gather="auto",
-                               **shape)
+    want, _ = hq.mean_estimate(codec, flats, seed=seed, gather="auto", **shape)
     return want
 
 
@@ -90,8 +90,8 @@ def test_quant_optimizer_on_cuda_matches_cpu_reference(cuda, name):
         grads = [p.grad for p in reversed(list(model.ps))]
         assert all(g.is_cuda for g in grads)
         got = torch.cat([g.reshape(-1) for g in grads]).cpu().numpy()
-        assert np.array_equal(got, _want(name, shapes, step, 3, reverse=True, opt=opt),
-                              equal_nan=True), (name, step)
+        assert np.array_equal(got, _want(name, shapes, step, derive_key(3, step, 0), reverse=True,
+                                           opt=opt), equal_nan=True), (name, step)
 
 
 @pytest.mark.parametrize("name", ["qsgd", "global_qsgd", "natural", "nested_dithered"])
@@ -112,8 +112,8 @@ def test_quant_optimizer_on_cuda_takes_the_hierarchy_where_ranks_share_hosts(cud
     hierarchical = hvd.local_size() > 1 and hvd.cross_size() > 1
     for step in _trained_steps(model, opt, shapes):
         got = torch.cat([p.grad.reshape(-1) for p in reversed(list(model.ps))]).cpu().numpy()
-        assert np.array_equal(got, _want(name, shapes, step, 3, reverse=True, opt=opt),
-                              equal_nan=True), (name, step)
+        assert np.array_equal(got, _want(name, shapes, step, derive_key(3, step, 0),
+                                         reverse=True, opt=opt), equal_nan=True), (name, step)
     if hvd.size() > 1:
         kinds = opt.last_stats.plans
         assert kinds and all(k.startswith(plans.HIERARCHICAL) == hierarchical for k in kinds)
@@ -134,5 +134,7 @@ def test_horovod_optimizer_door_on_cuda(cuda, name):
     for step in _trained_steps(model, opt, shapes):
         grad = model.ps[0].grad
         assert grad.is_cuda
+        # the compressor's seed: the tensor's name and its use (the step), docs/pytorch.md
         assert np.array_equal(grad.reshape(-1).cpu().numpy(),
-                              _want(name, shapes, step, 5, reverse=False), equal_nan=True)
+                              _want(name, shapes, step, derive_key(5, step, name_key("ps.0")),
+                                    reverse=False), equal_nan=True)
