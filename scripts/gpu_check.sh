@@ -156,7 +156,8 @@ PY
   fi
   report="$(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/nvcc \1/p')"
   wanted ncu && report+=", $(ncu --version | tail -1)"
-  wanted sanitizer && report+=", $(compute-sanitizer --version | sed -n 's/.*Version \(.*\)/compute-sanitizer \1/p')"
+  wanted sanitizer && report+=", $(compute-sanitizer --version \
+    | sed -n 's/.*Version \(.*\)/compute-sanitizer \1/p')"
   echo "- tools: $report"
 }
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The GPU image's build, checked where there is no GPU (`make image-test-gpu` runs it inside the
 image): torch is a CUDA build, torch, CuPy and the CUDA compiler are of one CUDA major, Horovod
-was built with NCCL, gloo and MPI, and CuPy's NVRTC compiles the package's kernels for the given
-architectures (no device is asked: ``horovod_quant.backends.cuda.kernels.compile_for``).
+was built with NCCL, gloo and MPI, the tools of `make gpu-check` run, and CuPy's NVRTC compiles
+the package's kernels for the given architectures (no device is asked:
+``horovod_quant.backends.cuda.kernels.compile_for``).
 What needs a GPU (the kernels and NCCL collectives running) is `make gpu-check`'s.
 
     python3 scripts/gpu_image_check.py                    # kernels for sm_80 and sm_90
@@ -79,6 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         return (f"Horovod {horovod.__version__}: nccl_built {built['nccl']} (NCCL {nccl}), "
                 f"gloo_built {built['gloo']}, mpi_built {built['mpi']}")
 
+    def gpu_check_tools() -> str:
+        """the tools `make gpu-check` takes from PATH on a GPU host (ncu is not in the image)"""
+        out = subprocess.run(["compute-sanitizer", "--version"], capture_output=True, text=True,
+                             check=True).stdout
+        version = re.search(r"Version (\S+)", out)
+        if not version:
+            raise RuntimeError(f"compute-sanitizer --version says no version: {out!r}")
+        return (f"nvcc {nvcc_release()[0]}, compute-sanitizer {version.group(1)} "
+                f"({shutil.which('compute-sanitizer')})")
+
     def kernels(arch: str):
         def compile_them() -> str:
             from horovod_quant.backends.cuda.kernels import compile_for
@@ -89,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     check("CUDA", cuda_majors)
     check("Horovod", horovod)
+    check("gpu-check tools", gpu_check_tools)
     with tempfile.TemporaryDirectory(prefix="hq-kernels-") as cache:
         os.environ["HQ_KERNEL_CACHE"] = cache  # a fresh cache: every file really compiles
         for arch in archs:

@@ -145,7 +145,10 @@ _hvd_cuda_home() {  # SCRATCH
     return
   fi
   if _hvd_has_nvcc_wheel; then
-    hvd_cuda_toolkit_from_wheels "$1/cuda" >&2 || { die "no CUDA toolkit from the wheels"; return 1; }
+    if ! hvd_cuda_toolkit_from_wheels "$1/cuda" >&2; then
+      die "no CUDA toolkit made from the nvidia-* wheels"
+      return 1
+    fi
     echo "$1/cuda"
     return
   fi

@@ -133,7 +133,8 @@ pip_install_torch_set() {
   # shellcheck disable=SC2086
   pip_quiet download -q -d "$HQ_CUDA_WHEEL_DIR" --find-links "$HQ_CUDA_WHEEL_DIR" \
     $HQ_TORCH_PIP_ARGS "$@"
-  say "pip: wheels in $HQ_CUDA_WHEEL_DIR ($(du -sh "$HQ_CUDA_WHEEL_DIR" | cut -f1)) in $((SECONDS - t))s"
+  say "pip: $(du -sh "$HQ_CUDA_WHEEL_DIR" | cut -f1) of wheels in $HQ_CUDA_WHEEL_DIR," \
+    "downloads done in $((SECONDS - t))s"
   pip_quiet install -q --no-index --find-links "$HQ_CUDA_WHEEL_DIR" "$@"
 }
 
@@ -154,12 +155,16 @@ PY
   scratch="$(mktemp -d "${TMPDIR:-/tmp}/hq-cuda-check.XXXXXX")"
   home="$(_hvd_cuda_home "$scratch")" || { rm -rf "$scratch"; exit 1; }
   nvcc_release=none
-  [[ -n "$home" ]] && nvcc_release="$("$home/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')"
+  if [[ -n "$home" ]]; then
+    nvcc_release="$("$home/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')"
+  fi
   rm -rf "$scratch"
   local found="torch CUDA $torch_cuda, CuPy $cupy, nvcc $nvcc_release (${home:-no toolkit})"
   if [[ "${torch_cuda%%.*}" != "$HQ_CUDA_MAJOR" || "$cupy" != "cupy-cuda${HQ_CUDA_MAJOR}x" \
         || "${nvcc_release%%.*}" != "$HQ_CUDA_MAJOR" ]]; then
-    die "HQ_CUDA_MAJOR=$HQ_CUDA_MAJOR, found $found: install torch, cupy-cuda${HQ_CUDA_MAJOR}x and 'cuda-toolkit[nvcc]' of CUDA $HQ_CUDA_MAJOR together (HQ_TORCH_SPEC, HQ_CUDA_PIP_SPECS), or set CUDA_HOME to a CUDA $HQ_CUDA_MAJOR toolkit"
+    die "HQ_CUDA_MAJOR=$HQ_CUDA_MAJOR, found $found: install a CUDA $HQ_CUDA_MAJOR torch," \
+      "cupy-cuda${HQ_CUDA_MAJOR}x and 'cuda-toolkit[nvcc]' together (HQ_TORCH_SPEC," \
+      "HQ_CUDA_PIP_SPECS), or set CUDA_HOME to a CUDA $HQ_CUDA_MAJOR toolkit"
   fi
   say "CUDA $HQ_CUDA_MAJOR: $found"
 }
@@ -177,7 +182,8 @@ step_python() {
   fi
   say "torch: $("$PYTHON" -c 'import torch; print(torch.__version__, "cuda=%s" % torch.version.cuda)')"
   if [[ -n "$HQ_CUDA_TOOLKIT_DIR" ]]; then
-    hvd_cuda_toolkit_from_wheels "$HQ_CUDA_TOOLKIT_DIR" || die "no CUDA toolkit made in $HQ_CUDA_TOOLKIT_DIR"
+    hvd_cuda_toolkit_from_wheels "$HQ_CUDA_TOOLKIT_DIR" \
+      || die "no CUDA toolkit made in $HQ_CUDA_TOOLKIT_DIR (HQ_CUDA_TOOLKIT_DIR)"
     export CUDA_HOME="$HQ_CUDA_TOOLKIT_DIR"  # the toolkit Horovod's build and the check take
     say "CUDA toolkit from the wheels: $HQ_CUDA_TOOLKIT_DIR"
   fi
@@ -263,7 +269,8 @@ step_horovod() {
   pkgdir="$("$PYTHON" -c 'import horovod, os; print(os.path.dirname(horovod.__file__))')"
   echo "$key" >"$pkgdir/HQ_BUILD_KEY"
   command -v pyenv >/dev/null 2>&1 && pyenv rehash 2>/dev/null || true  # horovodrun on PATH
-  horovod_ok "$key" || die "Horovod installed but 'import horovod.torch' (or .tensorflow) fails, or it lacks the MPI, gloo or NCCL (HOROVOD_GPU_OPERATIONS) it was built for"
+  horovod_ok "$key" || die "Horovod installed but 'import horovod.torch' (or .tensorflow)" \
+    "fails, or it lacks the MPI, gloo or NCCL (HOROVOD_GPU_OPERATIONS) it was built for"
   say "horovod: installed ($key)"
 }
 

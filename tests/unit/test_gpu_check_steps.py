@@ -15,7 +15,7 @@ def _without_tools(env, *names):
     return env
 
 
-def test_the_steps_named_by_the_environment_run_and_need_only_their_tools(stubs, tmp_path):  # noqa: F811
+def test_the_environments_steps_run_and_need_only_their_tools(stubs, tmp_path):  # noqa: F811
     env = dict(_without_tools(stubs, "ncu", "compute-sanitizer"),
                GPU_CHECK_STEPS="throughput,tests")
     out = tmp_path / "out"
