@@ -22,7 +22,8 @@
 # the nvcc on PATH.
 # Callers define say/die (messages) before sourcing.
 
-# Bump when the patches change, so that cached wheels built without them are not reused.
+# Bump when the patches change, so that cached wheels built without them are not reused. (C++20
+# for torch 2.14 and later did not bump it: for the torch versions built before, nothing changed.)
 HOROVOD_PATCH_REV=p3
 HOROVOD_DEFAULT_CUDA_CC=80,86,89,90  # A100 8.0, A10/A40 8.6, L4/L40 8.9, H100 9.0
 
@@ -39,11 +40,13 @@ PY
 
 horovod_patch_source() {  # DIR: an unpacked horovod-<version> sdist
   local dir="$1"
-  # Patch 1: torch 2.x headers need C++17; Horovod 0.28.1 asks for C++14 (C++11 for the CUDA
-  # kernels, which CUDA 13's headers no longer accept).
+  # Patch 1: torch 2.x headers need C++17, and from torch 2.14 on C++20 (ATen.h says so);
+  # Horovod 0.28.1 asks for C++14 (C++11 for the CUDA kernels, which CUDA 13's headers no
+  # longer accept). VERSION_DEC is torch's version as Horovod's CMake parses it.
   _hvd_replace_once "$dir/CMakeLists.txt" 'set(CMAKE_CXX_STANDARD 14)' 'set(CMAKE_CXX_STANDARD 17)'
-  _hvd_replace_once "$dir/horovod/torch/CMakeLists.txt" \
-    'set(CMAKE_CXX_STANDARD 14)' 'set(CMAKE_CXX_STANDARD 17)'
+  local torch_std=$'set(CMAKE_CXX_STANDARD 17)\n    if(VERSION_DEC GREATER_EQUAL 2014000000)\n'
+  torch_std+=$'        set(CMAKE_CXX_STANDARD 20)\n    endif()'
+  _hvd_replace_once "$dir/horovod/torch/CMakeLists.txt" 'set(CMAKE_CXX_STANDARD 14)' "$torch_std"
   _hvd_replace_once "$dir/horovod/common/ops/cuda/CMakeLists.txt" \
     'set(CMAKE_CUDA_STANDARD 11)' 'set(CMAKE_CUDA_STANDARD 17)'
   # Patch 2: the TF XLA ops (a GPU-XLA feature) include a highwayhash header that TF 2.21
