@@ -58,15 +58,15 @@ def main(argv: list[str] | None = None) -> int:
 
         if torch.version.cuda is None:
             raise RuntimeError(f"torch {torch.__version__} is a CPU build")
-        cupy_cuda = cupy.cuda.runtime.runtimeGetVersion()  # the CUDA runtime CuPy loads
+        cupy_cuda = cupy.cuda.runtime.runtimeGetVersion()  # the CUDA runtime CuPy runs on
         nvcc, path = nvcc_release()
         majors = {"torch": torch.version.cuda.split(".")[0], "CuPy": str(cupy_cuda // 1000),
                   "nvcc": nvcc.split(".")[0]}
         if len(set(majors.values())) != 1:
             raise RuntimeError(f"CUDA majors differ: {majors}")
         return (f"torch {torch.__version__} (CUDA {torch.version.cuda}), CuPy {cupy.__version__} "
-                f"(CUDA runtime {cupy_cuda // 1000}.{cupy_cuda % 1000 // 10}), nvcc {nvcc} "
-                f"({path}): CUDA {majors['torch']}")
+                f"(its CUDA runtime {cupy_cuda // 1000}.{cupy_cuda % 1000 // 10}), nvcc {nvcc} "
+                f"({path}): all CUDA {majors['torch']}")
 
     def horovod() -> str:
         import horovod
@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         if not all(built.values()):
             raise RuntimeError(f"Horovod {horovod.__version__} built with {built}")
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
-        return (f"Horovod {horovod.__version__}: nccl_built {built['nccl']} (NCCL {nccl}), "
-                f"gloo_built {built['gloo']}, mpi_built {built['mpi']}")
+        return (f"Horovod {horovod.__version__}: nccl_built() = {built['nccl']} (torch's NCCL "
+                f"{nccl}), gloo_built() = {built['gloo']}, mpi_built() = {built['mpi']}")
 
     def gpu_check_tools() -> str:
         """the tools `make gpu-check` takes from PATH on a GPU host (ncu is not in the image)"""
