@@ -299,12 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         if image == "gpu" and gpu_mounts:
             build_args["HQ_CUDA_WHEEL_DIR"] = CUDA_WHEELS_IN_BUILD
             image_mounts += gpu_mounts
-        if image == "cpu":
-            if not answers(TORCH_CPU_INDEX, cafile):
-                version = extra.get("TORCH_VERSION", "2.13.0")
-                log(f"PyTorch CPU index does not answer: torch=={version}+cpu from pip's "
-                    "other sources")
-                build_args |= {"HQ_TORCH_SPEC": f"torch=={version}+cpu", "HQ_TORCH_PIP_ARGS": ""}
+        if image == "cpu" and not answers(TORCH_CPU_INDEX, cafile):
+            version = extra.get("TORCH_VERSION", "2.13.0")
+            log(f"PyTorch CPU index does not answer: torch=={version}+cpu from pip's "
+                "other sources")
+            build_args |= {"HQ_TORCH_SPEC": f"torch=={version}+cpu", "HQ_TORCH_PIP_ARGS": ""}
         build_args |= extra
         builder.build(dockerfile, f"{args.tag}:{image}", ROOT, build_args, image_mounts)
     return 0
