@@ -4,7 +4,7 @@ PYTHON ?= python3
 export PYTHON
 
 .PHONY: all install test unit parallel emulated kernels demo bench clean clean-cache \
-	images image-test image-two-hosts gpu-check
+	images image-test image-test-gpu image-two-hosts gpu-check
 
 all: test
 
@@ -62,6 +62,18 @@ image-test:
 	  bash tests/parallel/run.sh && \
 	  { getent hosts "$$(hostname)" >/dev/null || echo "127.0.0.1 $$(hostname)" >> /etc/hosts; } && \
 	  python3 -m torch.distributed.run --standalone --nproc_per_node 2 examples/ddp_train.py'
+
+# Inside a container of the GPU image, on a machine without a GPU: the build's checks
+# (scripts/gpu_image_check.py: torch, CuPy and nvcc of one CUDA, Horovod with NCCL, gloo and MPI,
+# the kernels compiled with NVRTC for sm_80 and sm_90), then a 2-rank CPU training with a codec
+# under horovodrun's gloo and MPI. On a GPU host, `make gpu-check` inside the container runs
+# what needs the GPU.
+image-test-gpu:
+	bash scripts/image_run.sh horovod_quant:gpu 'python3 scripts/gpu_image_check.py && \
+	  horovodrun -np 2 -H localhost:2 --gloo \
+	    python3 tests/parallel/compressed_training.py --codec qsgd && \
+	  horovodrun -np 2 -H localhost:2 --mpi \
+	    python3 tests/parallel/compressed_training.py --codec qsgd'
 
 # Two containers of the CPU image as two hosts on an emulated network, horovodrun across them
 # (root and buildah needed).

@@ -5,10 +5,10 @@ is present: docker (with a daemon), podman or buildah.
     python3 scripts/build_images.py                    # CPU image, as `make images`
     python3 scripts/build_images.py --images cpu,gpu --no-tensorflow
 
-Base image: ``python:3.11-slim-bookworm`` where its registry answers; otherwise a Debian 12 base
-built here (``debootstrap --variant=minbase bookworm`` + docker/Dockerfile.debian-base), which
-the CPU Dockerfile takes through ``BASE_IMAGE``. The GPU image needs its CUDA base from a
-registry and is skipped, saying so, without one.
+Base image: ``python:3.11-slim-bookworm`` (CPU) and ``nvidia/cuda:13.0.0-cudnn-devel-ubuntu22.04``
+(GPU) where their registry answers; otherwise a Debian 12 base built here (``debootstrap
+--variant=minbase bookworm`` + docker/Dockerfile.debian-base), which both Dockerfiles take
+through ``BASE_IMAGE``: the GPU image needs no CUDA base (its CUDA comes as pip wheels).
 
 Behind a proxy with its own CA (podman, buildah): the host's effective pip configuration
 (``pip config list``) is written to a pip.conf under --work, and it, the CA bundle it names and
@@ -18,6 +18,10 @@ of them is copied into an image. When the PyTorch CPU index does not answer, tor
 for as ``torch==<version>+cpu``, so pip takes a CPU wheel from those sources or fails, never
 the CUDA build from PyPI. docker build has no RUN-time mounts: with docker, pip inside the
 build must reach its index by itself.
+
+Caches shared with the build (podman, buildah; folders mounted read-write into RUN steps):
+``--horovod-wheels`` (Horovod wheels by build key: installed instead of compiled) and
+``--cuda-wheels`` (the GPU image's torch, CuPy and nvidia-* wheels, GBs: not downloaded again).
 """
 from __future__ import annotations
 
@@ -35,7 +39,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OFFICIAL_BASE = "docker.io/library/python:3.11-slim-bookworm"
+#: the base each Dockerfile names by default, used where its registry answers
+OFFICIAL_BASE = {"cpu": "docker.io/library/python:3.11-slim-bookworm",
+                 "gpu": "docker.io/nvidia/cuda:13.0.0-cudnn-devel-ubuntu22.04"}
 DEBIAN_BASE = "localhost/horovod_quant-base:bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 REGISTRY_PROBE = "https://registry-1.docker.io/v2/"
@@ -43,8 +49,11 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu/torch/"
 #: where the host's pip configuration and CA bundle appear inside a RUN step (read-only)
 PIP_CONF_IN_BUILD = "/etc/pip.conf"
 CA_IN_BUILD = "/run/hq-build-ca.pem"
-#: where --horovod-wheels appears inside a RUN step (read-write: a new build is left there)
+#: where --horovod-wheels and --cuda-wheels appear inside a RUN step (read-write: what a build
+#: compiles or downloads is left there)
 WHEELS_IN_BUILD = "/run/hq-horovod-wheels"
+CUDA_WHEELS_IN_BUILD = "/run/hq-cuda-wheels"
+READ_WRITE_IN_BUILD = (WHEELS_IN_BUILD, CUDA_WHEELS_IN_BUILD)
 DEFAULT_WORK = Path("/var/tmp/horovod_quant-images")
 
 
@@ -114,13 +123,13 @@ class Builder:
             # docker format: OCI image configs have no SHELL, and the Dockerfiles set one
             cmd += ["--format", "docker", "--isolation", "chroot", "--network", "host",
                     "--layers"]
-            cmd += [f"--volume={src}:{dst}" + ("" if dst == WHEELS_IN_BUILD else ":ro")
+            cmd += [f"--volume={src}:{dst}" + ("" if dst in READ_WRITE_IN_BUILD else ":ro")
                     for src, dst in mounts]
         elif mounts:
             raise SystemExit("docker build cannot mount host folders into RUN steps (the host's "
-                             "pip configuration, --horovod-wheels): use --no-host-pip (pip must "
-                             "reach its index by itself) without --horovod-wheels, or --tool "
-                             "podman/buildah")
+                             "pip configuration, --horovod-wheels, --cuda-wheels): use "
+                             "--no-host-pip (pip must reach its index by itself) without the "
+                             "wheel caches, or --tool podman/buildah")
         for key, value in build_args.items():
             cmd += ["--build-arg", f"{key}={value}"]
         t = time.time()
@@ -200,14 +209,17 @@ def debian_base(builder: Builder, work: Path, mirror: str, rebuild: bool) -> str
     return DEBIAN_BASE
 
 
-def choose_base(args, builder: Builder, cafile: str | None) -> str | None:
-    """The image to build the CPU image on, or None to keep the Dockerfile's default."""
-    if args.base in ("auto", "official") and answers(REGISTRY_PROBE, cafile):
-        if builder.exists(OFFICIAL_BASE) or builder.pull(OFFICIAL_BASE):
-            return None
+def choose_base(args, builder: Builder, cafile: str | None, image: str) -> str | None:
+    """The image to build ``image`` (cpu, gpu) on, or None to keep the Dockerfile's default."""
+    official = OFFICIAL_BASE[image]
+    if args.base in ("auto", "official") and (
+            builder.exists(official) or (answers(REGISTRY_PROBE, cafile)
+                                         and builder.pull(official))):
+        return None
     if args.base == "official":
-        raise SystemExit(f"{OFFICIAL_BASE} cannot be pulled here: use --base debian")
-    log("base: no registry answers; using a Debian base built with debootstrap")
+        raise SystemExit(f"{official} is not here and cannot be pulled: use --base debian")
+    log(f"base: {official} is not here and no registry gives it; using a Debian base built "
+        "with debootstrap")
     return debian_base(builder, args.work, args.mirror, args.rebuild_base)
 
 
@@ -217,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images", default="cpu", help="comma-separated: cpu, gpu")
     ap.add_argument("--tool", default="auto", choices=("auto", "docker", "podman", "buildah"))
     ap.add_argument("--base", default="auto", choices=("auto", "official", "debian"),
-                    help="CPU image base: python:3.11-slim-bookworm, or the debootstrap one")
+                    help="base image: the Dockerfile's own (python:3.11-slim-bookworm, "
+                    "nvidia/cuda), or the debootstrap Debian one; auto: the own one where it is "
+                    "here or can be pulled")
     ap.add_argument("--tag", default="horovod_quant", help="image name; tags are :cpu and :gpu")
     ap.add_argument("--no-tensorflow", action="store_true",
                     help="HQ_WITH_TENSORFLOW=0: no TensorFlow, Horovod without TF ops")
@@ -226,11 +240,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ca-bundle", help="CA bundle for pip in the build (default: the host "
                     "pip configuration's cert)")
     ap.add_argument("--build-arg", action="append", default=[], metavar="NAME=VALUE",
-                    help="passed on to both Dockerfiles (overrides what this script sets)")
+                    help="passed on to every Dockerfile built (overrides what this script "
+                    "sets)")
     ap.add_argument("--horovod-wheels", type=Path, metavar="DIR",
                     help="Horovod wheel cache shared with the build (scripts/install.sh's "
                     "HQ_WHEEL_DIR layout): a wheel with the image's build key is installed "
                     "instead of compiled; a new build is left there (podman, buildah)")
+    ap.add_argument("--cuda-wheels", type=Path, metavar="DIR",
+                    help="wheel cache of the GPU image's torch, CuPy and nvidia-* wheels "
+                    "(scripts/install.sh's HQ_CUDA_WHEEL_DIR): what is there is not downloaded "
+                    "again; what is downloaded is left there (podman, buildah)")
     ap.add_argument("--storage-driver", help="podman/buildah storage driver (e.g. vfs)")
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK,
                     help="scratch folder (pip.conf for the build, debootstrap root)")
@@ -263,30 +282,31 @@ def main(argv: list[str] | None = None) -> int:
         common["HQ_WITH_TENSORFLOW"] = "0"
     extra = dict(a.split("=", 1) for a in args.build_arg)
 
-    status = 0
+    gpu_mounts: list[tuple[str, str]] = []
+    if args.cuda_wheels:
+        args.cuda_wheels.mkdir(parents=True, exist_ok=True)
+        gpu_mounts.append((str(args.cuda_wheels.resolve()), CUDA_WHEELS_IN_BUILD))
+        log(f"mount (read-write, RUN steps only, gpu): {args.cuda_wheels} -> "
+            f"{CUDA_WHEELS_IN_BUILD}")
+
     for image in images:
         dockerfile = ROOT / f"docker/Dockerfile.{image}"
         build_args = dict(common)
-        if image == "cpu":
-            base = choose_base(args, builder, cafile)
-            if base:
-                build_args["BASE_IMAGE"] = base
-            if not answers(TORCH_CPU_INDEX, cafile):
-                version = extra.get("TORCH_VERSION", "2.13.0")
-                log(f"PyTorch CPU index does not answer: torch=={version}+cpu from pip's "
-                    "other sources")
-                build_args |= {"HQ_TORCH_SPEC": f"torch=={version}+cpu", "HQ_TORCH_PIP_ARGS": ""}
-        else:
-            cuda = extra.get("CUDA_IMAGE", "docker.io/nvidia/cuda:12.4.1-cudnn-devel-ubuntu22.04")
-            if not (builder.exists(cuda) or (answers(REGISTRY_PROBE, cafile)
-                                             and builder.pull(cuda))):
-                log(f"gpu: SKIPPED, its base {cuda} is not here and no registry answers "
-                    "(--build-arg CUDA_IMAGE=<a local CUDA devel image> to use another)")
-                status = 1
-                continue
+        image_mounts = list(mounts)
+        base = choose_base(args, builder, cafile, image)
+        if base:
+            build_args["BASE_IMAGE"] = base
+        if image == "gpu" and gpu_mounts:
+            build_args["HQ_CUDA_WHEEL_DIR"] = CUDA_WHEELS_IN_BUILD
+            image_mounts += gpu_mounts
+        if image == "cpu" and not answers(TORCH_CPU_INDEX, cafile):
+            version = extra.get("TORCH_VERSION", "2.13.0")
+            log(f"PyTorch CPU index does not answer: torch=={version}+cpu from pip's "
+                "other sources")
+            build_args |= {"HQ_TORCH_SPEC": f"torch=={version}+cpu", "HQ_TORCH_PIP_ARGS": ""}
         build_args |= extra
-        builder.build(dockerfile, f"{args.tag}:{image}", ROOT, build_args, mounts)
-    return status
+        builder.build(dockerfile, f"{args.tag}:{image}", ROOT, build_args, image_mounts)
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@
 #   bash scripts/gpu_check.sh --out DIR --steps tests,throughput
 #   bash scripts/gpu_check.sh --list                  # the steps, their deadlines and files
 #
+# GPU_CHECK_STEPS: the steps to run when --steps is not given (default: every step). The GPU
+# image sets it to every step but ncu: Nsight Compute is not published as a pip wheel.
+#
 # The sdist: $HOROVOD_SDIST, else $HQ_CACHE/src/horovod-$HOROVOD_VERSION.tar.gz (scripts/
 # install.sh keeps it there; copy it along to a machine without network). An importable
 # Horovod is used as it is.
@@ -50,7 +53,7 @@ step_field() {  # NAME FIELD(2: deadline, 3: file, 4: what)
   printf '%s\n' "${STEPS[@]}" | awk -F'|' -v n="$1" -v f="$2" '$1 == n { print $f }'
 }
 
-WANT="$ALL_STEPS"
+WANT="${GPU_CHECK_STEPS:-$ALL_STEPS}"
 while (($#)); do
   case "$1" in
     -h|--help) usage; exit 0 ;;
@@ -89,7 +92,7 @@ T0=$SECONDS
 STATE="$(mktemp -d "${TMPDIR:-/tmp}/hq-gpu-check.XXXXXX")"  # each step's result and seconds
 trap 'rm -rf "$STATE"' EXIT
 export ROOT PYTHON HOROVOD_VERSION HQ_CACHE HOROVOD_SDIST OUT SUMMARY T0 GPU_CHECK_SIZE NCU_KERNELS \
-  GPU_CHECK_BUDGET
+  GPU_CHECK_BUDGET WANT
 
 say() { printf '[gpu-check %3ds] %s\n' "$((SECONDS - T0))" "$*"; }
 die() { say "ERROR: $*" >&2; exit 1; }  # (only ever called inside a step's own bash)
@@ -147,7 +150,10 @@ print(f"- Python {sys.version.split()[0]}; " + ", ".join(f"{k} {v}" for k, v in 
       + f"; torch CUDA {torch.version.cuda}")
 PY
 )"; then echo "$report"; else bad+=("Python packages: $(echo "$report" | tail -1)"); fi
-  for tool in nvcc ncu compute-sanitizer; do  # a missing tool fails its own step only
+  local tools=(nvcc)  # a missing tool fails only its own step
+  wanted ncu && tools+=(ncu)
+  wanted sanitizer && tools+=(compute-sanitizer)
+  for tool in "${tools[@]}"; do
     command -v "$tool" >/dev/null || echo "- note: $tool is not on PATH: its step will fail"
   done
   if ! "$PYTHON" -c "import horovod.torch" 2>/dev/null; then
@@ -158,7 +164,11 @@ PY
     printf -- '- preflight failed: %s\n' "${bad[@]}"
     return 1
   fi
-  echo "- tools: $(nvcc --version 2>&1 | sed -n 's/.*release \([0-9.]*\).*/nvcc \1/p'), $(ncu --version 2>&1 | tail -1), $(compute-sanitizer --version 2>&1 | sed -n 's/.*Version \(.*\)/compute-sanitizer \1/p'), $(cmake --version 2>&1 | head -1)"
+  report="$(nvcc --version 2>&1 | sed -n 's/.*release \([0-9.]*\).*/nvcc \1/p')"
+  wanted ncu && report+=", $(ncu --version 2>&1 | tail -1)"
+  wanted sanitizer && report+=", $(compute-sanitizer --version 2>&1 \
+    | sed -n 's/.*Version \(.*\)/compute-sanitizer \1/p')"
+  echo "- tools: $report, $(cmake --version 2>&1 | head -1)"
 }
 
 # ---- horovod: build (or find) a Horovod with CPU collectives; runs in the background -------------
@@ -255,8 +265,8 @@ ddp_step() {
 
 # ---- the run -----------------------------------------------------------------------------------
 export HVD_PREFIX STATE
-export -f say die step_field preflight horovod_step throughput_step ncu_step sanitizer_step \
-  tests_step with_horovod doors_step torchrun_nodes ddp_step until_file
+export -f say die step_field wanted preflight horovod_step throughput_step ncu_step \
+  sanitizer_step tests_step with_horovod doors_step torchrun_nodes ddp_step until_file
 say "output: $OUT; steps: $WANT"
 if ! run_step preflight preflight; then
   grep -- '- preflight failed' "$SUMMARY" >&2

@@ -6,17 +6,25 @@
 #   horovod_patch_source DIR         apply the patches to an unpacked sdist (fails if one does not)
 #   horovod_build_wheel SDIST OUT LOG
 #                                    unpack, patch and build a wheel into OUT, the log into LOG
+#   horovod_gpu_key                  the GPU part of a wheel's cache key (empty for a CPU build)
+#   hvd_cuda_toolkit_from_wheels DIR make DIR a CUDA toolkit folder from the nvidia-* wheels
 #
 # Knobs (environment): PYTHON (interpreter to build for, default python3), HQ_HOROVOD_MPI (1:
 # with MPI, 0: gloo only), HQ_WITH_TENSORFLOW (1: with TF ops), HQ_HOROVOD_JOBS (parallel
 # compile jobs, default the CPU count), HOROVOD_CMAKE (the CMake; CMake 4 is told the oldest
 # policy version, which Horovod's bundled gloo predates), HQ_HOROVOD_CUDA_CC (compute
 # capabilities of the CUDA kernels Horovod compiles when the torch is a CUDA build, default
-# "80,86,89,90").
+# "80,86,89,90"), HOROVOD_GPU_OPERATIONS (NCCL: GPU collectives; NCCL is taken from
+# HOROVOD_NCCL_HOME / _INCLUDE / _LIB, else from the CUDA toolkit folder, which holds the
+# nvidia-nccl wheel's files when it is made from the wheels).
+# The CUDA toolkit (nvcc, headers) is, in this order: CUDA_HOME; /usr/local/cuda; the
+# nvidia-cuda-nvcc wheel installed beside torch (pip pins it to torch's CUDA:
+# cuda-toolkit[nvcc]); the nvcc on PATH.
 # Callers define say/die (messages) before sourcing.
 
 # Bump when the patches change, so that cached wheels built without them are not reused.
 HOROVOD_PATCH_REV=p5
+HOROVOD_DEFAULT_CUDA_CC=80,86,89,90  # A100 8.0, A10/A40 8.6, L4/L40 8.9, H100 9.0
 
 # The C++ standard the installed torch's headers ask for (ATen.h refuses older ones by name).
 _HVD_TORCH_STD='import os, re, torch
@@ -79,11 +87,102 @@ _hvd_cmake() {  # prints the CMake to build with: HOROVOD_CMAKE, else the system
   echo "$bin"
 }
 
-_hvd_cuda_home() {  # prints the CUDA toolkit's folder (CUDA_HOME, /usr/local/cuda, nvcc's), if any
+# The nvidia-* wheels put nvcc, headers and libraries in folders of site-packages/nvidia/
+# (CUDA 13: cu13/ for the toolkit, nccl/, cudnn/ beside it). Merged into one folder of symlinks
+# they are a toolkit as CMake, torch's extension builder and nvcc's own link line expect it:
+# the unversioned library names (libcudart.so, libnccl.so) they link by, and lib64.
+hvd_cuda_toolkit_from_wheels() {  # DIR: made (again) from the wheels of $PYTHON; fails without nvcc
+  "${PYTHON:-python3}" - "$1" <<'PY'
+import importlib.util, os, re, shutil, sys
+
+dest = sys.argv[1]
+MARK = ".hq-cuda-toolkit-from-wheels"
+spec = importlib.util.find_spec("nvidia")
+roots = [os.path.join(top, d) for top in (spec.submodule_search_locations if spec else [])
+         for d in sorted(os.listdir(top)) if os.path.isdir(os.path.join(top, d))]
+if not any(os.path.isfile(os.path.join(r, "bin", "nvcc")) for r in roots):
+    sys.exit(f"no nvcc among the nvidia-* wheels of {sys.executable}: install the one of torch's "
+             "CUDA (pip install 'cuda-toolkit[nvcc,cccl]') or set CUDA_HOME to a CUDA toolkit")
+if os.path.lexists(dest):
+    if not os.path.isfile(os.path.join(dest, MARK)):
+        sys.exit(f"{dest} exists and was not made from the wheels: remove it or name another")
+    shutil.rmtree(dest)
+
+
+def merge(src, dst):  # dst gets a link to each entry of src; folders both have are merged
+    os.makedirs(dst, exist_ok=True)
+    for name in sorted(os.listdir(src)):
+        s, d = os.path.join(src, name), os.path.join(dst, name)
+        if not os.path.lexists(d):
+            os.symlink(s, d)
+        elif os.path.isdir(s) and os.path.isdir(d):
+            if os.path.islink(d):  # a linked folder becomes a real one holding both
+                first = os.readlink(d)
+                os.unlink(d)
+                merge(first, d)
+            merge(s, d)
+
+
+for root in roots:
+    for sub in ("bin", "include", "lib", "nvvm"):
+        if os.path.isdir(os.path.join(root, sub)):
+            merge(os.path.join(root, sub), os.path.join(dest, sub))
+lib = os.path.join(dest, "lib")
+for name in sorted(os.listdir(lib)) if os.path.isdir(lib) else []:
+    m = re.fullmatch(r"(lib.+\.so)(\.\d+)+", name)
+    if m and not os.path.lexists(os.path.join(lib, m.group(1))):
+        os.symlink(name, os.path.join(lib, m.group(1)))
+os.symlink("lib", os.path.join(dest, "lib64"))  # nvcc links with -L<toolkit>/lib64
+open(os.path.join(dest, MARK), "w").write("\n".join(roots) + "\n")
+PY
+}
+
+_hvd_has_nvcc_wheel() {  # succeeds when $PYTHON has an nvidia-* wheel with bin/nvcc
+  "${PYTHON:-python3}" -c 'import glob, importlib.util, os, sys
+spec = importlib.util.find_spec("nvidia")
+tops = spec.submodule_search_locations if spec else []
+sys.exit(not any(glob.glob(os.path.join(top, "*", "bin", "nvcc")) for top in tops))' 2>/dev/null
+}
+
+# Prints the CUDA toolkit's folder (see the head of this file for the order), if there is one;
+# a toolkit from the wheels is made in SCRATCH. Fails when CUDA_HOME names no toolkit.
+_hvd_cuda_home() {  # SCRATCH
   local home="${CUDA_HOME:-}" nvcc
-  if [[ -z "$home" && -x /usr/local/cuda/bin/nvcc ]]; then home=/usr/local/cuda; fi
-  if [[ -z "$home" ]] && nvcc="$(command -v nvcc)"; then home="$(dirname "$(dirname "$(readlink -f "$nvcc")")")"; fi
-  [[ -n "$home" && -f "$home/include/cuda_runtime.h" ]] && echo "$home"
+  if [[ -n "$home" ]]; then
+    if [[ ! -f "$home/include/cuda_runtime.h" ]]; then
+      die "CUDA_HOME=$home has no include/cuda_runtime.h: name a CUDA toolkit or unset it"
+      return 1
+    fi
+    echo "$home"
+    return
+  fi
+  # a system toolkit first (the one the H100 build used), then one made from the wheels
+  if [[ -x /usr/local/cuda/bin/nvcc && -f /usr/local/cuda/include/cuda_runtime.h ]]; then
+    echo /usr/local/cuda
+    return
+  fi
+  if _hvd_has_nvcc_wheel; then
+    if ! hvd_cuda_toolkit_from_wheels "$1/cuda" >&2; then
+      die "no CUDA toolkit made from the nvidia-* wheels"
+      return 1
+    fi
+    echo "$1/cuda"
+    return
+  fi
+  if nvcc="$(command -v nvcc)"; then home="$(dirname "$(dirname "$(readlink -f "$nvcc")")")"; fi
+  if [[ -n "$home" && -f "$home/include/cuda_runtime.h" ]]; then echo "$home"; fi
+}
+
+# The GPU part of a Horovod wheel's cache key: empty for a CPU torch without GPU operations (the
+# keys of CPU wheels stay as they were), else torch's CUDA, the GPU operations and the compute
+# capabilities, so that CPU and GPU wheels, or GPU wheels of two flavours, never mix.
+horovod_gpu_key() {
+  local cuda ops="${HOROVOD_GPU_OPERATIONS:-}" cc="${HQ_HOROVOD_CUDA_CC:-$HOROVOD_DEFAULT_CUDA_CC}"
+  cuda="$("${PYTHON:-python3}" -c 'import torch; print(torch.version.cuda or "")')" \
+    || die "cannot import torch to read its CUDA version"
+  [[ -z "$cuda" && -z "$ops" ]] && return 0
+  ops="${ops:-nogpuops}"
+  printf '_cuda%s-%s-cc%s' "${cuda:-none}" "${ops,,}" "${cc//,/.}"
 }
 
 horovod_build_wheel() {  # SDIST OUT LOG
@@ -98,16 +197,25 @@ horovod_build_wheel() {  # SDIST OUT LOG
   local -a env_build=(
     HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MXNET=1
     HOROVOD_CMAKE="$cmake_bin" MAKEFLAGS="-j${HQ_HOROVOD_JOBS:-$(nproc)}"
-    HOROVOD_BUILD_CUDA_CC_LIST="${HQ_HOROVOD_CUDA_CC:-80,86,89,90}"
+    HOROVOD_BUILD_CUDA_CC_LIST="${HQ_HOROVOD_CUDA_CC:-$HOROVOD_DEFAULT_CUDA_CC}"
   )
   ((major >= 4)) && env_build+=(CMAKE_POLICY_VERSION_MINIMUM=3.5)
   # GCC 13 no longer includes <cstdint>, <string>, <stdexcept> on the way; Horovod relied on it
   env_build+=(CXXFLAGS="${CXXFLAGS:+$CXXFLAGS }-include cstdint -include string -include stdexcept")
-  # a CUDA torch makes Horovod compile its CUDA pieces: name the toolkit's folder to CMake and
-  # torch alike (an nvcc on PATH may be a wrapper script outside the toolkit)
+  # a CUDA torch makes Horovod compile its CUDA pieces: name the toolkit's folder to CMake,
+  # torch and Horovod's own nvcc lookup alike (an nvcc on PATH may be a wrapper script outside
+  # the toolkit, or another CUDA's)
   local cuda_home
-  if cuda_home="$(_hvd_cuda_home)"; then
-    env_build+=(CUDA_HOME="$cuda_home" CUDAToolkit_ROOT="$cuda_home" CUDACXX="$cuda_home/bin/nvcc")
+  cuda_home="$(_hvd_cuda_home "$work")" || { rm -rf "$work"; return 1; }
+  if [[ -n "$cuda_home" ]]; then
+    env_build+=(CUDA_HOME="$cuda_home" CUDAToolkit_ROOT="$cuda_home" CUDACXX="$cuda_home/bin/nvcc"
+                HOROVOD_CUDA_HOME="$cuda_home")
+    # NCCL where no other is named: the toolkit folder's (the nvidia-nccl wheel's files when it
+    # is made from the wheels; NCCL installed into the toolkit otherwise)
+    if [[ -z "${HOROVOD_NCCL_HOME:-}${HOROVOD_NCCL_INCLUDE:-}${HOROVOD_NCCL_LIB:-}" \
+          && -f "$cuda_home/include/nccl.h" ]]; then
+      env_build+=(HOROVOD_NCCL_HOME="$cuda_home")
+    fi
   fi
   if [[ "${HQ_HOROVOD_MPI:-1}" == 1 ]]; then env_build+=(HOROVOD_WITH_MPI=1)
   else env_build+=(HOROVOD_WITHOUT_MPI=1); fi

@@ -6,7 +6,12 @@
 #
 # One idempotent script for CI, the Makefile and Docker images: it installs what is missing and
 # skips what is there. The Horovod wheel is cached under $HQ_WHEEL_DIR, keyed by the Horovod,
-# torch and TensorFlow versions, so only the first run on a machine compiles it.
+# torch and TensorFlow versions (and, for a CUDA torch, its CUDA, the GPU operations and compute
+# capabilities), so only the first run on a machine compiles it.
+#
+# GPU installs (docker/Dockerfile.gpu): a CUDA torch with HQ_CUDA_PIP_SPECS beside it (CuPy, the
+# CUDA compiler as wheels), HOROVOD_GPU_OPERATIONS=NCCL for Horovod's GPU collectives, and
+# HQ_CUDA_MAJOR to check that torch, CuPy and the compiler are of one CUDA.
 #
 # Every setting below can be overridden from the environment (Docker build args set them).
 set -euo pipefail
@@ -20,6 +25,15 @@ set -euo pipefail
 
 # ---- switches ----------------------------------------------------------------------------------
 : "${HQ_WITH_TENSORFLOW:=1}"            # 1: tensorflow-cpu + tf-keras, Horovod built with TF ops
+# pip specs installed with torch, in the same pip run, so that their CUDA wheels are the ones
+# torch pins: e.g. "cuda-toolkit[nvcc,cccl] cupy-cuda13x" (the compiler and CuPy of its CUDA)
+: "${HQ_CUDA_PIP_SPECS:=}"
+# a folder that keeps the wheels of torch and HQ_CUDA_PIP_SPECS (GBs of nvidia-* wheels): pip
+# downloads into it what it lacks, then installs from it alone
+: "${HQ_CUDA_WHEEL_DIR:=}"
+# a folder made into a CUDA toolkit (nvcc, headers, libraries: CUDA_HOME) from those wheels
+: "${HQ_CUDA_TOOLKIT_DIR:=}"
+: "${HQ_CUDA_MAJOR:=}"                  # e.g. 13: fail unless torch, CuPy and nvcc are CUDA 13
 : "${HQ_CACHE:=${HOME:-/root}/.cache/horovod_quant}"
 : "${HQ_WHEEL_DIR:=${HQ_CACHE}/wheels}" # cached Horovod wheels, one folder per build key
 : "${HQ_TORCH_SPEC:=torch==${TORCH_VERSION}}"
@@ -68,14 +82,23 @@ try:
     from packaging.requirements import Requirement
 except ImportError:  # packaging itself may be the missing piece
     from pip._vendor.packaging.requirements import Requirement
-for spec in sys.argv[1:]:
-    req = Requirement(spec)
+def satisfied(req, extras=()):
     try:
         version = metadata.version(req.name)
     except metadata.PackageNotFoundError:
-        print(spec)
-        continue
+        return False
     if req.specifier and not req.specifier.contains(version, prereleases=True):
+        return False
+    for extra in extras:  # an extra is there when what it requires is
+        for dep in map(Requirement, metadata.requires(req.name) or []):
+            if dep.marker and dep.marker.evaluate({"extra": extra}) and \
+                    not dep.marker.evaluate({"extra": ""}) and not satisfied(dep):
+                return False
+    return True
+
+for spec in sys.argv[1:]:
+    req = Requirement(spec)
+    if not satisfied(req, sorted(req.extras)):
         print(spec)
 PY
 }
@@ -99,15 +122,72 @@ step_apt() {
 }
 
 # ---- 2. Python packages --------------------------------------------------------------------------
+# pip install of torch and HQ_CUDA_PIP_SPECS (args), with HQ_TORCH_PIP_ARGS; with
+# HQ_CUDA_WHEEL_DIR through that folder: `pip download` leaves the whole set there (a file already
+# there is not fetched again), then the install takes it from there alone
+pip_install_torch_set() {
+  # shellcheck disable=SC2086  # HQ_TORCH_PIP_ARGS is a word list on purpose
+  if [[ -z "$HQ_CUDA_WHEEL_DIR" ]]; then pip_quiet install -q $HQ_TORCH_PIP_ARGS "$@"; return; fi
+  mkdir -p "$HQ_CUDA_WHEEL_DIR"
+  local t=$SECONDS
+  # shellcheck disable=SC2086
+  pip_quiet download -q -d "$HQ_CUDA_WHEEL_DIR" --find-links "$HQ_CUDA_WHEEL_DIR" \
+    $HQ_TORCH_PIP_ARGS "$@"
+  say "pip: $(du -sh "$HQ_CUDA_WHEEL_DIR" | cut -f1) of wheels in $HQ_CUDA_WHEEL_DIR," \
+    "downloads done in $((SECONDS - t))s"
+  pip_quiet install -q --no-index --find-links "$HQ_CUDA_WHEEL_DIR" "$@"
+}
+
+# Fails unless torch, CuPy and the CUDA compiler (the toolkit Horovod's build takes) are all of
+# CUDA $HQ_CUDA_MAJOR: two CUDA runtimes in one process, or Horovod's kernels compiled for
+# another CUDA than torch's, fail only at run time on a GPU.
+check_cuda_major() {
+  [[ -n "$HQ_CUDA_MAJOR" ]] || return 0
+  local scratch home torch_cuda cupy nvcc_release
+  torch_cuda="$("$PYTHON" -c 'import torch; print(torch.version.cuda or "none")')"
+  cupy="$("$PYTHON" - <<'PY'
+import re
+from importlib import metadata
+names = {d.metadata["Name"] for d in metadata.distributions()}
+print(" ".join(sorted(n for n in names if n and re.fullmatch(r"cupy-cuda\d+x", n))) or "none")
+PY
+)"
+  scratch="$(mktemp -d "${TMPDIR:-/tmp}/hq-cuda-check.XXXXXX")"
+  home="$(_hvd_cuda_home "$scratch")" || { rm -rf "$scratch"; exit 1; }
+  nvcc_release=none
+  if [[ -n "$home" ]]; then
+    nvcc_release="$("$home/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')"
+  fi
+  rm -rf "$scratch"
+  local found="torch CUDA $torch_cuda, CuPy $cupy, nvcc $nvcc_release (${home:-no toolkit})"
+  if [[ "${torch_cuda%%.*}" != "$HQ_CUDA_MAJOR" || "$cupy" != "cupy-cuda${HQ_CUDA_MAJOR}x" \
+        || "${nvcc_release%%.*}" != "$HQ_CUDA_MAJOR" ]]; then
+    die "HQ_CUDA_MAJOR=$HQ_CUDA_MAJOR, found $found: install a CUDA $HQ_CUDA_MAJOR torch," \
+      "cupy-cuda${HQ_CUDA_MAJOR}x and 'cuda-toolkit[nvcc]' together (HQ_TORCH_SPEC," \
+      "HQ_CUDA_PIP_SPECS), or set CUDA_HOME to a CUDA $HQ_CUDA_MAJOR toolkit"
+  fi
+  say "CUDA $HQ_CUDA_MAJOR: $found"
+}
+
 step_python() {
   local t=$SECONDS
-  # torch first and on its own, so nothing else can pull in a (CUDA) torch from PyPI.
-  if [[ -n "$(missing_py "$HQ_TORCH_SPEC")" ]]; then
-    say "pip: installing $HQ_TORCH_SPEC ${HQ_TORCH_PIP_ARGS}"
-    # shellcheck disable=SC2086  # HQ_TORCH_PIP_ARGS is a word list on purpose
-    pip_quiet install -q $HQ_TORCH_PIP_ARGS "$HQ_TORCH_SPEC"
+  # torch first and on its own (with the CUDA wheels that must match it), so nothing else can
+  # pull in a (CUDA) torch from PyPI.
+  local torch_set=("$HQ_TORCH_SPEC")
+  read -r -a cuda_specs <<<"$HQ_CUDA_PIP_SPECS"
+  torch_set+=("${cuda_specs[@]}")
+  if [[ -n "$(missing_py "${torch_set[@]}")" ]]; then
+    say "pip: installing ${torch_set[*]} ${HQ_TORCH_PIP_ARGS}"
+    pip_install_torch_set "${torch_set[@]}"
   fi
   say "torch: $("$PYTHON" -c 'import torch; print(torch.__version__, "cuda=%s" % torch.version.cuda)')"
+  if [[ -n "$HQ_CUDA_TOOLKIT_DIR" ]]; then
+    hvd_cuda_toolkit_from_wheels "$HQ_CUDA_TOOLKIT_DIR" \
+      || die "no CUDA toolkit made in $HQ_CUDA_TOOLKIT_DIR (HQ_CUDA_TOOLKIT_DIR)"
+    export CUDA_HOME="$HQ_CUDA_TOOLKIT_DIR"  # the toolkit Horovod's build and the check take
+    say "CUDA toolkit from the wheels: $HQ_CUDA_TOOLKIT_DIR"
+  fi
+  check_cuda_major
 
   local want=("${PY_PACKAGES[@]}")
   [[ "$HQ_WITH_TENSORFLOW" == 1 ]] && want+=("$HQ_TENSORFLOW_SPEC")
@@ -132,7 +212,8 @@ pkg_version() { "$PYTHON" -c "from importlib import metadata as m; print(m.versi
 # Succeeds when the installed Horovod was built by this script with the same key and works.
 horovod_ok() {
   local key="$1"
-  TF_USE_LEGACY_KERAS=1 "$PYTHON" - "$key" "$HQ_WITH_TENSORFLOW" <<'PY' >/dev/null 2>&1
+  TF_USE_LEGACY_KERAS=1 "$PYTHON" - "$key" "$HQ_WITH_TENSORFLOW" "${HOROVOD_GPU_OPERATIONS:-}" \
+    <<'PY' >/dev/null 2>&1
 import os, sys
 import horovod, horovod.torch as hvd
 stamp = os.path.join(os.path.dirname(horovod.__file__), "HQ_BUILD_KEY")
@@ -140,6 +221,8 @@ assert open(stamp).read().strip() == sys.argv[1]
 assert hvd.mpi_built() and hvd.gloo_built()
 if sys.argv[2] == "1":
     import horovod.tensorflow  # noqa: F401
+if sys.argv[3] == "NCCL":
+    assert hvd.nccl_built()
 PY
 }
 
@@ -167,6 +250,7 @@ step_horovod() {
   [[ "$tf_v" == none && "$HQ_WITH_TENSORFLOW" == 1 ]] && tf_v="$(pkg_version tensorflow)"
   pyv="$("$PYTHON" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
   key="horovod-${HOROVOD_VERSION}_torch-${torch_v}_tf-${tf_v}_${pyv}_${HOROVOD_PATCH_REV}"
+  key+="$(horovod_gpu_key)"
   key="${key//+/-}"
 
   if horovod_ok "$key"; then say "horovod: installed build matches ($key), skipping"; return; fi
@@ -185,7 +269,8 @@ step_horovod() {
   pkgdir="$("$PYTHON" -c 'import horovod, os; print(os.path.dirname(horovod.__file__))')"
   echo "$key" >"$pkgdir/HQ_BUILD_KEY"
   command -v pyenv >/dev/null 2>&1 && pyenv rehash 2>/dev/null || true  # horovodrun on PATH
-  horovod_ok "$key" || die "Horovod installed but 'import horovod.torch' (or .tensorflow) fails"
+  horovod_ok "$key" || die "Horovod installed but 'import horovod.torch' (or .tensorflow)" \
+    "fails, or it lacks the MPI, gloo or NCCL (HOROVOD_GPU_OPERATIONS) it was built for"
   say "horovod: installed ($key)"
 }
 

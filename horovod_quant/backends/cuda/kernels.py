@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 import threading
 from pathlib import Path
@@ -93,14 +94,15 @@ def _targets() -> list[tuple[str, str]]:
     return out
 
 
-def module_path(fname: str) -> Path:
-    """Compiled CUBIN / PTX of ``fname`` for the current device (from the cache if there)."""
+def module_path(fname: str, targets: Sequence[tuple[str, str]] | None = None) -> Path:
+    """Compiled CUBIN / PTX of ``fname`` (from the cache if there) for the first of ``targets``
+    (NVRTC -arch, output kind) that compiles; by default those of the current device."""
     from cupy.cuda import nvrtc
 
     src = load_source(fname)
     version = ".".join(map(str, nvrtc.getVersion()))
     errors = []
-    for arch, kind in _targets():
+    for arch, kind in (_targets() if targets is None else targets):
         opts = nvrtc_options(arch)
         key = hashlib.sha256("\0".join([src, *opts, version]).encode()).hexdigest()[:32]
         path = cache_dir() / f"{Path(fname).stem}_{arch}_{key}.{kind}"
@@ -145,6 +147,24 @@ def get_function(fname: str, kernel: str) -> Any:
         fn = get_module(fname).get_function(kernel)
         _functions[key] = fn
     return fn
+
+
+_ARCH = re.compile(r"(sm|compute)_\d+a?")
+
+
+def compile_for(arch: str) -> list[Path]:
+    """Compile every kernel file for ``arch`` without asking for a device: ``"sm_90"`` gives
+    CUBINs, ``"compute_90"`` PTX, in the kernel cache (:func:`cache_dir`), where a process on
+    such a device finds them. For machines without a GPU (image builds, build hosts), where
+    :func:`compile_all` cannot ask the device for its architecture. Returns the files' paths;
+    raises RuntimeError with NVRTC's log when a file does not compile."""
+    from .source import KERNEL_FILES
+
+    if not _ARCH.fullmatch(arch):
+        raise ValueError(f"arch={arch!r}: give an NVRTC architecture such as 'sm_90' (a CUBIN) "
+                         "or 'compute_90' (PTX)")
+    kind = "cubin" if arch.startswith("sm_") else "ptx"
+    return [module_path(f, targets=[(arch, kind)]) for f in KERNEL_FILES]
 
 
 def compile_all() -> list[str]:
