@@ -849,28 +849,7 @@ def test_entry_points_and_ptx_from_nvcc(nvcc, tmp_path):
         assert not [i for i in f32 if i.startswith(("fma", "div.full")) or "approx" in i], f
         assert ".local" not in text, f"{f}: local memory (a runtime-indexed array?)"
 
-def test_kernel_launches_script_cases(host_cuda):
-    """benchmarks/kernel_launches.py (compute-sanitizer's and ncu's launch list) covers every
-    entry point, and each of its cases runs on valid inputs and launches the specialised
-    program it names (replayed here on the host)."""
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
-        import kernel_launches as KL
-    finally:
-        sys.path.pop(0)
-    cases = KL.cases()
-    declared = {k for c in cases for k in c.kernels}
-    assert declared == {k for ks in kernel_names().values() for k in ks}
-    specialised = re.compile(r"^hq_(encode_tile|encode_block|decode_words|decode_groups|exp_comb)")
-    for c in cases:
-        host_cuda.kernels.launched.clear()
-        c.run(host_cuda, np, 3 * PB + 5)
-        assert set(host_cuda.kernels.launched) == {k for k in c.kernels if specialised.match(k)}, c
-    assert [c.kernels for c in KL.select(cases, "decode", "words_levels_8b")] == \
-        [("hq_decode_words_levels_8b",)] * 2
 
-
-# -- sources ---------------------------------------------------------------------------------
 def _find_nvrtc():
     pats = [os.environ.get("HQ_NVRTC_LIB", "")]
     for base in sys.path:
