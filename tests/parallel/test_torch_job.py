@@ -104,9 +104,10 @@ def test_backward_passes_per_step_changes_between_steps():
         assert np.array_equal(model.ps[1].grad.reshape(-1).numpy(), want)
     with opt.skip_synchronize():
         opt.step()
-    with pytest.raises(AssertionError, match="backward_passes_per_step"):
-        for micro in range(3):
-            model.loss(rank_gradients(SHAPES, 3 + micro, hvd.rank())).backward()
+    if hvd.size() > 1:  # a one-rank optimizer hooks nothing
+        with pytest.raises(AssertionError, match="backward_passes_per_step"):
+            for micro in range(3):
+                model.loss(rank_gradients(SHAPES, 3 + micro, hvd.rank())).backward()
     assert _same_everywhere(_params(model))
     with pytest.raises(ValueError, match="must be >= 1"):
         opt.set_backward_passes_per_step(0)
@@ -233,9 +234,12 @@ def test_low_precision_gradients_are_encoded_from_their_dtype(dtype):
             flats = [torch.from_numpy(rank_gradients(SHAPES, step, r)[j]).to(dtype).float()
                      .reshape(-1).numpy() for r in range(hvd.size())]
             bucket = len(SHAPES) - 1 - j
-            want, _ = hq.mean_estimate(hq.get_codec("qsgd"), flats,
-                                       seed=derive_key(SEED, step, bucket), gather="auto",
-                                       pipeline_elems=opt.pipeline_elems, topology=opt.topology)
+            want = flats[0]  # a one-rank optimizer exchanges nothing
+            if hvd.size() > 1:
+                want, _ = hq.mean_estimate(hq.get_codec("qsgd"), flats,
+                                           seed=derive_key(SEED, step, bucket), gather="auto",
+                                           pipeline_elems=opt.pipeline_elems,
+                                           topology=opt.topology)
             assert torch.equal(p.grad.reshape(-1), torch.from_numpy(want).to(dtype)), (j, step)
         assert bias.grad.dtype == dtype and torch.equal(bias.grad, torch.ones_like(bias))
         with opt.skip_synchronize():
@@ -317,7 +321,8 @@ def test_compression_door_refuses_bf16_as_horovod_does():
 
 def test_compiled_model_trains_identically():
     """torch.compile'd model, hq.DistributedOptimizer: the gradient hooks fire as for the
-    eager model, the ranks stay identical and the parameters are the eager run's."""
+    eager model (every step exchanged), the ranks stay identical and the run is close to the
+    eager one (the compiled graph orders its float operations otherwise)."""
     results = []
     for compiled in (False, True):
         model = _mlp()
@@ -330,6 +335,7 @@ def test_compiled_model_trains_identically():
             opt.zero_grad()
             run(_batch(step)).square().mean().backward()
             opt.step()
+        assert opt._step == 3
         results.append(_params(model))
-    assert torch.equal(results[0], results[1])
+    assert torch.allclose(results[0], results[1], rtol=0, atol=1e-2)
     assert _same_everywhere(results[1])
