@@ -50,6 +50,40 @@ log = logging.getLogger("horovod_quant")
 Finish = Callable[[], torch.Tensor]
 
 
+class _BucketJob:
+    """One bucket's exchanges on the worker: :meth:`run_start` starts them, :meth:`run_finish`
+    finishes them and completes :attr:`future` (or fails it with the error), both with the
+    bucket's CUDA stream current (``stream``; None for host buckets)."""
+
+    __slots__ = ("start", "finish", "future", "stream")
+
+    def __init__(self, start: Callable[[], Finish], stream: Any) -> None:
+        self.start, self.stream = start, stream
+        self.finish: Finish | None = None  # set once started
+        self.future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def _on_stream(self) -> Any:
+        return self.stream.entered() if self.stream is not None else contextlib.nullcontext()
+
+    def run_start(self) -> None:
+        try:
+            with self._on_stream():
+                self.finish = self.start()
+        except BaseException as exc:  # its future fails; the other buckets go on
+            self.future.set_exception(exc)
+
+    def run_finish(self) -> None:
+        if self.finish is None:  # its start failed
+            return
+        try:
+            with self._on_stream():
+                value = self.finish()
+        except BaseException as exc:
+            self.future.set_exception(exc)
+            return
+        self.future.set_result(value)
+
+
 class BucketPipeline:
     """Runs the buckets' exchanges on a worker thread while backward goes on.
 
@@ -67,47 +101,23 @@ class BucketPipeline:
 
     def __init__(self, name: str) -> None:
         self._worker = SerialWorker(name)
-        self._open: tuple[list, torch.futures.Future] | None = None  # started, not finished
+        self._open: _BucketJob | None = None  # started, not finished
 
     def submit(self, start: Callable[[], Finish], last: bool,
-               stream: Any = None) -> torch.futures.Future:
+               stream: Any = None) -> torch.futures.Future[torch.Tensor]:
         """Queue ``start`` (it starts the bucket's collectives and returns the function that
         finishes them) and the finish of the bucket before; ``last``: the step's last bucket,
         finished at once after its start. ``stream``: the CUDA stream the work is queued on
         (:func:`horovod_quant.gpu.capture_stream`), None for host buckets."""
-        future: torch.futures.Future = torch.futures.Future()
-        job: list = [None]  # its finish, once started (None: its start failed)
-        entered = (lambda: stream.entered()) if stream is not None else contextlib.nullcontext
-
-        def run_start() -> None:
-            try:
-                with entered():
-                    job[0] = start()
-            except BaseException as exc:  # its future fails; the other buckets go on
-                future.set_exception(exc)
-
-        def run_finish(opened: list, done: torch.futures.Future) -> Callable[[], None]:
-            def finish() -> None:
-                if opened[0] is None:
-                    return
-                try:
-                    with entered():
-                        value = opened[0]()
-                except BaseException as exc:
-                    done.set_exception(exc)
-                    return
-                done.set_result(value)
-
-            return finish
-
-        self._worker.submit(run_start)
+        job = _BucketJob(start, stream)
+        self._worker.submit(job.run_start)
         if self._open is not None:
-            self._worker.submit(run_finish(*self._open))
-        self._open = (job, future)
+            self._worker.submit(self._open.run_finish)
+        self._open = job
         if last:
-            self._worker.submit(run_finish(job, future))
+            self._worker.submit(job.run_finish)
             self._open = None
-        return future
+        return job.future
 
 
 class _Part:
