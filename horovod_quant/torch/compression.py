@@ -82,6 +82,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._comm: Any = None
         self._exchanges: dict[str, Exchange] = {}
         self._uses: dict[str, int] = {}
+        self._resumed: list = []  # the use counters loaded from a checkpoint, for the check
         self.codec_states = CodecStates()
         self._unnamed = 0
         self._warned_unnamed = False
@@ -90,7 +91,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._open: list[_Job] = []  # not finished yet
 
     def shared_config(self) -> dict:
-        return {**super().shared_config(), **mpi_exchange_config(self.policy.codecs(self.codec))}
+        return {**super().shared_config(), **mpi_exchange_config(self.policy.codecs(self.codec)),
+                "resumed_uses": self._resumed}
 
     def _finish_step(self) -> None:
         """Wait for the configuration check (the first time), build every exchange the policy
@@ -123,20 +125,21 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         return {"uses": dict(self._uses), "codec_states": self.codec_states.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s state (on every rank, before the first step).
+        """Continue from :meth:`state_dict`'s state, on every rank, before the first step (the
+        cross-rank check at the first step then compares the loaded counters too).
 
         Raises:
-            ValueError: ``state`` is not such a state, or a step is in flight.
+            ValueError: ``state`` is not such a state, or the compressor has exchanged already.
         """
-        if self._open:
-            raise ValueError("load_state_dict() during a step: load a compressor's state "
-                             "before the first backward pass")
+        if self._check is not None:
+            raise ValueError("load_state_dict() on a compressor that has exchanged tensors: "
+                             "load into a new compressor, before the first backward pass")
         try:
             uses = {str(key): int(count) for key, count in state["uses"].items()}
         except (KeyError, TypeError, AttributeError, ValueError):
             raise ValueError("not a compressor state: pass what QuantizedCompressor."
                              "state_dict() returned") from None
-        self._uses = uses
+        self._uses, self._resumed = uses, sorted(uses.items())
         self.codec_states.load_state_dict(state["codec_states"])
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
