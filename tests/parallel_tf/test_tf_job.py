@@ -1,12 +1,13 @@
 """A whole TensorFlow training job through the compressor: resumed from a tf.train.Checkpoint
 (the compressor's call counter and codec states beside the variables and the optimizer) it
-continues bit for bit on every rank."""
+continues bit for bit on every rank; float16 and bfloat16 gradients keep their dtype."""
 import numpy as np
 import pytest
 import tensorflow as tf
 import horovod.tensorflow as hvd
-from conftest import codec_params, linear_loss, rank_gradients, same_on_every_rank
+from conftest import codec_params, linear_loss, rank_gradients, reference, same_on_every_rank
 
+import horovod_quant as hq
 import horovod_quant.tensorflow as hqtf
 
 SHAPES = [(30, 40), (20, 10)]
@@ -69,3 +70,29 @@ def test_resumed_job_continues_bit_for_bit(name, params, tmp_path_factory):
         resumed.step(t)
     np.testing.assert_array_equal(resumed.values(), straight.values())
     assert same_on_every_rank(straight.values())
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+def test_low_precision_gradients_are_encoded_from_their_dtype(dtype):
+    """float16 / bfloat16 variables: their gradients (as float32 values) go through the codec
+    and the mean comes back in their dtype, on every rank."""
+    comp = hqtf.Compression.qsgd(seed=6, policy=EVERYTHING)
+    vs = [tf.Variable(tf.zeros(s, dtype)) for s in SHAPES]
+
+    @tf.function
+    def grads_of(gs):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(tf.cast(v, tf.float32) * g) for v, g in zip(vs, gs)])
+        return hvd.DistributedGradientTape(tape, compression=comp).gradient(loss, vs)
+
+    k0 = comp.calls
+    got = grads_of([tf.constant(g) for g in rank_gradients(SHAPES, 0, hvd.rank())])
+    for j, g in enumerate(got):
+        assert g.dtype == dtype
+        per_rank = [tf.cast(tf.cast(rank_gradients(SHAPES, 0, r)[j], dtype), tf.float32).numpy()
+                    for r in range(hvd.size())]
+        want = per_rank[0]  # one rank: Horovod reduces nothing
+        if hvd.size() > 1:
+            want = reference(hq.get_codec("qsgd"), per_rank, 6, k0 + j)
+        np.testing.assert_array_equal(g.numpy(), tf.cast(want.reshape(SHAPES[j]), dtype).numpy())
+        assert same_on_every_rank(tf.cast(g, tf.float32).numpy())
