@@ -14,6 +14,7 @@ import horovod_quant as hq
 import horovod_quant.torch as hqt
 from horovod_quant import fallback
 from horovod_quant.core.rng import derive_key
+from horovod_quant.torch.optimizer import STATE_KEY
 
 from conftest import Linear, codec_params, rank_gradients
 
@@ -155,9 +156,9 @@ def test_optimizer_resumes_bit_for_bit(name, params, mode, monkeypatch):
     model, opt = fresh()
     _run_steps(model, opt, range(half))
     saved = _round_trip({"model": model.state_dict(), "opt": opt.state_dict()})
-    assert saved["opt"][hqt.optimizer.STATE_KEY]["step"] == half
+    assert saved["opt"][STATE_KEY]["step"] == half
     if name == "nested_dithered" and hvd.size() > 1:
-        assert saved["opt"][hqt.optimizer.STATE_KEY]["codec_states"]  # it has adapted
+        assert saved["opt"][STATE_KEY]["codec_states"]  # it has adapted
     model, opt = fresh()
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
