@@ -242,8 +242,10 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
 
     # -- synchronize / step -------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Average the gradients across ranks now (for gradient clipping before ``step()``,
-        which then exchanges nothing again: use it inside :meth:`skip_synchronize`)."""
+        """Average the gradients now (clipping before a ``step()`` in :meth:`skip_synchronize`);
+        called again before new gradients, ``zero_grad`` or ``step``, it exchanges nothing."""
+        if self._synchronized:
+            return
         self._synchronized = True
         if self._comm.size == 1:
             self._finish_step()
@@ -334,13 +336,12 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
-        """Synchronize (unless :meth:`skip_synchronize`, or ``synchronize()`` already ran for
-        these gradients: then once a warning, and no second exchange), then the wrapped
-        optimizer's step."""
+        """Synchronize (unless :meth:`skip_synchronize`, or after ``synchronize()``: then a
+        warning, once), then the wrapped optimizer's step."""
         if self._should_synchronize:
             if not self._synchronized:
                 self.synchronize()
-            elif not self._warned_resync:
+            elif not self._warned_resync:  # Horovod warns here too
                 self._warned_resync = True
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "after optimizer.synchronize(): the gradients are averaged "
@@ -350,8 +351,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        """Accumulate ``passes`` backward passes locally before each exchange, from the next
-        step on (as Horovod's)."""
+        """Accumulate ``passes`` backward passes before each exchange (as Horovod's)."""
         if passes < 1:
             raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
         self.backward_passes_per_step = passes
@@ -391,6 +391,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         if self._horovod.in_flight or self._schedule.in_flight:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize()")
+        self._synchronized = False
         return super(self.__class__, self).zero_grad(*args, **kwargs)
 
 
