@@ -27,6 +27,11 @@ beyond what overlapped with backward; samples/s = 2 x batch / step; bytes one ra
 collectives per step (horovod_quant: ``state.stats``; DDP's Python hooks: the tensors passed to
 ``dist.all_reduce``; fp32: the gradients); test accuracy and loss after the same steps
 (warm-up included). Outputs: ``PREFIX.json``, ``PREFIX.md``, ``PREFIX.png``.
+
+``--bucket-mb`` cuts the gradients into several DDP buckets (the hooks can then overlap
+backward; not with PowerSGD, see ``BUCKET_MB``); ``--package-root DIR`` runs the ranks on the
+``horovod_quant`` under DIR (another version, e.g. ``git archive <commit> | tar -x -C DIR``), to
+compare hooks across versions on the same link.
 """
 from __future__ import annotations
 
@@ -122,7 +127,7 @@ def worker(args) -> None:
         opt.step()
         return time.perf_counter() - t
 
-    local = DDP(_model(), bucket_cap_mb=BUCKET_MB)
+    local = DDP(_model(), bucket_cap_mb=args.bucket_mb)
     opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(args.rank)
     with local.no_sync():
@@ -131,7 +136,7 @@ def worker(args) -> None:
     del local, opt
     runs = []  # every configuration's model, trained side by side: step k of each in turn
     for spec in args.configs.split(","):
-        model = DDP(_model(), bucket_cap_mb=BUCKET_MB)
+        model = DDP(_model(), bucket_cap_mb=args.bucket_mb)
         runs.append({"spec": spec, "model": model, "state": _hook(spec, model),
                      "opt": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                      "gen": torch.Generator().manual_seed(args.rank), "times": [], "sent": 0})
@@ -180,14 +185,16 @@ def run_rate(cluster, rate: float, args) -> dict:
     calib = cluster.calibrate()
     rows_path = os.path.join(cluster.tmp, f"rows_{int(rate)}.json")
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", GLOO_SOCKET_IFNAME=NIC,
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=os.path.abspath(args.package_root) + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
     procs = []
     try:
         for rank, host in enumerate(cluster.hosts):
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(rank),
                    "--master", cluster.hosts[0].address, "--configs", args.configs,
                    "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
-                   "--batch", str(args.batch), "--rows", rows_path]
+                   "--batch", str(args.batch), "--bucket-mb", str(args.bucket_mb),
+                   "--rows", rows_path]
             procs.append(subprocess.Popen(cluster.in_host(host, cmd), env=env,
                                           start_new_session=True))
         deadline = time.time() + args.timeout
@@ -211,7 +218,8 @@ def render(data: dict, prefix: str) -> list[str]:
     lines = [f"Command: `{data['command']}` ({data['date']}, {data['wall_s']:.0f} s). MLP "
              f"64-2048-2048-2048-10 on digits ({data['links'][0]['params'] / 1e6:.2f}M "
              f"parameters), 2 ranks (one per emulated host, gloo), batch {data['batch']} per "
-             f"rank, {data['warmup_steps']} warm-up + {data['steps']} measured steps; step = "
+             f"rank, DDP buckets of {data.get('bucket_mb', BUCKET_MB):g} MB, "
+             f"{data['warmup_steps']} warm-up + {data['steps']} measured steps; step = "
              "median of the slower rank; accuracy on the 297 held-out digits after all steps.",
              ""]
     for link in data["links"]:
@@ -269,6 +277,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=3,
                     help="steps before measuring, trained too (default: %(default)s)")
     ap.add_argument("--batch", type=int, default=32, help="batch per rank (default: %(default)s)")
+    ap.add_argument("--bucket-mb", type=float, default=BUCKET_MB,
+                    help="DDP's bucket_cap_mb (default: %(default)s, one bucket)")
+    ap.add_argument("--package-root", default=ROOT,
+                    help="the folder holding the horovod_quant the ranks run (default: this "
+                         "checkout)")
     ap.add_argument("--timeout", type=float, default=1800.0,
                     help="seconds per link rate before the ranks are stopped")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "cluster_ddp"),
@@ -306,7 +319,8 @@ def main(argv=None) -> int:
                 sys.argv[1:] if argv is None else argv),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": machine_info(), "steps": args.steps, "warmup_steps": args.warmup_steps,
-            "batch": args.batch, "links": []}
+            "batch": args.batch, "bucket_mb": args.bucket_mb,
+            "package_root": os.path.abspath(args.package_root), "links": []}
     try:
         with EmulatedCluster(hosts=2) as cluster:
             for rate in rates:

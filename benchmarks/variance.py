@@ -46,6 +46,7 @@ import numpy as np
 import horovod_quant as hq
 from horovod_quant.core import get_codec
 from horovod_quant.core.registry import codec_class
+from horovod_quant.exchange.codec_states import CodecStates
 
 INF = float("inf")
 P_VALUES = (1.0, 2.0, INF)
@@ -139,10 +140,12 @@ def omega_hat(codec, x: np.ndarray, seed: int) -> float:
     return float(np.sum((y.astype(np.float64) - x64) ** 2) / np.sum(x64 * x64))
 
 
-def theta_hat(codec, xs: list[np.ndarray], seed: int) -> tuple[float, int]:
+def theta_hat(codec, xs: list[np.ndarray], seed: int,
+              states: CodecStates | None = None) -> tuple[float, int]:
     """||mean estimate - mean||^2 / ((1/n) sum ||x_i||^2) of one simulated n-worker exchange
-    (bit-identical to the distributed one, see mean_estimate), and the wire bytes per worker."""
-    est, wire = hq.mean_estimate(codec, xs, seed=seed)
+    (bit-identical to the distributed one, see mean_estimate), and the wire bytes per worker;
+    ``states``: the codec states successive exchanges carry (NDQSG's adaptive ratio)."""
+    est, wire = hq.mean_estimate(codec, xs, seed=seed, states=states)
     x64 = [x.astype(np.float64) for x in xs]
     mean = sum(x64) / len(xs)
     denom = sum(float(np.sum(v * v)) for v in x64) / len(xs)
@@ -520,9 +523,9 @@ def part_summary(args) -> dict:
                 row[f"theta_{n}"] = None
                 row[f"error_{n}"] = str(exc)
                 continue
-            vals, wires = [], []
+            vals, wires, states = [], [], CodecStates()
             for i, xs in enumerate(cache[n]):
-                t, w = theta_hat(codec, xs, seed=41 * i + n)
+                t, w = theta_hat(codec, xs, seed=41 * i + n, states=states)
                 vals.append(t)
                 wires.append(w)
             row[f"theta_{n}"] = box(vals)
@@ -530,7 +533,7 @@ def part_summary(args) -> dict:
             row[f"wire_bits_{n}"] = 8 * float(np.mean(wires)) / d
             if name == "nested_dithered":
                 # the P2 ranks send coarse_bits(k) bits; report the mean over the n ranks
-                st = codec.last_stats
+                st = states.of(codec).last_stats
                 row[f"nested_k_{n}"] = st.get("k")
                 row[f"nested_bits_p2_{n}"] = st.get("bits_p2")
                 row[f"nested_outside_{n}"] = st.get("outside_share")

@@ -18,11 +18,12 @@ the fallen-back tensors onto its allreduce path. Tests force an outcome by repla
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -339,6 +340,22 @@ class StepChecker:
         self.seconds.append(clock() - self._started)
         self._started = None
 
+    def state_dict(self, name_of: Callable[[Any], str]) -> dict[str, Any]:
+        """The check so far, its layouts' keys named by ``name_of`` (a checkpoint)."""
+        return {"first_step": self.first_step, "rounds": self.rounds,
+                "layouts": [sorted(map(name_of, self.layouts[fp32])) for fp32 in (False, True)],
+                "seconds": list(self.seconds)}
+
+    @classmethod
+    def from_state_dict(cls, saved: Mapping[str, Any],
+                        key_of: Callable[[str], Any]) -> "StepChecker":
+        """The check :meth:`state_dict` saved, its layouts' names mapped back by ``key_of``."""
+        codec_layout, fp32_layout = ([key_of(n) for n in names] for names in saved["layouts"])
+        checker = cls(int(saved["first_step"]), frozenset(codec_layout), frozenset(fp32_layout),
+                      int(saved["rounds"]))
+        checker.seconds = [float(t) for t in saved["seconds"]]
+        return checker
+
     def decide(self, comm: Collectives, name: str,
                margin: float = FALLBACK_MARGIN) -> StepCheck:
         """Agree on the steps' times and decide: the float32 layout wins unless the codec
@@ -402,6 +419,36 @@ class FallbackController:
         """Whether the layout no longer changes for the fallback's sake from ``step`` on
         (always with ``mode="never"``)."""
         return self.mode == "never" or (step > FALLBACK_STEP and self._checker is None)
+
+    def state_dict(self, name_of: Callable[[Any], str]) -> dict[str, Any]:
+        """What the controller decided and measured so far, the door's keys named by
+        ``name_of`` (a checkpoint: names outlive the objects a door keys by)."""
+        return {"mode": self.mode,
+                "decisions": [dataclasses.asdict(d) for d in self.decisions],
+                "step_check": (None if self.step_check is None
+                               else dataclasses.asdict(self.step_check)),
+                "fallen_back": sorted(map(name_of, self.fallen_back)),
+                "checker": (None if self._checker is None
+                            else self._checker.state_dict(name_of))}
+
+    def load_state_dict(self, saved: Mapping[str, Any], key_of: Callable[[str], Any]) -> None:
+        """Take up where :meth:`state_dict` was saved; ``key_of`` maps a name back to the
+        door's key.
+
+        Raises:
+            ValueError: the state was saved with another ``mode``, or does not fit this door
+                (``key_of``'s own error for an unknown name).
+        """
+        if saved.get("mode") != self.mode:
+            raise ValueError(f"the checkpoint's fallback state was saved with fallback="
+                             f"{saved.get('mode')!r}, this optimizer has fallback="
+                             f"{self.mode!r}: build it with the saved setting")
+        self.decisions = [FallbackDecision(**d) for d in saved["decisions"]]
+        self.step_check = None if saved["step_check"] is None else StepCheck(
+            **saved["step_check"])
+        self.fallen_back = {key_of(name) for name in saved["fallen_back"]}
+        self._checker = (None if saved["checker"] is None
+                         else StepChecker.from_state_dict(saved["checker"], key_of))
 
     def exchange_started(self) -> None:
         """A step's exchange begins now (its first gradient is ready): the step check times

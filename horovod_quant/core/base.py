@@ -77,6 +77,25 @@ class SideInfoOutcome(NamedTuple):
     record: Any
 
 
+class CodecState(abc.ABC):
+    """What a codec whose encoding adapts between exchanges carries from one exchange to the
+    next (NDQSG's measured side-information error). The exchange that runs the codec holds it
+    (:meth:`Codec.new_state`), never the codec: codecs are values, so equal configurations may
+    share one codec object. A checkpoint saves it with :meth:`state_dict`."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The state as plain Python values (floats, ints, strings, lists, dicts)."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the state :meth:`state_dict` gave (of a codec with the same configuration).
+
+        Raises:
+            ValueError: ``state`` is not such a state.
+        """
+
+
 class WireLayout(NamedTuple):
     """What a valid payload of ``size`` elements looks like on the wire (:meth:`Codec.wire_layout`).
 
@@ -228,11 +247,15 @@ class Codec(abc.ABC):
             return layout.nbytes
         return -(-size * int(self.params.get("bits", 32)) // 8)
 
+    def new_state(self) -> CodecState | None:
+        """A fresh state for an exchange that runs this codec (see :class:`CodecState`), or
+        None: the codec encodes every exchange alike (every codec but NDQSG)."""
+        return None
+
     def for_world_size(self, world_size: int) -> "Codec":
         """This codec for an exchange between ``world_size`` ranks (the hosts of a
         hierarchical exchange): itself unless it :attr:`needs_world_size`, else one built with
-        the same parameters for that size, the same object at every call (a stateful codec
-        keeps its state across exchanges)."""
+        the same parameters for that size (built once: codecs never change)."""
         if not self.needs_world_size or self.params.get("world_size") == world_size:
             return self
         resized = self.__dict__.setdefault("_resized", {})
@@ -303,7 +326,8 @@ class Codec(abc.ABC):
 
     # -- side information (codecs that counts_outage) ------------------------------------------
     def combine_side_info(self, payloads: Sequence[Payload], seed: int, rank: int, x: Any,
-                          out: Any | None = None) -> SideInfoOutcome:
+                          out: Any | None = None, state: CodecState | None = None
+                          ) -> SideInfoOutcome:
         """The mean estimate of a gathered exchange, decoded with side information.
 
         Args:
@@ -313,9 +337,11 @@ class Codec(abc.ABC):
             x: this rank's input vector: the outcome counts the side-information failures of
                 this rank's own values (no rank knows the others').
             out: destination of the estimate, or None for a new array.
+            state: the exchange's :meth:`new_state`, moved on by this exchange (None: a
+                fresh one, dropped after).
 
-        Every rank computes the same mean and moves the codec's state between exchanges the
-        same way; the count is this rank's own.
+        Every rank computes the same mean and moves its state the same way; the count is this
+        rank's own.
         """
         raise NotImplementedError(f"{self.name} decodes without side information "
                                   f"(counts_outage is False)")
@@ -335,10 +361,12 @@ class Codec(abc.ABC):
         (a key for one exchange per codec)."""
         return json.dumps(self.config(), sort_keys=True)
 
-    def encode_worker(self, x: Any, seed: int, rank: int, norm: float | None = None) -> Payload:
+    def encode_worker(self, x: Any, seed: int, rank: int, norm: float | None = None,
+                      state: CodecState | None = None) -> Payload:
         """What worker ``rank`` sends in an exchange with seed ``seed``.
 
-        ``norm`` is the global norm for codecs that normalize by one (Global-QSGD); codecs whose
+        ``norm`` is the global norm for codecs that normalize by one (Global-QSGD); ``state``
+        the exchange's :meth:`new_state` for codecs that adapt (None: a fresh one); codecs whose
         encoding depends on the rank (NDQSG's two groups) override this.
         """
         return self.encode(x, seed=worker_seed(seed, rank))

@@ -419,8 +419,10 @@ class GlobalQSGD(Codec):
                                   first.size, self.bits, seed, self.reduction)
         return Payload(total, first.size, dict(first.meta))
 
-    def encode_worker(self, x: Any, seed: int, rank: int, norm: float | None = None) -> Payload:
-        """Worker ``rank``'s payload in an exchange with seed ``seed`` and global norm ``norm``."""
+    def encode_worker(self, x: Any, seed: int, rank: int, norm: float | None = None,
+                      state: Any = None) -> Payload:
+        """Worker ``rank``'s payload in an exchange with seed ``seed`` and global norm ``norm``
+        (``state``: none, the codec does not adapt)."""
         return self.encode(x, seed=worker_seed(seed, rank), norm=norm)
 
     def combine_gathered(self, payloads: Sequence[Payload], seed: int,

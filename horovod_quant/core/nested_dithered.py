@@ -3,9 +3,10 @@ Alg. 2, Theorem 6): ranks of group P1 send DQSG codes; the others (P2) send only
 of their fine bin inside a coarse bin, which receivers resolve with the P1 mean as side
 information.
 
-The codec adapts its coarse ratio between exchanges from the side-information error it
-measures; that state is an explicit :class:`NestedState`, advanced by every side-information
-decode (the ``Codec`` side-information interface: ``combine_side_info``, ``finish_side_info``).
+The coarse ratio adapts between exchanges from the side-information error they measure; that
+state is a :class:`NestedState` (``new_state()``) held by the exchange that runs the codec, not
+by the codec, and advanced by every side-information decode (the ``Codec`` side-information
+interface: ``combine_side_info``, ``finish_side_info``).
 Arithmetic, the decode rule and the wire layout ``[int32 k][float32 kappa per bucket][packed
 codes]``: docs/dev/formats.md ("Dithered codes").
 """
@@ -18,7 +19,7 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 
 from ..backends import MODE_DITHER, MODE_NESTED, NORM_MAX, backend_of, numba_backend, packed_nbytes
-from .base import Codec, SideInfoOutcome, WireLayout, _numel, check_int, worker_seed
+from .base import Codec, CodecState, SideInfoOutcome, WireLayout, _numel, check_int, worker_seed
 from .dithered import check_dither_bits, dither_keys, fine_levels, payload_bytes, seed_of
 from .payload import Payload
 from .quantizers import DEFAULT_BUCKET, _check_bucket
@@ -83,10 +84,10 @@ def complete_outage_share(stats: dict[str, Any], wrong: int) -> None:
 
 
 @dataclass
-class NestedState:
-    """What an NDQSG codec carries from one exchange to the next, and the rule that moves it:
-    each side-information decode measures sigma_z^2, which sets the coarse ratio of the next P2
-    encode (Theorem 6, :func:`theorem6_ratio`) unless the ratio is fixed.
+class NestedState(CodecState):
+    """What an exchange of an NDQSG codec carries from one exchange to the next, and the rule
+    that moves it: each side-information decode measures sigma_z^2, which sets the coarse ratio
+    of the next P2 encode (Theorem 6, :func:`theorem6_ratio`) unless the ratio is fixed.
 
     Attributes:
         bits, alpha, outage, coarse_ratio: the codec's parameters the rule reads.
@@ -101,6 +102,18 @@ class NestedState:
     coarse_ratio: int | None
     sigma2: float = math.inf
     last_stats: dict[str, Any] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"sigma2": ..., "last_stats": ...}``: what moves (the parameters are the codec's)."""
+        return {"sigma2": self.sigma2, "last_stats": dict(self.last_stats)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            sigma2, last_stats = float(state["sigma2"]), dict(state["last_stats"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"not an NDQSG exchange state: {state!r} (expected the "
+                             "state_dict() of a NestedState)") from None
+        self.sigma2, self.last_stats = sigma2, last_stats
 
     @property
     def next_k(self) -> int:
@@ -198,12 +211,14 @@ class NestedDitheredQuantizer(Codec):
     """NDQSG (eq. (6)-(7), Alg. 2, Theorem 6): P2 ranks send the fine bin's position inside a
     coarse bin; receivers resolve the coarse bin with the P1 mean as side information.
 
-    With ``coarse_ratio=None`` the ratio k adapts between exchanges (:class:`NestedState`);
-    each P2 payload carries its k, so decoding never depends on that state. ``last_stats``
-    describes the last exchange decoded: ``"outside_share"`` (share of P2 values with a wrong
-    coarse bin: exact, None until every P2 sender's count is known), ``"outside_count"``,
-    ``"p2_values"``, ``"outside_bound"`` (Theorem 6 at this k: an estimate after outages),
-    ``"k"``, ``"bits_p2"``, ``"sigma2"``, ``"next_k"`` (docs/codecs.md).
+    With ``coarse_ratio=None`` the ratio k adapts between exchanges: the exchange holds a
+    :class:`NestedState` (:meth:`new_state`) that its encodes read and its side-information
+    decodes advance; the codec itself never changes. Each P2 payload carries its k, so
+    decoding never depends on that state. The state's ``last_stats`` describes the last
+    exchange decoded: ``"outside_share"`` (share of P2 values with a wrong coarse bin: exact,
+    None until every P2 sender's count is known), ``"outside_count"``, ``"p2_values"``,
+    ``"outside_bound"`` (Theorem 6 at this k: an estimate after outages), ``"k"``,
+    ``"bits_p2"``, ``"sigma2"``, ``"next_k"`` (docs/codecs.md).
 
     Args:
         world_size: n, number of ranks in the exchange (required).
@@ -256,28 +271,22 @@ class NestedDitheredQuantizer(Codec):
         self.coarse_ratio = coarse_ratio
         self.outage = outage
         self.bucket_size = _check_bucket(bucket_size)
-        self.state = NestedState(bits, alpha, outage, coarse_ratio)
 
     # -- groups, parameters and state --------------------------------------------------------
-    @property
-    def sigma2(self) -> float:
-        """The side-information error last measured (``state.sigma2``)."""
-        return self.state.sigma2
+    def new_state(self) -> NestedState:
+        """A fresh exchange state: no side-information error measured yet, so the first P2
+        encode uses ``coarse_ratio`` (or 2M + 1 when it adapts)."""
+        return NestedState(self.bits, self.alpha, self.outage, self.coarse_ratio)
 
-    @property
-    def last_stats(self) -> dict[str, Any]:
-        """The statistics of the last exchange decoded (``state.last_stats``, class doc)."""
-        return self.state.last_stats
+    def coarse_ratio_of(self, state: NestedState | None) -> int:
+        """The coarse ratio a P2 encode uses in an exchange with ``state`` (None: a fresh
+        one's)."""
+        return (state or self.new_state()).next_k
 
     @property
     def delta1(self) -> float:
         """Fine step Delta1 = 1/M."""
         return 1.0 / self.M
-
-    @property
-    def current_k(self) -> int:
-        """The coarse ratio the next P2 encode uses (``state.next_k``)."""
-        return self.state.next_k
 
     def in_p1(self, rank: int) -> bool:
         """Whether ``rank`` sends plain DQSG codes (group P1)."""
@@ -286,9 +295,10 @@ class NestedDitheredQuantizer(Codec):
     def _bucket(self, n: int) -> int:
         return self.bucket_size if self.bucket_size is not None else max(n, 1)
 
-    def payload_nbytes(self, n: int, rank: int = 0) -> int:
-        """Payload bytes for n elements from ``rank`` (P2 at the current k)."""
-        return self._nbytes_k(n, 0 if self.in_p1(rank) else self.current_k)
+    def payload_nbytes(self, n: int, rank: int = 0, state: NestedState | None = None) -> int:
+        """Payload bytes for n elements from ``rank`` (P2 at the k of ``state``, None: a fresh
+        one's)."""
+        return self._nbytes_k(n, 0 if self.in_p1(rank) else self.coarse_ratio_of(state))
 
     def _nbytes_k(self, n: int, k: int) -> int:
         bits = self.bits if k == 0 else coarse_bits(k)
@@ -310,14 +320,17 @@ class NestedDitheredQuantizer(Codec):
                           f"k={k}: {bits}-bit codes, bucket_size={self.bucket_size}", k)
 
     # -- contract ----------------------------------------------------------------------------
-    def encode(self, x: Any, seed: int = 0, rank: int = 0) -> Payload:
-        """What rank ``rank`` sends: DQSG codes (P1) or nested codes at :attr:`current_k` (P2).
+    def encode(self, x: Any, seed: int = 0, rank: int = 0,
+               state: NestedState | None = None) -> Payload:
+        """What rank ``rank`` sends: DQSG codes (P1) or nested codes at the coarse ratio of
+        ``state`` (P2, :meth:`coarse_ratio_of`).
 
         Args:
             x: 1-D float array.
             seed: this rank's seed (``worker_seed(exchange_seed, rank)``), kept in
                 ``meta["seed"]`` (not sent).
             rank: the sender's rank, 0 .. world_size - 1.
+            state: the exchange's state (None: a fresh one).
 
         Returns:
             The payload ``[int32 k][float32 kappa per bucket][packed codes]``, k = 0 for P1.
@@ -325,17 +338,18 @@ class NestedDitheredQuantizer(Codec):
         be = backend_of(x)
         v = be.vector(x)
         n = int(v.size)
-        k = 0 if self.in_p1(rank) else self.current_k
+        k = 0 if self.in_p1(rank) else self.coarse_ratio_of(state)
         bits = self.bits if k == 0 else coarse_bits(k)
         am = np.float32(self.M) if k == 0 else np.float32(self.alpha * self.M)
-        out = be.xp.empty(self.payload_nbytes(n, rank), np.uint8)
+        out = be.xp.empty(self._nbytes_k(n, k), np.uint8)
         out[:HEADER] = be.xp.asarray(np.array([k], np.int32).view(np.uint8))
         be.encode(v, out, HEADER, self._bucket(n), MODE_DITHER if k == 0 else MODE_NESTED, bits,
                   dither_keys(seed), norm_kind=NORM_MAX, p=0.0, M=self.M, k=k, am=am)
         return Payload(out, n, {"seed": int(seed)})
 
-    def encode_worker(self, x: Any, seed: int, rank: int, norm: float | None = None) -> Payload:
-        return self.encode(x, seed=worker_seed(seed, rank), rank=rank)
+    def encode_worker(self, x: Any, seed: int, rank: int, norm: float | None = None,
+                      state: NestedState | None = None) -> Payload:
+        return self.encode(x, seed=worker_seed(seed, rank), rank=rank, state=state)
 
     payload_k = staticmethod(header_k)
 
@@ -393,11 +407,12 @@ class NestedDitheredQuantizer(Codec):
     # -- side information ----------------------------------------------------------------------
     def decode_side_info(self, payloads_by_rank: Sequence[Payload], seeds_by_rank: Sequence[int],
                          inputs: Sequence[Any] | None = None,
-                         out: np.ndarray | None = None) -> np.ndarray:
+                         out: np.ndarray | None = None,
+                         state: NestedState | None = None) -> np.ndarray:
         """The mean estimate of an exchange (Alg. 2 "Server"), as every rank computes it.
 
         Decodes P1 in rank order into a float32 sum, takes the P1 mean y as side information,
-        adds every P2 decode (eq. (7)) in rank order and divides by n. Advances :attr:`state`
+        adds every P2 decode (eq. (7)) in rank order and divides by n. Advances ``state``
         (sigma2, so the next k, and ``last_stats``).
 
         Args:
@@ -408,31 +423,30 @@ class NestedDitheredQuantizer(Codec):
                 ``last_stats["outside_count"]``; with every P2 input known,
                 ``last_stats["outside_share"]`` is set (else None, see the class doc).
             out: destination of the estimate (overwritten), or None for a new array.
+            state: the exchange's state (:meth:`new_state`), advanced; None: a fresh one,
+                dropped after.
 
         Returns:
             The float32 mean estimate.
         """
-        return self._decode_side_info(payloads_by_rank, seeds_by_rank, inputs, out)[0]
+        return self._decode_side_info(payloads_by_rank, seeds_by_rank, inputs, out, state)[0]
 
     def combine_side_info(self, payloads: Sequence[Payload], seed: int, rank: int, x: Any,
-                          out: Any | None = None) -> SideInfoOutcome:
+                          out: Any | None = None, state: NestedState | None = None
+                          ) -> SideInfoOutcome:
         inputs: list[Any] = [None] * len(payloads)
         inputs[rank] = x
         seeds = [worker_seed(seed, r) for r in range(len(payloads))]
-        mean, stats = self._decode_side_info(payloads, seeds, inputs, out)
+        mean, stats = self._decode_side_info(payloads, seeds, inputs, out, state)
         return SideInfoOutcome(mean, stats["outside_count"], stats)
 
     def finish_side_info(self, outcome: SideInfoOutcome, total_outages: int) -> None:
         complete_outage_share(outcome.record, total_outages)
 
-    def set_outside_total(self, wrong: int) -> None:
-        """Complete ``last_stats["outside_share"]`` from the wrong coarse bins of all P2 senders
-        (the sum over ranks of each one's ``"outside_count"``)."""
-        complete_outage_share(self.state.last_stats, wrong)
-
     def _decode_side_info(self, payloads_by_rank: Sequence[Payload],
                           seeds_by_rank: Sequence[int], inputs: Sequence[Any] | None,
-                          out: Any | None) -> tuple[Any, dict[str, Any]]:
+                          out: Any | None, state: NestedState | None
+                          ) -> tuple[Any, dict[str, Any]]:
         """:meth:`decode_side_info`'s estimate and the exchange's statistics."""
         n = len(payloads_by_rank)
         if n != self.world_size or len(seeds_by_rank) != n:
@@ -469,7 +483,7 @@ class NestedDitheredQuantizer(Codec):
                     coarse_bits(k), am, be.to_host(y), keys)
         be.scale(est, 1.0 / n, est)
         exact = inputs is not None and all(x is not None for x in inputs[self.n1:])
-        stats = self.state.advance(sum_r2, count, wrong, ks, exact)
+        stats = (state or self.new_state()).advance(sum_r2, count, wrong, ks, exact)
         return (est if out is None else out), stats
 
     def check_group_headers(self, payloads_by_rank: Sequence[Payload], out: Any | None = None

@@ -3,6 +3,7 @@
 and :func:`mean_estimate` (:mod:`.reference`); the TensorFlow compressor is the third.
 :mod:`.staging` carries device payloads over host-only collectives; :mod:`.mpi_exponent_allreduce`
 runs Global-QSGD's exponent reduction between ranks over MPI (docs/dev/architecture.md)."""
+from .codec_states import CodecStates
 from .collectives import Collectives, Done, Handle, LocalCollectives
 from .driver import CUSTOM_COLLECTIVES, Exchange, ExchangeStats, Pending
 from .mpi_exponent_allreduce import mpi_exponent_factory
@@ -12,6 +13,6 @@ from .staging import HostStaged
 CUSTOM_COLLECTIVES["exponent_allreduce"] = mpi_exponent_factory
 
 __all__ = [
-    "CUSTOM_COLLECTIVES", "Collectives", "Done", "Exchange", "ExchangeStats", "Handle",
+    "CUSTOM_COLLECTIVES", "CodecStates", "Collectives", "Done", "Exchange", "ExchangeStats", "Handle",
     "HostStaged", "LocalCollectives", "Pending", "mean_estimate",
 ]

@@ -24,6 +24,7 @@ import numpy as np
 from .. import gpu
 from ..core.base import Codec, array_module
 from . import plans, wire
+from .codec_states import CodecStates
 from .collectives import Collectives, Handle
 from .cost import CPU_RANKS, Fabric
 
@@ -275,11 +276,14 @@ class Exchange:
         fabric: the links' speeds the plan choice weighs (:class:`~.cost.Fabric`; None: CPU
             ranks' defaults; the optimizer and the DDP hook pass their gradients'
             :meth:`~.cost.Fabric.for_ranks`).
+        states: the codec states its exchanges read and advance (an adaptive codec's, NDQSG:
+            :class:`~.codec_states.CodecStates`); a door passes one object to all its
+            exchanges, so that its checkpoint holds them. None: its own.
     """
 
     def __init__(self, codec: Codec, comm: Collectives, gather: str = "auto",
                  pipeline_elems: int | None = plans.DEFAULT_PIPELINE_ELEMS,
-                 fabric: Fabric | None = None) -> None:
+                 fabric: Fabric | None = None, states: CodecStates | None = None) -> None:
         self.codec = codec
         self.comm = comm
         self.gather = plans.check_gather(gather)
@@ -298,6 +302,7 @@ class Exchange:
             self._routes[plans.CROSS] = (self.hierarchy.cross,
                                          custom_collective(cross, self.hierarchy.cross))
         self._kinds: dict[int, str] = {}
+        self.states = states if states is not None else CodecStates()
 
     def kind_for(self, numel: int) -> str:
         """The plan every piece of a vector of ``numel`` elements takes (the same on every
@@ -374,7 +379,8 @@ class Exchange:
         def start_pieces(norm: float | None) -> list[Any]:
             pieces = [(plans.plan_of(kind)(plans.Piece(
                 self.codec, x[lo:hi], plans.pipeline_seed(seed, k, len(bounds)), rank, n, norm,
-                tag, out[lo:hi], name, self._place)), plans.piece_name(name, k, len(bounds)))
+                tag, out[lo:hi], name, self._place, self.states)),
+                plans.piece_name(name, k, len(bounds)))
                 for k, (lo, hi) in enumerate(bounds)]
             if on_worker:
                 stream = gpu.capture_stream() if gpu.is_device_array(x) else None

@@ -13,8 +13,8 @@ returns the float32 mean estimate, the same on every rank. Runners: :class:`.dri
 ``"custom"``, ``"sra"`` (scatter-reduce-allgather) or ``"hierarchical-<inner>"``; the table
 of docs/dev/exchange.md says which codec takes which and what each sends. A vector longer than
 ``pipeline_elems`` is exchanged as pieces (:func:`pipeline_bounds`), each its own plan with
-seed :func:`pipeline_seed`; runners start every piece before finishing any, so a stateful codec
-(NDQSG) encodes every piece with one state.
+seed :func:`pipeline_seed`; runners start every piece before finishing any, so an adaptive codec
+(NDQSG) encodes every piece with one state (the runner's :class:`~.codec_states.CodecStates`).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from ..core.exponent_reduction import chunk_bounds
 from ..core.payload import Payload
 from ..core.rng import derive_key
 from . import wire
+from .codec_states import CodecStates
 from .cost import CPU_RANKS, HIERARCHICAL, Cost, Fabric, cheapest
 from .topology import Topology
 
@@ -110,6 +111,11 @@ class Piece(NamedTuple):
     out: Any  # float32 buffer of x.size the mean estimate is written to
     label: str = ""  # the exchange's name in error messages
     place: Place | None = None  # where the rank sits, for a hierarchical plan
+    states: CodecStates | None = None  # the runner's codec states (None: fresh ones)
+
+    def state_of(self, codec: Codec) -> Any:
+        """The state ``codec`` reads and advances in this piece (None: it does not adapt)."""
+        return None if self.states is None else self.states.of(codec)
 
 
 class Place(NamedTuple):
@@ -139,7 +145,7 @@ def _sum_dtype(codec: Codec) -> np.dtype:
 
 def sum_plan(p: Piece) -> Plan:
     codec = p.codec
-    payload = codec.encode_worker(as_vector(p.x), p.seed, p.rank, p.norm)
+    payload = codec.encode_worker(as_vector(p.x), p.seed, p.rank, p.norm, p.state_of(codec))
     words = payload.data.reshape(-1)
     total = yield Allreduce(words.view(_sum_dtype(codec)), payload_bytes=payload.nbytes)
     total = array_module(total).ascontiguousarray(total).reshape(-1).view(codec.wire_dtype)
@@ -148,7 +154,8 @@ def sum_plan(p: Piece) -> Plan:
 
 def allgather_plan(p: Piece) -> Plan:
     codec, n = p.codec, p.n
-    payload = codec.encode_worker(as_vector(p.x), p.seed, p.rank, p.norm)
+    state = p.state_of(codec)
+    payload = codec.encode_worker(as_vector(p.x), p.seed, p.rank, p.norm, state)
     gathered = yield Allgather(wire.frame(payload, p.tag), payload_bytes=payload.nbytes)
     payloads = [codec.payload_from_wire(b, p.x.size, **{**payload.meta,
                                                         "seed": worker_seed(p.seed, r)})
@@ -156,14 +163,15 @@ def allgather_plan(p: Piece) -> Plan:
     if not codec.counts_outage:
         return codec.combine_gathered(payloads, p.seed, out=p.out)
     # side information: each rank counts its own outages; one allreduce sums the counts
-    outcome = codec.combine_side_info(payloads, p.seed, p.rank, p.x, out=p.out)
+    outcome = codec.combine_side_info(payloads, p.seed, p.rank, p.x, out=p.out, state=state)
     total = yield Allreduce(np.array([outcome.own_outages], np.int64), ".outage")
     codec.finish_side_info(outcome, int(np.asarray(total).reshape(-1)[0]))
     return outcome.mean
 
 
 def custom_plan(p: Piece) -> Plan:
-    payload = p.codec.encode_worker(as_vector(p.x), p.seed, p.rank, p.norm)
+    payload = p.codec.encode_worker(as_vector(p.x), p.seed, p.rank, p.norm,
+                                    p.state_of(p.codec))
     p.out[:] = yield Custom(payload, p.seed, payload_bytes=payload.nbytes)
     return p.out
 
@@ -241,7 +249,7 @@ def hierarchical_plan(p: Piece, inner: str) -> Plan:
             tags = yield Allgather(wire.tag_words(tag), ".tags", group=CROSS)
             wire.check_tag_words(tags, p.label)
         shard = Piece(codec, host_mean, shard_seed(p.seed, place.local), place.host,
-                      place.hosts, norm, tag, p.out[lo:hi], p.label)
+                      place.hosts, norm, tag, p.out[lo:hi], p.label, states=p.states)
         yield from _in_group(PLANS[inner](shard), CROSS)
     except ValueError:
         if mismatch is not None:

@@ -3,9 +3,9 @@
 :func:`mean_estimate` runs the plans that every other runner runs, one generator per simulated
 rank, and answers each request as an exact n-rank world does (sums and concatenations in rank
 order, integers wrapping), without Horovod, TensorFlow or threads. The simulated ranks share
-one codec object: every rank encodes (all pieces) before any combines, as in a real run, and a
-plan reads what a later rank's step would overwrite (NDQSG's own outage count) into its
-request, so a stateful codec ends in the state every real rank ends in.
+one codec state (NDQSG's, ``states=``): every rank encodes (all pieces) before any combines, as
+in a real run, and a plan reads what a later rank's step would overwrite (its own outage count)
+into its request, so the state ends where every real rank's ends.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 
 from ..core.base import Codec, as_vector
 from . import plans, wire
+from .codec_states import CodecStates
 from .cost import CPU_RANKS, Fabric
 from .topology import Topology
 
@@ -97,7 +98,8 @@ class Lockstep:
 
 def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allgather",
                   pipeline_elems: int | None = None, topology: Topology | None = None,
-                  fabric: Fabric | None = None) -> tuple[np.ndarray, int]:
+                  fabric: Fabric | None = None,
+                  states: CodecStates | None = None) -> tuple[np.ndarray, int]:
     """The n-worker mean that the distributed exchange computes, simulated in one process.
 
     Runs the codec's exchange plan (:mod:`~.plans`) for n simulated ranks, rank ``r``
@@ -121,6 +123,10 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
         fabric: the links' speeds the plan choice weighs under "auto"
             (:class:`~.cost.Fabric`; None: CPU ranks' defaults): pass the door's
             (``opt.fabric``, ``state.fabric``) to reproduce its choice.
+        states: the codec states an adaptive codec (NDQSG) reads and advances
+            (:class:`~.codec_states.CodecStates`): keep one across calls to reproduce a door's
+            successive exchanges of one codec; None: fresh ones (the state of a first
+            exchange).
 
     Returns:
         ``(estimate, wire_bytes)``: the float32 mean estimate and the largest number of payload
@@ -153,7 +159,8 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
     outs = [np.empty(size, np.float32) for _ in vecs]
     pieces = [Lockstep([plans.plan_of(kind)(plans.Piece(
         codec, v[lo:hi], plans.pipeline_seed(seed, k, len(bounds)), r, n, norm, wire.NO_TAG,
-        out[lo:hi], place=place)) for r, (v, out, place) in enumerate(zip(vecs, outs, places))],
+        out[lo:hi], place=place, states=states))
+        for r, (v, out, place) in enumerate(zip(vecs, outs, places))],
         topology) for k, (lo, hi) in enumerate(bounds)]
     for piece in pieces:  # every piece encoded before any is combined
         piece.finish()

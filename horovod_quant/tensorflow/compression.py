@@ -11,12 +11,16 @@ Seeds: each compressor's int64 call counter gives the k-th compressed tensor (in
 Horovod calls ``compress``, the same on every rank) the seed ``derive_key(seed, k)``. Tensors
 are named after Horovod's own call (:func:`horovod_name`) and every exchange carries a tag of
 name, k and shape, so ranks whose tensors differ raise the same ValueError. A cross-rank
-configuration check runs before the first exchange. docs/tensorflow.md tells the whole story.
+configuration check runs before the first exchange. The counter and the adaptive codecs' states
+(NDQSG's) are a job's state: ``tf.train.Checkpoint(..., hq=compressor.checkpointable)`` saves and
+restores them, so a resumed job continues with the same seeds. docs/tensorflow.md tells the whole
+story.
 """
 from __future__ import annotations
 
 import functools
 import itertools
+import json
 import sys
 import threading
 import time
@@ -30,6 +34,7 @@ from horovod.tensorflow.compression import Compressor
 from ..doors import (UNSET, CompressionNamespace, CompressorSettings, ConfigCheck, DoorOptions,
                      door_options, mpi_exchange_config)
 from ..exchange import plans, wire
+from ..exchange.codec_states import CodecStates
 from ..exchange.driver import custom_collective
 from ..core.base import Codec
 from ..core.rng import derive_key
@@ -141,6 +146,31 @@ class _Ctx(NamedTuple):
     dtype: tf.DType
 
 
+class _SavedCodecStates(tf.train.experimental.PythonState):
+    """A compressor's :class:`~horovod_quant.exchange.codec_states.CodecStates` in a
+    ``tf.train.Checkpoint`` (as JSON)."""
+
+    def __init__(self, states: CodecStates) -> None:
+        self._states = states
+
+    def serialize(self) -> str:
+        return json.dumps(self._states.state_dict())
+
+    def deserialize(self, string_value: Any) -> None:
+        text = string_value.decode() if isinstance(string_value, bytes) else string_value
+        self._states.load_state_dict(json.loads(text))
+
+
+class _CompressorCheckpoint(tf.Module):
+    """What a checkpoint of a compressor holds: its call counter (``calls``) and its codec
+    states."""
+
+    def __init__(self, counter: tf.Variable, states: CodecStates) -> None:
+        super().__init__(name="horovod_quant")
+        self.calls = counter
+        self.codec_states = _SavedCodecStates(states)
+
+
 class QuantizedCompressor(CompressorSettings, Compressor):
     """A ``horovod.tensorflow.compression.Compressor`` running a horovod_quant codec.
 
@@ -154,6 +184,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
     :class:`~horovod_quant.exchange.Exchange` does (same pieces, seeds and bits).
 
     Attributes:
+        codec_states: the adaptive codecs' states its exchanges carry (NDQSG's,
+            :class:`~horovod_quant.exchange.codec_states.CodecStates`).
+        checkpointable: the compressor's state for ``tf.train.Checkpoint`` (module doc).
         stats: :class:`~horovod_quant.stats.StepStats` of the compressed exchanges since the
             last ``stats.reset()``, accumulated when they run (not when graphs are traced).
             Tensors left to Horovod (policy, ``none``, ``fp16``) are not counted: that would
@@ -175,6 +208,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         with tf.init_scope(), tf.device("/cpu:0"):
             self._counter = tf.Variable(0, dtype=tf.int64, trainable=False,
                                         name=f"hq_calls_{self._id}")
+        self.codec_states = CodecStates()
+        self.checkpointable = _CompressorCheckpoint(self._counter, self.codec_states)
         self._check: ConfigCheck | None = None
         self._prefix: str | None = None  # the check's prefix, once it passed
         self._customs: dict[str, Any] = {}  # custom collectives by codec config_key
@@ -370,7 +405,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         return plans.PLANS[spec.kind](plans.Piece(
             spec.codec, x, plans.pipeline_seed(derive_key(self.seed, k), i, pieces), spec.rank,
             spec.n, None if norm is None else np.float32(norm), spec.tag(k),
-            np.empty(x.size, np.float32), spec.label(k)))
+            np.empty(x.size, np.float32), spec.label(k), states=self.codec_states))
 
     @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor: Any, ctx: Any) -> Any:

@@ -11,7 +11,9 @@ Tensors are matched across ranks by the name the user gave Horovod
 ``derive_key(seed, u, name_key(key))`` and collective ``<check prefix>.<key>``; unnamed tensors
 are keyed ``#j`` (the j-th of the step). No exchange that waits for a peer starts before the
 configuration check passed; the first ``decompress`` of a step puts every exchange on the wire
-and finishes them in key order. docs/pytorch.md, section 2, tells the whole story.
+and finishes them in key order. The use counters and the adaptive codecs' states are a job's
+state: ``state_dict()``/``load_state_dict()`` carry them across a checkpoint. docs/pytorch.md,
+section 2, tells the whole story.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from horovod.torch.compression import Compressor
 
 from ..doors import (UNSET, CompressionNamespace, CompressorSettings, ConfigCheck, DoorOptions,
                      door_options, mpi_exchange_config)
+from ..exchange.codec_states import CodecStates
 from ..exchange.driver import Exchange
 from ..exchange.wire import exchange_tag
 from ..core.base import Codec
@@ -65,7 +68,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
     ``hq.torch.DistributedOptimizer``) and ``process_set``; ``stats`` holds the
     :class:`~horovod_quant.stats.StepStats`. The policy's name rules apply to tensors Horovod
     names (module doc). Integer, boolean and sparse tensors pass to Horovod unchanged (exact),
-    never quantized.
+    never quantized. ``codec_states`` holds the adaptive codecs' states (NDQSG's) its exchanges
+    carry from step to step.
     """
 
     def __init__(self, codec: Codec, seed: int | None = None, gather: str | None = None,
@@ -78,6 +82,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._comm: Any = None
         self._exchanges: dict[str, Exchange] = {}
         self._uses: dict[str, int] = {}
+        self._resumed: list = []  # the use counters loaded from a checkpoint, for the check
+        self.codec_states = CodecStates()
         self._unnamed = 0
         self._warned_unnamed = False
         self._decompressing = False
@@ -85,7 +91,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._open: list[_Job] = []  # not finished yet
 
     def shared_config(self) -> dict:
-        return {**super().shared_config(), **mpi_exchange_config(self.policy.codecs(self.codec))}
+        return {**super().shared_config(), **mpi_exchange_config(self.policy.codecs(self.codec)),
+                "resumed_uses": self._resumed}
 
     def _finish_step(self) -> None:
         """Wait for the configuration check (the first time), build every exchange the policy
@@ -96,7 +103,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         if not self._exchanges:
             self._check.wait()
             self._exchanges = {c.config_key(): Exchange(c, self._comm, gather=self.gather,
-                                                         pipeline_elems=self.pipeline_elems)
+                                                         pipeline_elems=self.pipeline_elems,
+                                                         states=self.codec_states)
                                for c in self.policy.codecs(self.codec)}
         by_key = lambda j: j.key  # noqa: E731
         jobs, self._deferred = sorted(self._deferred, key=by_key), []
@@ -109,6 +117,30 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         for job in jobs:
             with stream_of(job.grad):
                 job.pending.wait()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed job needs to continue with the same seeds and codec states: how many
+        times each tensor key was exchanged, and the codec states (plain Python values, for
+        ``torch.save`` beside the model's and optimizer's state dicts)."""
+        return {"uses": dict(self._uses), "codec_states": self.codec_states.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s state, on every rank, before the first step (the
+        cross-rank check at the first step then compares the loaded counters too).
+
+        Raises:
+            ValueError: ``state`` is not such a state, or the compressor has exchanged already.
+        """
+        if self._check is not None:
+            raise ValueError("load_state_dict() on a compressor that has exchanged tensors: "
+                             "load into a new compressor, before the first backward pass")
+        try:
+            uses = {str(key): int(count) for key, count in state["uses"].items()}
+        except (KeyError, TypeError, AttributeError, ValueError):
+            raise ValueError("not a compressor state: pass what QuantizedCompressor."
+                             "state_dict() returned") from None
+        self._uses, self._resumed = uses, sorted(uses.items())
+        self.codec_states.load_state_dict(state["codec_states"])
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         call = horovod_call()

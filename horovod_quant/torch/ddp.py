@@ -7,19 +7,22 @@
     state = ddp.QuantizationState(hq.get_codec("qsgd", bits=8, bucket_size=512))
     model.register_comm_hook(state, ddp.quantization_hook)
 
-The hook starts a bucket's exchanges and returns a future; the last bucket's hook finishes every
-exchange of the step in bucket order, from one thread, as torch.distributed's call-order pairing
-needs. In each bucket the parameters the state's :class:`~horovod_quant.policy.LayerPolicy`
-exempts are averaged exactly (one float32 allreduce); the others go through one exchange per
-codec, the codecs in the order of ``state.codecs``. The exchange of codec ``k`` in bucket ``i``
-of step ``t`` uses seed ``state.seed_of(t, i, k)``, so ``mean_estimate(codec, [that vector on
-each rank], state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems,
+The hook hands the bucket to the state's worker thread and returns a future at once, so
+backward goes on while the worker encodes, exchanges and decodes (:class:`BucketPipeline`: the
+collectives of every rank in one order, as torch.distributed's call-order pairing needs). In
+each bucket the parameters the state's :class:`~horovod_quant.policy.LayerPolicy` exempts are
+averaged exactly (one float32 allreduce); the others go through one exchange per codec, the
+codecs in the order of ``state.codecs``. The exchange of codec ``k`` in bucket ``i`` of step
+``t`` uses seed ``state.seed_of(t, i, k)``, so ``mean_estimate(codec, [that vector on each
+rank], state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems,
 topology=state.topology, fabric=state.fabric)`` reproduces it exactly. The first hook runs the
-cross-rank configuration check. docs/ddp.md
-tells the whole story (seeds, names, clean exit).
+cross-rank configuration check. ``state_dict()`` (and pickling, as PyTorch's ``PowerSGDState``)
+carries the step and the adaptive codecs' states across a checkpoint (docs/ddp.md).
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Any, Callable, Iterable
 
 import torch
@@ -27,8 +30,11 @@ import torch.distributed as dist
 
 from ..doors import (UNSET, CodecRequest, CompressorSettings, ConfigCheck, DoorOptions,
                      door_options)
+from .. import gpu
+from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
+from ..exchange.topology import SerialWorker
 from ..core.base import Codec
 from ..core.rng import derive_key
 from ..policy import LayerPolicy
@@ -37,16 +43,81 @@ from .distributed import process_group_collectives
 
 __all__ = ["QuantizationState", "quantization_hook"]
 
+log = logging.getLogger("horovod_quant")
+
+#: finishes a bucket's exchanges, writes the means into its buffer and returns the future's
+#: value (the buffer, or a sparse bucket's mean)
+Finish = Callable[[], torch.Tensor]
+
 
 class _BucketJob:
-    """One bucket's exchanges of this step: ``finish()`` waits for them in order, writes the
-    means into the bucket and returns the future's value."""
+    """One bucket's exchanges on the worker: :meth:`run_start` starts them, :meth:`run_finish`
+    finishes them and completes :attr:`future` (or fails it with the error), both with the
+    bucket's CUDA stream current (``stream``; None for host buckets)."""
 
-    __slots__ = ("finish", "future")
+    __slots__ = ("start", "finish", "future", "stream")
 
-    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
-        self.finish = finish
+    def __init__(self, start: Callable[[], Finish], stream: Any) -> None:
+        self.start, self.stream = start, stream
+        self.finish: Finish | None = None  # set once started
         self.future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def _on_stream(self) -> Any:
+        return self.stream.entered() if self.stream is not None else contextlib.nullcontext()
+
+    def run_start(self) -> None:
+        try:
+            with self._on_stream():
+                self.finish = self.start()
+        except BaseException as exc:  # its future fails; the other buckets go on
+            self.future.set_exception(exc)
+
+    def run_finish(self) -> None:
+        if self.finish is None:  # its start failed
+            return
+        try:
+            with self._on_stream():
+                value = self.finish()
+        except BaseException as exc:
+            self.future.set_exception(exc)
+            return
+        self.future.set_result(value)
+
+
+class BucketPipeline:
+    """Runs the buckets' exchanges on a worker thread while backward goes on.
+
+    The hook hands over each bucket with :meth:`submit` and returns the bucket's future. The
+    worker runs, in this order on every rank: bucket 0's start, bucket 1's start, bucket 0's
+    finish, bucket 2's start, bucket 1's finish, ..., the last bucket's finish (submitted with
+    the step's last bucket). So one bucket is on the wire while the next one is encoded, every
+    collective comes from one thread in an order every rank shares (the order DDP hands over
+    the buckets), and an adaptive codec's state moves at the same points on every rank. A
+    future completes once its bucket's means are in place, or fails with its error.
+
+    Args:
+        name: the worker thread's name.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._worker = SerialWorker(name)
+        self._open: _BucketJob | None = None  # started, not finished
+
+    def submit(self, start: Callable[[], Finish], last: bool,
+               stream: Any = None) -> torch.futures.Future[torch.Tensor]:
+        """Queue ``start`` (it starts the bucket's collectives and returns the function that
+        finishes them) and the finish of the bucket before; ``last``: the step's last bucket,
+        finished at once after its start. ``stream``: the CUDA stream the work is queued on
+        (:func:`horovod_quant.gpu.capture_stream`), None for host buckets."""
+        job = _BucketJob(start, stream)
+        self._worker.submit(job.run_start)
+        if self._open is not None:
+            self._worker.submit(self._open.run_finish)
+        self._open = job
+        if last:
+            self._worker.submit(job.run_finish)
+            self._open = None
+        return job.future
 
 
 class _Part:
@@ -161,7 +232,8 @@ class QuantizationState(CompressorSettings):
                 f"the policy has name rules ({[p for p, _ in self.policy.rules]}) but the "
                 "QuantizationState has no parameter names: pass "
                 "named_parameters=model.named_parameters()")
-        self.process_group = process_group
+        self._parameters = (None if self._names is None else
+                            [[name, list(p.shape)] for name, p in self._names.values()])
         self.step = 0
         unique = {self.codec.config_key(): self.codec}
         for _, c in self.policy.rules:
@@ -169,6 +241,13 @@ class QuantizationState(CompressorSettings):
                 unique.setdefault(c.config_key(), c)
         self.codecs: list[Codec] = list(unique.values())
         self._codec_indices = {key: k for k, key in enumerate(unique)}
+        self.codec_states = CodecStates()
+        self._connect(process_group, comm)
+
+    def _connect(self, process_group: Any, comm: Any) -> None:
+        """What lives only in this process: the group's collectives (``comm``), the check, the
+        exchanges, the buckets' layouts and buffers, the worker (built again on unpickling)."""
+        self.process_group = process_group
         self._comm = comm
         # which ranks share nodes, where the exchanges may take hierarchical plans (several
         # nodes of several ranks, docs/codecs.md), else None: what mean_estimate needs
@@ -178,14 +257,61 @@ class QuantizationState(CompressorSettings):
         self._exchanges: list[Exchange] | None = None
         self._layouts: dict[int, tuple[tuple[int, ...], list[_Part]]] = {}
         self._means: dict[tuple[int, int], Any] = {}  # (bucket, codec) -> reused output
-        self._open: list[_BucketJob] = []
+        self._pipeline = BucketPipeline(f"hq.ddp.{comm.group_id}")
 
     def shared_config(self) -> dict:
-        config = {**super().shared_config(), "door": "ddp",
+        config = {**super().shared_config(), "door": "ddp", "step": self.step,
                   "fabric": None if self.fabric is None else list(self.fabric)}
-        if self._names is not None:
-            config["parameters"] = [[name, list(p.shape)] for name, p in self._names.values()]
+        if self._parameters is not None:
+            config["parameters"] = self._parameters
         return config
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed job needs to continue bit for bit: the step (the seeds) and the
+        adaptive codecs' states, as plain Python values."""
+        return {"step": self.step, "codec_states": self.codec_states.state_dict()}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s state, on every rank, before the first step
+        (the first hook's cross-rank check then compares the steps too).
+
+        Raises:
+            ValueError: the state has run a step already, or ``saved`` is not such a state.
+        """
+        if self._check is not None:
+            raise ValueError("load_state_dict() on a QuantizationState that has run a step: "
+                             "load into a new state, before training")
+        if not isinstance(saved, dict) or "step" not in saved or "codec_states" not in saved:
+            raise ValueError("not a QuantizationState state: pass what state_dict() returned")
+        self.step = int(saved["step"])
+        self.codec_states.load_state_dict(saved["codec_states"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As PyTorch's ``PowerSGDState``: everything but the process group and what lives
+        only in this process (collectives, buffers, threads)."""
+        if self.policy.rules:
+            raise ValueError("a QuantizationState whose policy has name rules does not "
+                             "pickle (its names point at this process's parameters): save "
+                             "state.state_dict() and load it into a state built as this one")
+        return {"codec": self.codec, "options": self.options, "codecs": self.codecs,
+                "codec_request": self.codec_request, "parameters": self._parameters,
+                "saved": self.state_dict()}
+
+    def __setstate__(self, pickled: dict[str, Any]) -> None:
+        """Unpickle on every rank, after ``init_process_group``: the state runs on the default
+        group (set ``process_group`` by building a new state for another group)."""
+        log.warning("horovod_quant: an unpickled QuantizationState runs on the default "
+                    "process group")
+        CompressorSettings.__init__(self, pickled["codec"], pickled["options"])
+        self.codec_request = pickled["codec_request"]
+        self._names, self._parameters = None, pickled["parameters"]
+        self.codecs = pickled["codecs"]
+        self._codec_indices = {c.config_key(): k for k, c in enumerate(self.codecs)}
+        self.codec_states = CodecStates()
+        self._connect(None, process_group_collectives(None))
+        self.step = 0
+        self.load_state_dict(pickled["saved"])
 
     def seed_of(self, step: int, index: int, codec_index: int = 0) -> int:
         """The seed of the exchange of ``codecs[codec_index]`` in bucket ``index`` at step
@@ -231,8 +357,8 @@ class QuantizationState(CompressorSettings):
         return mean
 
     def exchange_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Start ``bucket``'s exchanges; the last bucket's call finishes the step (module
-        doc)."""
+        """Hand ``bucket`` to the worker and return its future (module doc); the first call
+        waits for the cross-rank check."""
         grad = bucket.buffer()
         if self._exchanges is None:  # the first bucket: nothing is combined before the check
             if self._check is None:
@@ -240,23 +366,32 @@ class QuantizationState(CompressorSettings):
                 self._check = ConfigCheck(self._comm, self.shared_config())
             self._check.wait()  # a mismatch raises here, at this and every later call
             self._exchanges = [Exchange(c, self._comm, gather=self.gather,
-                                        pipeline_elems=self.pipeline_elems, fabric=self.fabric)
+                                        pipeline_elems=self.pipeline_elems, fabric=self.fabric,
+                                        states=self.codec_states)
                                for c in self.codecs]
-        job = _BucketJob(self._average_sparse(grad) if grad.is_sparse
-                         else self._start_parts(bucket, grad))
-        self._open.append(job)
-        if bucket.is_last():
-            self._finish_step()
-        return job.future
+        if grad.is_sparse:
+            start = self._average_sparse(grad)
+        else:
+            start = self._start_parts(bucket.index(), self._layout(bucket), grad, self.step)
+        stream = None
+        if on_gpu(grad):
+            with stream_of(grad):
+                stream = gpu.capture_stream()
+        last = bucket.is_last()
+        if last:
+            self.step += 1
+        return self._pipeline.submit(start, last, stream)
 
-    def _start_parts(self, bucket: dist.GradBucket, grad: torch.Tensor
-                     ) -> Callable[[], torch.Tensor]:
-        """Start the exact allreduce and the codec exchanges of ``bucket`` (buffer ``grad``);
-        returns the function that finishes them and writes the means into ``grad``."""
-        index, name = bucket.index(), f"{self._check.prefix}.b{bucket.index()}"
-        flat, started = grad.detach().reshape(-1), []
-        with stream_of(grad):
-            for part in self._layout(bucket):
+    def _start_parts(self, index: int, parts: list[_Part], grad: torch.Tensor, step: int
+                     ) -> Callable[[], Finish]:
+        """The start of bucket ``index``'s exact allreduce and codec exchanges of ``step``
+        (its ``parts`` of buffer ``grad``): it returns the function that finishes them and
+        writes the means into ``grad``."""
+        name = f"{self._check.prefix}.b{index}"
+
+        def start() -> Finish:
+            flat, started = grad.detach().reshape(-1), []
+            for part in parts:
                 vector = flat_array(part.gather(flat))
                 if part.codec_index is None:
                     self.stats.add_raw(vector.nbytes)
@@ -264,13 +399,12 @@ class QuantizationState(CompressorSettings):
                     continue
                 k = part.codec_index
                 pending = self._exchanges[k].start(
-                    vector, self.seed_of(self.step, index, k), name if k == 0 else f"{name}.c{k}",
+                    vector, self.seed_of(step, index, k), name if k == 0 else f"{name}.c{k}",
                     out=self._mean_buffer(index, k, vector))
                 pending.advance(block=True)  # when a norm arrives differs between ranks
                 started.append((part, pending))
 
-        def finish() -> torch.Tensor:
-            with stream_of(grad):
+            def finish() -> torch.Tensor:
                 for part, handle in started:
                     if part.codec_index is None:
                         mean = as_tensor(handle.wait()).div_(self._comm.size)
@@ -278,38 +412,25 @@ class QuantizationState(CompressorSettings):
                         mean = as_tensor(handle.wait())
                         self.stats.add(handle.stats)
                     part.scatter(flat, mean)
-            return grad
+                return grad
 
-        return finish
+            return finish
 
-    def _average_sparse(self, grad: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Start the exact mean of a sparse gradient (``nn.Embedding(sparse=True)``), as DDP's
-        own reducer computes it: an allreduce of the sparse tensor. The codecs quantize dense
-        vectors; the rows a sparse gradient sends are already few. Returns the function that
-        waits for it and returns the mean (a sparse tensor)."""
-        nbytes = grad._values().numel() * grad.element_size() + grad._indices().numel() * 8
-        self.stats.add_raw(nbytes)
-        # not HANDED's: DDP's reducer holds the bucket and the mean longer than gloo does
-        work = dist.all_reduce(grad, group=self.process_group, async_op=True)
+        return start
 
-        def finish() -> torch.Tensor:
-            return work.get_future().wait()[0].div_(self._comm.size)
+    def _average_sparse(self, grad: torch.Tensor) -> Callable[[], Finish]:
+        """The start of the exact mean of a sparse gradient (``nn.Embedding(sparse=True)``),
+        as DDP's own reducer computes it: an allreduce of the sparse tensor. The codecs
+        quantize dense vectors; the rows a sparse gradient sends are already few."""
+        def start() -> Finish:
+            nbytes = (grad._values().numel() * grad.element_size()
+                      + grad._indices().numel() * 8)
+            self.stats.add_raw(nbytes)
+            # not HANDED's: DDP's reducer holds the bucket and the mean longer than gloo does
+            work = dist.all_reduce(grad, group=self.process_group, async_op=True)
+            return lambda: work.get_future().wait()[0].div_(self._comm.size)
 
-        return finish
-
-    def _finish_step(self) -> None:
-        """Finish every open bucket in bucket order and complete its future with its mean
-        (on error: every open future fails with it)."""
-        jobs, self._open = self._open, []
-        self.step += 1
-        try:
-            for job in jobs:
-                job.future.set_result(job.finish())
-        except BaseException as exc:
-            for job in jobs:
-                if not job.future.done():
-                    job.future.set_exception(exc)
-            raise
+        return start
 
 
 def quantization_hook(state: QuantizationState, bucket: dist.GradBucket
@@ -323,8 +444,8 @@ def quantization_hook(state: QuantizationState, bucket: dist.GradBucket
         bucket: DDP's gradient bucket.
 
     Returns:
-        A future whose value is the bucket's flat tensor holding the mean estimate (complete
-        once the last bucket of the step has been handed to the hook).
+        A future whose value is the bucket's flat tensor holding the mean estimate, completed
+        by the state's worker once the bucket's exchanges are done (module doc).
     """
     return state.exchange_bucket(bucket)
 

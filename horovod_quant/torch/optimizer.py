@@ -12,10 +12,14 @@ As in Horovod, every parameter gets the averaged gradient on every rank, also wh
 not use it (its gradient counts as zeros). The ranks check at construction that they agree on
 the codecs, the policy and the bucket layout, before anything else waits for a peer. A sparse
 gradient travels on Horovod's sparse path and its parameter leaves its bucket from the next
-step on. docs/pytorch.md, section 1, tells the whole story.
+step on. ``state_dict()`` adds the optimizer's own state (its step, which seeds the exchanges,
+the adaptive codecs' states and the fallback's decisions) to the wrapped optimizer's under
+:data:`STATE_KEY`, so a job resumed from a checkpoint continues bit for bit. docs/pytorch.md,
+section 1, tells the whole story.
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable
 
@@ -23,6 +27,7 @@ import horovod.torch as hvd
 import torch
 
 from ..doors import UNSET, DoorOptions, check_same_config, door_options, mpi_exchange_config
+from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
 from ..fallback import BucketTrial, FallbackController, FallbackDecision, StepCheck
@@ -36,6 +41,11 @@ from .compression import QuantizedCompressor
 from .schedule import ExchangeSchedule, HorovodPath
 from .tensors import as_tensor, on_gpu, parameter_names, stream_of
 from .transport import resolve_transport, transport_collectives, transport_of
+
+
+#: the key of the optimizer's own state in its ``state_dict()``, beside torch's "state" and
+#: "param_groups"
+STATE_KEY = "horovod_quant"
 
 
 def _resolve_codec(compression: Any) -> tuple[Codec, DoorOptions | None]:
@@ -69,6 +79,20 @@ def _names_of(named_parameters: Any, params: list) -> dict[int, str]:
     return {key: name for key, (name, _) in named.items()}
 
 
+def _key_by_name(names: dict[int, str]) -> Callable[[str], int]:
+    """The inverse of ``names`` (``{id(parameter): name}``), raising ValueError for a name of
+    another model."""
+    by_name = {name: key for key, name in names.items()}
+
+    def key_of(name: str) -> int:
+        if name not in by_name:
+            raise ValueError(f"the checkpoint names parameter {name!r}, which this optimizer "
+                             "does not have: pass the same named_parameters as the saved job")
+        return by_name[name]
+
+    return key_of
+
+
 class _QuantDistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, codec: Codec, backward_passes_per_step: int,
                  op, gradient_predivide_factor: float, groups, sparse_as_dense: bool,
@@ -95,6 +119,12 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._delay = {id(p): backward_passes_per_step for p in all_params}
         self._hooked: set[int] = set()
         self._should_synchronize = True
+        # synchronize() ran and no gradient reached the exchange since: step() must not
+        # exchange the averaged gradients again (it warns once instead)
+        self._synchronized = False
+        self._warned_resync = False
+        #: the adaptive codecs' states (NDQSG's) the exchanges carry from step to step
+        self.codec_states = CodecStates()
         # where the codecs run: the first device whose gradients the CUDA kernels encode
         device = next((p.device for p in all_params if on_gpu(p)), torch.device("cpu"))
         #: the links' speeds the plan choice weighs (GPU or CPU ranks' defaults, HQ_LINK_GBIT,
@@ -113,7 +143,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self.topology = getattr(self._comm.hierarchy, "topology", None)
         exchanges = {c.config_key(): Exchange(c, self._comm, gather=options.gather,
                                               pipeline_elems=options.pipeline_elems,
-                                              fabric=self.fabric)
+                                              fabric=self.fabric, states=self.codec_states)
                      for c in options.policy.codecs(codec)}
         self._schedule = ExchangeSchedule(self._comm, exchanges, options.seed, self._prefix)
         self._schedule.use(self._layout.buckets)
@@ -159,7 +189,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         mpi = ({} if self._transport == "gloo"
                else mpi_exchange_config(options.policy.codecs(self.codec)))
         return check_same_config(self._comm, {
-            "door": "optimizer", **self.codec.config(), "seed": options.seed,
+            "door": "optimizer", **self.codec.config(), "seed": options.seed, "step": self._step,
             "transport": self._transport, **mpi, "pipeline_elems": options.pipeline_elems,
             "op": self.op, "gradient_predivide_factor": self.gradient_predivide_factor,
             "sparse_as_dense": self.sparse_as_dense, "gather": options.gather,
@@ -184,6 +214,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                                      "times before step(); raise backward_passes_per_step to "
                                      "accumulate gradients locally.")
             self._delay[key] -= 1
+            self._synchronized = False
             if self._delay[key] == 0:
                 self._fallback.exchange_started()
                 self._hooked.add(key)
@@ -211,6 +242,11 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
 
     # -- synchronize / step -------------------------------------------------------------------
     def synchronize(self) -> None:
+        """Average the gradients now (clipping before a ``step()`` in :meth:`skip_synchronize`);
+        called again before new gradients, ``zero_grad`` or ``step``, it exchanges nothing."""
+        if self._synchronized:
+            return
+        self._synchronized = True
         if self._comm.size == 1:
             self._finish_step()
             return
@@ -300,14 +336,62 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        """Synchronize (unless :meth:`skip_synchronize`, or after ``synchronize()``: then a
+        warning, once), then the wrapped optimizer's step."""
         if self._should_synchronize:
-            self.synchronize()
+            if not self._synchronized:
+                self.synchronize()
+            elif not self._warned_resync:  # Horovod warns here too
+                self._warned_resync = True
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(): the gradients are averaged "
+                              "already, so nothing is exchanged again; wrap step() in "
+                              "`with optimizer.skip_synchronize():`", UserWarning, stacklevel=2)
+        self._synchronized = False
         return super(self.__class__, self).step(closure)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Accumulate ``passes`` backward passes before each exchange (as Horovod's)."""
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
+        self.backward_passes_per_step = passes
+        for key in self._delay:
+            self._delay[key] = passes
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict()`` plus this optimizer's own state under
+        :data:`STATE_KEY`: the step (the exchanges' seeds), the codec states, the fallback's
+        decisions and the parameters found sparse (names, as ``named_parameters`` gave them)."""
+        saved = super(self.__class__, self).state_dict()
+        names = self._layout.names
+        saved[STATE_KEY] = {"step": self._step, "codec_states": self.codec_states.state_dict(),
+                            "fallback": self._fallback.state_dict(names.__getitem__),
+                            "sparse": sorted(names[k] for k in self._layout.sparse)}
+        return saved
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`: torch's part as torch does, and this optimizer's own
+        state where there is one (a plain torch optimizer's state dict has none). Every rank
+        must load it (the ranks then check that they agree on the step and layout: the same
+        ValueError on every rank where they do not)."""
+        state_dict = dict(state_dict)
+        own = state_dict.pop(STATE_KEY, None)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if own is None:
+            return
+        key_of = _key_by_name(self._layout.names)
+        self._step = int(own["step"])
+        self.codec_states.load_state_dict(own["codec_states"])
+        self._fallback.load_state_dict(own["fallback"], key_of)
+        self._layout.sparse = {key_of(name) for name in own["sparse"]}
+        self._relayout()
 
     def zero_grad(self, *args, **kwargs):
         if self._horovod.in_flight or self._schedule.in_flight:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize()")
+        self._synchronized = False
         return super(self.__class__, self).zero_grad(*args, **kwargs)
 
 

@@ -79,8 +79,12 @@ def stream_of(tensor: torch.Tensor) -> ContextManager[None]:
 
 def horovod_dtype(codec: Codec | None, tensor: torch.Tensor) -> torch.dtype | None:
     """The dtype in which Horovod's own allreduce carries ``tensor`` (no codec, or a codec that
-    declares ``horovod_allreduce``), or None when the codec's exchange carries it."""
+    declares ``horovod_allreduce``), or None when the codec's exchange carries it. Horovod's CPU
+    operations take no bfloat16: a bfloat16 host tensor kept as it is travels as float32 (its
+    values exactly; the mean is rounded to bfloat16 once, alike on every rank)."""
     if codec is None or codec.horovod_allreduce == "keep":
+        if tensor.dtype == torch.bfloat16 and not tensor.is_cuda:
+            return torch.float32
         return tensor.dtype
     if codec.horovod_allreduce is not None:
         return getattr(torch, codec.horovod_allreduce)

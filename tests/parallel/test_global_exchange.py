@@ -11,7 +11,7 @@ import pytest
 import horovod.torch as hvd
 
 import horovod_quant as hq
-from horovod_quant.exchange import Exchange
+from horovod_quant.exchange import CodecStates, Exchange
 from horovod_quant.exchange.mpi_exponent_allreduce import MpiExponentReduce
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 
@@ -80,25 +80,27 @@ def test_nested_dithered_matches_reference():
     n = hvd.size()
     make = lambda: hq.get_codec("nested_dithered", world_size=n, bits=6)
     codec = make()
-    ref_codec = make()
+    states, ref_states = CodecStates(), CodecStates()  # the exchanges', the reference's
     for step in range(3):  # k adapts from the measured side-information error
         xs = [rank_gradients([(5000,)], 100 + step, 0)[0] + 0.01 * rank_gradients([(5000,)], step, r)[0]
               for r in range(n)]
-        pending = Exchange(codec, HorovodTorchCollectives()).start(xs[hvd.rank()], step, f"nd.{step}")
+        pending = Exchange(codec, HorovodTorchCollectives(), states=states).start(
+            xs[hvd.rank()], step, f"nd.{step}")
         got = pending.wait()
-        want, _ = hq.mean_estimate(ref_codec, xs, seed=step)
+        want, _ = hq.mean_estimate(codec, xs, seed=step, states=ref_states)
         assert np.array_equal(got, want)
-        assert codec.last_stats["k"] == ref_codec.last_stats["k"]
+        stats, ref_stats = states.of(codec).last_stats, ref_states.of(codec).last_stats
+        assert stats["k"] == ref_stats["k"]
         # good side information: every coarse bin right, so the mean is plain DQSG's, bit for
         # bit, while P2 ranks send 4-bit codes instead of 6 once k has been measured
         dqsg, _ = hq.mean_estimate(hq.get_codec("dithered", bits=6), xs, seed=step)
         assert np.array_equal(got, dqsg)
         sent = hvd.allgather_object(pending.stats.bytes_sent)
         if step > 0:
-            assert codec.last_stats["bits_p2"] == 4 and codec.last_stats["outside_share"] == 0.0
+            assert stats["bits_p2"] == 4 and stats["outside_share"] == 0.0
             assert all(b < sent[0] for b in sent[codec.n1:]), sent
         # each P2 rank counted its own wrong coarse bins; one allreduce made the share exact
-        assert codec.last_stats["outside_share"] == ref_codec.last_stats["outside_share"]
+        assert stats["outside_share"] == ref_stats["outside_share"]
 
 
 @pytest.mark.parametrize("spec", ["global_qsgd:exponential", "global_qsgd:linear", "qsgd",

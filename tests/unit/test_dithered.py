@@ -8,6 +8,7 @@ also runs a negative control that must fail it.
 """
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -19,6 +20,7 @@ from horovod_quant.core.nested_dithered import HEADER, coarse_bits, outage_bound
 from horovod_quant.backends.numba.packing import packed_nbytes, unpack
 from horovod_quant.backends.numba.rng import uniforms
 from horovod_quant.core.rng import derive_key
+from horovod_quant.exchange.codec_states import CodecStates
 
 Z = 5.0
 BUCKET = 512
@@ -265,12 +267,14 @@ def test_nested_equals_dqsg_inside_coarse_bin_with_fewer_bits(n, bits, k):
     xs = correlated(n, d, noise=0.004, seed=n)
     codec = nested(n, bits=bits, coarse_ratio=k)
     dq = hq.get_codec("dithered", bits=bits)
+    states = CodecStates()
     for seed in (1, 2):
-        est, _ = hq.mean_estimate(codec, xs, seed=seed)
+        est, _ = hq.mean_estimate(codec, xs, seed=seed, states=states)
         ref, _ = hq.mean_estimate(dq, xs, seed=seed)
         np.testing.assert_array_equal(est, ref)
-        assert codec.last_stats["outside_share"] == 0.0
-        assert codec.last_stats["k"] == k and codec.last_stats["bits_p2"] == coarse_bits(k)
+        stats = states.of(codec).last_stats
+        assert stats["outside_share"] == 0.0
+        assert stats["k"] == k and stats["bits_p2"] == coarse_bits(k)
     p2 = codec.encode_worker(xs[-1], 1, n - 1)
     nb = -(-d // BUCKET)
     assert p2.nbytes == HEADER + 4 * nb + packed_nbytes(d, coarse_bits(k))
@@ -278,9 +282,9 @@ def test_nested_equals_dqsg_inside_coarse_bin_with_fewer_bits(n, bits, k):
     assert codec.encode_worker(xs[0], 1, 0).nbytes == HEADER + dq.encode(xs[0]).nbytes
     # negative control: side information that is too poor breaks the equality
     far = correlated(n, d, noise=0.5, seed=n)
-    assert not np.array_equal(hq.mean_estimate(codec, far, seed=1)[0],
+    assert not np.array_equal(hq.mean_estimate(codec, far, seed=1, states=states)[0],
                               hq.mean_estimate(dq, far, seed=1)[0])
-    assert codec.last_stats["outside_share"] > 0.02
+    assert states.of(codec).last_stats["outside_share"] > 0.02
 
 
 def test_nested_groups():
@@ -332,11 +336,12 @@ def test_nested_outage_share_matches_theorem6():
     kap = float(np.max(np.abs(x1)))
     Zs = alpha * M * (y.astype(np.float64) - x1) / kap
     p = np.clip(np.abs(Zs) + 0.5 - k / 2, 0, 1)
-    shares = []
+    shares, state = [], codec.new_state()
     for t in range(40):
         payloads = [codec.encode_worker(x0, seed, 0), codec.encode(x1, seed=1000 + t, rank=1)]
-        codec.decode_side_info(payloads, [hq.worker_seed(seed, 0), 1000 + t], inputs=[x0, x1])
-        shares.append(codec.last_stats["outside_share"])
+        codec.decode_side_info(payloads, [hq.worker_seed(seed, 0), 1000 + t], inputs=[x0, x1],
+                               state=state)
+        shares.append(state.last_stats["outside_share"])
     # below the edge the decode is eq. (7) with the right coarse bin: alpha times the DQSG
     # decode of alpha x plus (1 - alpha^2) y, never wrong
     inside = np.abs(Zs) < (k - 1) / 2 - 1e-3
@@ -390,10 +395,10 @@ def test_nested_mean_estimate_unbiased(n):
     codec = nested(n, bits=3, coarse_ratio=3)
     truth = np.mean(np.array(xs, np.float64), axis=0)
     T = 300
-    ests = []
+    ests, states = [], CodecStates()
     for s in range(T):
-        ests.append(hq.mean_estimate(codec, xs, seed=s)[0].astype(np.float64))
-        assert codec.last_stats["outside_share"] == 0.0
+        ests.append(hq.mean_estimate(codec, xs, seed=s, states=states)[0].astype(np.float64))
+        assert states.of(codec).last_stats["outside_share"] == 0.0
     ests = np.stack(ests)
     var, m4 = _mean_error_moments(xs, 3, BUCKET)
     z_proj, z_chi = _unbiased_z(ests, truth, var)
@@ -408,25 +413,28 @@ def test_nested_adaptive_ratio_and_state_agree_with_distributed_decode(alpha):
     n, d, bits = 4, 6000, 6
     M = fine_levels(bits)
     xs = correlated(n, d, noise=0.003, seed=1)
-    sim, rank_view = nested(n, bits=bits, alpha=alpha), nested(n, bits=bits, alpha=alpha)
-    assert sim.current_k == 2 * M + 1
+    codec = nested(n, bits=bits, alpha=alpha)
+    sim_states, view = CodecStates(), codec.new_state()
+    assert codec.coarse_ratio_of(None) == codec.coarse_ratio_of(view) == 2 * M + 1
     ks = []
     for seed in range(4):
-        est, _ = hq.mean_estimate(sim, xs, seed=seed)
-        payloads = [rank_view.encode_worker(x, seed, r) for r, x in enumerate(xs)]
-        np.testing.assert_array_equal(rank_view.combine_gathered(payloads, seed), est)
-        assert rank_view.sigma2 == sim.sigma2 and rank_view.current_k == sim.current_k
+        est, _ = hq.mean_estimate(codec, xs, seed=seed, states=sim_states)
+        sim = sim_states.of(codec)
+        payloads = [codec.encode_worker(x, seed, r, state=view) for r, x in enumerate(xs)]
+        np.testing.assert_array_equal(codec.decode_side_info(
+            payloads, [hq.worker_seed(seed, r) for r in range(n)], state=view), est)
+        assert view.sigma2 == sim.sigma2 and view.next_k == sim.next_k
         st = sim.last_stats
         ks.append(st["k"])
         assert st["next_k"] == theorem6_ratio(bits, alpha, st["sigma2"], 0.01)
         assert st["outside_share"] <= 0.01
-        assert rank_view.last_stats["outside_share"] is None
+        assert view.last_stats["outside_share"] is None
     assert ks[0] == 2 * M + 1 and ks[1] < ks[0] and coarse_bits(ks[1]) < bits
     # sigma2 estimates E z^2 with z = (y - x) / kappa of the P2 ranks (in scaled units), from
     # ((alpha z + e)^2 - Delta1^2 / 12) / alpha^2, e ~ U[-Delta1/2, Delta1/2]
-    y = _p1_side_info(sim, xs, 3).astype(np.float64)
+    y = _p1_side_info(codec, xs, 3).astype(np.float64)
     z2, terms = [], []
-    for r in range(sim.n1, n):
+    for r in range(codec.n1, n):
         kap, b = ref_kappa(xs[r], BUCKET)
         zr = (y - xs[r]) / np.repeat(kap.astype(np.float64), b)[:d]
         z2.append(zr ** 2)
@@ -449,22 +457,24 @@ def test_side_information_interface_keeps_each_exchange_to_itself():
     state (sigma2, next k) moves once per combine, as ``decode_side_info`` moves it."""
     n, bits, d = 4, 4, 3000  # P2: ranks 2, 3; each knows only its own input
     a, b = correlated(n, d, noise=0.3, seed=3), correlated(n, d, noise=0.001, seed=4)
-    codec, ref = nested(n, bits=bits, coarse_ratio=3), nested(n, bits=bits, coarse_ratio=3)
-    ref_a, _ = hq.mean_estimate(ref, a, seed=5)
-    share_a = ref.last_stats["outside_share"]
+    codec = nested(n, bits=bits, coarse_ratio=3)
+    ref_states, state = CodecStates(), codec.new_state()
+    ref_a, _ = hq.mean_estimate(codec, a, seed=5, states=ref_states)
+    share_a = ref_states.of(codec).last_stats["outside_share"]
     outcomes = {}
     for name, xs, seed in (("a", a, 5), ("b", b, 6)):
         payloads = [codec.payload_from_wire(codec.encode_worker(x, seed, r).data, d,
                                             seed=hq.worker_seed(seed, r))
                     for r, x in enumerate(xs)]
-        outcomes[name] = [codec.combine_side_info(payloads, seed, r, xs[r]) for r in range(n)]
+        outcomes[name] = [codec.combine_side_info(payloads, seed, r, xs[r], state=state)
+                          for r in range(n)]
     np.testing.assert_array_equal(outcomes["a"][0].mean, ref_a)
     assert outcomes["a"][0].own_outages == 0  # rank 0 is in P1: no values of its own to miss
     wrong = sum(o.own_outages for o in outcomes["a"])
-    assert wrong > 0 and codec.last_stats is outcomes["b"][-1].record
+    assert wrong > 0 and state.last_stats is outcomes["b"][-1].record
     codec.finish_side_info(outcomes["a"][-1], wrong)
     assert outcomes["a"][-1].record["outside_share"] == share_a
-    assert codec.last_stats["outside_share"] is None  # b is not finished
+    assert state.last_stats["outside_share"] is None  # b is not finished
     with pytest.raises(NotImplementedError, match="counts_outage is False"):
         hq.get_codec("dithered").combine_side_info([], 0, 0, None)
 
@@ -474,7 +484,7 @@ def test_nested_payload_carries_its_ratio():
     xs = correlated(2, 2000, noise=0.002)
     sender, receiver = nested(2, coarse_ratio=5), nested(2)
     payloads = [sender.encode_worker(x, 3, r) for r, x in enumerate(xs)]
-    assert sender.payload_k(payloads[1]) == 5 and receiver.current_k == 15
+    assert sender.payload_k(payloads[1]) == 5 and receiver.coarse_ratio_of(None) == 15
     np.testing.assert_array_equal(receiver.combine_gathered(payloads, 3),
                                   sender.combine_gathered(payloads, 3))
     with pytest.raises(ValueError, match="side information"):
@@ -547,3 +557,30 @@ def test_theorem6_ratio():
     for k, alpha, s2, bits in [(3, 1.0, 1e-3, 4), (5, 0.9, 2e-4, 8), (11, 0.5, 0.0, 6)]:
         m = fine_levels(bits)
         assert outage_bound(k, alpha, s2, m) == pytest.approx(eq8(k, alpha, s2, m), rel=1e-12)
+
+
+def test_equal_nested_codecs_share_one_object_safely():
+    """Codecs are values: exchanges of one NDQSG codec object each carry their own adaptive
+    state (CodecStates), so each gives what it gives with a codec object of its own; a state
+    saved and loaded (as JSON, a checkpoint) continues where it was."""
+    n, bits = 4, 6
+    close, loose = correlated(n, 3000, noise=0.003, seed=5), correlated(n, 3000, noise=0.3, seed=6)
+    shared = nested(n, bits=bits)
+    mine = {"close": nested(n, bits=bits), "loose": nested(n, bits=bits)}
+    shared_states = {"close": CodecStates(), "loose": CodecStates()}
+    own_states = {"close": CodecStates(), "loose": CodecStates()}
+    for seed in range(3):
+        for which, xs in (("close", close), ("loose", loose)):
+            got, _ = hq.mean_estimate(shared, xs, seed=seed, states=shared_states[which])
+            want, _ = hq.mean_estimate(mine[which], xs, seed=seed, states=own_states[which])
+            np.testing.assert_array_equal(got, want)
+    k = {w: shared_states[w].of(shared).next_k for w in shared_states}
+    assert k["close"] < k["loose"]
+    resumed = CodecStates()
+    resumed.load_state_dict(json.loads(json.dumps(shared_states["close"].state_dict())))
+    assert resumed.of(shared).next_k == k["close"]
+    np.testing.assert_array_equal(
+        hq.mean_estimate(shared, close, seed=9, states=resumed)[0],
+        hq.mean_estimate(shared, close, seed=9, states=shared_states["close"])[0])
+    with pytest.raises(ValueError, match="not an NDQSG exchange state"):
+        shared.new_state().load_state_dict({"k": 3})

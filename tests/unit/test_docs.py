@@ -129,7 +129,7 @@ def test_check_links_reports_missing_link_targets_and_quoted_paths(tmp_path, mon
 
 API_PAGE = """# API
 ### `horovod_quant.get_codec(name, **params)`
-### `horovod_quant.mean_estimate(codec, xs, seed=0, gather='allgather', pipeline_elems=None, topology=None, fabric=None)`
+### `horovod_quant.mean_estimate(codec, xs, seed=0, gather='allgather', pipeline_elems=None, topology=None, fabric=None, states=None)`
 ### `horovod_quant.Codec.encode(x, seed=0)`
 ### `horovod_quant.Payload(data, size, meta=<factory>)`
 """

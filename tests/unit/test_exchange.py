@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.exchange import Exchange, LocalCollectives
+from horovod_quant.exchange import CodecStates, Exchange, LocalCollectives
 from horovod_quant.exchange.plans import pipeline_seed
 from horovod_quant.exchange.wire import frame, norm_wire, unframe
 from horovod_quant.core.registry import codec_class
@@ -122,16 +122,17 @@ def test_nested_outage_share_exact_in_a_distributed_exchange(n):
 
     def rank_fn(comm):
         codec = make()
-        Exchange(codec, comm).start(xs[comm.rank], 2, "nd").wait()
-        return codec.last_stats
+        exchange = Exchange(codec, comm)
+        exchange.start(xs[comm.rank], 2, "nd").wait()
+        return exchange.states.of(codec).last_stats
 
-    ref = make()
-    hq.mean_estimate(ref, xs, seed=2)
-    want = ref.last_stats["outside_share"]
+    ref, states = make(), CodecStates()
+    hq.mean_estimate(ref, xs, seed=2, states=states)
+    want = states.of(ref).last_stats["outside_share"]
     assert 0 < want < 0.5
     for stats in run_ranks(n, rank_fn):
         assert stats["outside_share"] == want
-        assert stats["p2_values"] == ref.last_stats["p2_values"]
+        assert stats["p2_values"] == states.of(ref).last_stats["p2_values"]
 
 
 def _global_qsgd(n):

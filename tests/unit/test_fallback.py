@@ -1,5 +1,6 @@
 """The fallback controller of horovod_quant.fallback: which buckets leave their codec, and that
 every rank decides the same from timings that differ between ranks (no real timing here)."""
+import json
 import time
 
 import numpy as np
@@ -283,16 +284,26 @@ def test_measure_and_decide_syncs_through_the_collectives():
 
 
 # -- the controller: the trial, then the step check, as a door drives them ------------------------
-def _drive(monkeypatch, trial_seconds, step_seconds=()):
+NAMES = {1: "a.weight", 2: "a.bias", 3: "b.weight"}  # a door's keys, named in checkpoints
+
+
+def _drive(monkeypatch, trial_seconds, step_seconds=(), resume_at=None):
     """A door's steps through a :class:`FallbackController` (two buckets of keys {1, 2} and
-    {3}): returns the controller and, per step, (relayout, fallen_back) after its end."""
+    {3}): returns the controller and, per step, (relayout, fallen_back) after its end.
+    ``resume_at``: before that step the controller is replaced by a new one loaded from its
+    state_dict (through JSON, as a checkpoint)."""
     monkeypatch.setattr(fallback, "measure_bucket", _injected)
     monkeypatch.setattr(fallback, "clock", _FakeClock(step_seconds))
     controller = FallbackController("auto")
     buckets = [{1, 2}, {3}]
     built = []
     history = []
+    keys = {name: key for key, name in NAMES.items()}
     for step in range(FALLBACK_STEP + 1 + (2 * STEP_CHECK_ROUNDS if step_seconds else 0)):
+        if step == resume_at:
+            saved = json.loads(json.dumps(controller.state_dict(NAMES.__getitem__)))
+            controller = FallbackController("auto")
+            controller.load_state_dict(saved, keys.__getitem__)
         controller.exchange_started()
         controller.exchange_started()  # a later hook of the step: changes nothing
         relayout = controller.end_step(_Local(), "fb", step, buckets,
@@ -320,6 +331,22 @@ def test_controller_step_check_alternates_then_decides(monkeypatch):
     assert layouts == [{1, 2, 3}, set()] * (STEP_CHECK_ROUNDS - 1) + [{1, 2, 3}]
     assert controller.step_check.fallback and history[-1] == (True, {1, 2, 3})
     assert not controller.checking
+
+
+@pytest.mark.parametrize("resume_at", [FALLBACK_STEP + 1, FALLBACK_STEP + 4])
+def test_controller_resumes_from_its_state_dict(monkeypatch, resume_at):
+    """Saved after the trial or in the middle of the step check and loaded into a new
+    controller, it takes the same layouts and decisions as the one that ran on."""
+    steps = [0.6, 0.5] * STEP_CHECK_ROUNDS
+    trials = [(0.035, 0.040), (0.010, 0.040)]
+    straight, want = _drive(monkeypatch, trials, steps)
+    resumed, got = _drive(monkeypatch, trials, steps, resume_at=resume_at)
+    assert got == want
+    assert resumed.decisions == straight.decisions
+    assert resumed.step_check == straight.step_check and resumed.step_check is not None
+    with pytest.raises(ValueError, match="fallback='never'"):
+        FallbackController("auto").load_state_dict(
+            FallbackController("never").state_dict(str), int)
 
 
 def test_controller_never_measures(monkeypatch):

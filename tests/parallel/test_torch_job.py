@@ -1,0 +1,342 @@
+"""A whole training job through the Horovod torch doors: synchronize() before step() exchanges
+once, backward_passes_per_step changes between steps, a job resumed from a checkpoint continues
+bit for bit, fp16 and bf16 gradients and parameters, GradScaler's skipped steps and a compiled
+model keep every rank identical."""
+import io
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import horovod.torch as hvd
+
+import horovod_quant as hq
+import horovod_quant.torch as hqt
+from horovod_quant import fallback
+from horovod_quant.core.rng import derive_key
+from horovod_quant.torch.optimizer import STATE_KEY
+
+from conftest import Linear, codec_params, rank_gradients
+
+EVERYTHING = hqt.LayerPolicy.everything()
+SHAPES = [(40, 50), (30, 20)]  # one bucket each (fusion_bytes=1), reversed: ps.1 is bucket 0
+SEED = 5
+
+
+def _same_everywhere(t):
+    everyone = hvd.allgather(t.detach().float().reshape(1, -1))
+    return all(torch.equal(everyone[0], e) for e in everyone)
+
+
+def _params(model):
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def correlated_gradients(shapes, step, rank):
+    """A common part plus a little of each rank's own: NDQSG's coarse ratio adapts to it."""
+    common = rank_gradients(shapes, step, 0)
+    own = rank_gradients(shapes, step, rank + 1)
+    return [c + np.float32(0.01) * o for c, o in zip(common, own)]
+
+
+def _optimizer(model, name, **kw):
+    params = {**codec_params(name), **kw.pop("codec", {})}
+    comp = getattr(hqt.Compression, name)(seed=SEED, policy=EVERYTHING, **params)
+    return hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    named_parameters=model.named_parameters(), compression=comp,
+                                    fusion_bytes=1, **{"fallback": "never", **kw})
+
+
+# -- synchronize() and step() -------------------------------------------------------------------
+def _clipped_run(explicit_skip):
+    torch.manual_seed(0)
+    model = Linear(SHAPES)
+    opt = _optimizer(model, "qsgd")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            opt.zero_grad()
+            model.loss(rank_gradients(SHAPES, step, hvd.rank())).backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            if explicit_skip:
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+    ours = [w for w in caught if "skip_synchronize" in str(w.message)]
+    return _params(model), opt, ours
+
+
+def test_synchronize_then_step_exchanges_once():
+    """step() after synchronize() without skip_synchronize(): one warning, no second exchange,
+    the step (the seeds) counted once: the same parameters as with skip_synchronize()."""
+    want, opt_skip, none = _clipped_run(explicit_skip=True)
+    got, opt, warned = _clipped_run(explicit_skip=False)
+    assert torch.equal(got, want)
+    assert opt._step == opt_skip._step == 3
+    assert none == [] and len(warned) == 1
+    assert _same_everywhere(got)
+
+
+def test_backward_passes_per_step_changes_between_steps():
+    """set_backward_passes_per_step(2): two local passes make one exchange of their sum, as in
+    Horovod; the ranks stay identical and the exchange is mean_estimate's."""
+    torch.manual_seed(0)
+    model = Linear(SHAPES)
+    opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hqt.Compression.qsgd(seed=SEED, policy=EVERYTHING),
+                                   fusion_bytes=1, fallback="never")
+    opt.zero_grad()
+    model.loss(rank_gradients(SHAPES, 0, hvd.rank())).backward()
+    opt.step()
+    opt.set_backward_passes_per_step(2)
+    opt.zero_grad()
+    for micro in (1, 2):
+        model.loss(rank_gradients(SHAPES, micro, hvd.rank())).backward()
+    opt.synchronize()
+    if hvd.size() > 1:
+        sums = [rank_gradients(SHAPES, 1, r)[1] + rank_gradients(SHAPES, 2, r)[1]
+                for r in range(hvd.size())]
+        want, _ = hq.mean_estimate(hq.get_codec("qsgd"), [s.reshape(-1) for s in sums],
+                                   seed=derive_key(SEED, 1, 0), gather="auto",
+                                   pipeline_elems=opt.pipeline_elems, topology=opt.topology)
+        assert np.array_equal(model.ps[1].grad.reshape(-1).numpy(), want)
+    with opt.skip_synchronize():
+        opt.step()
+    if hvd.size() > 1:  # a one-rank optimizer hooks nothing
+        with pytest.raises(AssertionError, match="backward_passes_per_step"):
+            for micro in range(3):
+                model.loss(rank_gradients(SHAPES, 3 + micro, hvd.rank())).backward()
+    assert _same_everywhere(_params(model))
+    with pytest.raises(ValueError, match="must be >= 1"):
+        opt.set_backward_passes_per_step(0)
+
+
+# -- resuming from a checkpoint -----------------------------------------------------------------
+def _round_trip(obj):
+    """``obj`` through torch.save / torch.load (torch's own checkpoint format)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+def _run_steps(model, opt, steps, gradients=correlated_gradients):
+    for step in steps:
+        opt.zero_grad()
+        model.loss(gradients(SHAPES, step, hvd.rank())).backward()
+        opt.step()
+
+
+RESUMED = [("qsgd", {}, "never"), ("nested_dithered", {"bits": 6}, "never"),
+           ("qsgd", {}, "auto")]
+
+
+@pytest.mark.parametrize("name,params,mode", RESUMED)
+def test_optimizer_resumes_bit_for_bit(name, params, mode, monkeypatch):
+    """N steps straight, or N/2, a checkpoint, new model and optimizer, N/2 more: the same
+    parameters, bit for bit, on every rank (the step, NDQSG's adaptive state and the
+    fallback's decisions travel in the optimizer's state_dict)."""
+    if mode == "auto":  # bucket 0 is slower with its codec, bucket 1 clearly faster
+        monkeypatch.setattr(fallback, "measure_bucket",
+                            lambda trial, **_: (0.05, 0.04) if trial.bucket == 0 else (0.01, 0.04))
+    n, half = 6, 3
+
+    def fresh():
+        torch.manual_seed(0)
+        model = Linear(SHAPES)
+        return model, _optimizer(model, name, codec=params, fallback=mode)
+
+    model, opt = fresh()
+    _run_steps(model, opt, range(n))
+    straight = _params(model)
+
+    model, opt = fresh()
+    _run_steps(model, opt, range(half))
+    saved = _round_trip({"model": model.state_dict(), "opt": opt.state_dict()})
+    assert saved["opt"][STATE_KEY]["step"] == half
+    if name == "nested_dithered" and hvd.size() > 1:
+        assert saved["opt"][STATE_KEY]["codec_states"]  # it has adapted
+    model, opt = fresh()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    if mode == "auto" and hvd.size() > 1:
+        assert [d.fallback for d in opt.fallback_decisions] == [True, False]
+    _run_steps(model, opt, range(half, n))
+    assert torch.equal(_params(model), straight)
+    assert _same_everywhere(straight)
+
+
+def test_a_plain_torch_state_dict_still_loads():
+    """The wrapped optimizer's own state dict (no horovod_quant key) loads as in torch."""
+    torch.manual_seed(0)
+    model = Linear(SHAPES)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = _optimizer(model, "qsgd")
+    _run_steps(model, opt, range(1))
+    opt.load_state_dict(plain.state_dict())
+    assert opt._step == 1 and opt.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
+
+
+def test_compressor_resumes_bit_for_bit():
+    """Horovod's optimizer with compression=: the compressor's use counters (the seeds) and
+    codec states in its state_dict, beside the model's and the optimizer's."""
+    n, half = 4, 2
+
+    def fresh():
+        torch.manual_seed(0)
+        model = Linear(SHAPES)
+        comp = hqt.Compression.nested_dithered(seed=SEED, policy=EVERYTHING, bits=6,
+                                               **codec_params("nested_dithered"))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression=comp)
+        return model, opt, comp
+
+    model, opt, _ = fresh()
+    _run_steps(model, opt, range(n))
+    straight = _params(model)
+    model, opt, comp = fresh()
+    _run_steps(model, opt, range(half))
+    saved = _round_trip({"model": model.state_dict(), "opt": opt.state_dict(),
+                         "compression": comp.state_dict()})
+    model, opt, comp = fresh()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    comp.load_state_dict(saved["compression"])
+    _run_steps(model, opt, range(half, n))
+    assert torch.equal(_params(model), straight)
+    assert _same_everywhere(straight)
+
+
+# -- low precision, AMP, torch.compile ----------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_gradients_are_encoded_from_their_dtype(dtype):
+    """fp16 / bf16 parameters: each bucket's gradients (their own dtype, as float32 values) go
+    through the codec and its mean comes back in their dtype, on every rank; Horovod's path
+    (the exempt biases) carries them too."""
+    torch.manual_seed(0)
+    model = Linear(SHAPES).to(dtype)
+    bias = torch.nn.Parameter(torch.zeros(7, dtype=dtype))  # exempt: Horovod's allreduce
+    opt = hqt.DistributedOptimizer(
+        torch.optim.SGD(list(model.parameters()) + [bias], lr=0.1),
+        named_parameters=list(model.named_parameters()) + [("bias", bias)],
+        compression=hqt.Compression.qsgd(seed=SEED, policy=hqt.LayerPolicy(min_elements=100)),
+        fusion_bytes=1, fallback="never")
+    for step in range(2):
+        opt.zero_grad()
+        grads = rank_gradients(SHAPES, step, hvd.rank())
+        (model.loss(grads) + bias.float().sum()).backward()
+        opt.synchronize()
+        for j, p in enumerate(model.ps):
+            assert p.grad.dtype == dtype
+            flats = [torch.from_numpy(rank_gradients(SHAPES, step, r)[j]).to(dtype).float()
+                     .reshape(-1).numpy() for r in range(hvd.size())]
+            bucket = len(SHAPES) - 1 - j
+            want = flats[0]  # a one-rank optimizer exchanges nothing
+            if hvd.size() > 1:
+                want, _ = hq.mean_estimate(hq.get_codec("qsgd"), flats,
+                                           seed=derive_key(SEED, step, bucket), gather="auto",
+                                           pipeline_elems=opt.pipeline_elems,
+                                           topology=opt.topology)
+            assert torch.equal(p.grad.reshape(-1), torch.from_numpy(want).to(dtype)), (j, step)
+        assert bias.grad.dtype == dtype and torch.equal(bias.grad, torch.ones_like(bias))
+        with opt.skip_synchronize():
+            opt.step()
+    assert _same_everywhere(_params(model)) and _same_everywhere(bias)
+
+
+def _mlp(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 4)).to(dtype)
+
+
+def _batch(step, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(100 * step + hvd.rank())
+    return torch.randn(16, 32, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("door", ["optimizer", "compression"])
+def test_grad_scaler_skips_an_overflow_step_on_every_rank(door):
+    """fp16 autocast and GradScaler, Horovod's recipe (synchronize, unscale_, step inside
+    skip_synchronize): one rank's overflow makes the averaged gradient non-finite on every
+    rank, so every rank skips that step and lowers the scale alike."""
+    model = _mlp()
+    base = torch.optim.SGD(model.parameters(), lr=0.05)
+    comp = hqt.Compression.qsgd(seed=SEED, bits=8)
+    opt = (hqt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                    compression=comp, fallback="never") if door == "optimizer"
+           else hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                         compression=comp))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for step in range(4):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(_batch(step)).square().mean()
+        if step == 2 and hvd.rank() == 0:
+            loss = loss * float("inf")  # this rank overflows
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        before = _params(model)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        assert torch.equal(_params(model), before) == (step == 2), step
+        assert _same_everywhere(torch.tensor([scaler.get_scale()]))
+        assert _same_everywhere(_params(model))
+
+
+def test_bf16_parameters_train_identically():
+    model = _mlp(torch.bfloat16)
+    opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hqt.Compression.qsgd(seed=SEED, bits=8),
+                                   fallback="never")
+    first = _params(model)
+    for step in range(3):
+        opt.zero_grad()
+        model(_batch(step, torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert not torch.equal(_params(model), first)
+    assert _same_everywhere(_params(model))
+
+
+def test_compression_door_refuses_bf16_as_horovod_does():
+    """Horovod's own optimizer rejects bfloat16 tensors on the CPU; the compressor does not
+    hide that (docs/pytorch.md)."""
+    model = _mlp(torch.bfloat16)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hqt.Compression.qsgd(seed=SEED, bits=8))
+    if hvd.size() == 1:
+        pytest.skip("a one-rank Horovod optimizer exchanges nothing")
+    with pytest.raises(Exception, match="BFloat16"):
+        model(_batch(0, torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+
+
+def test_compiled_model_trains_identically():
+    """torch.compile'd model, hq.DistributedOptimizer: the gradient hooks fire as for the
+    eager model (every step exchanged), the ranks stay identical and the run is close to the
+    eager one (the compiled graph orders its float operations otherwise)."""
+    results = []
+    for compiled in (False, True):
+        model = _mlp()
+        opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       named_parameters=model.named_parameters(),
+                                       compression=hqt.Compression.qsgd(seed=SEED, bits=8),
+                                       fallback="never")
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        for step in range(3):
+            opt.zero_grad()
+            run(_batch(step)).square().mean().backward()
+            opt.step()
+        assert opt._step == 3
+        results.append(_params(model))
+    assert torch.allclose(results[0], results[1], rtol=0, atol=1e-2)
+    assert _same_everywhere(results[1])
