@@ -14,10 +14,13 @@ os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
 from .core import (  # noqa: E402
     Codec, Payload, available_codecs, derive_key, get_codec, worker_seed)
 from .exchange.reference import mean_estimate  # noqa: E402
+# the function; the module stays importable as ``horovod_quant.predict`` through sys.modules
+# (``python -m horovod_quant.predict``, ``from horovod_quant.predict import MODELS``)
+from .predict import predict  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Codec", "Payload", "available_codecs", "derive_key", "get_codec", "mean_estimate",
-    "worker_seed", "__version__",
+    "predict", "worker_seed", "__version__",
 ]
