@@ -19,10 +19,12 @@ ends when both are done: ``max(compute + encode + decode, last wire end + its de
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import sys
 import time
+import types
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, NamedTuple, Sequence
@@ -630,6 +632,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_table(prediction))
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as its :func:`predict`: ``horovod_quant.predict`` is the function
+    the package exports (``hq.predict(...)``) and stays the module
+    (``import horovod_quant.predict as p``, ``p.MODELS``), whichever way it is reached."""
+
+    def __call__(self, *args, **kwargs) -> Prediction:
+        return predict(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+__signature__ = inspect.signature(predict)  # what inspect reports for the callable module
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -29,8 +29,15 @@ def _rows(prediction: pr.Prediction) -> dict[str, pr.Row]:
     return {r.name: r for r in prediction.rows}
 
 
-def test_the_package_exports_the_function():
-    assert hq.predict is pr.predict
+def test_the_package_exports_the_function_and_keeps_the_module():
+    """``hq.predict(...)`` is the function, ``import horovod_quant.predict as p`` the module."""
+    import inspect
+
+    import horovod_quant.predict as module
+
+    assert module is pr and hq.predict is pr and module.MODELS is pr.MODELS
+    assert inspect.signature(hq.predict) == inspect.signature(pr.predict)
+    assert hq.predict(2, 1, 1, 10, params=1000, codecs=[]).rows[0].name == "fp32"
 
 
 def test_the_acceptance_command_prints_every_row_as_json():
