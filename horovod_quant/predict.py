@@ -36,7 +36,8 @@ from .core.limits import CodecLimitWarning
 from .core.registry import available_codecs, codec_class, get_codec
 from .doors import DEFAULT_FUSION_BYTES
 from .exchange import plans
-from .exchange.cost import Cost, Fabric, codec_work, plan_cost, ring_allreduce
+from .exchange.cost import (INTRA_ENV, LINK_ENV, ROUND_ENV, Cost, Fabric, codec_work, plan_cost,
+                             ring_allreduce)
 from .exchange.topology import Topology
 
 #: parameter counts of common models (float32 gradients of every parameter): checked against
@@ -406,10 +407,11 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
         if row.step_ms > 0:
             row.vs_fp32, row.vs_fp16 = fp32 / row.step_ms, fp16 / row.step_ms
     notes = []
-    if fabric != base:
+    settings = [f"{env}={mine:g}" for env, mine, default in zip(
+        (LINK_ENV, INTRA_ENV, ROUND_ENV), fabric, base) if mine != default]
+    if settings:
         notes.append(f"the optimizer chooses these plans when every rank has "
-                     f"HQ_LINK_GBIT={fabric.link_gbit:g} HQ_INTRA_GBYTE={fabric.intra_gbyte:g} "
-                     f"HQ_ROUND_US={fabric.round_us:g} (its defaults: {base.describe()})")
+                     f"{' '.join(settings)} (its defaults: {base.describe()})")
     if not on_gpu:
         notes.append("16-bit on CPUs: the cast is timed, gloo's float16 sum is taken as fast "
                      "as its float32 sum (it is slower: docs/will-it-pay.md)")
