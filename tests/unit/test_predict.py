@@ -285,3 +285,16 @@ def test_measure_times_the_codecs_here():
     prediction = pr.predict(2, 1, 1, 10, params=1 << 20, device="cpu", codecs=["qsgd:4"],
                             throughput=rates)
     assert prediction.throughput_source.startswith("measured here")
+
+
+def test_the_committed_example_is_what_the_code_predicts():
+    """docs/will-it-pay.md renders docs/results/predict_resnet50_8x8_25g.json: the predictor
+    must still give it (rerun its command, docs/results/README.md, after changing the model)."""
+    with open(os.path.join(RESULTS, "predict_resnet50_8x8_25g.json")) as f:
+        committed = json.load(f)
+    now = pr.predict(8, 8, 25, 120, model="resnet50", device="cuda").as_json()
+    assert [r["name"] for r in now["rows"]] == [r["name"] for r in committed["rows"]]
+    for got, want in zip(now["rows"], committed["rows"]):
+        assert got["plan"] == want["plan"]
+        for key in ("host_bytes", "step_ms", "vs_fp32", "vs_fp16"):
+            assert got[key] == pytest.approx(want[key], rel=1e-9), (got["name"], key)
