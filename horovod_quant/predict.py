@@ -70,7 +70,9 @@ class Throughput(NamedTuple):
 
 
 #: one numba thread of the 2-core development machine, 16M elements
-#: (docs/results/redesign_throughput_after.json; tests/unit/test_predict.py checks the copy)
+#: (docs/results/redesign_throughput_after.json; tests/unit/test_predict.py checks the copy).
+#: Keys are "<codec>:<bits>": linear Global-QSGD takes the exponential levels' figures, the
+#: only ones measured (its decode of one summed payload is the cheaper of the two)
 CPU_THROUGHPUT: dict[str, Throughput] = {
     "fp16": Throughput(2.25, 3.01),
     "qsgd:4": Throughput(6.53, 10.42, 4.70), "qsgd:8": Throughput(7.10, 7.35, 3.83),
