@@ -428,6 +428,8 @@ FIGURES = {
                                     for k in THROUGHPUT_ROWS
                                     if _throughput_rows()[k]["combine_gbps"]], ".1f", " GB/s"),
     "exchange-decode-gbps": _exchange_decode,
+    "prediction-best-vs-16bit": lambda: format(100 * (max(
+        r["vs_fp16"] for r in _load("predict_resnet50_8x8_25g.json")["rows"]) - 1), ".0f") + "%",
     "validation-earlier-median": lambda: format(
         100 * _load("predictor_vs_scaling_runs.json")["summary"]["median_abs_error"], ".0f") + "%",
     "validation-earlier-max": lambda: format(
