@@ -34,7 +34,7 @@ import numpy as np
 from .core.base import Codec
 from .core.limits import CodecLimitWarning
 from .core.registry import available_codecs, codec_class, get_codec
-from .doors import DEFAULT_FUSION_BYTES
+from .doors import DEFAULT_FUSION_BYTES, CodecRequest
 from .exchange import plans
 from .exchange.cost import (INTRA_ENV, LINK_ENV, ROUND_ENV, Cost, Fabric, codec_work, plan_cost,
                              ring_allreduce)
@@ -223,11 +223,10 @@ def build_codec(spec: str, topology: Topology) -> Codec:
         ValueError: it cannot be built (invalid parameters, or too many payloads to sum).
     """
     name, params = parse_codec(spec)
+    hosts = (lambda: topology.host_count) if topology.hierarchical else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CodecLimitWarning)
-        if codec_class(name).needs_world_size:
-            return _world_sized(name, params, topology)
-        return get_codec(name, **params)
+        return CodecRequest(name, params).build(lambda: topology.size, hosts)
 
 
 def limit_note(codec: Codec, kind: str, topology: Topology) -> str:
@@ -247,16 +246,6 @@ def limit_note(codec: Codec, kind: str, topology: Topology) -> str:
     return (f"a flat exchange of {topology.size} ranks would leave "
             f"{codec.params.get('num_levels')} level(s); the hierarchical plan combines one "
             f"payload per host ({topology.host_count}): {used.params.get('num_levels')} levels.")
-
-
-def _world_sized(name: str, params: dict, topology: Topology) -> Codec:
-    """A world-sized codec for every rank, else for the hosts (see :func:`build_codec`)."""
-    try:
-        return get_codec(name, world_size=topology.size, **params)
-    except ValueError:
-        if not topology.hierarchical:
-            raise
-        return get_codec(name, world_size=topology.host_count, **params)
 
 
 def bucket_sizes(params: int, fusion_bytes: int = DEFAULT_FUSION_BYTES) -> list[int]:
