@@ -273,7 +273,9 @@ def parse_args(argv=None):
                          "<codec>(bits=b)), rows 'hvd.<codec>:<bits>'); comma-separated "
                          "(default hq)")
     ap.add_argument("--models", default=None,
-                    help="training models at the first rate (mlp,cnn; mlp12: a 12 MiB MLP)")
+                    help="training models at the first rate (mlp,cnn; mlp12: a 12 MiB MLP; "
+                         "resnet18: ResNet-18 on 32x32 images, 11.2M parameters; gpt25: a "
+                         "GPT-style decoder, 25.2M parameters)")
     ap.add_argument("--models-other-rates", default=None,
                     help="training models at the other rates (default mlp: the cnn is "
                          "compute-bound already at 1 Gbit/s)")
@@ -377,7 +379,7 @@ def parse_args(argv=None):
     args.steps = args.steps or (2 if q else 5)
     args.min_seconds = args.min_seconds if args.min_seconds is not None else (1.0 if q else 5.0)
     args.paired_from_bps = parse_rate(args.paired_from)
-    args.batch = {"mlp": 32, "mlp12": 32, "cnn": 16}
+    args.batch = {"mlp": 32, "mlp12": 32, "cnn": 16, "resnet18": 4, "gpt25": 2}
     if args.quick and args.out == os.path.join(ROOT, "docs", "results", "cluster"):
         args.out += "_quick"
     return args

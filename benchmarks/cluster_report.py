@@ -669,23 +669,27 @@ def median_of_runs(paths: list[str], prefix: str | None = None) -> str:
         whole.append({(link["label"], r["model"], r["config_id"]) for link in data["links"]
                       for r in link["results"] if r.get("kind") == "train"
                       and not r.get("error") and on_fp32_path(r)})
-    L = [(f"Training speedup vs fp32 of {len(runs)} runs ({', '.join(paths)}) and their "
-          "median.\n")]
+    L = [(f"Training speedup vs fp32 of {len(runs)} runs ({', '.join(paths)}), their "
+          "median, and the median vs Horovod's fp16 (on CPUs gloo sums float16 on the CPU: "
+          "not a GPU's 16-bit allreduce).\n")]
     for lab in dict.fromkeys(lab for run in runs for lab in run):
         for model in dict.fromkeys(m for run in runs for m in run.get(lab, {})):
             tables = [run.get(lab, {}).get(model, {}) for run in runs]
             cids = list(dict.fromkeys(c for t in tables for c in t))
             L.append(f"### {model}, {lab}\n")
             L.append("| config | " + " | ".join(f"run {i + 1}" for i in range(len(runs)))
-                     + " | median |")
-            L.append("|---|" + "---|" * (len(runs) + 1))
+                     + " | median | median vs fp16 |")
+            L.append("|---|" + "---|" * (len(runs) + 2))
             medians = {}
             for cid in cids:
                 vals = [t.get(cid, {}).get("speedup_vs_fp32") for t in tables]
                 got = [v for v in vals if v is not None]
                 medians[cid] = statistics.median(got) if got else None
+                vs16 = [v for v in (t.get(cid, {}).get("speedup_vs_fp16") for t in tables)
+                        if v is not None]
                 L.append(f"| {cid} | " + " | ".join(_x(v) for v in vals)
-                         + f" | {_x(medians[cid])} |")
+                         + f" | {_x(medians[cid])} | "
+                         + f"{_x(statistics.median(vs16) if vs16 else None)} |")
             L.append("")
             # the 2 x 1 goals, for 2 x 1 links (their labels carry no shape)
             goals = ({8: 2.5, 4: 4.0} if lab == "1 Gbit/s" else

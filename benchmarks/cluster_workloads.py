@@ -241,10 +241,70 @@ def run_exchange(item: dict, emit) -> None:
 #: parameters, 192 MiB of float32 gradients; "mlp12" = 3 hidden 1024x1024 layers, 3.16M
 #: parameters, 12 MiB
 MLPS = {"mlp": (4096, 3), "mlp12": (1024, 3)}
+#: the GPT-style model "gpt25": vocabulary, context, width, layers, heads (25.3M parameters)
+GPT25 = {"vocab": 12288, "context": 64, "width": 512, "layers": 6, "heads": 8}
+
+
+def _basic_block(cin: int, cout: int, stride: int) -> torch.nn.Module:
+    """ResNet's basic block: two 3x3 convolutions with batch norm, and a projection shortcut
+    where the shape changes."""
+    conv, norm = torch.nn.Conv2d, torch.nn.BatchNorm2d
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(
+                conv(cin, cout, 3, stride, 1, bias=False), norm(cout), torch.nn.ReLU(),
+                conv(cout, cout, 3, 1, 1, bias=False), norm(cout))
+            self.skip = (torch.nn.Sequential(conv(cin, cout, 1, stride, bias=False), norm(cout))
+                         if stride != 1 or cin != cout else torch.nn.Identity())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.body(x) + self.skip(x))
+
+    return Block()
+
+
+def resnet18(classes: int = 10) -> torch.nn.Module:
+    """ResNet-18 for 32x32 images (a 3x3 stem, no max-pool): 11.2M parameters."""
+    layers: list[torch.nn.Module] = [torch.nn.Conv2d(3, 64, 3, 1, 1, bias=False),
+                                     torch.nn.BatchNorm2d(64), torch.nn.ReLU()]
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [_basic_block(cin, cout, stride), _basic_block(cout, cout, 1)]
+        cin = cout
+    layers += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(512, classes)]
+    return torch.nn.Sequential(*layers)
+
+
+class TinyGPT(torch.nn.Module):
+    """A GPT-style decoder (pre-norm blocks, causal self-attention, tied embeddings): the next
+    token's logits for every position, flattened to (batch * context, vocab)."""
+
+    def __init__(self, vocab: int, context: int, width: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, width)
+        self.positions = torch.nn.Embedding(context, width)
+        block = torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0,
+                                                 activation="gelu", batch_first=True,
+                                                 norm_first=True)
+        self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(width)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(
+            context), persistent=False)
+        for table in (self.tokens, self.positions):  # GPT-2's scale: logits near 0 at first
+            torch.nn.init.normal_(table.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        h = self.tokens(idx) + self.positions(torch.arange(t, device=idx.device))
+        h = self.norm(self.blocks(h, mask=self.mask[:t, :t], is_causal=True))
+        return (h @ self.tokens.weight.T).reshape(-1, self.tokens.num_embeddings)
 
 
 def build_model(name: str) -> tuple[torch.nn.Module, tuple, int]:
-    """(model, input shape without batch, number of classes)."""
+    """(model, input shape without batch, number of classes); the GPT's input shape is
+    ``("tokens", context)``: integer tokens, a target per position (:func:`synthetic_batch`)."""
     if name in MLPS:
         width, depth = MLPS[name]
         mods = []
@@ -262,7 +322,22 @@ def build_model(name: str) -> tuple[torch.nn.Module, tuple, int]:
             c(256, 256, 3, padding=1), torch.nn.ReLU(),
             torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(256, 10))
         return model, (3, 32, 32), 10
+    if name == "resnet18":
+        return resnet18(), (3, 32, 32), 10
+    if name == "gpt25":
+        return TinyGPT(**GPT25), ("tokens", GPT25["context"]), GPT25["vocab"]
     raise ValueError(f"unknown model {name!r}")
+
+
+def synthetic_batch(shape: tuple, classes: int, batch: int,
+                    gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's fixed batch for a model of :func:`build_model`: Gaussian inputs and a class
+    each, or (the GPT) random tokens and the next token of each position."""
+    if shape[0] == "tokens":
+        tokens = torch.randint(0, classes, (batch, shape[1] + 1), generator=gen)
+        return tokens[:, :-1], tokens[:, 1:].reshape(-1)
+    return (torch.randn((batch,) + shape, generator=gen),
+            torch.randint(0, classes, (batch,), generator=gen))
 
 
 class _Trainer:
@@ -303,8 +378,7 @@ class _Trainer:
                 fallback=item.get("fallback", "never"))
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
         gen = torch.Generator().manual_seed(hvd.rank())
-        self.xb = torch.randn((item["batch"],) + shape, generator=gen)
-        self.yb = torch.randint(0, classes, (item["batch"],), generator=gen)
+        self.xb, self.yb = synthetic_batch(shape, classes, item["batch"], gen)
         self.loss = None
 
     @property

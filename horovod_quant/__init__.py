@@ -15,9 +15,21 @@ from .core import (  # noqa: E402
     Codec, Payload, available_codecs, derive_key, get_codec, worker_seed)
 from .exchange.reference import mean_estimate  # noqa: E402
 
+
+def __getattr__(name: str):
+    """``horovod_quant.predict``: the predictor's module, callable as its function
+    (``hq.predict(...)``), imported when first asked for so that ``python -m
+    horovod_quant.predict`` runs it once, as ``__main__``."""
+    if name == "predict":
+        import importlib
+
+        return importlib.import_module(".predict", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __version__ = "0.1.0"
 
 __all__ = [
     "Codec", "Payload", "available_codecs", "derive_key", "get_codec", "mean_estimate",
-    "worker_seed", "__version__",
+    "predict", "worker_seed", "__version__",
 ]

@@ -257,10 +257,32 @@ class CodecRequest:
         """The codec needs ``world_size`` and the user gave none."""
         return codec_class(self.name).needs_world_size and "world_size" not in self.params
 
-    def build(self, world_size: Callable[[], int]) -> Codec:
-        """The codec; ``world_size()`` fills ``world_size`` when :attr:`needs_world_size`."""
-        extra = {"world_size": world_size()} if self.needs_world_size else {}
-        return get_codec(self.name, **self.params, **extra)
+    def build(self, world_size: Callable[[], int],
+              host_count: Callable[[], int | None] | None = None) -> Codec:
+        """The codec; ``world_size()`` fills ``world_size`` when :attr:`needs_world_size`.
+
+        Where the codec cannot combine that many payloads (linear Global-QSGD at 128 ranks)
+        and ``host_count()`` names several hosts of several ranks each, it is built for the
+        hosts instead, with a warning: the hierarchical exchange combines one payload per
+        host, and a flat exchange refuses the codec (:func:`~.exchange.plans.plan_choice`).
+
+        Raises:
+            ValueError: invalid parameters, or a world too large for the codec and no hosts.
+        """
+        if not self.needs_world_size:
+            return get_codec(self.name, **self.params)
+        size = world_size()
+        try:
+            return get_codec(self.name, **self.params, world_size=size)
+        except ValueError as exc:
+            hosts = host_count() if host_count is not None else None
+            if hosts is None or not 1 < hosts < size or size % hosts:
+                raise
+            codec = get_codec(self.name, **self.params, world_size=hosts)
+            log.warning("horovod_quant: %s cannot combine %d ranks' payloads (%s); built for "
+                        "the %d hosts instead: only a hierarchical exchange (one payload per "
+                        "host) can run it", self.name, size, exc, hosts)
+            return codec
 
 
 class CompressorSettings:
@@ -284,8 +306,10 @@ class CompressorSettings:
                  options: DoorOptions, process_set: Any = None) -> None:
         self.codec_request: CodecRequest | None = None
         self._world_size: Callable[[], int] | None = None
-        if isinstance(codec, tuple):
-            (self.codec_request, self._world_size), codec = codec, None
+        self._host_count: Callable[[], int] | None = None
+        if isinstance(codec, tuple):  # (request, world size[, host count])
+            self.codec_request, self._world_size, *hosts = codec
+            self._host_count, codec = (hosts[0] if hosts else None), None
         self._codec = codec
         self.options = options
         self.process_set = process_set
@@ -295,7 +319,7 @@ class CompressorSettings:
     def codec(self) -> Codec:
         """The codec (a requested one is built at the first use)."""
         if self._codec is None:
-            self._codec = self.codec_request.build(self._world_size)
+            self._codec = self.codec_request.build(self._world_size, self._host_count)
         return self._codec
 
     @property
@@ -350,10 +374,12 @@ class CompressionNamespace:
         framework: named in the generated docstrings.
     """
 
-    def __init__(self, compressor_cls: type, global_process_set: Any, framework: str) -> None:
+    def __init__(self, compressor_cls: type, global_process_set: Any, framework: str,
+                 host_count: Callable[[], int] | None = None) -> None:
         self._cls = compressor_cls
         self._global = global_process_set
         self._framework = framework
+        self._host_count = host_count
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_"):
@@ -368,12 +394,15 @@ class CompressionNamespace:
                                     pipeline_elems=pipeline_elems)
             request = CodecRequest(name, params)
             size = (process_set if process_set is not None else self._global).size
+            # the hosts of the global set: where its world is too large for the codec, the
+            # hierarchical exchange may still combine one payload per host
+            hosts = self._host_count if process_set is None else None
             try:
-                codec = request.build(size)
+                codec = request.build(size, hosts)
             except ValueError:
                 if not request.needs_world_size or _initialized(size):
                     raise
-                codec = (request, size)  # Horovod not initialized: built at the first use
+                codec = (request, size, hosts)  # Horovod not initialized: built at first use
             compressor = self._cls(codec, process_set=process_set, options=settings)
             compressor.codec_request = request
             return compressor

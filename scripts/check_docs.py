@@ -28,6 +28,8 @@ plus inline code spans that run one of this repository's scripts, and:
 5. **API signatures.** Each ``### `module.object(parameters)` `` heading of docs/api.md must
    match ``inspect.signature`` of that object (names, kinds, order, defaults), and every
    public callable of the package's modules (their ``__all__``) must have such a heading.
+6. **Length.** The user docs (README.md and docs/*.md, counted as ``wc -w`` does) stay within
+   ``MAX_USER_WORDS``: what does not fit belongs in docs/dev/.
 
 Usage:
     python3 scripts/check_docs.py            # everything; exit status 1 on any problem
@@ -379,6 +381,27 @@ def rendered_tables(path: str) -> list[str]:
     return module.check_page(path, ROOT)
 
 
+# ---------------------------------------------------------------------------------- length ---
+#: the most words README.md and docs/*.md may hold together (``cat README.md docs/*.md | wc -w``)
+MAX_USER_WORDS = 18_000
+
+
+def check_length(root: str | None = None, limit: int = MAX_USER_WORDS) -> list[str]:
+    """A problem when README.md and docs/*.md hold more than ``limit`` words (whitespace-
+    separated, as ``wc -w`` counts), naming the longest pages."""
+    root = ROOT if root is None else root
+    pages = [os.path.join(root, "README.md")] + sorted(glob.glob(os.path.join(root, "docs",
+                                                                              "*.md")))
+    counts = {os.path.relpath(p, root): len(open(p, encoding="utf-8").read().split())
+              for p in pages if os.path.exists(p)}
+    total = sum(counts.values())
+    if total <= limit:
+        return []
+    longest = ", ".join(f"{p} {n}" for p, n in sorted(counts.items(), key=lambda i: -i[1])[:3])
+    return [f"the user docs hold {total} words, over {limit} (longest: {longest}): move what "
+            "users need not read first into docs/dev/"]
+
+
 # ------------------------------------------------------------------------------------- api ---
 API_PAGE = "docs/api.md"
 #: a documented signature: a heading ``### `module.object(parameters)` ``
@@ -674,6 +697,7 @@ def main(argv=None) -> int:
         problems, checked_flags = check_flags(invs, helps, make_targets(), args.verbose)
         problems += [p for f in files for p in check_links(f)]
         problems += check_results()
+        problems += check_length()
         problems += [p for f in files for p in rendered_tables(f)]
         api_problems, api_skipped = check_api()
         problems += api_problems

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Render the measured figures of docs/performance.md and docs/choosing.md from docs/results.
+"""Render the measured (and predicted) figures of the docs from docs/results (``PAGES``).
 
 A table that comes from JSON follows the line ``<!-- results: NAME -->``; ``TABLES[NAME]``
 renders it. A figure in running text is written ``<!-- figure: NAME -->VALUE<!-- /figure -->``
@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from cluster_report import on_fp32_path, stalled  # noqa: E402 (the benchmark's own rules)
 
 RESULTS = os.path.join(ROOT, "docs", "results")
-PAGES = ["docs/performance.md", "docs/choosing.md"]
+PAGES = ["docs/performance.md", "docs/choosing.md", "docs/scaling.md", "docs/will-it-pay.md",
+         "docs/codecs.md"]
 MARK = re.compile(r"^<!--\s*results:\s*([\w-]+)\s*-->\s*$")
 FIGURE = re.compile(r"<!-- figure: ([\w-]+) -->(.*?)<!-- /figure -->")
 
@@ -80,10 +81,9 @@ def exchange() -> str:
                 row = summary[size][config]
                 if f"x-{size[:-2]}MB-{config}" in fell_back:
                     text = "fp32 fallback"
-                elif config == "fp32":
-                    text = _ms(row["wall_s"])
-                else:
-                    text = f"{_ms(row['wall_s'])} ({row['speedup_vs_fp32']:.2f}x)"
+                else:  # against Horovod's fp16 first, then float32
+                    text = (f"{_ms(row['wall_s'])} ({row['speedup_vs_fp16']:.2f}x / "
+                            f"{row['speedup_vs_fp32']:.2f}x)")
                 cells[link, size, config] = text
     cols = [(link, size) for link in ("1 Gbit/s", "10 Gbit/s") for size in ("64.0", "256.0")]
     header = ["config"] + [f"{link}, {size[:-2]} MB" for link, size in cols]
@@ -94,9 +94,10 @@ def exchange() -> str:
 TRAINING_RUNS = {"1 Gbit/s": ["cluster.json", "cluster_train_run2.json", "cluster_train_run3.json"],
                  "10 Gbit/s": ["cluster_10g.json", "cluster_10g_run2.json",
                                "cluster_10g_run3.json"]}
-TRAINING_ROWS = [("fp16", "Horovod fp16"), ("qsgd:8", "`qsgd:8`"), ("natural:8", "`natural:8`"),
-                 ("global_qsgd-lin:8", "`global_qsgd` linear 8 bits"), ("qsgd:4", "`qsgd:4`"),
-                 ("natural:4", "`natural:4`"), ("global_qsgd-lin:4", "`global_qsgd` linear 4 bits")]
+TRAINING_ROWS = [("fp32", "Horovod fp32"), ("fp16", "Horovod fp16"), ("qsgd:8", "`qsgd:8`"),
+                 ("natural:8", "`natural:8`"), ("global_qsgd-lin:8", "`global_qsgd` linear 8 bits"),
+                 ("qsgd:4", "`qsgd:4`"), ("natural:4", "`natural:4`"),
+                 ("global_qsgd-lin:4", "`global_qsgd` linear 4 bits")]
 
 
 def _training_medians(link: str, key: str = "speedup_vs_fp32") -> dict:
@@ -114,15 +115,17 @@ def _training_medians(link: str, key: str = "speedup_vs_fp32") -> dict:
 
 
 def training() -> str:
-    """MLP training, samples/s against fp32: the median over the runs that have the row."""
+    """MLP training, samples/s against Horovod's fp16 and fp32: the median over the runs that
+    have the row."""
     cells = {}
     for link in TRAINING_RUNS:
-        medians = _training_medians(link)
+        vs32, vs16 = _training_medians(link), _training_medians(link, "speedup_vs_fp16")
         for config, _ in TRAINING_ROWS:
-            ratio, fell_back = medians[config]
-            cells[link, config] = f"{ratio:.2f}x" + (" (fp32 fallback)" if fell_back else "")
-    return _table(["config", "1 Gbit/s", "10 Gbit/s"],
-                  [[label, cells["1 Gbit/s", c], cells["10 Gbit/s", c]]
+            (ratio32, fell_back), (ratio16, _) = vs32[config], vs16[config]
+            cells[link, config] = (f"{ratio16:.2f}x", f"{ratio32:.2f}x"
+                                   + (" (fp32 fallback)" if fell_back else ""))
+    return _table(["config", "1 Gbit/s vs fp16", "vs fp32", "10 Gbit/s vs fp16", "vs fp32"],
+                  [[label, *cells["1 Gbit/s", c], *cells["10 Gbit/s", c]]
                    for c, label in TRAINING_ROWS])
 
 
@@ -260,8 +263,79 @@ def codecs() -> str:
                    "Δ loss n=2 / n=4"], out)
 
 
+SCALING_RUNS = ["scaling_run1.json", "scaling_run2.json", "scaling_run3.json"]
+
+
+def _scaling_best(shape: dict, bits: int) -> tuple[str, dict]:
+    """The hq optimizer's config of ``bits`` with the highest median speedup vs fp32."""
+    configs = [c for c in shape["configs"] if _bits(c) == bits and not c.startswith("hvd.")]
+    return max(((c, shape["configs"][c]) for c in configs),
+               key=lambda item: item[1]["speedup_vs_fp32"])
+
+
+def scaling() -> str:
+    """Shapes of emulated hosts (every rank on the same 2 cores), mlp12 at 1 Gbit/s: median
+    over the runs of the speedups against Horovod's fp16 and fp32, and the bytes across the
+    busiest host against fp32's."""
+    runs = [_load(f)["summary"] for f in SCALING_RUNS]
+    rows = []
+    for label in ("1 Gbit/s, 2 x 2", "1 Gbit/s, 4 x 1", "1 Gbit/s, 4 x 2"):
+        shapes = [next(x for x in r["shapes"] if x["label"] == label) for r in runs]
+        train = [r["training"][label]["mlp12"] for r in runs]
+        cells = [label.split(", ")[1], _range([s["configs"]["fp32"]["step_s"] * 1e3
+                                               for s in shapes], ".0f")]
+        cells.append(_range([s["configs"]["fp16"]["step_s"] * 1e3 for s in shapes], ".0f"))
+        for bits in (8, 4):
+            config, _ = _scaling_best(
+                {"configs": {c: {"speedup_vs_fp32": statistics.median(
+                    t[c]["speedup_vs_fp32"] for t in train if c in t)} for c in train[0]}},
+                bits)
+            vs16 = statistics.median(t[config]["speedup_vs_fp16"] for t in train)
+            vs32 = statistics.median(t[config]["speedup_vs_fp32"] for t in train)
+            share = statistics.median(s["configs"][config]["nic_vs_fp32"] for s in shapes)
+            cells += [f"{vs16:.2f}x / {vs32:.2f}x (`{config}`)", f"{share:.2f}"]
+        rows.append(cells)
+    return _table(["shape", "fp32 ms/step", "fp16 ms/step", "best 8-bit vs fp16 / fp32",
+                   "8-bit bytes / fp32's", "best 4-bit vs fp16 / fp32", "4-bit bytes / fp32's"],
+                  rows)
+
+
+def prediction() -> str:
+    """The predictor's rows of docs/results/predict_resnet50_8x8_25g.json."""
+    rows = _load("predict_resnet50_8x8_25g.json")["rows"]
+    names = {"fp32": "float32 (NCCL ring)", "fp16": "16-bit (NCCL ring)"}
+    return _table(["config", "plan", "MB per step on the busiest host link", "step ms",
+                   "vs 16-bit", "vs fp32"],
+                  [[names.get(r["name"], f"`{r['name']}`"), r["plan"],
+                    f"{r['host_bytes'] / 1e6:.1f}", f"{r['step_ms']:.1f}",
+                    f"{r['vs_fp16']:.2f}x", f"{r['vs_fp32']:.2f}x"] for r in rows])
+
+
+def _validation(name: str) -> dict:
+    """{(shape, counted config kind): [errors]} of a validate_predictor.py JSON."""
+    out: dict = {}
+    for r in _load(name)["rows"]:
+        kind = "fp32" if r["config"] == "fp32" else "fp16" if r["config"] == "fp16" else "codecs"
+        out.setdefault((r["shape"], kind), []).append(r["error"])
+    return out
+
+
+def validation_earlier() -> str:
+    """The predictor against the earlier runs of docs/scaling.md: error ranges per shape."""
+    found = _validation("predictor_vs_scaling_runs.json")
+    shapes = sorted({shape for shape, _ in found})
+
+    def pct(values):
+        lo, hi = (format(100 * v, "+.0f") + "%" for v in (min(values), max(values)))
+        return lo if lo == hi else f"{lo} to {hi}"
+    return _table(["shape", "fp32", "codecs (hq optimizer)", "fp16 (not modelled)"],
+                  [[s.replace("x", " x "), pct(found[s, "fp32"]), pct(found[s, "codecs"]),
+                    pct(found[s, "fp16"])] for s in shapes])
+
+
 TABLES = {"exchange": exchange, "training": training, "transport": transport, "ddp": ddp,
-          "throughput": throughput, "codecs": codecs}
+          "throughput": throughput, "codecs": codecs, "scaling": scaling,
+          "prediction": prediction, "validation-earlier": validation_earlier}
 
 
 def _exchange_256mb(name: str, bits: int) -> str:
@@ -297,6 +371,17 @@ def _fp32_step() -> str:
     return f"{statistics.median(steps):.1f} s"
 
 
+def _exchange_decode() -> str:
+    """GB/s of gradient the 2-rank exchange's decode ran at (256 MB, 1 Gbit/s): the per-worker
+    codecs', whose decode combines every rank's payload."""
+    rows = _link("cluster.json", "1 Gbit/s")["results"]
+    rates = [r["size_mb"] * (1 << 20) / r["decode_s"] / 1e9 for r in rows
+             if r.get("kind") == "exchange" and r.get("size_mb") == 256.0 and not r.get("error")
+             and r["config_id"].split(":")[0] in ("qsgd", "nuqsgd", "natural",
+                                                   "natural_dithering", "standard_dithering")]
+    return _range(rates, ".1f", " GB/s")
+
+
 def _on_fp32_10g() -> dict:
     return {c: m for c, (m, fell_back) in _training_medians("10 Gbit/s").items() if fell_back}
 
@@ -323,7 +408,7 @@ FIGURES = {
     "fp32-step": _fp32_step,
     "training-vs-fp16": lambda: _range(
         [m for c, (m, _) in _training_medians("1 Gbit/s", "speedup_vs_fp16").items()
-         if c in dict(TRAINING_ROWS) and c != "fp16"], ".2f", "x"),
+         if c in dict(TRAINING_ROWS) and c not in ("fp16", "fp32")], ".2f", "x"),
     "on-fp32-10g-configs": lambda: _and([f"`{c}`" for c in _on_fp32_10g()]),
     "on-fp32-10g-ratios": lambda: _range(_on_fp32_10g().values(), ".2f", "x"),
     "fp32-vs-fp32-10g": lambda: _range(
@@ -339,6 +424,16 @@ FIGURES = {
                                   ".0f", " GB/s"),
     "decode-gbps": lambda: _range([_throughput_rows()[k]["decode_gbps"] for k in THROUGHPUT_ROWS],
                                   ".0f", " GB/s"),
+    "combine-gbps": lambda: _range([_throughput_rows()[k]["combine_gbps"]
+                                    for k in THROUGHPUT_ROWS
+                                    if _throughput_rows()[k]["combine_gbps"]], ".1f", " GB/s"),
+    "exchange-decode-gbps": _exchange_decode,
+    "prediction-best-vs-16bit": lambda: format(100 * (max(
+        r["vs_fp16"] for r in _load("predict_resnet50_8x8_25g.json")["rows"]) - 1), ".0f") + "%",
+    "validation-earlier-median": lambda: format(
+        100 * _load("predictor_vs_scaling_runs.json")["summary"]["median_abs_error"], ".0f") + "%",
+    "validation-earlier-max": lambda: format(
+        100 * _load("predictor_vs_scaling_runs.json")["summary"]["max_abs_error"], ".0f") + "%",
     "omega-qsgd-8-max": lambda: _g(_variance()[1]["omega"]["mean"]),
     "l2-over-max-8": lambda: f"{_omega('qsgd 8b b512') / _variance()[1]['omega']['mean']:.0f}x",
     "omega-qsgd-4-max": lambda: _g(_omega("qsgd 4b b512 max-norm")),

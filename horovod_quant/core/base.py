@@ -263,6 +263,12 @@ class Codec(abc.ABC):
             resized[world_size] = type(self)(**self.resize_params(world_size))
         return resized[world_size]
 
+    def limit_note(self) -> str | None:
+        """Where this codec is weaker at its world size than with fewer workers: why, and the
+        alternatives (:mod:`.limits`); None where it is not (every codec whose payloads are
+        not summed). The codec warns with it when built."""
+        return None
+
     def resize_params(self, world_size: int) -> dict[str, Any]:
         """The constructor parameters of :meth:`for_world_size`'s codec."""
         return {**self.params, "world_size": world_size}

@@ -30,6 +30,7 @@ from ..backends import (
     packed_nbytes,
 )
 from .base import Codec, WireLayout, check_choice, check_int, worker_seed
+from .limits import FEW_LEVELS, HIERARCHY_HINT, warn_limit
 from .exponent_reduction import (
     REDUCTIONS,
     exponent_offset,
@@ -83,8 +84,50 @@ def linear_dense_levels(n: int, bits: int, num_levels: int | None) -> int:
             f"ceil(log2(2*n*s+1)) = {need} bits, got bits={bits}; use bits >= {need}"
             + (f" or num_levels <= {most}" if most else "")
             + f" (bits={bits} supports world_size <= {((1 << bits) - 1) // (2 * s)} "
-            f"at num_levels={s})")
+            f"at num_levels={s}). Alternatives: {_alternatives(n, bits, 'linear')}")
     return s
+
+
+def _exponential_levels_at(n: int, bits: int, reduction: str = "tree") -> int:
+    """The most exponential dense levels ``bits`` hold for n workers (< 1: none)."""
+    top = (1 << (bits - 1)) - 1
+    return top - (exponent_offset(n, reduction) + reduction_rounds(n, reduction)) + 1
+
+
+def _alternatives(n: int, bits: int, levels: str) -> str:
+    """What serves n workers better than ``levels`` at ``bits``, for the messages."""
+    options = []
+    if levels == "linear":
+        exp = _exponential_levels_at(n, min(bits, 8))
+        if exp >= 1:
+            options.append(f"levels='exponential' ({exp} levels at {n} workers, "
+                           f"bits={min(bits, 8)})")
+        wide = ((1 << MAX_LINEAR_BITS) - 1) // (2 * n)
+        if bits < MAX_LINEAR_BITS and wide >= 1:
+            options.append(f"linear bits={MAX_LINEAR_BITS} ({wide} levels)")
+    else:
+        lin = ((1 << MAX_LINEAR_BITS) - 1) // (2 * n)
+        if bits < 8 and _exponential_levels_at(n, 8) >= 1:
+            options.append(f"bits=8 ({_exponential_levels_at(n, 8)} levels)")
+        if lin >= 1:
+            options.append(f"levels='linear' with bits={MAX_LINEAR_BITS} ({lin} levels)")
+    options.append("a per-worker codec such as qsgd, whose payloads are gathered, not summed "
+                   "(no limit in the number of workers)")
+    return "; ".join(options) + f". {HIERARCHY_HINT}."
+
+
+def levels_note(n: int, bits: int, levels: str, s: int, reduction: str = "tree") -> str | None:
+    """A warning's text when ``s`` levels of n workers are fewer than :data:`FEW_LEVELS` and
+    fewer than 2 workers would have (the codec degraded by its world size), else None."""
+    at_two = (((1 << bits) - 1) // 4 if levels == "linear"
+              else _exponential_levels_at(2, bits, reduction))
+    if s >= FEW_LEVELS or s >= at_two:
+        return None
+    rule = ("floor((2^bits - 1) / (2n))" if levels == "linear"
+            else "2^(bits-1) - c - R, the exponent offset and roundings growing with log2 n")
+    return (f"global_qsgd {levels} levels, bits={bits}: {n} workers' sum leaves {s} level(s) "
+            f"({rule}; {at_two} at 2 workers); the variance grows as the levels shrink. "
+            f"Alternatives: {_alternatives(n, bits, levels)}")
 
 def exponential_dense_levels(n: int, bits: int, num_levels: int | None, reduction: str) -> int:
     """The default (or checked) s of exponential dense codes: after the offset c and R roundings
@@ -106,7 +149,8 @@ def exponential_dense_levels(n: int, bits: int, num_levels: int | None, reductio
             f"reach exponent c + s - 1 + R = {reach(n, s)}, which needs "
             f"2^(bits-1) - 1 >= {reach(n, s)}, got bits={bits}; use bits >= "
             f"{_bits_for(reach(n, s))}" + (f" or num_levels <= {most}" if most >= 1 else "")
-            + f" (bits={bits} supports world_size <= {largest} at num_levels={s})")
+            + f" (bits={bits} supports world_size <= {largest} at num_levels={s}). "
+            f"Alternatives: {_alternatives(n, bits, 'exponential')}")
     return s
 
 
@@ -226,8 +270,18 @@ class GlobalQSGD(Codec):
         self.wire_dtype = np.dtype(np.uint64) if dense and linear else np.dtype(np.uint8)
         self.norm_op = "max" if norm == "max" else "sum"
         self.table = signed_table(levels, bits, self.s, self.c)
+        note = self.limit_note()
+        if note is not None:
+            warn_limit(note)
         super().__init__(world_size=n, bits=bits, levels=levels, num_levels=self.s, norm=norm,
                          mode=mode, reduction=reduction)
+
+    def limit_note(self) -> str | None:
+        """Dense modes with the default levels: :func:`levels_note` of this world size (levels
+        the user chose are not the world's doing; sparse payloads are gathered)."""
+        if self.mode != "dense" or self.requested_levels is not None:
+            return None
+        return levels_note(self.world_size, self.bits, self.levels, self.s, self.reduction)
 
     def resize_params(self, world_size: int) -> dict[str, Any]:
         """The same parameters for another world, with the levels the user asked for (the

@@ -79,8 +79,13 @@ class Fabric(NamedTuple):
 #: weighs a tenth of a byte over the link), 64 KiB of the link per round (about 0.5 ms)
 CPU_RANKS = Fabric()
 #: GPU ranks: a 10 Gbit/s network, 16 GB/s between the GPUs of a host (PCIe 4.0 x16, or
-#: payloads staged through pinned host memory); NVLink moves 10-30x that (HQ_INTRA_GBYTE)
-GPU_RANKS = Fabric(link_gbit=10.0, intra_gbyte=16.0)
+#: payloads staged through pinned host memory; NVLink moves 10-30x that: HQ_INTRA_GBYTE), and
+#: 50 us per round across hosts: a step of NCCL's ring over Ethernet is tens of microseconds
+#: (NCCL's own tuning model counts about 14 us per network hop), where the CPU ranks' 0.5 ms
+#: is a round of gloo collectives issued from Python. The predictor
+#: (:mod:`horovod_quant.predict`) costs NCCL's float32 ring with it too: 2 (n - 1) rounds of
+#: 0.5 ms would make a 64-GPU ring spend 66 ms per bucket waiting, which NCCL does not.
+GPU_RANKS = Fabric(link_gbit=10.0, intra_gbyte=16.0, round_us=50.0)
 
 
 class Cost(NamedTuple):
@@ -98,6 +103,13 @@ class Cost(NamedTuple):
         rounds = fabric.round_bytes
         return (self.host_bytes + rounds * self.rounds
                 + fabric.local_weight * (self.local_bytes + rounds * self.local_rounds))
+
+    def seconds(self, fabric: Fabric = CPU_RANKS) -> float:
+        """The plan's time on ``fabric``: :meth:`score` over the link's rate, that is the bytes
+        across hosts at the link's rate, a round's latency per round across hosts, and the
+        bytes (and rounds) inside a host at the fabric's rate inside the host. The plan
+        choice and :mod:`horovod_quant.predict` weigh the same quantity."""
+        return self.score(fabric) / fabric.link_bytes_per_s
 
     def __add__(self, other: "Cost") -> "Cost":  # type: ignore[override]
         return Cost(*(a + b for a, b in zip(self, other)))
@@ -205,7 +217,61 @@ def cheapest(kinds: list[str], topology: Topology, numel: int, codec: Codec,
     return kinds[best], costs[best]
 
 
+def ring_allreduce(topology: Topology, numel: int, element_bytes: float) -> Cost:
+    """What a ring allreduce of ``numel`` elements of ``element_bytes`` bytes each moves
+    (NCCL's, Horovod's: 4 for float32, 2 for a 16-bit allreduce)."""
+    return flat_cost("sum", topology, element_bytes * numel)
+
+
 def float32_ring(topology: Topology, numel: int) -> Cost:
     """What a float32 ring allreduce of ``numel`` elements (NCCL's, Horovod's) moves: the
     reference the plans' bytes are compared with."""
-    return flat_cost("sum", topology, 4.0 * numel)
+    return ring_allreduce(topology, numel, 4.0)
+
+
+class CodecWork(NamedTuple):
+    """The elements of float32 one rank runs through each codec kernel in one exchange.
+
+    Attributes:
+        encode: elements encoded (the codec's encode kernels).
+        decode: elements decoded once (a sum's decode, the last decode of a re-encoded chunk).
+        combine: elements decoded and accumulated, summed over the payloads combined (the
+            mean of gathered payloads; a custom reduction's local combining).
+    """
+
+    encode: float
+    decode: float
+    combine: float
+
+    def __add__(self, other: "CodecWork") -> "CodecWork":  # type: ignore[override]
+        return CodecWork(*(a + b for a, b in zip(self, other)))
+
+
+def codec_work(kind: str, topology: Topology, numel: int) -> CodecWork:
+    """What one rank encodes, decodes and combines in the plan ``kind`` of :mod:`.plans` over
+    ``topology``, ``numel`` elements: the codec's share of a plan's time, as the plans run
+    it. A hierarchical plan's float32 mean inside the host is memory traffic, counted by
+    :func:`hierarchical_cost` as bytes inside the host, not here.
+
+    Args:
+        kind: a plan kind: "sum", "allgather", "sra", "custom" or "hierarchical-<inner>".
+        topology: which ranks share hosts.
+        numel: elements of the exchanged vector.
+
+    Returns:
+        The elements per kernel (:class:`CodecWork`).
+    """
+    if kind.startswith(HIERARCHICAL):  # the inner plan between the hosts on 1/K of the vector
+        return codec_work(kind[len(HIERARCHICAL):], Topology.grid(topology.host_count, 1),
+                          -(-numel // topology.local_size))
+    n = topology.size
+    if kind == "sum":  # one encode; the summed words decode once
+        return CodecWork(numel, numel, 0.0)
+    if kind == "allgather":  # one encode; every rank's payload decoded into the mean
+        return CodecWork(numel, 0.0, n * numel)
+    if kind == "sra":  # chunks encoded, this rank's chunk combined from n payloads and
+        # encoded again, every re-encoded chunk decoded
+        return CodecWork(numel + numel / n, numel, numel)
+    if kind == "custom":  # the reduction combines about one payload over its rounds
+        return CodecWork(numel, numel, numel)
+    raise ValueError(f"no codec work for plan kind {kind!r}")

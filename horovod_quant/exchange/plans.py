@@ -26,6 +26,7 @@ import numpy as np
 from ..backends import backend_of
 from ..core.base import Codec, array_module, as_vector, worker_seed
 from ..core.exponent_reduction import chunk_bounds
+from ..core.limits import HIERARCHY_HINT
 from ..core.payload import Payload
 from ..core.rng import derive_key
 from . import wire
@@ -355,12 +356,32 @@ def plan_choice(codec: Codec, topology: Topology | int, numel: int, gather: str 
     check_gather(gather)
     if isinstance(topology, int):
         topology = Topology.grid(topology, 1)
-    flat = _flat_kinds(codec, gather)
+    nested = hierarchy and topology.hierarchical and gather in ("auto", "hierarchical")
+    # a world-sized codec sums (or reduces) at most its world size's payloads: a flat plan
+    # sums one per rank, a hierarchical one one per host
+    flat = _flat_kinds(codec, gather) if _serves(codec, topology.size) else []
+    if not flat and not nested:
+        raise ValueError(
+            f"{codec!r} was built for world_size={codec.world_size}: it combines at most that "
+            f"many payloads, and a flat exchange of {topology.size} ranks combines "
+            f"{topology.size}. Build it for {topology.size} workers, or exchange "
+            f"hierarchically ({HIERARCHY_HINT}; {topology.host_count} host(s) here"
+            + ("" if topology.hierarchical else
+               ", and a hierarchical exchange needs several hosts of the same number of "
+               "ranks, at least two each") + ")")
     kinds = flat if gather != "hierarchical" else []
-    cross = codec.for_world_size(topology.host_count)
-    if hierarchy and topology.hierarchical and gather in ("auto", "hierarchical"):
+    cross = codec
+    if nested:
+        cross = codec.for_world_size(topology.host_count)
         kinds = kinds + [HIERARCHICAL + k for k in _flat_kinds(cross, "auto")]
     return PlanChoice(*cheapest(kinds or flat, topology, numel, codec, cross, fabric))
+
+
+def _serves(codec: Codec, payloads: int) -> bool:
+    """Whether ``codec`` can combine ``payloads`` payloads (a world-sized codec: at most its
+    world size)."""
+    return not codec.needs_world_size or codec.world_size is None \
+        or codec.world_size >= payloads
 
 
 def plan_kind(codec: Codec, topology: Topology | int, numel: int, gather: str = "auto",

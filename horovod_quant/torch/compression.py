@@ -196,4 +196,5 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         return mean.to(device=grad.device, dtype=grad.dtype)
 
 
-Compression = CompressionNamespace(QuantizedCompressor, hvd.global_process_set, "PyTorch")
+Compression = CompressionNamespace(QuantizedCompressor, hvd.global_process_set, "PyTorch",
+                                  host_count=hvd.cross_size)

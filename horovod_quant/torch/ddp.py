@@ -207,22 +207,30 @@ class QuantizationState(CompressorSettings):
             raise RuntimeError("horovod_quant DDP hook: call torch.distributed.init_process_group"
                                " before building a QuantizationState")
         comm = process_group_collectives(process_group)
+        topology = getattr(comm.hierarchy, "topology", None)
+        # a codec too small for every rank's payload may serve one payload per node
+        nodes = (lambda: topology.host_count) if topology is not None else None
         inherited = None
         if isinstance(codec, CompressorSettings):  # a door's Compression.<codec>(...)
             inherited = codec.options
             request = codec.codec_request
-            codec = (request.build(lambda: comm.size) if request is not None
+            codec = (request.build(lambda: comm.size, nodes) if request is not None
                      and request.needs_world_size else codec.codec)
         elif isinstance(codec, str):
-            codec = CodecRequest(codec, {}).build(lambda: comm.size)
+            codec = CodecRequest(codec, {}).build(lambda: comm.size, nodes)
         if not isinstance(codec, Codec):
             raise ValueError(f"codec={codec!r} is not understood: pass hq.get_codec(...), a "
                              "codec name, or hq.torch.Compression.<codec>(...)")
-        if codec.needs_world_size and codec.params.get("world_size") != comm.size:
+        # the payloads a world-sized codec combines: one per rank, or one per node where
+        # only the hierarchical exchange can run it
+        allowed = {comm.size} | ({topology.host_count} if topology is not None else set())
+        if codec.needs_world_size and codec.params.get("world_size") not in allowed:
             raise ValueError(f"{codec.name} was built for world_size="
                              f"{codec.params.get('world_size')}, but the process group has "
                              f"{comm.size} ranks: leave world_size out (it is filled in) or "
-                             f"pass world_size={comm.size}")
+                             f"pass world_size={comm.size}"
+                             + (f" (or {topology.host_count}, its nodes: the hierarchical "
+                                f"exchange alone then runs it)" if topology is not None else ""))
         settings = door_options(options, inherited, seed=seed, gather=gather,
                                 pipeline_elems=pipeline_elems, policy=policy)
         super().__init__(codec, settings.check_door("DDP hook"))

@@ -43,8 +43,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 #: Modules that may name codecs besides the modules that define them: the registry and the
 #: registration in the codecs' package, and the demo, which is an application of the package
-#: (it picks codecs by name as a user's script does).
-MAY_NAME_CODECS = {"horovod_quant.core", "horovod_quant.core.registry", "horovod_quant.demo"}
+#: (it picks codecs by name as a user's script does), and the predictor (which does too, and keys
+#: its throughput tables by them).
+MAY_NAME_CODECS = {"horovod_quant.core", "horovod_quant.core.registry", "horovod_quant.demo",
+                   "horovod_quant.predict"}
 
 
 def module_name(path: Path) -> str:

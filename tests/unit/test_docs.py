@@ -158,7 +158,7 @@ def test_api_check_names_public_objects_without_a_heading():
     problems, _ = cd.check_api_signatures(API_PAGE, "api.md", modules=("horovod_quant",))
     missing = sorted(p.split()[1] for p in problems)
     assert missing == ["horovod_quant.Codec", "horovod_quant.available_codecs",
-                       "horovod_quant.derive_key",
+                       "horovod_quant.derive_key", "horovod_quant.predict",
                        "horovod_quant.worker_seed"]
 
 
@@ -243,3 +243,14 @@ def test_the_performance_page_matches_its_json():
 
 def test_the_choosing_page_matches_its_json():
     assert cd.rendered_tables("docs/choosing.md") == []
+
+
+def test_length_check_counts_the_user_docs_as_wc_does(tmp_path):
+    (tmp_path / "docs" / "dev").mkdir(parents=True)
+    (tmp_path / "README.md").write_text("one two\nthree")
+    (tmp_path / "docs" / "a.md").write_text("four  five\n\nsix")
+    (tmp_path / "docs" / "dev" / "long.md").write_text("word " * 100)  # not a user page
+    assert cd.check_length(str(tmp_path), limit=6) == []
+    problems = cd.check_length(str(tmp_path), limit=5)
+    assert len(problems) == 1 and "6 words, over 5" in problems[0]
+    assert cd.check_length() == []  # this checkout's pages

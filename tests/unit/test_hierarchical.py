@@ -189,18 +189,20 @@ def test_the_fabric_decides_between_the_plans(monkeypatch):
 def test_a_door_fabric_reproduces_in_mean_estimate():
     """An Exchange with a fabric and mean_estimate with the same fabric choose the same plan,
     where the CPU default would choose another (at 4 x 2: the inner sra on CPU ranks, the
-    inner allgather, one round fewer, on GPU ranks, whose rounds cost more link bytes)."""
+    inner allgather, one round fewer, on a 10 Gbit/s network whose rounds take 0.5 ms and so
+    cost more link bytes)."""
     topology, n, size = Topology.grid(4, 2), 8, 100_000
     codec = hq.get_codec("qsgd", bits=4)
     assert plans.plan_kind(codec, topology, size, hierarchy=True) == "hierarchical-sra"
     xs = _inputs(n, size, seed=1)
+    slow_rounds = GPU_RANKS._replace(round_us=CPU_RANKS.round_us)
 
     def rank_fn(comm):
-        pending = Exchange(codec, comm, fabric=GPU_RANKS).start(xs[comm.rank], 4, "f")
+        pending = Exchange(codec, comm, fabric=slow_rounds).start(xs[comm.rank], 4, "f")
         return pending.wait(), pending.stats.plans
 
     want, _ = hq.mean_estimate(codec, xs, seed=4, gather="auto", topology=topology,
-                               fabric=GPU_RANKS)
+                               fabric=slow_rounds)
     for got, kinds in run_ranks(n, rank_fn, asynchronous=True, topology=topology):
         assert np.array_equal(got, want) and list(kinds) == ["hierarchical-allgather"]
 

@@ -1,0 +1,162 @@
+"""The predictor (``python -m horovod_quant.predict``) against the emulated cluster's training
+runs: each measured step beside the step the predictor gives for the same shape, link, model
+and compute, told how many cores the ranks share.
+
+    python3 benchmarks/validate_predictor.py docs/results/predictor_runs.json \\
+        --out docs/results/predictor_validation
+
+Input: JSON of ``benchmarks/cluster.py`` with training rows (``--no-exchange``; the gloo
+controller; ``--paired-from`` above the link rates so that no row steps a second model). Per
+link (shape and rate) and model the ``compute`` row's median step is the predictor's compute;
+the link rate is the link's TCP calibration; the cores the ranks of a host share are the
+machine's cores over the hosts (every emulated host runs on the same cores). Compared: fp32,
+Horovod's fp16 and every ``hq.DistributedOptimizer`` codec row, each row's median step.
+
+The statistic (median and largest absolute relative error) covers fp32 and the codecs. The
+fp16 rows are listed apart: gloo sums float16 on the CPU, which the predictor does not model
+(it predicts the 16-bit allreduce of GPUs, whose NCCL sum costs nothing), so on this machine
+they measure something else. Each row keeps the load measured beside it (other cores busy
+during the row, the load average before and after the run): figures measured under foreign
+load are not validation.
+
+Outputs ``PREFIX.json`` (every row) and ``PREFIX.md`` (the table). Exit status 1 when the
+errors exceed ``--max-median`` or ``--max-error`` (default 15% and 30%).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+from typing import Callable, Iterable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+predictor = importlib.import_module("horovod_quant.predict")
+
+#: the rows the statistic leaves out, and why (the table says it)
+NOT_MODELLED = {"fp16": "gloo sums float16 on the CPU; the predictor's 16-bit is NCCL's"}
+#: the limits of the acceptance: median and largest absolute relative error
+MAX_MEDIAN, MAX_ERROR = 0.15, 0.30
+
+
+def _training_rows(link: dict) -> dict[tuple[str, str], dict]:
+    """(model, configuration) -> the link's training row that ran without error."""
+    return {(r["model"], r["config_id"]): r for r in link.get("results", [])
+            if r.get("kind") == "train" and not r.get("error")}
+
+
+def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list[dict]:
+    """Every fp32, fp16 and hq codec row of ``runs`` (cluster.py JSON) beside its prediction.
+
+    Args:
+        runs: the parsed JSON of one or more cluster.py runs.
+        predict: the predictor (a test passes one with a term broken on purpose).
+
+    Returns:
+        One dict per row: shape, link, model, config, measured and predicted ms, the
+        relative error (predicted / measured - 1), whether the statistic counts it, the load.
+    """
+    out = []
+    for run in runs:
+        cores = run["machine"]["cpus"]
+        loads = (run["machine"].get("loadavg_before"), run["machine"].get("loadavg_after"))
+        for link in run["links"]:
+            hosts, per_host = link["hosts"], link["ranks_per_host"]
+            calibration = link.get("calibration") or {}
+            gbit = calibration.get("tcp_gbit_s") or link["rate_bps"] / 1e9
+            rows = _training_rows(link)
+            for model in sorted({m for m, _ in rows}):
+                compute = rows.get((model, "compute"))
+                if compute is None:
+                    continue
+                codecs = [c for (m, c) in rows if m == model and c not in ("fp32", "fp16",
+                                                                         "compute")
+                          and rows[m, c].get("door") == "hq"]
+                prediction = predict(hosts, per_host, gbit, compute["step_median_s"] * 1e3,
+                                     params=compute["model_params"], device="cpu",
+                                     codecs=codecs, cores_per_host=cores / hosts)
+                for row in prediction.rows:
+                    measured = rows.get((model, row.name))
+                    if measured is None or row.step_ms <= 0:
+                        continue
+                    ms = measured["step_median_s"] * 1e3
+                    out.append({
+                        "shape": f"{hosts}x{per_host}", "link_gbit": round(gbit, 3),
+                        "model": model, "config": row.name, "plan": row.plan,
+                        "measured_ms": ms, "predicted_ms": row.step_ms,
+                        "error": row.step_ms / ms - 1, "counted": row.name not in NOT_MODELLED,
+                        "compute_ms": compute["step_median_s"] * 1e3,
+                        "cores_per_host": cores / hosts,
+                        "other_load_cores": measured.get("other_load_cores"),
+                        "loadavg_before_after": loads})
+    return out
+
+
+def summarize(rows: list[dict], max_median: float = MAX_MEDIAN,
+              max_error: float = MAX_ERROR) -> dict:
+    """The statistic over the counted rows: their count, median and largest absolute error,
+    and whether both are within the limits."""
+    errors = [abs(r["error"]) for r in rows if r["counted"]]
+    if not errors:
+        return {"rows": 0, "median_abs_error": None, "max_abs_error": None, "passed": False}
+    median, worst = statistics.median(errors), max(errors)
+    return {"rows": len(errors), "median_abs_error": median, "max_abs_error": worst,
+            "max_median": max_median, "max_error": max_error,
+            "passed": median <= max_median and worst <= max_error}
+
+
+def table(rows: list[dict], summary: dict) -> str:
+    """The markdown table of ``rows`` and the statistic's line."""
+    lines = ["| shape | link | model | config | measured ms | predicted ms | error | "
+             "other cores busy |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        config = r["config"] + ("" if r["counted"] else " (not counted)")
+        load = "-" if r["other_load_cores"] is None else f"{r['other_load_cores']:.2f}"
+        lines.append(f"| {r['shape']} | {r['link_gbit']:g} Gbit/s | {r['model']} | {config} | "
+                     f"{r['measured_ms']:.0f} | {r['predicted_ms']:.0f} | "
+                     f"{100 * r['error']:+.0f}% | {load} |")
+    if summary["rows"]:
+        lines.append("")
+        lines.append(f"{summary['rows']} rows counted: median absolute error "
+                     f"{100 * summary['median_abs_error']:.0f}%, largest "
+                     f"{100 * summary['max_abs_error']:.0f}% (limits "
+                     f"{100 * summary['max_median']:.0f}% and {100 * summary['max_error']:.0f}%"
+                     f"): {'passed' if summary['passed'] else 'failed'}.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="cluster.py JSON files with training rows")
+    ap.add_argument("--out", default=None,
+                    help="output prefix (PREFIX.json, PREFIX.md); default: print only")
+    ap.add_argument("--max-median", type=float, default=MAX_MEDIAN,
+                    help=f"largest median absolute error accepted (default {MAX_MEDIAN})")
+    ap.add_argument("--max-error", type=float, default=MAX_ERROR,
+                    help=f"largest absolute error accepted (default {MAX_ERROR})")
+    args = ap.parse_args(argv)
+    runs = []
+    for path in args.runs:
+        with open(path) as f:
+            runs.append(json.load(f))
+    rows = compare(runs)
+    summary = summarize(rows, args.max_median, args.max_error)
+    text = table(rows, summary)
+    print(text)
+    if args.out:
+        with open(args.out + ".json", "w") as f:
+            json.dump({"inputs": args.runs, "commands": [r.get("command") for r in runs],
+                       "summary": summary, "rows": rows}, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(f"Predictor against {', '.join(args.runs)} "
+                    "(`python3 benchmarks/validate_predictor.py`)\n\n" + text + "\n")
+    return 0 if summary["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,643 @@
+"""Will compression pay on my cluster? The step of float32, a 16-bit allreduce and each codec,
+predicted from the model, the link and the step's compute (docs/will-it-pay.md: the model in
+full, and its error against measurements).
+
+    python -m horovod_quant.predict --hosts 8 --ranks-per-host 8 --link-gbit 25 \\
+        --model resnet50 --compute-ms 120 --device cuda
+
+One cost model: each bucket (``fusion_bytes``, pipelined pieces) takes the plan
+:func:`~.exchange.plans.plan_choice` picks on the same :class:`~.exchange.cost.Fabric`, its
+wire time is :meth:`~.exchange.cost.Cost.seconds`, its codec time
+:func:`~.exchange.cost.codec_work` at measured throughput (built-in tables of committed
+results, or ``--measure``; CPU ranks get their share of the host's cores). float32 and 16-bit
+are ring allreduces (:func:`~.exchange.cost.ring_allreduce`) without codec work on GPUs.
+Overlap, the same for every row: the device runs forward, backward (the last
+:data:`BACKWARD_SHARE` of the compute) and the codecs one after the other; the wire carries
+the buckets one after the other, each once backward produced it and it is encoded; the step
+ends when both are done: ``max(compute + encode + decode, last wire end + its decode)``.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import sys
+import time
+import types
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from .core.base import Codec
+from .core.limits import CodecLimitWarning
+from .core.registry import available_codecs, codec_class, get_codec
+from .doors import DEFAULT_FUSION_BYTES, CodecRequest
+from .exchange import plans
+from .exchange.cost import (INTRA_ENV, LINK_ENV, ROUND_ENV, Cost, Fabric, codec_work, plan_cost,
+                             ring_allreduce)
+from .exchange.topology import Topology
+
+#: parameter counts of common models (float32 gradients of every parameter): checked against
+#: the architectures in tests/unit/test_predict.py
+MODELS: dict[str, int] = {
+    "resnet50": 25_557_032,  # torchvision resnet50, 1000 classes
+    "vit-b16": 86_567_656,  # torchvision vit_b_16, 1000 classes
+    "bert-base": 109_482_240,  # BertModel, uncased vocabulary, with the pooler
+    "bert-large": 335_141_888,  # BertModel large (often quoted as 340M)
+    "gpt2": 124_439_808,  # GPT-2 small, tied embeddings
+    "gpt2-medium": 354_823_168,
+    "llama-1b": 1_235_814_400,  # Llama 3.2 1B, tied embeddings
+}
+#: the codecs predicted when none are named: those docs/choosing.md recommends
+DEFAULT_CODECS = ("qsgd:8", "qsgd:4", "global_qsgd:8")
+#: the share of a step's compute that is backward (forward ~ 1/3 of forward + backward)
+BACKWARD_SHARE = 2.0 / 3.0
+DEVICES = ("cpu", "cuda")
+#: a codec spec's suffix after its name: Global-QSGD's levels
+LEVEL_SUFFIXES = {"lin": "linear", "exp": "exponential"}
+
+
+class Throughput(NamedTuple):
+    """GB/s of float32 input of one codec's kernels on one rank (``combine``: per payload
+    accumulated; None where the codec has no combine kernel of its own, then ``decode``)."""
+
+    encode: float
+    decode: float
+    combine: float | None = None
+
+
+#: one numba thread of the 2-core development machine, 16M elements
+#: (docs/results/redesign_throughput_after.json; tests/unit/test_predict.py checks the copy).
+#: Keys are "<codec>:<bits>": linear Global-QSGD takes the exponential levels' figures, the
+#: only ones measured (its decode of one summed payload is the cheaper of the two)
+CPU_THROUGHPUT: dict[str, Throughput] = {
+    "fp16": Throughput(2.25, 3.01),
+    "qsgd:4": Throughput(6.53, 10.42, 4.70), "qsgd:8": Throughput(7.10, 7.35, 3.83),
+    "nuqsgd:4": Throughput(5.61, 10.26, 4.70), "nuqsgd:8": Throughput(6.11, 7.45, 3.87),
+    "natural:4": Throughput(6.09, 10.45, 4.70), "natural:8": Throughput(6.64, 7.42, 3.87),
+    "natural_dithering:4": Throughput(5.81, 10.48, 4.68),
+    "natural_dithering:8": Throughput(6.16, 7.41, 3.87),
+    "standard_dithering:4": Throughput(6.11, 10.37, 4.63),
+    "standard_dithering:8": Throughput(6.51, 7.36, 3.86),
+    "global_qsgd:4": Throughput(6.50, 11.14), "global_qsgd:8": Throughput(4.96, 7.75),
+    "dithered:4": Throughput(7.92, 12.39, 8.11), "dithered:8": Throughput(5.72, 7.79, 6.06),
+    "nested_dithered:4": Throughput(7.93, 12.24),
+    "nested_dithered:8": Throughput(5.62, 7.71),
+}
+#: one H100: 256M elements (docs/results/gpu_h100_256m.json); Global-QSGD and standard
+#: dithering at 64M (docs/results/gpu_h100_throughput.json, which has no 256M figures of them)
+GPU_THROUGHPUT: dict[str, Throughput] = {
+    "qsgd:4": Throughput(773.0, 732.2, 826.8), "qsgd:8": Throughput(875.6, 1031.7, 1048.1),
+    "natural:4": Throughput(774.3, 751.5, 833.6), "natural:8": Throughput(843.5, 1027.9, 1049.2),
+    "natural_dithering:4": Throughput(778.6, 761.6, 838.7),
+    "natural_dithering:8": Throughput(840.5, 1033.4, 1050.6),
+    "nuqsgd:4": Throughput(776.6, 759.3, 835.1), "nuqsgd:8": Throughput(826.5, 1004.5, 1043.9),
+    "dithered:4": Throughput(816.9, 563.1, 613.7), "dithered:8": Throughput(889.5, 619.2, 738.6),
+    "standard_dithering:4": Throughput(721.3, 559.0, 742.3),
+    "standard_dithering:8": Throughput(768.7, 741.0, 909.2),
+    "global_qsgd:4": Throughput(321.8, 698.7), "global_qsgd:8": Throughput(333.2, 952.0),
+    "nested_dithered:4": Throughput(650.6, 449.8),
+    "nested_dithered:8": Throughput(691.7, 480.3),
+}
+#: where each built-in table comes from, for the printout
+TABLE_SOURCES = {"cpu": "docs/results/redesign_throughput_after.json (one numba thread)",
+                 "cuda": "docs/results/gpu_h100_256m.json (one H100; Global-QSGD and standard "
+                         "dithering: gpu_h100_throughput.json)"}
+
+
+@dataclass
+class Row:
+    """One predicted configuration.
+
+    Attributes:
+        name: "fp32", "fp16" (the 16-bit allreduce) or the codec spec ("qsgd:8").
+        plan: the plan of its buckets (several: each with its bucket count).
+        host_bytes: bytes out of the busiest host's interface per step.
+        step_ms: the predicted step.
+        vs_fp32, vs_fp16: float32's (16-bit's) step over this one (> 1: faster).
+        wire_ms: the buckets' wire time, all together.
+        codec_ms: encode and decode time per step on the device.
+        exposed_ms: how much of the step is communication the compute did not hide.
+        note: the codec's limits at this shape, or why it could not be built.
+    """
+
+    name: str
+    plan: str
+    host_bytes: float
+    step_ms: float
+    vs_fp32: float = 1.0
+    vs_fp16: float = 1.0
+    wire_ms: float = 0.0
+    codec_ms: float = 0.0
+    exposed_ms: float = 0.0
+    note: str = ""
+
+
+@dataclass
+class Prediction:
+    """What :func:`predict` returns: the rows and what they assumed."""
+
+    rows: list[Row]
+    hosts: int
+    ranks_per_host: int
+    params: int
+    compute_ms: float
+    device: str
+    fabric: Fabric
+    buckets: list[int]
+    throughput_source: str
+    core_share: float
+    notes: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict:
+        """``{"rows": [...], "assumptions": {...}}`` (every row's fields, the inputs)."""
+        return {"rows": [asdict(r) for r in self.rows], "assumptions": {
+            "hosts": self.hosts, "ranks_per_host": self.ranks_per_host, "params": self.params,
+            "compute_ms": self.compute_ms, "device": self.device,
+            "fabric": self.fabric._asdict(), "buckets": self.buckets,
+            "throughput": self.throughput_source, "core_share": self.core_share,
+            "backward_share": BACKWARD_SHARE, "notes": self.notes}}
+
+
+# -- inputs ------------------------------------------------------------------------------------
+def _positive(name: str, value: float, integer: bool = False) -> float:
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0 or (integer and value != int(value)):
+        kind = "a positive integer" if integer else "a positive number"
+        raise ValueError(f"{name}={value!r} must be {kind}")
+    return int(value) if integer else float(value)
+
+
+def model_params(model: str | None = None, params: int | None = None) -> int:
+    """The parameter count of ``model`` (a name of :data:`MODELS`) or ``params``.
+
+    Raises:
+        ValueError: neither or both given, an unknown name, or a count that is not positive.
+    """
+    if (model is None) == (params is None):
+        raise ValueError("give the model as params (a parameter count) or model (one of "
+                         f"{', '.join(MODELS)}), one of the two")
+    if model is not None:
+        if model not in MODELS:
+            raise ValueError(f"unknown model {model!r}: choose one of {', '.join(MODELS)}, "
+                             "or give its parameter count as params")
+        return MODELS[model]
+    return int(_positive("params", params, integer=True))
+
+
+def parse_codec(spec: str) -> tuple[str, dict]:
+    """``"qsgd:8"`` -> ``("qsgd", {"bits": 8})``; ``global_qsgd-lin:8`` / ``-exp:8`` set the
+    levels (``global_qsgd:8``: the default, exponential).
+
+    Raises:
+        ValueError: an unknown codec or suffix, or bits that are not an integer.
+    """
+    name, _, bits = spec.strip().partition(":")
+    base, _, suffix = name.partition("-")
+    params: dict = {}
+    if suffix:
+        if base != "global_qsgd" or suffix not in LEVEL_SUFFIXES:
+            raise ValueError(f"codec {spec!r}: only global_qsgd takes a suffix, -lin or -exp")
+        params["levels"] = LEVEL_SUFFIXES[suffix]
+    if base not in available_codecs():
+        raise ValueError(f"codec {spec!r}: unknown codec {base!r}; valid: "
+                         f"{', '.join(available_codecs())}")
+    if bits:
+        try:
+            params["bits"] = int(bits)
+        except ValueError:
+            raise ValueError(f"codec {spec!r}: bits {bits!r} is not an integer") from None
+    return base, params
+
+
+def build_codec(spec: str, topology: Topology) -> Codec:
+    """The codec of ``spec`` as the doors build it for ``topology``: a codec that needs a world
+    size for every rank, or, where that many payloads cannot be combined and the ranks share
+    hosts, for the hosts (only the hierarchical exchange can then run it). Its warnings about
+    its limits are left to :func:`limit_note`, which knows the plan.
+
+    Raises:
+        ValueError: it cannot be built (invalid parameters, or too many payloads to sum).
+    """
+    name, params = parse_codec(spec)
+    hosts = (lambda: topology.host_count) if topology.hierarchical else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CodecLimitWarning)
+        return CodecRequest(name, params).build(lambda: topology.size, hosts)
+
+
+def limit_note(codec: Codec, kind: str, topology: Topology) -> str:
+    """What limits ``codec`` in the plan ``kind`` (the payloads that plan combines: one per
+    rank, or one per host in a hierarchical plan); "" when nothing does."""
+    if not kind.startswith(plans.HIERARCHICAL):
+        return codec.limit_note() or ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CodecLimitWarning)
+        used = codec.for_world_size(topology.host_count)
+    note = used.limit_note()
+    if note:
+        return note
+    flat = codec.limit_note() if codec.world_size == topology.size else None
+    if not flat:
+        return ""
+    return (f"a flat exchange of {topology.size} ranks would leave "
+            f"{codec.params.get('num_levels')} level(s); the hierarchical plan combines one "
+            f"payload per host ({topology.host_count}): {used.params.get('num_levels')} levels.")
+
+
+def bucket_sizes(params: int, fusion_bytes: int = DEFAULT_FUSION_BYTES) -> list[int]:
+    """The model's float32 gradients in buckets of ``fusion_bytes`` (elements each; the
+    optimizer closes a bucket at the parameter that fills it, so its buckets are as large or
+    slightly larger)."""
+    per = max(1, fusion_bytes // 4)
+    full, rest = divmod(params, per)
+    return [per] * full + ([rest] if rest else [])
+
+
+# -- the step ------------------------------------------------------------------------------------
+class BucketTime(NamedTuple):
+    """One bucket's times, seconds: ``encode`` and ``decode`` on the device, ``wire`` on the
+    links."""
+
+    encode: float
+    wire: float
+    decode: float
+
+
+def step_seconds(compute_s: float, buckets: Sequence[BucketTime],
+                 elements: Sequence[int]) -> tuple[float, float]:
+    """The step of the module docstring's overlap rule, and its exposed communication.
+
+    Args:
+        compute_s: forward, backward and update without communication.
+        buckets: each bucket's times, in the order backward produces them.
+        elements: each bucket's elements (when backward has produced it).
+
+    Returns:
+        ``(step, exposed)`` seconds: exposed is the step minus the device's own work.
+    """
+    total = float(sum(elements))
+    forward = compute_s * (1.0 - BACKWARD_SHARE)
+    device_work = compute_s + sum(b.encode + b.decode for b in buckets)
+    done, encoded, wire_free, last_end = 0.0, 0.0, 0.0, 0.0
+    for bucket, numel in zip(buckets, elements):
+        done += numel
+        encoded += bucket.encode  # encodes delay the rest of backward
+        ready = forward + compute_s * BACKWARD_SHARE * done / total + encoded
+        wire_free = max(ready, wire_free) + bucket.wire
+        last_end = wire_free + bucket.decode
+    step = max(device_work, last_end)
+    return step, step - device_work
+
+
+def _gbps_seconds(elements: float, gbps: float | None) -> float:
+    return 0.0 if not elements else elements * 4.0 / (gbps * 1e9)
+
+
+def _codec_seconds(kind: str, topology: Topology, numel: int, rate: Throughput,
+                   share: float) -> tuple[float, float]:
+    """(encode, decode) seconds of one exchange of ``numel`` elements by plan ``kind``."""
+    work = codec_work(kind, topology, numel)
+    combine = rate.combine if rate.combine is not None else rate.decode
+    encode = _gbps_seconds(work.encode, rate.encode * share)
+    decode = (_gbps_seconds(work.decode, rate.decode * share)
+              + _gbps_seconds(work.combine, combine * share))
+    return encode, decode
+
+
+def _pieces_cost(kind: str, topology: Topology, numel: int, codec: Codec,
+                 pipeline_elems: int | None) -> Cost:
+    """The plan's cost over every piece of a pipelined bucket (each piece its own plan)."""
+    total = Cost(0.0, 0, 0.0, 0)
+    cross = codec.for_world_size(topology.host_count) if topology.hierarchical else None
+    for lo, hi in plans.pipeline_bounds(numel, pipeline_elems):
+        total = total + plan_cost(kind, topology, hi - lo, codec, cross)
+    return total
+
+
+def _plan_label(kinds: list[str]) -> str:
+    counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    if len(counts) == 1:
+        return kinds[0]
+    return ", ".join(f"{k} ({c} bucket{'s' if c > 1 else ''})" for k, c in counts.items())
+
+
+def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float, *,
+            params: int | None = None, model: str | None = None, device: str = "cuda",
+            codecs: Sequence[str] | None = None, intra_gbyte: float | None = None,
+            round_us: float | None = None, cores_per_host: float | None = None,
+            throughput: Mapping[str, Throughput] | None = None,
+            fusion_bytes: int = DEFAULT_FUSION_BYTES,
+            pipeline_elems: int | None = plans.DEFAULT_PIPELINE_ELEMS) -> Prediction:
+    """Predict the step of float32, the 16-bit allreduce and each codec (module docstring).
+
+    Args:
+        hosts: hosts (at least 1).
+        ranks_per_host: ranks on each host (GPUs, or CPU processes).
+        link_gbit: the network between hosts, Gbit/s per host interface.
+        compute_ms: the step without communication (forward, backward, update), ms.
+        params: the model's parameter count; or ``model``, a name of :data:`MODELS`.
+        device: "cuda" (GPU ranks, NCCL baselines) or "cpu" (CPU ranks, numba codecs).
+        codecs: codec specs ("qsgd:8", "global_qsgd-lin:8"); default :data:`DEFAULT_CODECS`.
+        intra_gbyte: GB/s a rank moves inside its host (default: the ranks' fabric default,
+            :meth:`Fabric.for_ranks`, which ``HQ_INTRA_GBYTE`` overrides).
+        round_us: a round's latency across hosts, microseconds (default as ``intra_gbyte``).
+        cores_per_host: CPU cores the ranks of a host share (device "cpu"; default one per
+            rank; fractions allowed: hosts emulated on fewer cores).
+        throughput: codec spec -> :class:`Throughput` (``"fp16"``: the CPU cast), in place of
+            the built-in table (``--measure``).
+        fusion_bytes: float32 bytes per bucket.
+        pipeline_elems: elements per pipelined piece (None: whole buckets).
+
+    Returns:
+        The :class:`Prediction`: fp32, fp16, then the codecs in the order given.
+
+    Raises:
+        ValueError: an input out of range, an unknown model, device or codec.
+    """
+    hosts = int(_positive("hosts", hosts, integer=True))
+    ranks_per_host = int(_positive("ranks_per_host", ranks_per_host, integer=True))
+    link_gbit = _positive("link_gbit", link_gbit)
+    compute_s = _positive("compute_ms", compute_ms) / 1e3
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r}: choose one of {', '.join(DEVICES)}")
+    numel_total = model_params(model, params)
+    on_gpu = device == "cuda"
+    base = Fabric.for_ranks(on_gpu)
+    fabric = Fabric(link_gbit,
+                    base.intra_gbyte if intra_gbyte is None
+                    else _positive("intra_gbyte", intra_gbyte),
+                    base.round_us if round_us is None else _positive("round_us", round_us))
+    share = 1.0
+    if not on_gpu:
+        cores = ranks_per_host if cores_per_host is None else _positive("cores_per_host",
+                                                                        cores_per_host)
+        share = min(1.0, cores / ranks_per_host)
+    elif cores_per_host is not None:
+        _positive("cores_per_host", cores_per_host)  # validated, unused: GPU codecs
+    table = dict(throughput) if throughput is not None else (
+        GPU_THROUGHPUT if on_gpu else CPU_THROUGHPUT)
+    source = "measured here (--measure)" if throughput is not None else TABLE_SOURCES[device]
+    topology = Topology.grid(hosts, ranks_per_host)
+    sizes = bucket_sizes(numel_total, _positive("fusion_bytes", fusion_bytes, integer=True))
+    plans.check_pipeline_elems(pipeline_elems)
+    specs = list(DEFAULT_CODECS if codecs is None else codecs)
+    for spec in specs:  # a misspelt spec is the caller's error; a codec the shape cannot
+        parse_codec(spec)  # serve is a row that says why
+    rows = [_baseline_row("fp32", 4.0, topology, sizes, compute_s, fabric, None, share),
+            _baseline_row("fp16", 2.0, topology, sizes, compute_s, fabric,
+                          None if on_gpu else _rate(table, "fp16", device), share)]
+    for spec in specs:
+        rows.append(_codec_row(spec, topology, sizes, compute_s, fabric, table, device, share,
+                               pipeline_elems))
+    fp32, fp16 = rows[0].step_ms, rows[1].step_ms
+    for row in rows:
+        if row.step_ms > 0:
+            row.vs_fp32, row.vs_fp16 = fp32 / row.step_ms, fp16 / row.step_ms
+    notes = []
+    settings = [f"{env}={mine:g}" for env, mine, default in zip(
+        (LINK_ENV, INTRA_ENV, ROUND_ENV), fabric, base) if mine != default]
+    if settings:
+        notes.append(f"the optimizer chooses these plans when every rank has "
+                     f"{' '.join(settings)} (its defaults: {base.describe()})")
+    if not on_gpu:
+        notes.append("16-bit on CPUs: the cast is timed, gloo's float16 sum is taken as fast "
+                     "as its float32 sum (it is slower: docs/will-it-pay.md)")
+    return Prediction(rows, hosts, ranks_per_host, numel_total, compute_s * 1e3, device, fabric,
+                      sizes, source, share, notes)
+
+
+def _rate(table: Mapping[str, Throughput], key: str, device: str) -> Throughput:
+    try:
+        return table[key]
+    except KeyError:
+        raise ValueError(f"no {device} throughput for {key!r}: its kernels were not measured "
+                         "(use --measure, or one of " + ", ".join(sorted(table)) + ")") from None
+
+
+def _baseline_row(name: str, element_bytes: float, topology: Topology, sizes: list[int],
+                  compute_s: float, fabric: Fabric, cast: Throughput | None,
+                  share: float) -> Row:
+    """A ring allreduce of ``element_bytes`` per element (``cast``: the CPU's float16 cast)."""
+    times, host_bytes = [], 0.0
+    for numel in sizes:
+        cost = ring_allreduce(topology, numel, element_bytes)
+        encode = decode = 0.0
+        if cast is not None and topology.size > 1:
+            encode = _gbps_seconds(numel, cast.encode * share)
+            decode = _gbps_seconds(numel, cast.decode * share)
+        times.append(BucketTime(encode, cost.seconds(fabric), decode))
+        host_bytes += cost.host_bytes
+    return _row(name, "ring allreduce" if topology.size > 1 else "none", host_bytes, times,
+                sizes, compute_s)
+
+
+def _codec_row(spec: str, topology: Topology, sizes: list[int], compute_s: float,
+               fabric: Fabric, table: Mapping[str, Throughput], device: str, share: float,
+               pipeline_elems: int | None) -> Row:
+    try:
+        codec = build_codec(spec, topology)
+    except ValueError as exc:
+        return Row(spec.strip(), "cannot be built", 0.0, 0.0, 0.0, 0.0, note=str(exc))
+    rate_key = f"{codec.name}:{codec.params.get('bits')}"
+    rate = _rate(table, rate_key, device)
+    times, kinds, host_bytes = [], [], 0.0
+    for numel in sizes:
+        if topology.size == 1:
+            kinds.append("none")
+            times.append(BucketTime(0.0, 0.0, 0.0))
+            continue
+        choice = plans.plan_choice(codec, topology, numel, "auto", topology.hierarchical,
+                                   fabric)
+        # no custom collective on the transports that carry GPU and gloo payloads
+        kind = plans.runnable(choice.kind, custom=False)
+        cost = _pieces_cost(kind, topology, numel, codec, pipeline_elems)
+        encode, decode = _codec_seconds(kind, topology, numel, rate, share)
+        times.append(BucketTime(encode, cost.seconds(fabric), decode))
+        kinds.append(kind)
+        host_bytes += cost.host_bytes
+    row = _row(spec.strip(), _plan_label(kinds), host_bytes, times, sizes, compute_s)
+    row.note = " ".join(dict.fromkeys(limit_note(codec, k, topology) for k in kinds if k))
+    return row
+
+
+def _row(name: str, plan: str, host_bytes: float, times: list[BucketTime], sizes: list[int],
+         compute_s: float) -> Row:
+    step, exposed = step_seconds(compute_s, times, sizes)
+    return Row(name, plan, host_bytes, step * 1e3, wire_ms=sum(t.wire for t in times) * 1e3,
+               codec_ms=sum(t.encode + t.decode for t in times) * 1e3, exposed_ms=exposed * 1e3)
+
+
+# -- --measure ----------------------------------------------------------------------------------
+def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 22,
+                       repeat: int = 3) -> dict[str, Throughput]:
+    """Time each codec's encode, decode and combine on this machine (best of ``repeat``,
+    after a first call that compiles the kernels); on CPUs also the float16 cast (``"fp16"``).
+
+    Args:
+        specs: codec specs (:func:`parse_codec`).
+        device: "cpu" (numba, one thread) or "cuda" (CuPy kernels; needs CuPy and a GPU).
+        elements: float32 elements of the timed vector.
+
+    Returns:
+        spec -> :class:`Throughput` (GB/s of float32 input).
+    """
+    if device == "cuda":
+        import cupy as xp
+
+        def sync() -> None:
+            xp.cuda.Device().synchronize()
+    else:
+        xp = np
+
+        def sync() -> None:
+            pass
+
+    rng = np.random.default_rng(0)
+    x = xp.asarray(rng.standard_normal(elements, dtype=np.float32))
+    out = xp.empty(elements, np.float32)
+    gigabytes = elements * 4 / 1e9
+
+    def best(fn) -> float:
+        fn()
+        sync()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return gigabytes / min(times)
+
+    rates: dict[str, Throughput] = {}
+    if device == "cpu":  # the 16-bit baseline's cast and back, as the built-in table times it
+        half = get_codec("fp16")
+        payload = half.encode(x, seed=1)
+        rates["fp16"] = Throughput(best(lambda: half.encode(x, seed=1)),
+                                   best(lambda: half.decode(payload, out)))
+    for spec in specs:
+        name, params = parse_codec(spec)
+        if codec_class(name).needs_world_size:
+            params["world_size"] = 2
+        codec = get_codec(name, **params)
+        key = f"{codec.name}:{codec.params.get('bits')}"
+        if key in rates:
+            continue
+        payload = codec.encode(x, seed=1)
+        combine = None
+        if codec.combine == "gather":
+            combine = best(lambda: codec.decode_add(payload, out))
+        rates[key] = Throughput(best(lambda: codec.encode(x, seed=1)),
+                                best(lambda: codec.decode(payload, out)), combine)
+    return rates
+
+
+# -- command line -------------------------------------------------------------------------------
+def format_table(prediction: Prediction) -> str:
+    """The prediction as text: what was assumed, then one line per row."""
+    p, f = prediction, prediction.fabric
+    mb = p.params * 4 / 1e6
+    lines = [f"{p.hosts} hosts x {p.ranks_per_host} ranks ({p.device}); {f.link_gbit:g} Gbit/s "
+             f"between hosts, {f.intra_gbyte:g} GB/s inside a host, {f.round_us:g} us per "
+             f"round",
+             f"{p.params / 1e6:.1f}M parameters = {mb:.1f} MB of float32 gradients in "
+             f"{len(p.buckets)} bucket(s); compute {p.compute_ms:g} ms per step",
+             f"codec throughput: {p.throughput_source}"
+             + (f", x{p.core_share:.2f} (a rank's share of the cores)"
+                if p.core_share != 1.0 else ""),
+             "", f"{'config':<20} {'host MB/step':>12} {'step ms':>9} {'vs 16-bit':>9} "
+                 f"{'vs fp32':>8}  plan"]
+    for r in p.rows:
+        if r.plan == "cannot be built":
+            lines.append(f"{r.name:<20} {'-':>12} {'-':>9} {'-':>9} {'-':>8}  cannot be built")
+            continue
+        name = {"fp16": "16-bit allreduce"}.get(r.name, r.name)
+        lines.append(f"{name:<20} {r.host_bytes / 1e6:>12.1f} {r.step_ms:>9.1f} "
+                     f"{r.vs_fp16:>8.2f}x {r.vs_fp32:>7.2f}x  {r.plan}")
+    lines.append("")
+    lines.append("step = max(compute + encode + decode, the last bucket's wire end + its "
+                 "decode); communication overlaps backward (the last 2/3 of compute).")
+    for r in p.rows:
+        if r.note:
+            lines.append(f"{r.name}: {r.note}")
+    lines += p.notes
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m horovod_quant.predict",
+        description="Predict the training step of float32, a 16-bit allreduce and each codec "
+                    "on your cluster (docs/will-it-pay.md).")
+    ap.add_argument("--hosts", type=int, required=True, help="hosts")
+    ap.add_argument("--ranks-per-host", type=int, required=True,
+                    help="ranks per host (GPUs per host)")
+    ap.add_argument("--link-gbit", type=float, required=True,
+                    help="network between hosts, Gbit/s per host interface")
+    ap.add_argument("--intra-gbyte", type=float, default=None,
+                    help="GB/s a rank moves inside its host (default 16 for GPUs: PCIe; 1.25 "
+                         "for CPU ranks; NVLink: 100 or more)")
+    ap.add_argument("--round-us", type=float, default=None,
+                    help="latency of one round of a collective across hosts, microseconds "
+                         "(default: the optimizer's, HQ_ROUND_US)")
+    ap.add_argument("--cores-per-host", type=float, default=None,
+                    help="CPU cores the ranks of a host share (--device cpu; default one per "
+                         "rank)")
+    model = ap.add_mutually_exclusive_group(required=True)
+    model.add_argument("--params", type=int, default=None, help="the model's parameter count")
+    model.add_argument("--model", choices=sorted(MODELS), default=None,
+                       help="a model of the built-in table")
+    ap.add_argument("--compute-ms", type=float, required=True,
+                    help="the step without communication (forward, backward, update), ms")
+    ap.add_argument("--device", choices=DEVICES, default="cuda",
+                    help="where the gradients and codecs are (default cuda)")
+    ap.add_argument("--codecs", default=",".join(DEFAULT_CODECS),
+                    help="comma-separated codec specs, e.g. qsgd:8,qsgd:4,global_qsgd-lin:8 "
+                         f"(default {','.join(DEFAULT_CODECS)})")
+    ap.add_argument("--measure", action="store_true",
+                    help="time the codecs on this machine first (CPU, or the GPU with --device "
+                         "cuda) instead of the built-in throughput table")
+    ap.add_argument("--json", action="store_true", help="print JSON: {\"rows\": [...]}")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (``python -m horovod_quant.predict --help``)."""
+    args = parse_args(argv)
+    codecs = [c for c in args.codecs.split(",") if c.strip()]
+    try:
+        for spec in codecs:
+            parse_codec(spec)
+        table = measure_throughput(codecs, args.device) if args.measure else None
+        prediction = predict(args.hosts, args.ranks_per_host, args.link_gbit, args.compute_ms,
+                             params=args.params, model=args.model, device=args.device,
+                             codecs=codecs, intra_gbyte=args.intra_gbyte,
+                             round_us=args.round_us, cores_per_host=args.cores_per_host,
+                             throughput=table)
+    except ValueError as exc:
+        print(f"predict: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(prediction.as_json(), indent=1))
+    else:
+        print(format_table(prediction))
+    return 0
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as its :func:`predict`: ``horovod_quant.predict`` is the function
+    the package exports (``hq.predict(...)``) and stays the module
+    (``import horovod_quant.predict as p``, ``p.MODELS``), whichever way it is reached."""
+
+    def __call__(self, *args, **kwargs) -> Prediction:
+        return predict(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+__signature__ = inspect.signature(predict)  # what inspect reports for the callable module
+
+if __name__ == "__main__":
+    sys.exit(main())

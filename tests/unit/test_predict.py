@@ -1,0 +1,300 @@
+"""The predictor (horovod_quant.predict): its plans are the optimizer's, its tables are the
+committed measurements, its model table is the architectures' own counts, its inputs are
+checked, and the codecs' limits are said before a user meets them."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import horovod_quant as hq
+from horovod_quant.core.limits import CodecLimitWarning
+from horovod_quant.doors import CodecRequest
+from horovod_quant.exchange import plans
+from horovod_quant.exchange.cost import Fabric, float32_ring, plan_cost
+from horovod_quant.exchange.topology import Topology
+
+# the module (``horovod_quant.predict`` as an attribute is the function it exports)
+pr = importlib.import_module("horovod_quant.predict")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, "docs", "results")
+
+
+def _rows(prediction: pr.Prediction) -> dict[str, pr.Row]:
+    return {r.name: r for r in prediction.rows}
+
+
+def test_the_package_exports_the_function_and_keeps_the_module():
+    """``hq.predict(...)`` is the function, ``import horovod_quant.predict as p`` the module."""
+    import inspect
+
+    import horovod_quant.predict as module
+
+    assert module is pr and hq.predict is pr and module.MODELS is pr.MODELS
+    assert inspect.signature(hq.predict) == inspect.signature(pr.predict)
+    assert hq.predict(2, 1, 1, 10, params=1000, codecs=[]).rows[0].name == "fp32"
+
+
+def test_the_acceptance_command_prints_every_row_as_json():
+    """``python -m horovod_quant.predict ... --json``: fp32, fp16 and the default codecs, each
+    with its plan, bytes, step and both ratios."""
+    out = subprocess.run(
+        [sys.executable, "-m", "horovod_quant.predict", "--hosts", "8", "--ranks-per-host", "8",
+         "--link-gbit", "25", "--model", "resnet50", "--compute-ms", "120", "--device", "cuda",
+         "--json"], capture_output=True, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert [r["name"] for r in rows] == ["fp32", "fp16", *pr.DEFAULT_CODECS]
+    for r in rows:
+        assert {"name", "plan", "host_bytes", "step_ms", "vs_fp32", "vs_fp16"} <= set(r)
+        assert r["step_ms"] >= 120 and r["host_bytes"] > 0
+    fp32, fp16 = rows[0], rows[1]
+    assert fp16["host_bytes"] == pytest.approx(fp32["host_bytes"] / 2)
+    assert fp32["vs_fp32"] == 1 and fp16["vs_fp16"] == 1
+    assert fp32["vs_fp16"] == pytest.approx(fp16["step_ms"] / fp32["step_ms"])
+
+
+@pytest.mark.parametrize("hosts,local", [(2, 4), (4, 8)])
+@pytest.mark.parametrize("bits,most", [(8, 0.30), (4, 0.17)])
+def test_gpu_hosts_qsgd_is_hierarchical_and_sends_a_fraction(hosts, local, bits, most):
+    """2 x 4 and 4 x 8 GPU hosts: the predicted qsgd plan is hierarchical, its bytes across
+    the busiest host's interface at most 0.30 of the float32 ring's at 8 bits, 0.17 at 4."""
+    prediction = pr.predict(hosts, local, 25, 120, model="resnet50", device="cuda",
+                            codecs=[f"qsgd:{bits}"])
+    rows = _rows(prediction)
+    row = rows[f"qsgd:{bits}"]
+    assert row.plan.startswith(plans.HIERARCHICAL) and "," not in row.plan, row.plan
+    assert row.host_bytes <= most * rows["fp32"].host_bytes, row.host_bytes / rows[
+        "fp32"].host_bytes
+
+
+def test_the_plans_and_bytes_are_the_optimizers():
+    """Each bucket takes plan_choice's plan on the predictor's fabric (one cost model): the
+    bytes of a one-bucket model are that plan's over the pipelined pieces, the float32 row's
+    the ring's; a plan_choice that picked another plan changes the prediction."""
+    topology, numel = Topology.grid(4, 2), 5_000_000
+    fabric = Fabric(10.0, 16.0, 50.0)
+    prediction = pr.predict(4, 2, 10, 50, params=numel, device="cuda", codecs=["qsgd:8"])
+    assert prediction.fabric == fabric
+    codec = hq.get_codec("qsgd", bits=8)
+    choice = plans.plan_choice(codec, topology, numel, "auto", True, fabric)
+    rows = _rows(prediction)
+    assert rows["qsgd:8"].plan == choice.kind
+    pieces = plans.pipeline_bounds(numel, plans.DEFAULT_PIPELINE_ELEMS)
+    want = sum(plan_cost(choice.kind, topology, hi - lo, codec).host_bytes for lo, hi in pieces)
+    assert rows["qsgd:8"].host_bytes == pytest.approx(want)
+    assert rows["fp32"].host_bytes == pytest.approx(float32_ring(topology, numel).host_bytes)
+
+
+def test_a_different_plan_choice_changes_the_prediction(monkeypatch):
+    """The predictor has no plan choice of its own: forcing plan_choice to the flat allgather
+    shows up in its plan and bytes."""
+    before = _rows(pr.predict(4, 2, 10, 50, params=5_000_000, codecs=["qsgd:8"]))["qsgd:8"]
+    real = plans.plan_choice
+
+    def flat(codec, topology, numel, gather="auto", hierarchy=False, fabric=None):
+        return real(codec, topology, numel, "allgather", False, fabric)
+
+    monkeypatch.setattr(plans, "plan_choice", flat)
+    after = _rows(pr.predict(4, 2, 10, 50, params=5_000_000, codecs=["qsgd:8"]))["qsgd:8"]
+    assert before.plan != after.plan == "allgather"
+    assert after.host_bytes > before.host_bytes
+
+
+def test_the_step_overlaps_communication_with_backward():
+    """One bucket is ready only when backward ends: its wire adds to the compute. Many
+    buckets: all but the last hide behind backward. Device work (encode, decode) never
+    hides."""
+    one, exposed = pr.step_seconds(0.3, [pr.BucketTime(0.0, 0.1, 0.0)], [100])
+    assert one == pytest.approx(0.4) and exposed == pytest.approx(0.1)
+    many, exposed = pr.step_seconds(0.3, [pr.BucketTime(0.0, 0.01, 0.0)] * 10, [10] * 10)
+    assert many == pytest.approx(0.31) and exposed == pytest.approx(0.01)
+    coded, _ = pr.step_seconds(0.3, [pr.BucketTime(0.02, 0.01, 0.03)] * 10, [10] * 10)
+    assert coded == pytest.approx(0.3 + 10 * 0.05)
+    # a slow link: the first bucket is ready after forward and a tenth of backward, then the
+    # wire carries the ten buckets one after the other
+    slow_link, _ = pr.step_seconds(0.3, [pr.BucketTime(0.0, 0.2, 0.0)] * 10, [10] * 10)
+    assert slow_link == pytest.approx(0.1 + 0.02 + 10 * 0.2)
+
+
+def test_cpu_codecs_share_the_cores():
+    """CPU codecs run on a rank's share of its host's cores: half the cores, twice the codec
+    time; the GPU rows have no cast cost in the 16-bit baseline, the CPU rows do."""
+    full = _rows(pr.predict(2, 2, 1, 100, params=8_000_000, device="cpu", codecs=["qsgd:8"],
+                            cores_per_host=2))
+    half = _rows(pr.predict(2, 2, 1, 100, params=8_000_000, device="cpu", codecs=["qsgd:8"],
+                            cores_per_host=1))
+    assert half["qsgd:8"].codec_ms == pytest.approx(2 * full["qsgd:8"].codec_ms)
+    assert full["fp16"].codec_ms > 0 and full["fp32"].codec_ms == 0
+    gpu = _rows(pr.predict(2, 2, 1, 100, params=8_000_000, device="cuda", codecs=["qsgd:8"]))
+    assert gpu["fp16"].codec_ms == 0
+
+
+def test_the_builtin_throughput_tables_are_the_committed_measurements():
+    """CPU: docs/results/redesign_throughput_after.json at 16M elements; GPU: gpu_h100_256m.json,
+    Global-QSGD, standard dithering and NDQSG from gpu_h100_throughput.json at 64M (the
+    built-in copies keep three significant figures)."""
+    def table(name, elements):
+        with open(os.path.join(RESULTS, name)) as f:
+            results = json.load(f)["results"]
+        return {(f"{r['codec']}:{r['bits']}" if r["bits"] else r["codec"]):
+                (r["encode_gbps"], r["decode_gbps"], r["combine_gbps"])
+                for r in results if r["elements"] == elements}
+
+    cpu = table("redesign_throughput_after.json", 1 << 24)
+    gpu = {**table("gpu_h100_throughput.json", 1 << 26), **table("gpu_h100_256m.json", 1 << 28)}
+    for built_in, measured in ((pr.CPU_THROUGHPUT, cpu), (pr.GPU_THROUGHPUT, gpu)):
+        for key, rate in built_in.items():
+            enc, dec, comb = measured[key]
+            assert rate.encode == pytest.approx(enc, rel=2e-3), key
+            assert rate.decode == pytest.approx(dec, rel=2e-3), key
+            assert (rate.combine is None) == (comb is None), key
+            if rate.combine is not None:
+                assert rate.combine == pytest.approx(comb, rel=2e-3), key
+
+
+def _resnet50_params() -> int:
+    import torch.nn as nn
+
+    def bottleneck(cin, mid, stride):
+        out = mid * 4
+        layers = [nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid),
+                  nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid),
+                  nn.Conv2d(mid, out, 1, bias=False), nn.BatchNorm2d(out)]
+        if stride != 1 or cin != out:
+            layers += [nn.Conv2d(cin, out, 1, stride, bias=False), nn.BatchNorm2d(out)]
+        return layers
+
+    layers, cin = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64)], 64
+    for mid, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for b in range(blocks):
+            layers += bottleneck(cin, mid, stride if b == 0 else 1)
+            cin = mid * 4
+    layers.append(nn.Linear(2048, 1000))
+    return sum(p.numel() for p in nn.ModuleList(layers).parameters())
+
+
+def _transformer_layer(d: int, ff: int, norms: int = 2, bias: bool = True) -> int:
+    b = 1 if bias else 0
+    return 4 * (d * d + b * d) + (d * ff + b * ff) + (ff * d + b * d) + norms * 2 * d
+
+
+def test_the_model_table_matches_the_architectures():
+    """Every count of the table, from the architecture (layer by layer)."""
+    gpt2 = lambda d, layers: (50257 * d + 1024 * d + layers * _transformer_layer(d, 4 * d)
+                              + 2 * d)
+    bert = lambda d, layers: (30522 * d + 512 * d + 2 * d + 2 * d
+                              + layers * _transformer_layer(d, 4 * d) + d * d + d)
+    vit = (3 * 768 * 16 * 16 + 768 + 768 + 197 * 768 + 12 * _transformer_layer(768, 3072)
+           + 2 * 768 + 768 * 1000 + 1000)
+    head = 64  # Llama 3.2 1B: 32 query heads, 8 key/value heads of 64
+    llama_layer = (2 * 2048 * 2048 + 2 * 2048 * 8 * head + 3 * 2048 * 8192 + 2 * 2048)
+    llama = 128256 * 2048 + 16 * llama_layer + 2048
+    want = {"resnet50": _resnet50_params(), "vit-b16": vit, "bert-base": bert(768, 12),
+            "bert-large": bert(1024, 24), "gpt2": gpt2(768, 12), "gpt2-medium": gpt2(1024, 24),
+            "llama-1b": llama}
+    assert pr.MODELS == want
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"hosts": 0}, "hosts=0 must be a positive integer"),
+    ({"ranks_per_host": 1.5}, "ranks_per_host=1.5 must be a positive integer"),
+    ({"link_gbit": -1}, "link_gbit=-1 must be a positive number"),
+    ({"compute_ms": float("nan")}, "compute_ms=nan"),
+    ({"device": "tpu"}, "device='tpu'"),
+    ({"model": "alexnet"}, "unknown model 'alexnet'"),
+    ({"model": "gpt2", "params": 10}, "one of the two"),
+    ({"codecs": ["qsgd:x"]}, "bits 'x' is not an integer"),
+    ({"codecs": ["zip:8"]}, "unknown codec 'zip'"),
+    ({"codecs": ["qsgd-lin:8"]}, "only global_qsgd takes a suffix"),
+    ({"intra_gbyte": 0}, "intra_gbyte=0"),
+    ({"cores_per_host": 0, "device": "cpu"}, "cores_per_host=0"),
+])
+def test_bad_inputs_are_refused_by_name(kwargs, match):
+    args = {"hosts": 2, "ranks_per_host": 2, "link_gbit": 10, "compute_ms": 100,
+            "model": "resnet50" if "params" not in kwargs else None}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace("[", r"\[")):
+        pr.predict(args.pop("hosts"), args.pop("ranks_per_host"), args.pop("link_gbit"),
+                   args.pop("compute_ms"), **args)
+
+
+def test_the_command_line_says_what_is_wrong():
+    out = subprocess.run([sys.executable, "-m", "horovod_quant.predict", "--hosts", "0",
+                          "--ranks-per-host", "2", "--link-gbit", "10", "--params", "100",
+                          "--compute-ms", "10"], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert out.returncode == 2 and "hosts=0 must be a positive integer" in out.stderr
+
+
+def test_linear_global_qsgd_limits_are_said_with_the_alternative():
+    """At 64 ranks of one host each, linear 8-bit Global-QSGD has 1 level: the codec warns at
+    build and the predictor says so; at 8 x 8 the hierarchical plan sums 8 host payloads (15
+    levels); at 128 ranks it cannot be built, and the message names exponential levels."""
+    with pytest.warns(CodecLimitWarning, match="64 workers' sum leaves 1 level"):
+        hq.get_codec("global_qsgd", world_size=64, bits=8, levels="linear")
+    flat = _rows(pr.predict(64, 1, 25, 100, model="gpt2", codecs=["global_qsgd-lin:8"]))
+    assert "leaves 1 level" in flat["global_qsgd-lin:8"].note
+    assert "levels='exponential' (115 levels" in flat["global_qsgd-lin:8"].note
+    nested = _rows(pr.predict(8, 8, 25, 100, model="gpt2", codecs=["global_qsgd-lin:8"]))
+    row = nested["global_qsgd-lin:8"]
+    assert row.plan == "hierarchical-sum" and "host (8): 15 levels" in row.note
+    big = _rows(pr.predict(128, 1, 25, 100, model="gpt2", codecs=["global_qsgd-lin:8"]))
+    assert big["global_qsgd-lin:8"].plan == "cannot be built"
+    assert "levels='exponential' (113 levels" in big["global_qsgd-lin:8"].note
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CodecLimitWarning)
+        hq.get_codec("global_qsgd", world_size=8, bits=8, levels="linear")  # 15 levels: quiet
+        hq.get_codec("global_qsgd", world_size=64, bits=8)  # exponential: 115 levels
+
+
+def test_a_world_too_large_for_the_codec_runs_hierarchically_between_its_hosts():
+    """128 ranks as 16 hosts x 8: linear 8-bit Global-QSGD cannot sum 128 payloads, so the
+    door builds it for the 16 hosts, the plan choice keeps to the hierarchical plans (which
+    sum one payload per host) and refuses a flat exchange, naming the hierarchy."""
+    request = CodecRequest("global_qsgd", {"bits": 8, "levels": "linear"})
+    codec = request.build(lambda: 128, lambda: 16)
+    assert codec.world_size == 16 and codec.s == 7
+    with pytest.raises(ValueError, match="needs fields of"):
+        request.build(lambda: 128)  # no hosts known: the codec's own error
+    topology = Topology.grid(16, 8)
+    choice = plans.plan_choice(codec, topology, 1 << 20, hierarchy=True)
+    assert choice.kind == "hierarchical-sum"
+    with pytest.raises(ValueError, match="a flat exchange of 128 ranks combines 128"):
+        plans.plan_choice(codec, topology, 1 << 20, hierarchy=False)
+    with pytest.raises(ValueError, match="exchange hierarchically"):
+        plans.plan_choice(codec, Topology.grid(128, 1), 1 << 20, hierarchy=True)
+    row = _rows(pr.predict(16, 8, 25, 100, model="gpt2", codecs=["global_qsgd-lin:8"]))
+    assert row["global_qsgd-lin:8"].plan == "hierarchical-sum"
+
+
+def test_measure_times_the_codecs_here():
+    """``--measure`` (CPU): positive rates for the codec and the float16 cast, which the
+    prediction then uses."""
+    rates = pr.measure_throughput(["qsgd:4", "global_qsgd-lin:8"], "cpu", elements=1 << 16,
+                                  repeat=1)
+    assert set(rates) == {"fp16", "qsgd:4", "global_qsgd:8"}
+    assert all(r.encode > 0 and r.decode > 0 for r in rates.values())
+    assert rates["qsgd:4"].combine > 0 and rates["global_qsgd:8"].combine is None
+    prediction = pr.predict(2, 1, 1, 10, params=1 << 20, device="cpu", codecs=["qsgd:4"],
+                            throughput=rates)
+    assert prediction.throughput_source.startswith("measured here")
+
+
+def test_the_committed_example_is_what_the_code_predicts():
+    """docs/will-it-pay.md renders docs/results/predict_resnet50_8x8_25g.json: the predictor
+    must still give it (rerun its command, docs/results/README.md, after changing the model)."""
+    with open(os.path.join(RESULTS, "predict_resnet50_8x8_25g.json")) as f:
+        committed = json.load(f)
+    now = pr.predict(8, 8, 25, 120, model="resnet50", device="cuda").as_json()
+    assert [r["name"] for r in now["rows"]] == [r["name"] for r in committed["rows"]]
+    for got, want in zip(now["rows"], committed["rows"]):
+        assert got["plan"] == want["plan"]
+        for key in ("host_bytes", "step_ms", "vs_fp32", "vs_fp16"):
+            assert got[key] == pytest.approx(want[key], rel=1e-9), (got["name"], key)

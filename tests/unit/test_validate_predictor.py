@@ -1,0 +1,87 @@
+"""benchmarks/validate_predictor.py: the comparison of predicted and measured steps passes on
+runs that agree with the predictor and fails when one term of the model is broken on purpose."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location(
+    "validate_predictor", os.path.join(ROOT, "benchmarks", "validate_predictor.py"))
+vp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vp)
+
+SHAPES = [(2, 1), (2, 2), (4, 1), (4, 2)]
+CODECS = ["qsgd:8", "qsgd:4", "global_qsgd-lin:8"]
+
+
+def _run(rate_gbit: float, wobble: float = 0.05) -> dict:
+    """A cluster.py JSON whose training rows measured what the predictor says, give or take
+    ``wobble`` (alternating signs: a measurement's scatter), on 2 cores."""
+    links = []
+    for k, (hosts, per_host) in enumerate(SHAPES):
+        results, sign = [], 1
+        for model, params, compute_s in (("resnet18", 11_173_962, 0.4),
+                                         ("gpt25", 25_239_552, 0.3)):
+            prediction = vp.predictor.predict(hosts, per_host, rate_gbit, compute_s * 1e3,
+                                              params=params, device="cpu", codecs=CODECS,
+                                              cores_per_host=2 / hosts)
+            results.append({"kind": "train", "model": model, "config_id": "compute",
+                            "door": "compute", "step_median_s": compute_s,
+                            "model_params": params, "other_load_cores": 0.01})
+            for row in prediction.rows:
+                sign = -sign
+                results.append({"kind": "train", "model": model, "config_id": row.name,
+                                "door": "horovod" if row.name in ("fp32", "fp16") else "hq",
+                                "step_median_s": row.step_ms / 1e3 * (1 + sign * wobble),
+                                "model_params": params, "other_load_cores": 0.01})
+        links.append({"hosts": hosts, "ranks_per_host": per_host, "rate_bps": rate_gbit * 1e9,
+                      "calibration": {"tcp_gbit_s": rate_gbit}, "results": results})
+    return {"machine": {"cpus": 2, "loadavg_before": "0.10 0.20 0.30",
+                        "loadavg_after": "0.90 0.80 0.50"}, "links": links}
+
+
+RUNS = [_run(1.0), _run(10.0)]
+
+
+def test_runs_that_agree_with_the_predictor_pass():
+    rows = vp.compare(RUNS)
+    summary = vp.summarize(rows)
+    assert summary["passed"] and summary["median_abs_error"] == pytest.approx(0.05, rel=0.01)
+    # every shape, both links, both models, fp32 and every codec counted; fp16 listed apart
+    assert summary["rows"] == 2 * len(SHAPES) * 2 * (1 + len(CODECS))
+    assert {r["config"] for r in rows if not r["counted"]} == {"fp16"}
+    assert all(r["loadavg_before_after"] == ("0.10 0.20 0.30", "0.90 0.80 0.50") for r in rows)
+
+
+def test_a_doubled_link_term_fails_the_comparison():
+    """The link's bytes taking twice their time (the link rate halved, nothing else) moves
+    the communication-bound rows by far more than the limits."""
+    def doubled_link(hosts, per_host, gbit, compute_ms, **kwargs):
+        return vp.predictor.predict(hosts, per_host, gbit / 2, compute_ms, **kwargs)
+
+    summary = vp.summarize(vp.compare(RUNS, predict=doubled_link))
+    assert not summary["passed"] and summary["max_abs_error"] > vp.MAX_ERROR
+
+
+def test_a_forgotten_codec_term_fails_the_comparison():
+    """Codecs that cost nothing (the encode and decode term dropped) fail too."""
+    free = {k: vp.predictor.Throughput(1e9, 1e9, 1e9) for k in vp.predictor.CPU_THROUGHPUT}
+
+    def no_codec_time(*args, **kwargs):
+        return vp.predictor.predict(*args, throughput=free, **kwargs)
+
+    assert not vp.summarize(vp.compare(RUNS, predict=no_codec_time))["passed"]
+
+
+def test_the_command_writes_its_table_and_fails_on_large_errors(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(_run(1.0, wobble=0.5)))
+    assert vp.main([str(path), "--out", str(tmp_path / "v")]) == 1
+    assert "failed" in (tmp_path / "v.md").read_text()
+    assert json.loads((tmp_path / "v.json").read_text())["summary"]["passed"] is False
+    path.write_text(json.dumps(_run(1.0)))
+    assert vp.main([str(path)]) == 0
