@@ -311,31 +311,9 @@ def prediction() -> str:
                     f"{r['vs_fp16']:.2f}x", f"{r['vs_fp32']:.2f}x"] for r in rows])
 
 
-def _validation(name: str) -> dict:
-    """{(shape, counted config kind): [errors]} of a validate_predictor.py JSON."""
-    out: dict = {}
-    for r in _load(name)["rows"]:
-        kind = "fp32" if r["config"] == "fp32" else "fp16" if r["config"] == "fp16" else "codecs"
-        out.setdefault((r["shape"], kind), []).append(r["error"])
-    return out
-
-
-def validation_earlier() -> str:
-    """The predictor against the earlier runs of docs/scaling.md: error ranges per shape."""
-    found = _validation("predictor_vs_scaling_runs.json")
-    shapes = sorted({shape for shape, _ in found})
-
-    def pct(values):
-        lo, hi = (format(100 * v, "+.0f") + "%" for v in (min(values), max(values)))
-        return lo if lo == hi else f"{lo} to {hi}"
-    return _table(["shape", "fp32", "codecs (hq optimizer)", "fp16 (not modelled)"],
-                  [[s.replace("x", " x "), pct(found[s, "fp32"]), pct(found[s, "codecs"]),
-                    pct(found[s, "fp16"])] for s in shapes])
-
-
 TABLES = {"exchange": exchange, "training": training, "transport": transport, "ddp": ddp,
           "throughput": throughput, "codecs": codecs, "scaling": scaling,
-          "prediction": prediction, "validation-earlier": validation_earlier}
+          "prediction": prediction}
 
 
 def _exchange_256mb(name: str, bits: int) -> str:
@@ -430,6 +408,10 @@ FIGURES = {
     "exchange-decode-gbps": _exchange_decode,
     "prediction-best-vs-16bit": lambda: format(100 * (max(
         r["vs_fp16"] for r in _load("predict_resnet50_8x8_25g.json")["rows"]) - 1), ".0f") + "%",
+    "validation-median": lambda: format(
+        100 * _load("predictor_validation.json")["summary"]["median_abs_error"], ".0f") + "%",
+    "validation-max": lambda: format(
+        100 * _load("predictor_validation.json")["summary"]["max_abs_error"], ".0f") + "%",
     "validation-earlier-median": lambda: format(
         100 * _load("predictor_vs_scaling_runs.json")["summary"]["median_abs_error"], ".0f") + "%",
     "validation-earlier-max": lambda: format(
