@@ -17,6 +17,7 @@ from .exchange.collectives import Collectives, Handle
 from .core import available_codecs, get_codec
 from .core.registry import codec_class
 from .core.base import Codec, check_int
+from .core.contract import Combine
 from .process_sets import mpi_exchange_enabled
 from .exchange.plans import DEFAULT_PIPELINE_ELEMS, check_gather, check_pipeline_elems
 from .env import env_seconds
@@ -349,7 +350,7 @@ def mpi_exchange_config(codecs: Iterable[Codec]) -> dict:
     """``HQ_MPI_EXCHANGE`` for the configuration check of an exchange over Horovod's
     collectives, where it changes the wire: a codec with a custom combine runs the MPI
     reduction when it is on, else the allgather plan (and the MPI set-up is collective)."""
-    if any(c.combine == "custom" for c in codecs):
+    if any(c.traits.combine is Combine.CUSTOM for c in codecs):
         return {"mpi_exchange": mpi_exchange_enabled()}
     return {}
 

@@ -37,6 +37,7 @@ from ..exchange import plans, wire
 from ..exchange.codec_states import CodecStates
 from ..exchange.driver import custom_collective
 from ..core.base import Codec
+from ..core.contract import GlobalNorm, SideInformation
 from ..core.rng import derive_key
 from ..policy import LayerPolicy
 from ._fenv import ieee_denormals
@@ -380,7 +381,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
             k = self._counter.assign_add(1) - 1
             norm = []
-            if codec.needs_norm:
+            if isinstance(codec, GlobalNorm):
                 norm = self._run_plans(spec, k, [(
                     "norm", lambda kk, x: plans.norm_plan(codec, [x], spec.tag(kk),
                                                           spec.label(kk)), [flat])],
@@ -400,7 +401,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             with self._lock:
                 self.stats.tensors += 1
                 self.stats.bytes_raw += 4 * int(np.prod(spec.shape, dtype=np.int64))
-        if spec.codec.counts_outage:  # read after this callback: TF may reuse its buffer
+        if isinstance(spec.codec, SideInformation):  # read after this callback: TF may reuse its buffer
             x = np.array(x, copy=True)
         return plans.PLANS[spec.kind](plans.Piece(
             spec.codec, x, plans.pipeline_seed(derive_key(self.seed, k), i, pieces), spec.rank,
