@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 import horovod_quant as hq
+from horovod_quant.core.contract import Combine
 
 
 def parse_size(text: str) -> int:
@@ -161,7 +162,7 @@ def bench_one(codec, x, repeat: int, backend, world_size: int, threads: int = 1)
     t_dec = best_time(lambda: codec.decode(payload, out), repeat, backend.sync)
     t_dec_alloc = best_time(lambda: codec.decode(payload), repeat, backend.sync)
     combine = None
-    if codec.combine == "gather":
+    if codec.traits.combine is Combine.GATHER:
         payloads = [codec.encode(x, seed=r) for r in range(world_size)]
         codec.combine_gathered(payloads, 0, out=out)
         combine = world_size * gb / best_time(lambda: codec.combine_gathered(payloads, 0, out=out),

@@ -132,10 +132,7 @@ def bound_of(codec, d: int):
         return float(codec.theta(d)), "theta"
     if hasattr(codec, "omega"):
         bucket = getattr(codec, "bucket_size", None) or d
-        try:
-            return float(codec.omega(min(bucket, d))), "omega"
-        except NotImplementedError:
-            return None, ""
+        return float(codec.omega(min(bucket, d))), "omega"
     if codec.name == "none":
         return 0.0, "exact"
     # round to nearest: relative error <= half an ulp (normal range), squared

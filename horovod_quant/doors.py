@@ -17,6 +17,7 @@ from .exchange.collectives import Collectives, Handle
 from .core import available_codecs, get_codec
 from .core.registry import codec_class
 from .core.base import Codec, check_int
+from .core.contract import Combine
 from .process_sets import mpi_exchange_enabled
 from .exchange.plans import DEFAULT_PIPELINE_ELEMS, check_gather, check_pipeline_elems
 from .env import env_seconds
@@ -33,30 +34,13 @@ CONFIG_TIMEOUT_S = 600.0
 DEFAULT_FUSION_BYTES = 32 << 20
 #: what :attr:`DoorOptions.transport` takes besides None
 TRANSPORTS = ("auto", "horovod", "gloo")
-#: the settings of :class:`DoorOptions` that only ``hq.torch.DistributedOptimizer`` uses
-OPTIMIZER_ONLY = ("fusion_bytes", "transport", "fallback", "on_step")
-
-
-class _Unset:
-    """The default of a door's ``pipeline_elems=`` argument, whose None means "whole
-    vectors": the value then comes from the door's :class:`DoorOptions`."""
-
-    def __repr__(self) -> str:
-        return "DoorOptions.pipeline_elems"
-
-
-UNSET: Any = _Unset()
 
 
 @dataclasses.dataclass(frozen=True)
-class DoorOptions:
-    """The settings of the framework doors, with one default each, the same in every door: a
-    tensor exchanged with the same codec and exchange seed gets the same bits through each of
-    them (docs/pytorch.md, "Settings shared by every door").
-
-    Every door takes ``options=DoorOptions(...)`` and each setting as a keyword argument of
-    the same name; a keyword argument given as None (``pipeline_elems``: not given) takes the
-    value from ``options``, else from the compressor a door was given, else the default here.
+class ExchangeSettings:
+    """The settings of a door's exchanges, the same in every door: a tensor exchanged with the
+    same codec and exchange seed gets the same bits through each of them (docs/pytorch.md,
+    "Settings shared by every door").
 
     Args:
         seed: base seed of every random draw (an integer).
@@ -65,27 +49,12 @@ class DoorOptions:
             :class:`~horovod_quant.policy.LayerPolicy`'s defaults).
         pipeline_elems: vectors longer than this are exchanged in pieces of this many elements
             (:class:`~horovod_quant.exchange.Exchange`); None sends every vector whole.
-        fusion_bytes: float32 bytes per fused bucket (``hq.torch.DistributedOptimizer`` only).
-        transport: what carries the payloads, "auto", "horovod" or "gloo"; None: the
-            ``HQ_TRANSPORT`` environment variable, else "auto" (the optimizer only).
-        fallback: "auto" (Horovod's float32 allreduce carries the buckets whose codec does not
-            pay, :mod:`horovod_quant.fallback`) or "never" (the optimizer only).
-        on_step: called with each step's :class:`~horovod_quant.stats.StepStats` (the
-            optimizer only).
-
-    The settings the optimizer alone uses are kept by a torch ``Compression`` (and used where
-    it is passed to the optimizer); the TensorFlow door and the DDP hook raise ValueError when
-    one of them is not at its default.
     """
 
     seed: int = 0
     gather: str = "auto"
     policy: LayerPolicy | None = None
     pipeline_elems: int | None = DEFAULT_PIPELINE_ELEMS
-    fusion_bytes: int = DEFAULT_FUSION_BYTES
-    transport: str | None = None
-    fallback: str = "auto"
-    on_step: Callable[[StepStats], None] | None = None
 
     def __post_init__(self) -> None:
         check_seed(self.seed)
@@ -95,6 +64,27 @@ class DoorOptions:
         if not isinstance(self.policy, LayerPolicy):
             raise ValueError(f"policy={self.policy!r} is not a horovod_quant LayerPolicy")
         check_pipeline_elems(self.pipeline_elems)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+    """The settings ``hq.torch.DistributedOptimizer`` alone uses.
+
+    Args:
+        fusion_bytes: float32 bytes per fused bucket.
+        transport: what carries the payloads, "auto", "horovod" or "gloo"; None: the
+            ``HQ_TRANSPORT`` environment variable, else "auto".
+        fallback: "auto" (Horovod's float32 allreduce carries the buckets whose codec does not
+            pay, :mod:`horovod_quant.fallback`) or "never".
+        on_step: called with each step's :class:`~horovod_quant.stats.StepStats`.
+    """
+
+    fusion_bytes: int = DEFAULT_FUSION_BYTES
+    transport: str | None = None
+    fallback: str = "auto"
+    on_step: Callable[[StepStats], None] | None = None
+
+    def __post_init__(self) -> None:
         check_int("fusion_bytes", self.fusion_bytes, 1)
         if self.transport is not None and self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not valid: choose one of "
@@ -104,11 +94,29 @@ class DoorOptions:
         if self.on_step is not None and not callable(self.on_step):
             raise ValueError(f"on_step={self.on_step!r} must be callable or None")
 
+
+@dataclasses.dataclass(frozen=True)
+class DoorOptions(OptimizerSettings, ExchangeSettings):
+    """Every setting of the framework doors in one value, one default each: the
+    :class:`ExchangeSettings` every door takes and the :class:`OptimizerSettings` of
+    ``hq.torch.DistributedOptimizer``.
+
+    Every door takes its settings one way: ``options=DoorOptions(...)``, or each setting as a
+    keyword argument of the same name (over the settings of a compressor the door was given,
+    else the defaults), not both. A torch ``Compression`` keeps the optimizer's settings for
+    the optimizer it is passed to; the TensorFlow door and the DDP hook raise ValueError when
+    one of them is not at its default.
+    """
+
+    def __post_init__(self) -> None:
+        ExchangeSettings.__post_init__(self)
+        OptimizerSettings.__post_init__(self)
+
     def check_door(self, door: str) -> "DoorOptions":
-        """``self``, for a door that does not use the optimizer-only settings; ValueError
+        """``self``, for a door that does not use the optimizer's settings; ValueError
         naming each one not at its default."""
         set_here = [f"{name}={getattr(self, name)!r}" for name in OPTIMIZER_ONLY
-                    if getattr(self, name) != _DEFAULTS[name]]
+                    if getattr(self, name) != getattr(_OPTIMIZER_DEFAULTS, name)]
         if set_here:
             raise ValueError(f"{', '.join(set_here)}: the {door} does not take these settings "
                              "(hq.torch.DistributedOptimizer alone does); leave them at their "
@@ -116,29 +124,67 @@ class DoorOptions:
         return self
 
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DoorOptions)}
+_OPTIMIZER_DEFAULTS = OptimizerSettings()
+#: the settings every door takes, and those only ``hq.torch.DistributedOptimizer`` uses
+SHARED = tuple(f.name for f in dataclasses.fields(ExchangeSettings))
+OPTIMIZER_ONLY = tuple(f.name for f in dataclasses.fields(OptimizerSettings))
+DOOR_SETTINGS = SHARED + OPTIMIZER_ONLY
 
 
-def door_options(options: DoorOptions | None = None, inherited: DoorOptions | None = None,
-                 **given: Any) -> DoorOptions:
-    """A door's settings: ``given`` keyword arguments (None, and :data:`UNSET`, for "not
-    given"; ``pipeline_elems=None`` is given), over ``options``, else over ``inherited`` (the
-    settings of a compressor the door was handed), else over the defaults.
+def door_options(given: dict[str, Any], options: DoorOptions | None = None,
+                 inherited: DoorOptions | None = None, takes: tuple[str, ...] = SHARED
+                 ) -> DoorOptions:
+    """A door's settings from one place: ``options``, or the ``given`` keyword arguments over
+    ``inherited`` (the settings of a compressor the door was handed), else the defaults.
+
+    Args:
+        given: the settings given as keyword arguments (None is a value: ``pipeline_elems=None``
+            sends whole vectors).
+        options: the door's ``options=``.
+        inherited: the settings of a compressor the door was handed.
+        takes: the settings this door takes as keyword arguments.
 
     Raises:
-        ValueError: a setting is given both ways, or is invalid.
+        ValueError: settings given both ways, a keyword that is no setting of this door, or an
+            invalid setting.
     """
     if options is not None and not isinstance(options, DoorOptions):
         raise ValueError(f"options={options!r} is not a horovod_quant DoorOptions")
-    given = {k: v for k, v in given.items()
-             if v is not UNSET and (v is not None or k == "pipeline_elems")}
+    unknown = sorted(set(given) - set(takes))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not a setting of this door; it takes "
+                         f"{', '.join(takes)} (or options=DoorOptions(...))")
+    if options is not None and given:
+        names = ", ".join(sorted(given))
+        raise ValueError(f"{names} given as keyword arguments and options= given too: set "
+                         f"{names} inside options=DoorOptions(...), or drop options= and pass "
+                         "every setting as a keyword")
     if options is not None:
-        twice = sorted(k for k in given if getattr(options, k) != given[k])
-        if twice:
-            raise ValueError(f"{', '.join(twice)} given both as keyword arguments and in "
-                             "options=: set each setting in one place")
-    base = options if options is not None else inherited if inherited is not None else None
-    return dataclasses.replace(base, **given) if base is not None else DoorOptions(**given)
+        return options
+    return dataclasses.replace(inherited or DoorOptions(), **given)
+
+
+class SettingsAttributes:
+    """The exchange settings of a door's :attr:`options` as its attributes (``door.seed``,
+    ...), written once for every door."""
+
+    options: ExchangeSettings
+
+    @property
+    def seed(self) -> int:
+        return self.options.seed
+
+    @property
+    def gather(self) -> str:
+        return self.options.gather
+
+    @property
+    def policy(self) -> LayerPolicy:
+        return self.options.policy
+
+    @property
+    def pipeline_elems(self) -> int | None:
+        return self.options.pipeline_elems
 
 
 class _CheckNumbers:
@@ -285,13 +331,43 @@ class CodecRequest:
             return codec
 
 
-class CompressorSettings:
+@dataclasses.dataclass(frozen=True)
+class RequestedCodec:
+    """A codec asked for by name through ``Compression.<name>(...)``, with the group it is
+    built for.
+
+    Attributes:
+        request: the name and the parameters the user gave.
+        world_size: the group's size (Horovod's ``process_set.size``).
+        host_count: the group's hosts, where a world too large for the codec may still
+            combine one payload per host (see :meth:`CodecRequest.build`), or None.
+    """
+
+    request: CodecRequest
+    world_size: Callable[[], int]
+    host_count: Callable[[], int | None] | None = None
+
+    def build(self) -> Codec:
+        return self.request.build(self.world_size, self.host_count)
+
+    def build_if_ready(self) -> Codec | None:
+        """The codec, or None while it needs a world size that Horovod cannot give yet (not
+        initialized): it is then built at its first use."""
+        try:
+            return self.build()
+        except ValueError:
+            if not self.request.needs_world_size or _initialized(self.world_size):
+                raise
+            return None
+
+
+class CompressorSettings(SettingsAttributes):
     """The codec and settings a door holds (the Horovod doors' compressors, the DDP state).
 
     Args:
-        codec: the codec (see :func:`horovod_quant.get_codec`), or a :class:`CodecRequest`
-            and the function giving its world size, built when first used (a world-sized
-            codec asked for before Horovod is initialized).
+        codec: the codec (see :func:`horovod_quant.get_codec`), or a :class:`RequestedCodec`,
+            built now, or at its first use when it needs a world size before Horovod is
+            initialized.
         options: the door's :class:`DoorOptions`.
         process_set: Horovod process set of the optimizer or tape, if not the global one.
 
@@ -302,15 +378,11 @@ class CompressorSettings:
         codec_request: how ``Compression.<name>(...)`` asked for the codec, or None.
     """
 
-    def __init__(self, codec: Codec | tuple[CodecRequest, Callable[[], int]],
-                 options: DoorOptions, process_set: Any = None) -> None:
-        self.codec_request: CodecRequest | None = None
-        self._world_size: Callable[[], int] | None = None
-        self._host_count: Callable[[], int] | None = None
-        if isinstance(codec, tuple):  # (request, world size[, host count])
-            self.codec_request, self._world_size, *hosts = codec
-            self._host_count, codec = (hosts[0] if hosts else None), None
-        self._codec = codec
+    def __init__(self, codec: Codec | RequestedCodec, options: DoorOptions,
+                 process_set: Any = None) -> None:
+        self._requested = codec if isinstance(codec, RequestedCodec) else None
+        self.codec_request = None if self._requested is None else self._requested.request
+        self._codec = codec if self._requested is None else self._requested.build_if_ready()
         self.options = options
         self.process_set = process_set
         self.stats = StepStats()
@@ -319,24 +391,8 @@ class CompressorSettings:
     def codec(self) -> Codec:
         """The codec (a requested one is built at the first use)."""
         if self._codec is None:
-            self._codec = self.codec_request.build(self._world_size, self._host_count)
+            self._codec = self._requested.build()
         return self._codec
-
-    @property
-    def seed(self) -> int:
-        return self.options.seed
-
-    @property
-    def gather(self) -> str:
-        return self.options.gather
-
-    @property
-    def policy(self) -> LayerPolicy:
-        return self.options.policy
-
-    @property
-    def pipeline_elems(self) -> int | None:
-        return self.options.pipeline_elems
 
     def shared_config(self) -> dict:
         """What must agree across ranks (see :class:`ConfigCheck`)."""
@@ -349,7 +405,7 @@ def mpi_exchange_config(codecs: Iterable[Codec]) -> dict:
     """``HQ_MPI_EXCHANGE`` for the configuration check of an exchange over Horovod's
     collectives, where it changes the wire: a codec with a custom combine runs the MPI
     reduction when it is on, else the allgather plan (and the MPI set-up is collective)."""
-    if any(c.combine == "custom" for c in codecs):
+    if any(c.traits.combine is Combine.CUSTOM for c in codecs):
         return {"mpi_exchange": mpi_exchange_enabled()}
     return {}
 
@@ -387,30 +443,21 @@ class CompressionNamespace:
         if name not in available_codecs():
             raise AttributeError(f"no codec {name!r}; valid: {', '.join(available_codecs())}")
 
-        def make(seed: int | None = None, gather: str | None = None, policy: Any = None,
-                 pipeline_elems: int | None = UNSET, process_set: Any = None,
-                 options: DoorOptions | None = None, **params: Any) -> Any:
-            settings = door_options(options, seed=seed, gather=gather, policy=policy,
-                                    pipeline_elems=pipeline_elems)
-            request = CodecRequest(name, params)
+        def make(process_set: Any = None, options: DoorOptions | None = None,
+                 **params: Any) -> Any:
+            settings = {k: params.pop(k) for k in DOOR_SETTINGS if k in params}
             size = (process_set if process_set is not None else self._global).size
             # the hosts of the global set: where its world is too large for the codec, the
             # hierarchical exchange may still combine one payload per host
             hosts = self._host_count if process_set is None else None
-            try:
-                codec = request.build(size, hosts)
-            except ValueError:
-                if not request.needs_world_size or _initialized(size):
-                    raise
-                codec = (request, size, hosts)  # Horovod not initialized: built at first use
-            compressor = self._cls(codec, process_set=process_set, options=settings)
-            compressor.codec_request = request
-            return compressor
+            return self._cls(RequestedCodec(CodecRequest(name, params), size, hosts),
+                             process_set=process_set, options=options, **settings)
 
         make.__name__ = name
         make.__doc__ = (f"A Horovod {self._framework} Compressor running the ``{name}`` codec.\n\n"
-                        f"Args: seed, gather, policy, pipeline_elems, options (DoorOptions), "
-                        f"process_set and the codec's own parameters (docs/codecs.md).")
+                        f"Args: process_set, options (DoorOptions) or the settings as keywords "
+                        f"(seed, gather, policy, pipeline_elems, and the torch door keeps the "
+                        f"optimizer's), and the codec's own parameters (docs/codecs.md).")
         return make
 
     def __dir__(self) -> list[str]:

@@ -32,6 +32,7 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 
 from .core.base import Codec
+from .core.contract import Combine
 from .core.limits import CodecLimitWarning
 from .core.registry import available_codecs, codec_class, get_codec
 from .doors import DEFAULT_FUSION_BYTES, CodecRequest
@@ -530,7 +531,7 @@ def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 2
             continue
         payload = codec.encode(x, seed=1)
         combine = None
-        if codec.combine == "gather":
+        if codec.traits.combine is Combine.GATHER:
             combine = best(lambda: codec.decode_add(payload, out))
         rates[key] = Throughput(best(lambda: codec.encode(x, seed=1)),
                                 best(lambda: codec.decode(payload, out)), combine)

@@ -8,10 +8,9 @@ from typing import Any, ClassVar, NamedTuple, Sequence
 import numpy as np
 
 from ..backends import backend_of
+from .contract import ExchangeTraits, SumDecodable, traits_of
 from .payload import Payload
 from .rng import derive_key
-
-COMBINES = ("sum", "gather", "custom")
 
 
 def as_vector(x: Any) -> Any:
@@ -61,20 +60,6 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
 #: Largest element count a payload may declare: 2^40 (4 TiB of float32, beyond any tensor). A
 #: larger (or negative) size is a damaged header; checked before anything is allocated.
 MAX_PAYLOAD_SIZE = 1 << 40
-
-
-class SideInfoOutcome(NamedTuple):
-    """One rank's result of :meth:`Codec.combine_side_info`.
-
-    Attributes:
-        mean: the float32 mean estimate, the same on every rank.
-        own_outages: values of this rank's own payload whose side-information decode failed.
-        record: the exchange's statistics, completed by :meth:`Codec.finish_side_info`.
-    """
-
-    mean: Any
-    own_outages: int
-    record: Any
 
 
 class CodecState(abc.ABC):
@@ -152,18 +137,14 @@ class Codec(abc.ABC):
     (``backend_of``, :mod:`horovod_quant.backends`): each is written once against the
     backend interface, and backends give the same bytes.
 
-    Subclasses validate their parameters in ``__init__`` and implement :meth:`encode` and
-    :meth:`decode`. ``combine`` says how payloads of n workers combine:
-
-    * ``"sum"``: payload arrays add up elementwise under a plain allreduce and
-      :meth:`decode_sum` turns the sum into the mean estimate;
-    * ``"gather"``: each worker's payload is decoded separately and the results averaged;
-    * ``"custom"``: the codec's own reduction (Global-QSGD exponent reduce, NDQSG side
-      information), run by the exchange plans of ``horovod_quant.exchange``.
+    Subclasses validate their parameters in ``__init__``, implement :meth:`encode` and
+    :meth:`decode`, and call ``Codec.__init__`` last with their parameters. What they can do
+    beyond that is a capability they inherit (:mod:`.contract`: ``SumDecodable``, ``Reduced``,
+    ``GlobalNorm``, ``SideInformation``); the exchange checks capabilities by type and reads
+    :attr:`traits`, fixed when the codec is built.
     """
 
     name: ClassVar[str]
-    combine: ClassVar[str]
     #: Horovod's own allreduce carries this codec's tensors in the framework doors (no payload
     #: exchange of ours, and Horovod fuses them): None (the codec's exchange), ``"keep"`` (the
     #: tensor as it is) or the dtype name it is cast to and back (``"float16"``, as Horovod's
@@ -171,24 +152,22 @@ class Codec(abc.ABC):
     horovod_allreduce: ClassVar[str | None] = None
     #: the constructor needs ``world_size`` (the framework doors fill it from the process set)
     needs_world_size: ClassVar[bool] = False
-    #: the ranks this codec combines (codecs that :attr:`needs_world_size`), else None
-    world_size: int | None = None
-    #: decoding needs side information from other ranks' payloads (NDQSG): a gathered exchange
-    #: combines with :meth:`combine_side_info`, sums the ranks' ``own_outages`` with one integer
-    #: allreduce and hands the total to :meth:`finish_side_info`
-    #: (:mod:`horovod_quant.exchange.plans`)
-    counts_outage: ClassVar[bool] = False
-    #: the collective of :mod:`horovod_quant.exchange` that reduces this codec's payloads in place
-    #: of an allgather (its factory may decline an instance it does not fit), or None
-    custom_collective: ClassVar[str | None] = None
-    #: encoding needs the global norm of every rank's vector (:meth:`norm_statistic`,
-    #: :attr:`norm_op`, :meth:`norm_from_statistics`): the exchange gathers it first
-    needs_norm: ClassVar[bool] = False
-    #: how a rank's several statistics combine ("max" or "sum"), for codecs that needs_norm
-    norm_op: str = "max"
+    #: dtype of ``Payload.data`` (what a collective moves)
+    wire_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
+    #: leading payload bytes :meth:`wire_layout` reads (a sparse count, an NDQSG header)
+    head_nbytes: ClassVar[int] = 0
 
     def __init__(self, **params: Any) -> None:
         self.params = dict(params)
+        #: the ranks this codec combines (codecs that :attr:`needs_world_size`), else None
+        self.world_size: int | None = params.get("world_size")
+        self._traits = traits_of(self)
+
+    @property
+    def traits(self) -> ExchangeTraits:
+        """What an exchange needs to know about this codec (:class:`.contract.ExchangeTraits`),
+        computed once when it was built."""
+        return self._traits
 
     # -- contract ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -206,10 +185,6 @@ class Codec(abc.ABC):
         dst += self.decode(payload)
         return out
 
-    def decode_sum(self, payload: Payload, n: int, out: np.ndarray | None = None) -> np.ndarray:
-        """For ``combine == "sum"``: the mean estimate from the elementwise sum of n payloads."""
-        raise NotImplementedError(f"{self.name} payloads do not sum; combine={self.combine}")
-
     def payload_from_wire(self, data: np.ndarray, size: int, **meta: Any) -> Payload:
         """Rebuild a payload from the bytes a collective delivered.
 
@@ -221,13 +196,7 @@ class Codec(abc.ABC):
         self.check_payload(raw)  # before the view: a damaged length may not be whole words
         return Payload(raw.data.view(self.wire_dtype), raw.size, raw.meta)
 
-    #: dtype of ``Payload.data`` (what a collective moves)
-    wire_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
-
     # -- payload validation (every decode entry point, CPU and GPU, before any kernel) --------
-    #: leading payload bytes :meth:`wire_layout` reads (a sparse count, an NDQSG header)
-    head_nbytes: ClassVar[int] = 0
-
     def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout | None:
         """The byte count of a valid payload of ``size`` elements (see :class:`WireLayout`).
 
@@ -317,47 +286,6 @@ class Codec(abc.ABC):
                              f"{[lay.size for lay in lays]}")
         return lays
 
-    # -- the global norm (codecs that needs_norm) ----------------------------------------------
-    def norm_statistic(self, x: Any) -> float:
-        """This rank's part of the global norm of ``x`` (float64; non-finite when x is);
-        statistics combine with :attr:`norm_op`."""
-        raise NotImplementedError(f"{self.name} does not normalize by a global norm "
-                                  f"(needs_norm is False)")
-
-    def norm_from_statistics(self, stats: Sequence[float]) -> np.float32:
-        """The global norm from every rank's statistic, given in rank order (the same float32
-        on every rank)."""
-        raise NotImplementedError(f"{self.name} does not normalize by a global norm "
-                                  f"(needs_norm is False)")
-
-    # -- side information (codecs that counts_outage) ------------------------------------------
-    def combine_side_info(self, payloads: Sequence[Payload], seed: int, rank: int, x: Any,
-                          out: Any | None = None, state: CodecState | None = None
-                          ) -> SideInfoOutcome:
-        """The mean estimate of a gathered exchange, decoded with side information.
-
-        Args:
-            payloads: every rank's payload, in rank order (``meta["seed"]`` set).
-            seed: the exchange seed.
-            rank: this rank.
-            x: this rank's input vector: the outcome counts the side-information failures of
-                this rank's own values (no rank knows the others').
-            out: destination of the estimate, or None for a new array.
-            state: the exchange's :meth:`new_state`, moved on by this exchange (None: a
-                fresh one, dropped after).
-
-        Every rank computes the same mean and moves its state the same way; the count is this
-        rank's own.
-        """
-        raise NotImplementedError(f"{self.name} decodes without side information "
-                                  f"(counts_outage is False)")
-
-    def finish_side_info(self, outcome: SideInfoOutcome, total_outages: int) -> None:
-        """Complete an exchange's statistics with the sum over ranks of ``outcome.own_outages``
-        (what one integer allreduce gives every rank)."""
-        raise NotImplementedError(f"{self.name} decodes without side information "
-                                  f"(counts_outage is False)")
-
     def config(self) -> dict[str, Any]:
         """Everything that must agree across ranks (checked once at the first step)."""
         return {"codec": self.name, **self.params}
@@ -397,9 +325,9 @@ class Codec(abc.ABC):
 
     def combine_payloads(self, payloads: Sequence[Payload], seed: int) -> np.ndarray:
         """The mean estimate from every worker's payload (rank order) as the exchange combines
-        them: the elementwise sum of the words then :meth:`decode_sum` for ``"sum"`` codecs,
-        :meth:`combine_gathered` otherwise."""
-        if self.combine == "sum":
+        them: the elementwise sum of the words then ``decode_sum`` for
+        :class:`~.contract.SumDecodable` codecs, :meth:`combine_gathered` otherwise."""
+        if isinstance(self, SumDecodable):
             self.check_payloads(payloads)
 
             def words(p: Payload) -> np.ndarray:

@@ -1,12 +1,13 @@
 """Uncompressed and half-precision baselines, so every comparison runs through one interface."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from ..backends import backend_of
 from .base import Codec, WireLayout, check_int
+from .contract import SumDecodable
 from .payload import Payload
 
 
@@ -41,10 +42,8 @@ def _store(values: Any, out: Any | None) -> Any:
     return out
 
 
-class _FloatBaseline(Codec):
-    """A float cast; payloads add up under allreduce (combine "sum")."""
-
-    combine: ClassVar[str] = "sum"
+class _FloatBaseline(SumDecodable, Codec):
+    """A float cast; payloads add up under allreduce."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -104,7 +103,6 @@ class BF16(Codec):
     """
 
     name = "bf16"
-    combine: ClassVar[str] = "gather"
 
     def __init__(self) -> None:
         super().__init__()

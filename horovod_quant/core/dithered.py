@@ -12,7 +12,7 @@ the nested codec too (:mod:`.nested_dithered`).
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -68,7 +68,6 @@ class DitheredQuantizer(Codec):
     """
 
     name = "dithered"
-    combine: ClassVar[str] = "gather"
 
     def __init__(self, bits: int = 4, bucket_size: int | None = DEFAULT_BUCKET) -> None:
         bits = check_dither_bits(bits)

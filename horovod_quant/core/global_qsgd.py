@@ -5,16 +5,18 @@ scalar exchange, Algorithm 1 line 2) instead of its own, so all workers share on
 their codes combine without side information:
 
 * ``levels="linear"`` (Global-L_s): levels j/s in summable fields of uint64 words, with the
-  headroom that makes a plain integer sum of n workers' words exact (``combine = "sum"``);
+  headroom that makes a plain integer sum of n workers' words exact (:class:`GlobalQSGDLinear`);
 * ``levels="exponential"`` (Global-E_s): codes ``sign << (bits-1) | e`` of values
   ``sign * 2^-e``, summed by the stochastic exponent reduction of :mod:`.exponent_reduction`
-  (``combine = "custom"``);
-* ``mode="sparse"``: only the nonzero codes and their positions travel (``combine = "gather"``).
+  (:class:`GlobalQSGDExponential`);
+* ``mode="sparse"``: only the nonzero codes and their positions travel, gathered
+  (:class:`GlobalQSGDSparse`).
 
 Word layouts, code tables and the rounding draws, bit for bit: docs/dev/formats.md ("Global-QSGD").
 """
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any, Sequence
 
@@ -30,6 +32,7 @@ from ..backends import (
     packed_nbytes,
 )
 from .base import Codec, WireLayout, check_choice, check_int, worker_seed
+from .contract import GlobalNorm, Reduced, SumDecodable
 from .limits import FEW_LEVELS, HIERARCHY_HINT, warn_limit
 from .exponent_reduction import (
     REDUCTIONS,
@@ -194,11 +197,15 @@ def signed_table(levels: str, bits: int, s: int, c: int) -> np.ndarray:
     return table
 
 
-class GlobalQSGD(Codec):
+class GlobalQSGD(GlobalNorm, Codec):
     """Global-QSGD (Definition 3.1, Algorithm 1) with linear or exponential levels.
 
-    Every worker encodes with the global norm (the ``Codec`` global-norm interface); payload
-    layouts: docs/dev/formats.md ("Global-QSGD").
+    Every worker encodes with the global norm (:class:`.contract.GlobalNorm`); payload
+    layouts: docs/dev/formats.md ("Global-QSGD"). Building one gives the class of its
+    configuration, whose capabilities differ: :class:`GlobalQSGDLinear` (dense linear: words
+    sum, :class:`.contract.SumDecodable`), :class:`GlobalQSGDExponential` (dense exponential:
+    the exponent reduction, :class:`.contract.Reduced`) and :class:`GlobalQSGDSparse`
+    (gathered).
 
     Args:
         world_size: n, the number of workers whose payloads combine (required; it sets the
@@ -217,13 +224,15 @@ class GlobalQSGD(Codec):
     """
 
     name = "global_qsgd"
-    #: of the default configuration; each instance sets its own from ``levels`` and ``mode``
-    combine = "custom"
     needs_world_size = True
-    #: of the default configuration: the mpi4py exponent allreduce; None for the modes that
-    #: do not combine by the exponent reduction
-    custom_collective = "exponent_allreduce"
-    needs_norm = True
+
+    def __new__(cls, world_size: int | None = None, bits: int = 8, levels: str = "exponential",
+                num_levels: int | None = None, norm: str = "max", mode: str = "dense",
+                reduction: str = "tree") -> "GlobalQSGD":
+        if cls is GlobalQSGD:  # the configuration's class; __init__ validates the arguments
+            cls = (GlobalQSGDSparse if mode == "sparse"
+                   else GlobalQSGDLinear if levels == "linear" else GlobalQSGDExponential)
+        return super().__new__(cls)
 
     def __init__(self, world_size: int | None = None, bits: int = 8,
                  levels: str = "exponential", num_levels: int | None = None,
@@ -246,7 +255,6 @@ class GlobalQSGD(Codec):
                          hint=f"Codes of {levels} {mode} payloads take 2..{hi_bits} bits.")
         if num_levels is not None:
             num_levels = check_int("num_levels", num_levels, 1)
-        self.world_size = n
         self.requested_levels = num_levels
         self.bits = bits
         self.levels = levels
@@ -264,17 +272,13 @@ class GlobalQSGD(Codec):
             self.s = most if num_levels is None else check_int(
                 "num_levels", num_levels, 1, most,
                 hint=f"{bits} bits hold at most {most} levels with the sign; raise bits.")
-        self.combine = ("sum" if linear else "custom") if dense else "gather"
-        self.custom_collective = "exponent_allreduce" if self.combine == "custom" else None
-        self.head_nbytes = 0 if dense else 4  # sparse: the uint32 count decides the length
-        self.wire_dtype = np.dtype(np.uint64) if dense and linear else np.dtype(np.uint8)
         self.norm_op = "max" if norm == "max" else "sum"
         self.table = signed_table(levels, bits, self.s, self.c)
+        super().__init__(world_size=n, bits=bits, levels=levels, num_levels=self.s, norm=norm,
+                         mode=mode, reduction=reduction)
         note = self.limit_note()
         if note is not None:
             warn_limit(note)
-        super().__init__(world_size=n, bits=bits, levels=levels, num_levels=self.s, norm=norm,
-                         mode=mode, reduction=reduction)
 
     def limit_note(self) -> str | None:
         """Dense modes with the default levels: :func:`levels_note` of this world size (levels
@@ -322,28 +326,8 @@ class GlobalQSGD(Codec):
         return self.norm_from_statistic(total)
 
     # -- contract --------------------------------------------------------------------------
-    def payload_nbytes(self, d: int) -> int:
-        """Dense payload bytes for d elements (sparse: ``4 + 4 nnz + packed_nbytes(nnz)``)."""
-        if self.mode == "sparse":
-            raise ValueError("sparse payload sizes depend on the data (4 + 4*nnz + packed "
-                             "codes); payload_nbytes is for mode='dense'")
-        if self.levels == "linear":
-            return 8 * -(-d // (64 // self.bits))
-        return int(packed_nbytes(d, self.bits))
-
-    def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout:
-        """Dense: the exact size for ``size`` elements (:meth:`payload_nbytes`); sparse: from
-        the count in ``head``, ``4 + 4 count + packed_nbytes(count, bits)`` (count <= size; the
-        positions are checked by the decoder)."""
-        detail = f"levels={self.levels}, mode={self.mode}, bits={self.bits}"
-        if self.mode == "dense":
-            return WireLayout(size, self.payload_nbytes(size), True, detail)
-        cnt = int(np.asarray(head)[:4].view(np.uint32)[0])
-        if cnt > size:
-            raise ValueError(f"{self.name}: sparse payload counts {cnt} nonzeros for "
-                             f"size={size} ({detail})")
-        return WireLayout(size, 4 + 4 * cnt + int(packed_nbytes(cnt, self.bits)), True,
-                          f"{detail}, {cnt} nonzeros", cnt)
+    def _detail(self) -> str:
+        return f"levels={self.levels}, mode={self.mode}, bits={self.bits}"
 
     def encode(self, x: Any, seed: int = 0, norm: float | None = None) -> Payload:
         """Encode one worker's vector with the global norm.
@@ -369,23 +353,18 @@ class GlobalQSGD(Codec):
             if g < 0:
                 raise ValueError(f"norm={norm} must be >= 0: pass the global norm "
                                  f"(norm_from_statistic of the combined statistics)")
-        keys = split_key(derive_key(seed))
-        exp = self.levels == "exponential"
-        xp = be.xp
-        if self.mode == "sparse":
-            if n >= 1 << 32:
-                raise ValueError(f"sparse payloads index with uint32: split the {n}-element "
-                                 f"vector below 2^32 elements or use mode='dense'")
-            data = be.encode_sparse(v, MODE_EXP if exp else MODE_LINEAR_SM, g, self.s, self.c,
-                                    self.bits, keys)
-        elif exp:
-            data = xp.empty(self.payload_nbytes(n), np.uint8)
-            be.encode(v, data, 0, max(n, 1), MODE_EXP, self.bits, keys, norm_kind=NORM_L2,
-                      s=self.s, c=self.c, gnorm=g)
-        else:
-            data = xp.empty(self.payload_nbytes(n) // 8, np.uint64)
-            be.linear_encode(v, self.bits, self.s, g, keys, data)
-        return Payload(data, n, {"norm": g})
+        return Payload(self._encode_codes(be, v, g, split_key(derive_key(seed))), n,
+                       {"norm": g})
+
+    @abc.abstractmethod
+    def _encode_codes(self, be: Any, v: Any, norm: np.float32, keys: Any) -> Any:
+        """The payload data of vector ``v`` on backend ``be`` with the global norm."""
+
+    @abc.abstractmethod
+    def _decode_codes(self, be: Any, data: Any, size: int, norm: np.float32, n: int, dst: Any,
+                      acc: bool) -> None:
+        """Decode (``acc``: add) the payload data of ``size`` elements, combined from ``n``
+        workers, into ``dst``."""
 
     def _norm_of(self, payload: Payload) -> np.float32:
         """The payload's float32 norm (any float, NaN and Inf included: they decode to
@@ -411,27 +390,7 @@ class GlobalQSGD(Codec):
             dst = xp.zeros(size, np.float32) if acc else xp.empty(size, np.float32)
         else:
             dst = be.array(out)
-        data = be.array(payload.data)
-        table = be.constant(self.table)
-        if self.mode == "sparse":
-            if not acc:
-                dst[:] = 0
-            if math.isfinite(norm):
-                err = be.decode_sparse(data.view(np.uint8), size, self.bits, table,
-                                       norm / np.float32(n), dst)
-                if err != SPARSE_OK:
-                    raise ValueError(f"{self.name}: damaged sparse payload: "
-                                     + ("shorter than its count says" if err == SPARSE_SHORT
-                                        else "positions not strictly increasing below "
-                                        f"size={size}"))
-            else:  # no nonzero codes were sent; the non-finite norm still has to show
-                dst += np.float32(np.nan)
-        elif self.levels == "linear":
-            scale = np.float32(np.float64(norm) / (self.s * n))
-            be.linear_decode(data.view(np.uint64), size, self.bits, n * self.s, scale, dst, acc)
-        else:
-            be.decode_codes(data.view(np.uint8), size, self.bits, table,
-                            np.float32(norm / np.float32(n)), dst, acc)
+        self._decode_codes(be, be.array(payload.data), size, norm, n, dst, acc)
         return dst if out is None else out
 
     def decode(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
@@ -442,12 +401,34 @@ class GlobalQSGD(Codec):
         """``out += decode(payload)`` in one pass."""
         return self._decode(payload, 1, out, True)
 
+    def encode_worker(self, x: Any, seed: int, rank: int, norm: float | None = None,
+                      state: Any = None) -> Payload:
+        """Worker ``rank``'s payload in an exchange with seed ``seed`` and global norm ``norm``
+        (``state``: none, the codec does not adapt)."""
+        return self.encode(x, seed=worker_seed(seed, rank), norm=norm)
+
+    def theta(self, d: int) -> float:
+        """Bound on E||mean estimate - mean||^2 / ((1/n) sum_i ||x_i||^2) for d elements per
+        worker (Definition 2.2's theta; :func:`theta_bound`)."""
+        return theta_bound(self.levels, self.world_size, d, self.s, self.reduction, self.rounds)
+
+
+class _DenseGlobalQSGD(GlobalQSGD):
+    """Dense Global-QSGD: one code per element, combined across workers into one payload
+    (:meth:`reduce`) that :meth:`decode_sum` decodes."""
+
+    def payload_nbytes(self, d: int) -> int:
+        """Payload bytes for d elements."""
+        return int(packed_nbytes(d, self.bits))
+
+    def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout:
+        """The exact size for ``size`` elements (:meth:`payload_nbytes`)."""
+        return WireLayout(size, self.payload_nbytes(size), True, self._detail())
+
     def decode_sum(self, payload: Payload, n: int, out: np.ndarray | None = None) -> np.ndarray:
-        """The mean estimate from the combined payload of n workers (dense modes): the integer
-        word sum for linear levels, ``(field - n s) * norm / (s n)``; the reduced codes
-        (:meth:`reduce`) for exponential ones, ``decoded * norm * 2^c / n``."""
-        if self.mode == "sparse":
-            raise ValueError("sparse payloads are gathered, not summed: decode_add each one")
+        """The mean estimate from the combined payload of n workers: the integer word sum for
+        linear levels, ``(field - n s) * norm / (s n)``; the reduced codes (:meth:`reduce`) for
+        exponential ones, ``decoded * norm * 2^c / n``."""
         n = check_int(f"{self.name}: n", n, 1, self.world_size,
                       hint=f"the codec was built for world_size={self.world_size}.")
         return self._decode(payload, n, out, False)
@@ -456,39 +437,110 @@ class GlobalQSGD(Codec):
         """The combined payload of n workers, as the dense exchange computes it: the wrapping
         uint64 sum of the words (linear) or the stochastic exponent reduction with the exchange
         seed ``seed`` (exponential, :func:`.exponent_reduction.reduce_packed`)."""
-        if self.mode == "sparse":
-            raise ValueError("sparse payloads are gathered, not reduced: decode_add each one")
         n = len(payloads)
         check_int(f"{self.name}: number of payloads", n, 1, self.world_size,
                   hint=f"the codec was built for world_size={self.world_size}.")
         self.check_payloads(payloads)
         first = payloads[0]
-        be = backend_of(first.data)
-        if self.levels == "linear":
-            total = be.array(first.data).view(np.uint64).copy()
-            for p in payloads[1:]:
-                total += be.array(p.data).view(np.uint64)
-        else:
-            total = reduce_packed([be.array(p.data).view(np.uint8) for p in payloads],
-                                  first.size, self.bits, seed, self.reduction)
-        return Payload(total, first.size, dict(first.meta))
+        return Payload(self._combine_data(backend_of(first.data), payloads, seed), first.size,
+                       dict(first.meta))
 
-    def encode_worker(self, x: Any, seed: int, rank: int, norm: float | None = None,
-                      state: Any = None) -> Payload:
-        """Worker ``rank``'s payload in an exchange with seed ``seed`` and global norm ``norm``
-        (``state``: none, the codec does not adapt)."""
-        return self.encode(x, seed=worker_seed(seed, rank), norm=norm)
+    @abc.abstractmethod
+    def _combine_data(self, be: Any, payloads: Sequence[Payload], seed: int) -> Any:
+        """The data of :meth:`reduce`'s combined payload (the payloads are checked)."""
 
     def combine_gathered(self, payloads: Sequence[Payload], seed: int,
                          out: np.ndarray | None = None) -> np.ndarray:
-        """The mean estimate from every worker's payload, in rank order: the gather of sparse
-        mode (decode_add in rank order in float32, then the mean), or the dense sum / exponent
-        reduction computed locally (what the custom exchange gives when run without MPI)."""
-        if self.mode == "sparse":
-            return super().combine_gathered(payloads, seed, out)
+        """The dense sum / exponent reduction of every worker's payload (rank order), computed
+        locally: what the exchange gives when run without MPI."""
         return self.decode_sum(self.reduce(payloads, seed), len(payloads), out)
 
-    def theta(self, d: int) -> float:
-        """Bound on E||mean estimate - mean||^2 / ((1/n) sum_i ||x_i||^2) for d elements per
-        worker (Definition 2.2's theta; :func:`theta_bound`)."""
-        return theta_bound(self.levels, self.world_size, d, self.s, self.reduction, self.rounds)
+
+class GlobalQSGDLinear(_DenseGlobalQSGD, SumDecodable):
+    """Global-L_s, dense: levels j/s in summable fields of uint64 words, whose plain integer
+    sum over n workers is exact (docs/dev/formats.md)."""
+
+    wire_dtype = np.dtype(np.uint64)
+
+    def payload_nbytes(self, d: int) -> int:
+        """Payload bytes for d elements: whole uint64 words of ``64 // bits`` fields."""
+        return 8 * -(-d // (64 // self.bits))
+
+    def _encode_codes(self, be: Any, v: Any, norm: np.float32, keys: Any) -> Any:
+        data = be.xp.empty(self.payload_nbytes(int(v.size)) // 8, np.uint64)
+        be.linear_encode(v, self.bits, self.s, norm, keys, data)
+        return data
+
+    def _decode_codes(self, be: Any, data: Any, size: int, norm: np.float32, n: int, dst: Any,
+                      acc: bool) -> None:
+        scale = np.float32(np.float64(norm) / (self.s * n))
+        be.linear_decode(data.view(np.uint64), size, self.bits, n * self.s, scale, dst, acc)
+
+    def _combine_data(self, be: Any, payloads: Sequence[Payload], seed: int) -> Any:
+        total = be.array(payloads[0].data).view(np.uint64).copy()
+        for p in payloads[1:]:
+            total += be.array(p.data).view(np.uint64)
+        return total
+
+
+class GlobalQSGDExponential(_DenseGlobalQSGD, Reduced):
+    """Global-E_s, dense: codes ``sign << (bits-1) | e`` of values ``sign * 2^-e``, combined by
+    the stochastic exponent reduction (:mod:`.exponent_reduction`), which the mpi4py exponent
+    allreduce runs between ranks."""
+
+    collective = "exponent_allreduce"
+
+    def _encode_codes(self, be: Any, v: Any, norm: np.float32, keys: Any) -> Any:
+        n = int(v.size)
+        data = be.xp.empty(self.payload_nbytes(n), np.uint8)
+        be.encode(v, data, 0, max(n, 1), MODE_EXP, self.bits, keys, norm_kind=NORM_L2,
+                  s=self.s, c=self.c, gnorm=norm)
+        return data
+
+    def _decode_codes(self, be: Any, data: Any, size: int, norm: np.float32, n: int, dst: Any,
+                      acc: bool) -> None:
+        be.decode_codes(data.view(np.uint8), size, self.bits, be.constant(self.table),
+                        np.float32(norm / np.float32(n)), dst, acc)
+
+    def _combine_data(self, be: Any, payloads: Sequence[Payload], seed: int) -> Any:
+        return reduce_packed([be.array(p.data).view(np.uint8) for p in payloads],
+                             payloads[0].size, self.bits, seed, self.reduction)
+
+
+class GlobalQSGDSparse(GlobalQSGD):
+    """Sparse Global-QSGD: only the nonzero codes and their positions travel, gathered and
+    decoded one by one (docs/dev/formats.md)."""
+
+    head_nbytes = 4  # the uint32 nonzero count decides the length
+
+    def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout:
+        """From the count in ``head``: ``4 + 4 count + packed_nbytes(count, bits)`` (count <=
+        size; the positions are checked by the decoder)."""
+        cnt = int(np.asarray(head)[:4].view(np.uint32)[0])
+        if cnt > size:
+            raise ValueError(f"{self.name}: sparse payload counts {cnt} nonzeros for "
+                             f"size={size} ({self._detail()})")
+        return WireLayout(size, 4 + 4 * cnt + int(packed_nbytes(cnt, self.bits)), True,
+                          f"{self._detail()}, {cnt} nonzeros", cnt)
+
+    def _encode_codes(self, be: Any, v: Any, norm: np.float32, keys: Any) -> Any:
+        n = int(v.size)
+        if n >= 1 << 32:
+            raise ValueError(f"sparse payloads index with uint32: split the {n}-element "
+                             f"vector below 2^32 elements or use mode='dense'")
+        mode = MODE_EXP if self.levels == "exponential" else MODE_LINEAR_SM
+        return be.encode_sparse(v, mode, norm, self.s, self.c, self.bits, keys)
+
+    def _decode_codes(self, be: Any, data: Any, size: int, norm: np.float32, n: int, dst: Any,
+                      acc: bool) -> None:
+        if not acc:
+            dst[:] = 0
+        if not math.isfinite(norm):  # no nonzero codes were sent; the norm still has to show
+            dst += np.float32(np.nan)
+            return
+        err = be.decode_sparse(data.view(np.uint8), size, self.bits, be.constant(self.table),
+                               norm / np.float32(n), dst)
+        if err != SPARSE_OK:
+            raise ValueError(f"{self.name}: damaged sparse payload: "
+                             + ("shorter than its count says" if err == SPARSE_SHORT
+                                else f"positions not strictly increasing below size={size}"))

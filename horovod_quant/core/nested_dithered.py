@@ -19,7 +19,8 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 
 from ..backends import MODE_DITHER, MODE_NESTED, NORM_MAX, backend_of, numba_backend, packed_nbytes
-from .base import Codec, CodecState, SideInfoOutcome, WireLayout, _numel, check_int, worker_seed
+from .base import Codec, CodecState, WireLayout, _numel, check_int, worker_seed
+from .contract import SideInfoOutcome, SideInformation
 from .dithered import check_dither_bits, dither_keys, fine_levels, payload_bytes, seed_of
 from .payload import Payload
 from .quantizers import DEFAULT_BUCKET, _check_bucket
@@ -207,7 +208,7 @@ def _host_vector(x: Any) -> np.ndarray:
     return numba_backend().vector(be.to_host(be.vector(x)))
 
 
-class NestedDitheredQuantizer(Codec):
+class NestedDitheredQuantizer(SideInformation, Codec):
     """NDQSG (eq. (6)-(7), Alg. 2, Theorem 6): P2 ranks send the fine bin's position inside a
     coarse bin; receivers resolve the coarse bin with the P1 mean as side information.
 
@@ -233,9 +234,7 @@ class NestedDitheredQuantizer(Codec):
     """
 
     name = "nested_dithered"
-    combine: ClassVar[str] = "custom"
     needs_world_size = True
-    counts_outage = True
 
     def __init__(self, world_size: int | None = None, bits: int = 4, p1_fraction: float = 0.5,
                  alpha: float = 1.0, coarse_ratio: int | None = None, outage: float = 0.01,
@@ -263,7 +262,6 @@ class NestedDitheredQuantizer(Codec):
                                  f"{coarse_ratio + 1}")
         super().__init__(world_size=n, bits=bits, p1_fraction=p1_fraction, alpha=alpha,
                          coarse_ratio=coarse_ratio, outage=outage, bucket_size=bucket_size)
-        self.world_size = n
         self.bits = bits
         self.M = M
         self.n1 = max(1, min(n, math.ceil(p1_fraction * n - 1e-9)))

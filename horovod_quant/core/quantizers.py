@@ -9,6 +9,7 @@ to each codec's levels, and where the codecs depart from their papers: docs/code
 """
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any, ClassVar, Sequence
 
@@ -81,7 +82,6 @@ def geometric_grid_omega(d: int, s: int, p: float = 2.0, scale_slack: float = 1.
 class LevelQuantizer(Codec):
     """Shared implementation; subclasses fix the grid and how parameters map to it."""
 
-    combine: ClassVar[str] = "gather"
     #: the level grid, as the backends' encode mode (``MODE_UNIFORM``: j/s; ``MODE_GEOMETRIC``:
     #: 0, 2^(1-s), ..., 1/2, 1); a new grid needs its own mode in every backend
     grid: ClassVar[int]
@@ -178,9 +178,9 @@ class LevelQuantizer(Codec):
                           be.constant(self.table), np.float32(1.0 / len(payloads)), dst)
         return dst if out is None else out
 
+    @abc.abstractmethod
     def omega(self, d: int) -> float:
         """Bound on E||Q(x) - x||^2 / ||x||^2 for one bucket of d elements."""
-        raise NotImplementedError
 
 
 def _bytes(be: Any, payload: Payload) -> Any:

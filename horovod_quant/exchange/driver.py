@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import gpu
 from ..core.base import Codec, array_module
+from ..core.contract import GlobalNorm
 from . import plans, wire
 from .codec_states import CodecStates
 from .collectives import Collectives, Handle
@@ -30,7 +31,7 @@ from .cost import CPU_RANKS, Fabric
 
 log = logging.getLogger("horovod_quant")
 
-#: custom collectives by the name codecs declare (``Codec.custom_collective``):
+#: custom collectives by the name reduced codecs declare (``codec.traits.collective``):
 #: ``factory(codec, comm) -> runner`` (or None to fall back to the allgather plan)
 #: where ``runner(payload, seed, name) -> Handle`` whose wait() gives the mean estimate.
 CUSTOM_COLLECTIVES: dict[str, Callable] = {}
@@ -217,7 +218,7 @@ def custom_collective(codec: Codec, comm: Collectives) -> Any:
     """The runner of the codec's custom collective over ``comm`` (:data:`CUSTOM_COLLECTIVES`),
     or None: the allgather plan then reduces on every rank. Collective: call it at the same
     point on every rank (it may set up a communicator)."""
-    factory = CUSTOM_COLLECTIVES.get(codec.custom_collective if codec.combine == "custom" else "")
+    factory = CUSTOM_COLLECTIVES.get(codec.traits.collective or "")
     return factory(codec, comm) if factory is not None else None
 
 
@@ -323,7 +324,7 @@ class Exchange:
     def needs_norm(self) -> bool:
         """Whether the codec encodes with a global norm (the norm plan's allgather first,
         unless the caller gives the norm)."""
-        return self.codec.needs_norm
+        return isinstance(self.codec, GlobalNorm)
 
     @property
     def blocks_on_peers(self) -> bool:

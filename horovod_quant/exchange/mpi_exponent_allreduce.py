@@ -20,7 +20,8 @@ import numpy as np
 
 from .. import gpu
 from ..backends import PACK_BLOCK
-from ..core.base import Codec, array_module
+from ..core.base import array_module
+from ..core.contract import Reduced
 from ..core.exponent_reduction import block_byte_range, round_key, schedule
 from ..core.payload import Payload
 from .collectives import Collectives, Handle
@@ -111,7 +112,7 @@ class MpiExponentReduce:
             distributed.PointToPoint`), created in the same order on every rank.
     """
 
-    def __init__(self, codec: Codec, comms: list[Any]) -> None:
+    def __init__(self, codec: Reduced, comms: list[Any]) -> None:
         if not comms:
             raise ValueError("MpiExponentReduce needs at least one communicator")
         self.codec = codec
@@ -147,9 +148,9 @@ class MpiExponentReduce:
         return _FutureHandle(self._lanes[lane].submit(run))
 
 
-def mpi_exponent_factory(codec: Codec, collectives: Collectives) -> MpiExponentReduce | None:
-    """The collective of codecs whose ``custom_collective`` is ``"exponent_allreduce"`` (packed
-    exponent codes, reduced with the codec's ``bits`` and ``reduction`` parameters) when the
+def mpi_exponent_factory(codec: Reduced, collectives: Collectives) -> MpiExponentReduce | None:
+    """The collective of reduced codecs whose ``traits.collective`` is
+    ``"exponent_allreduce"`` (packed exponent codes, reduced with the codec's ``bits`` and ``reduction`` parameters) when the
     collectives expose an MPI communicator; None means "fall back to allgather + local
     reduction". Collective: asks for :data:`EXPONENT_LANES` communicators, in order, on every
     rank."""

@@ -8,8 +8,8 @@ returns the float32 mean estimate, the same on every rank. Runners: :class:`.dri
 (asynchronous collectives), the TensorFlow compressor (graph ops, laid out by
 :func:`signature`) and :func:`.reference.mean_estimate` (n ranks in lockstep).
 
-:func:`plan_kind` picks the plan from what the codec declares (``combine``,
-``custom_collective``, ``needs_norm``, ``counts_outage``): ``"sum"``, ``"allgather"``,
+:func:`plan_kind` picks the plan from the codec's capabilities (:mod:`~..core.contract`,
+checked by type) and traits: ``"sum"``, ``"allgather"``,
 ``"custom"``, ``"sra"`` (scatter-reduce-allgather) or ``"hierarchical-<inner>"``; the table
 of docs/dev/exchange.md says which codec takes which and what each sends. A vector longer than
 ``pipeline_elems`` is exchanged as pieces (:func:`pipeline_bounds`), each its own plan with
@@ -25,6 +25,7 @@ import numpy as np
 
 from ..backends import backend_of
 from ..core.base import Codec, array_module, as_vector, worker_seed
+from ..core.contract import GlobalNorm, Reduced, SideInformation, SumDecodable
 from ..core.exponent_reduction import chunk_bounds
 from ..core.limits import HIERARCHY_HINT
 from ..core.payload import Payload
@@ -81,7 +82,7 @@ class Alltoall(NamedTuple):
 
 
 class Custom(NamedTuple):
-    """The codec's own collective (``Codec.custom_collective``) on ``payload``; the result is
+    """The codec's own collective (``traits.collective``) on ``payload``; the result is
     the float32 mean estimate."""
 
     payload: Payload
@@ -107,7 +108,7 @@ class Piece(NamedTuple):
     seed: int  # the exchange seed of this piece (the same on every rank)
     rank: int
     n: int  # ranks
-    norm: float | None  # the global norm of ``needs_norm`` codecs
+    norm: float | None  # the global norm of GlobalNorm codecs
     tag: wire.Tag  # what every rank must agree this exchange carries (wire.exchange_tag)
     out: Any  # float32 buffer of x.size the mean estimate is written to
     label: str = ""  # the exchange's name in error messages
@@ -129,7 +130,7 @@ class Place(NamedTuple):
 
 
 # -- the plans ---------------------------------------------------------------------------------
-def norm_plan(codec: Codec, xs: Sequence[Any], tag: wire.Tag = wire.NO_TAG,
+def norm_plan(codec: GlobalNorm, xs: Sequence[Any], tag: wire.Tag = wire.NO_TAG,
               label: str = "") -> Plan:
     """The global norm over every rank and every vector of ``xs``: one allgather of each
     rank's statistic and ``tag`` (checked on every rank). Returns the norm."""
@@ -140,16 +141,18 @@ def norm_plan(codec: Codec, xs: Sequence[Any], tag: wire.Tag = wire.NO_TAG,
 def _sum_dtype(codec: Codec) -> np.dtype:
     """The dtype a sum codec's words are allreduced as: uint64 words as int64 (collectives have
     no uint64 sum; two's complement wraps the same), others as they are."""
-    dt = np.dtype(codec.wire_dtype)
+    dt = codec.traits.wire_dtype
     return np.dtype(np.int64) if dt == np.uint64 else dt
 
 
 def sum_plan(p: Piece) -> Plan:
+    """A :class:`~..core.contract.SumDecodable` codec's words summed by one allreduce."""
     codec = p.codec
     payload = codec.encode_worker(as_vector(p.x), p.seed, p.rank, p.norm, p.state_of(codec))
     words = payload.data.reshape(-1)
     total = yield Allreduce(words.view(_sum_dtype(codec)), payload_bytes=payload.nbytes)
-    total = array_module(total).ascontiguousarray(total).reshape(-1).view(codec.wire_dtype)
+    total = array_module(total).ascontiguousarray(total).reshape(-1).view(
+        codec.traits.wire_dtype)
     return codec.decode_sum(Payload(total, p.x.size, dict(payload.meta)), p.n, p.out)
 
 
@@ -161,7 +164,7 @@ def allgather_plan(p: Piece) -> Plan:
     payloads = [codec.payload_from_wire(b, p.x.size, **{**payload.meta,
                                                         "seed": worker_seed(p.seed, r)})
                 for r, b in enumerate(wire.unframe_all(gathered, n, "framed payloads", p.label))]
-    if not codec.counts_outage:
+    if not isinstance(codec, SideInformation):
         return codec.combine_gathered(payloads, p.seed, out=p.out)
     # side information: each rank counts its own outages; one allreduce sums the counts
     outcome = codec.combine_side_info(payloads, p.seed, p.rank, p.x, out=p.out, state=state)
@@ -243,7 +246,7 @@ def hierarchical_plan(p: Piece, inner: str) -> Plan:
     codec = p.codec.for_world_size(place.hosts)
     norm = None
     try:
-        if codec.needs_norm:
+        if isinstance(codec, GlobalNorm):
             norm = yield from _in_group(norm_plan(codec, [host_mean], tag, p.label), CROSS,
                                         ".norm")
         elif inner in ("sum", "custom"):  # their requests carry no tag: check it first
@@ -283,7 +286,8 @@ def signature(kind: str, codec: Codec) -> list[tuple[type, np.dtype | None]]:
     if kind == "sum":
         return [(Allreduce, _sum_dtype(codec))]
     if kind == "allgather":
-        outage = [(Allreduce, np.dtype(np.int64))] if codec.counts_outage else []
+        outage = ([(Allreduce, np.dtype(np.int64))] if isinstance(codec, SideInformation)
+                  else [])
         return [(Allgather, np.dtype(np.uint8))] + outage
     if kind == "sra":
         return [(Alltoall, np.dtype(np.uint8)), (Allgather, np.dtype(np.uint8))]
@@ -313,14 +317,15 @@ def check_gather(schedule: str) -> str:
 
 
 def _flat_kinds(codec: Codec, gather: str) -> list[str]:
-    """The flat plans ``codec`` can take under ``gather``: sum codecs sum; custom codecs run
-    their own reduction; gather codecs allgather or scatter-reduce-allgather (never those that
-    ``needs_norm``: re-encoding a chunk mean would need a second global norm)."""
-    if codec.combine == "sum":
+    """The flat plans ``codec`` can take under ``gather``, by its capabilities: sum-decodable
+    codecs sum; reduced codecs run their own reduction; side-information codecs allgather;
+    gather codecs allgather or scatter-reduce-allgather (never global-norm ones: re-encoding a
+    chunk mean would need a second global norm)."""
+    if isinstance(codec, SumDecodable):
         return ["sum"]
-    if codec.combine == "custom":
-        return ["custom" if codec.custom_collective else "allgather"]
-    if codec.needs_norm or gather == "allgather":
+    if isinstance(codec, Reduced):
+        return ["custom"]
+    if isinstance(codec, (SideInformation, GlobalNorm)) or gather == "allgather":
         return ["allgather"]
     return ["sra"] if gather == "sra" else ["allgather", "sra"]
 

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..core.base import Codec, as_vector
+from ..core.contract import GlobalNorm
 from . import plans, wire
 from .codec_states import CodecStates
 from .cost import CPU_RANKS, Fabric
@@ -150,7 +151,7 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
                                           topology is not None, fabric or CPU_RANKS),
                           custom=False)
     norm = None
-    if codec.needs_norm and not kind.startswith(plans.HIERARCHICAL):
+    if isinstance(codec, GlobalNorm) and not kind.startswith(plans.HIERARCHICAL):
         norm = Lockstep([plans.norm_plan(codec, [v]) for v in vecs]).finish()[0]
     places = [None] * n
     if topology is not None:

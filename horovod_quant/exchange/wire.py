@@ -13,7 +13,8 @@ from typing import Any, Sequence, Tuple
 import numpy as np
 
 from .. import gpu
-from ..core.base import Codec, array_module, as_vector
+from ..core.base import array_module, as_vector
+from ..core.contract import GlobalNorm
 from ..core.payload import Payload
 from ..core.rng import name_key
 
@@ -138,7 +139,7 @@ def check_tag_words(gathered: Any, name: str = "") -> None:
 NORM_WIRE_WORDS = 1 + len(NO_TAG)
 
 
-def norm_wire(codec: Codec, xs: list[Any], tag: Tag = NO_TAG) -> np.ndarray:
+def norm_wire(codec: GlobalNorm, xs: list[Any], tag: Tag = NO_TAG) -> np.ndarray:
     """This rank's part of the global norm over the vectors ``xs``: one float64 statistic
     (max or sum over the vectors, as ``codec.norm_op``) and the exchange's tag (its bits in
     two float64 words), :data:`NORM_WIRE_WORDS` float64 to be allgathered. The norm is the
@@ -153,7 +154,7 @@ def norm_wire(codec: Codec, xs: list[Any], tag: Tag = NO_TAG) -> np.ndarray:
     return wire
 
 
-def norm_from_gathered(codec: Codec, gathered: np.ndarray, name: str = "") -> np.float32:
+def norm_from_gathered(codec: GlobalNorm, gathered: np.ndarray, name: str = "") -> np.float32:
     """The float32 global norm from the allgathered ``norm_wire`` words (rank order), after
     :func:`check_tags` on the ranks' tags."""
     words = np.ascontiguousarray(gathered, np.float64).reshape(-1, NORM_WIRE_WORDS)

@@ -31,14 +31,14 @@ import numpy as np
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
-from ..doors import (UNSET, CompressionNamespace, CompressorSettings, ConfigCheck, DoorOptions,
-                     door_options, mpi_exchange_config)
+from ..doors import (CompressionNamespace, CompressorSettings, ConfigCheck, DoorOptions,
+                     RequestedCodec, door_options, mpi_exchange_config)
 from ..exchange import plans, wire
 from ..exchange.codec_states import CodecStates
 from ..exchange.driver import custom_collective
 from ..core.base import Codec
+from ..core.contract import GlobalNorm, SideInformation
 from ..core.rng import derive_key
-from ..policy import LayerPolicy
 from ._fenv import ieee_denormals
 from .collectives import HorovodTFCollectives
 
@@ -174,9 +174,9 @@ class _CompressorCheckpoint(tf.Module):
 class QuantizedCompressor(CompressorSettings, Compressor):
     """A ``horovod.tensorflow.compression.Compressor`` running a horovod_quant codec.
 
-    Args: the codec, the settings of :class:`~horovod_quant.doors.DoorOptions` (seed, gather,
-    policy, pipeline_elems, or ``options=``; the optimizer-only ones raise ValueError) and
-    ``process_set``. Here the k-th tensor compressed (from 0) uses seed ``derive_key(seed, k)``
+    Args: the codec, ``process_set``, and the settings of
+    :class:`~horovod_quant.doors.DoorOptions` as ``options=`` or as keywords (seed, gather,
+    policy, pipeline_elems; the optimizer-only ones raise ValueError). Here the k-th tensor compressed (from 0) uses seed ``derive_key(seed, k)``
     (module doc), the policy's name rules see the variable names (``dense/kernel:0``) or the
     ``name=`` of ``hvd.allreduce``, tensors whose static shape is not fully known travel
     uncompressed too, and integer and boolean tensors always pass to Horovod unchanged
@@ -194,13 +194,10 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             stateful op and so would serialize Horovod's allreduces of those tensors.
     """
 
-    def __init__(self, codec: Codec, seed: int | None = None, gather: str | None = None,
-                 policy: LayerPolicy | None = None, process_set: Any = None,
-                 pipeline_elems: int | None = UNSET,
-                 options: DoorOptions | None = None) -> None:
-        settings = door_options(options, seed=seed, gather=gather, policy=policy,
-                                pipeline_elems=pipeline_elems)
-        super().__init__(codec, settings.check_door("TensorFlow door"), process_set)
+    def __init__(self, codec: Codec | RequestedCodec, process_set: Any = None,
+                 options: DoorOptions | None = None, **settings: Any) -> None:
+        super().__init__(codec, door_options(settings, options).check_door("TensorFlow door"),
+                         process_set)
         self._id = next(_IDS)
         # Created eagerly with the compressor, not by the first compress: a tf.function whose
         # first trace creates a variable and then raises (a configuration mismatch) is not
@@ -380,7 +377,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
             k = self._counter.assign_add(1) - 1
             norm = []
-            if codec.needs_norm:
+            if isinstance(codec, GlobalNorm):
                 norm = self._run_plans(spec, k, [(
                     "norm", lambda kk, x: plans.norm_plan(codec, [x], spec.tag(kk),
                                                           spec.label(kk)), [flat])],
@@ -400,7 +397,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             with self._lock:
                 self.stats.tensors += 1
                 self.stats.bytes_raw += 4 * int(np.prod(spec.shape, dtype=np.int64))
-        if spec.codec.counts_outage:  # read after this callback: TF may reuse its buffer
+        if isinstance(spec.codec, SideInformation):  # read after this callback: TF may reuse its buffer
             x = np.array(x, copy=True)
         return plans.PLANS[spec.kind](plans.Piece(
             spec.codec, x, plans.pipeline_seed(derive_key(self.seed, k), i, pieces), spec.rank,

@@ -24,8 +24,8 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
-from ..doors import (UNSET, CompressionNamespace, CompressorSettings, ConfigCheck, DoorOptions,
-                     door_options, mpi_exchange_config)
+from ..doors import (DOOR_SETTINGS, CompressionNamespace, CompressorSettings, ConfigCheck,
+                     DoorOptions, RequestedCodec, door_options, mpi_exchange_config)
 from ..exchange.codec_states import CodecStates
 from ..exchange.driver import Exchange
 from ..exchange.wire import exchange_tag
@@ -63,21 +63,20 @@ class _Job:
 class QuantizedCompressor(CompressorSettings, Compressor):
     """A ``horovod.torch.compression.Compressor`` running a horovod_quant codec.
 
-    Args: the codec, the settings of :class:`~horovod_quant.doors.DoorOptions` (seed,
-    gather, policy, pipeline_elems; the optimizer-only ones are kept for
-    ``hq.torch.DistributedOptimizer``) and ``process_set``; ``stats`` holds the
+    Args: the codec, ``process_set``, and the settings of
+    :class:`~horovod_quant.doors.DoorOptions` as ``options=`` or as keywords (seed, gather,
+    policy, pipeline_elems; the optimizer-only ones are kept for
+    ``hq.torch.DistributedOptimizer``); ``stats`` holds the
     :class:`~horovod_quant.stats.StepStats`. The policy's name rules apply to tensors Horovod
     names (module doc). Integer, boolean and sparse tensors pass to Horovod unchanged (exact),
     never quantized. ``codec_states`` holds the adaptive codecs' states (NDQSG's) its exchanges
     carry from step to step.
     """
 
-    def __init__(self, codec: Codec, seed: int | None = None, gather: str | None = None,
-                 policy: LayerPolicy | None = None, process_set: Any = None,
-                 pipeline_elems: int | None = UNSET,
-                 options: DoorOptions | None = None) -> None:
-        super().__init__(codec, door_options(options, seed=seed, gather=gather, policy=policy,
-                                             pipeline_elems=pipeline_elems), process_set)
+    def __init__(self, codec: Codec | RequestedCodec, process_set: Any = None,
+                 options: DoorOptions | None = None, **settings: Any) -> None:
+        super().__init__(codec, door_options(settings, options, takes=DOOR_SETTINGS),
+                         process_set)
         self._check: ConfigCheck | None = None
         self._comm: Any = None
         self._exchanges: dict[str, Exchange] = {}

@@ -28,8 +28,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ..doors import (UNSET, CodecRequest, CompressorSettings, ConfigCheck, DoorOptions,
-                     door_options)
+from ..doors import CodecRequest, CompressorSettings, ConfigCheck, DoorOptions, door_options
 from .. import gpu
 from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
@@ -37,7 +36,6 @@ from ..exchange.driver import Exchange
 from ..exchange.topology import SerialWorker
 from ..core.base import Codec
 from ..core.rng import derive_key
-from ..policy import LayerPolicy
 from .tensors import as_array, as_tensor, flat_array, on_gpu, parameter_names, stream_of
 from .distributed import process_group_collectives
 
@@ -175,14 +173,13 @@ class QuantizationState(CompressorSettings):
             codec asked for by name or through ``Compression`` without ``world_size`` gets the
             process group's size.
         process_group: the DDP model's process group (None: the default group).
-        seed, gather, pipeline_elems, policy, options: the settings of
-            :class:`~horovod_quant.doors.DoorOptions`; one not given comes from ``options``,
-            else from the compressor, else is DoorOptions' default
-            (``LayerPolicy.everything()`` compresses every parameter). The optimizer-only
-            settings raise ValueError here.
         named_parameters: ``(name, parameter)`` pairs of the model (``model.named_parameters()``),
             needed by a policy with name rules (ValueError without them); the names are part
             of the cross-rank check.
+        options: the settings as :class:`~horovod_quant.doors.DoorOptions`, or
+        settings: seed, gather, pipeline_elems, policy as keywords, over the compressor's,
+            else DoorOptions' defaults (``LayerPolicy.everything()`` compresses every
+            parameter). The optimizer-only settings raise ValueError here.
 
     Attributes:
         codecs: the codecs the policy can give a parameter, each with an exchange of its own:
@@ -199,10 +196,8 @@ class QuantizationState(CompressorSettings):
     """
 
     def __init__(self, codec: Codec | str | CompressorSettings, process_group: Any = None,
-                 seed: int | None = None, gather: str | None = None,
-                 pipeline_elems: int | None = UNSET, policy: LayerPolicy | None = None,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-                 options: DoorOptions | None = None) -> None:
+                 options: DoorOptions | None = None, **settings: Any) -> None:
         if not dist.is_initialized():
             raise RuntimeError("horovod_quant DDP hook: call torch.distributed.init_process_group"
                                " before building a QuantizationState")
@@ -231,9 +226,7 @@ class QuantizationState(CompressorSettings):
                              f"pass world_size={comm.size}"
                              + (f" (or {topology.host_count}, its nodes: the hierarchical "
                                 f"exchange alone then runs it)" if topology is not None else ""))
-        settings = door_options(options, inherited, seed=seed, gather=gather,
-                                pipeline_elems=pipeline_elems, policy=policy)
-        super().__init__(codec, settings.check_door("DDP hook"))
+        super().__init__(codec, door_options(settings, options, inherited).check_door("DDP hook"))
         self._names = parameter_names(named_parameters)
         if self.policy.rules and self._names is None:
             raise ValueError(
@@ -303,8 +296,7 @@ class QuantizationState(CompressorSettings):
                              "pickle (its names point at this process's parameters): save "
                              "state.state_dict() and load it into a state built as this one")
         return {"codec": self.codec, "options": self.options, "codecs": self.codecs,
-                "codec_request": self.codec_request, "parameters": self._parameters,
-                "saved": self.state_dict()}
+                "parameters": self._parameters, "saved": self.state_dict()}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         """Unpickle on every rank, after ``init_process_group``: the state runs on the default
@@ -312,7 +304,6 @@ class QuantizationState(CompressorSettings):
         log.warning("horovod_quant: an unpickled QuantizationState runs on the default "
                     "process group")
         CompressorSettings.__init__(self, pickled["codec"], pickled["options"])
-        self.codec_request = pickled["codec_request"]
         self._names, self._parameters = None, pickled["parameters"]
         self.codecs = pickled["codecs"]
         self._codec_indices = {c.config_key(): k for k, c in enumerate(self.codecs)}

@@ -26,14 +26,15 @@ from typing import Any, Callable, Iterable
 import horovod.torch as hvd
 import torch
 
-from ..doors import UNSET, DoorOptions, check_same_config, door_options, mpi_exchange_config
+from ..doors import (DOOR_SETTINGS, DoorOptions, SettingsAttributes, check_same_config,
+                     door_options, mpi_exchange_config)
 from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
 from ..fallback import BucketTrial, FallbackController, FallbackDecision, StepCheck
 from ..core.registry import get_codec, horovod_equivalent
 from ..core.base import Codec
-from ..policy import LayerPolicy, describe
+from ..policy import describe
 from ..stats import StepStats
 from .buckets import Bucket, BucketLayout
 from .collectives import HorovodTorchCollectives
@@ -155,13 +156,14 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                 acc.register_hook(self._make_hook(p))
                 self._grad_accs.append(acc)
 
-    # -- the settings and the fallback's records, as attributes -----------------------------
-    seed = property(lambda self: self.options.seed)
-    gather = property(lambda self: self.options.gather)
-    policy = property(lambda self: self.options.policy)
-    pipeline_elems = property(lambda self: self.options.pipeline_elems)
-    on_step = property(lambda self: self.options.on_step)
-    fallback = property(lambda self: self.options.fallback)
+    # -- the optimizer's own settings and the fallback's records, as attributes -------------
+    @property
+    def on_step(self) -> Callable[[StepStats], None] | None:
+        return self.options.on_step
+
+    @property
+    def fallback(self) -> str:
+        return self.options.fallback
 
     @property
     def fallback_decisions(self) -> list[FallbackDecision]:
@@ -401,19 +403,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          op: Any = hvd.Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
                          process_set: Any = hvd.global_process_set, *,
-                         fusion_bytes: int | None = None,
-                         policy: LayerPolicy | None = None, seed: int | None = None,
-                         gather: str | None = None, pipeline_elems: int | None = UNSET,
-                         transport: str | None = None,
-                         on_step: Callable[[StepStats], None] | None = None,
-                         fallback: str | None = None, options: DoorOptions | None = None):
+                         options: DoorOptions | None = None, **settings: Any):
     """Wrap ``optimizer`` so gradients are averaged across ranks through a horovod_quant codec.
 
     Same arguments as ``horovod.torch.DistributedOptimizer`` (``num_groups``/``groups`` define
     the fusion buckets when given), plus the settings of
-    :class:`~horovod_quant.doors.DoorOptions`, as ``options=`` or one by one: ``fusion_bytes``,
-    ``policy``, ``seed``, ``gather``, ``pipeline_elems``, ``transport``, ``on_step``,
-    ``fallback``. A setting not given comes from ``options``, else from the compressor
+    :class:`~horovod_quant.doors.DoorOptions`, as ``options=`` or as keywords, not both:
+    ``fusion_bytes``, ``policy``, ``seed``, ``gather``, ``pipeline_elems``, ``transport``,
+    ``on_step``, ``fallback``. A keyword not given comes from the compressor
     (``compression=hq.torch.Compression.<codec>(...)``), else is DoorOptions' default.
 
     ``transport`` (:mod:`horovod_quant.torch.transport`): "auto" (groups beside Horovod for
@@ -433,17 +430,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         and ``fallback_settled`` whether the fallback has decided for good.
 
     Raises:
-        ValueError: an argument is invalid (``fallback`` not "auto" or "never", ...).
+        ValueError: an argument is invalid (``fallback`` not "auto" or "never", ...), or
+            settings are given both as keywords and in ``options=`` (set them in one place).
     """
     codec, inherited = _resolve_codec(compression)
-    settings = door_options(options, inherited, fusion_bytes=fusion_bytes, policy=policy,
-                            seed=seed, gather=gather, pipeline_elems=pipeline_elems,
-                            transport=transport, on_step=on_step, fallback=fallback)
+    chosen = door_options(settings, options, inherited, takes=DOOR_SETTINGS)
     if num_groups and groups is None:
         groups = num_groups
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__, SettingsAttributes),
                dict(_QuantDistributedOptimizer.__dict__))
     opt = cls(optimizer.param_groups, named_parameters, codec, backward_passes_per_step, op,
-              gradient_predivide_factor, groups, sparse_as_dense, process_set, settings)
+              gradient_predivide_factor, groups, sparse_as_dense, process_set, chosen)
     opt.load_state_dict(optimizer.state_dict())
     return opt

@@ -24,6 +24,7 @@ import pytest
 import horovod_quant
 from horovod_quant.core import registry
 from horovod_quant.core.base import Codec
+from horovod_quant.core.contract import GlobalNorm, Reduced, SideInformation, SumDecodable
 
 PACKAGE_DIR = Path(horovod_quant.__file__).resolve().parent
 PACKAGE = "horovod_quant"
@@ -209,8 +210,11 @@ FRAMEWORKS = ("horovod", "torch", "tensorflow")
 FRAMEWORK_FREE_LAYERS = ("codecs", "gpu helpers", "exchange")
 MAX_CLASS_LINES = 300
 MAX_MODULE_DOC_LINES = 20
-#: What ``Codec`` declares: the names the exchange may use on a codec.
-CODEC_DECLARES = set(dir(Codec)) | set(Codec.__annotations__) | {"params"}
+#: The capabilities a codec may have (horovod_quant/core/contract.py).
+CAPABILITIES = (SumDecodable, Reduced, GlobalNorm, SideInformation)
+#: What ``Codec`` and its capabilities declare: the names the exchange may use on a codec.
+CODEC_DECLARES = set(dir(Codec)) | set(Codec.__annotations__) | {"params", "world_size"} | {
+    name for cap in CAPABILITIES for name in set(dir(cap)) | set(cap.__annotations__)}
 ISSUE_REFERENCE = re.compile(r"\b(?:issues?|PR|pull request)\s*#?\s*\d+\b|/issues/\d+"
                              r"|\bcommit\s+[0-9a-f]{7,40}\b", re.IGNORECASE)
 

@@ -21,12 +21,12 @@ def _x(n=5000, seed=0):
 def test_contract(name):
     codec = hq.get_codec(name)
     # fp16/float32 payloads add up under allreduce; bf16 bit patterns travel by gather
-    assert codec.combine == ("gather" if name == "bf16" else "sum")
+    assert codec.traits.combine == ("gather" if name == "bf16" else "sum")
     x = _x()
     pl = codec.encode(x, seed=3)
     assert pl.size == x.size
     assert pl.nbytes == x.size * {"none": 4, "fp16": 2, "bf16": 2}[name]
-    assert pl.data.dtype == codec.wire_dtype and pl.data.ndim == 1
+    assert pl.data.dtype == codec.traits.wire_dtype and pl.data.ndim == 1
     d = codec.decode(pl)
     assert d.dtype == np.float32
     out = np.empty_like(d)

@@ -30,6 +30,7 @@ from horovod_quant.backends.numba.global_qsgd import exp_combine  # noqa: E402
 from horovod_quant.backends.numba.packing import PACK_BLOCK, packed_nbytes  # noqa: E402
 from horovod_quant.core import worker_seed  # noqa: E402
 from horovod_quant.core.base import MAX_PAYLOAD_SIZE  # noqa: E402
+from horovod_quant.core.contract import CombinedDecodable  # noqa: E402
 from horovod_quant.core.exponent_reduction import reduce_packed  # noqa: E402
 from horovod_quant.core.payload import Payload  # noqa: E402
 
@@ -189,9 +190,9 @@ def entry_points(codec, payloads, victim, pd, seed, xs):
         ("combine_payloads", lambda: codec.combine_payloads(bad, seed)),
     ]
     n = len(payloads)
-    if codec.combine == "sum" or (codec.name == "global_qsgd" and codec.mode == "dense"):
+    if isinstance(codec, CombinedDecodable):
         calls.append(("decode_sum", lambda: codec.decode_sum(pd, n)))
-    if codec.name == "global_qsgd" and codec.mode == "dense":
+    if hasattr(codec, "reduce"):
         calls.append(("reduce", lambda: codec.decode_sum(codec.reduce(bad, seed), n)))
     if codec.name == "nested_dithered":
         seeds = [worker_seed(seed, r) for r in range(n)]

@@ -23,6 +23,7 @@ from horovod_quant.backends import use_backend
 from horovod_quant.backends.cuda import CudaBackend
 from horovod_quant.core import worker_seed
 from horovod_quant.core.base import MAX_PAYLOAD_SIZE
+from horovod_quant.core.contract import CombinedDecodable, SumDecodable
 from horovod_quant.core.nested_dithered import HEADER
 from horovod_quant.core.payload import Payload
 
@@ -73,7 +74,7 @@ def decoders(codec, p):
         # rebuilt from bytes, then decoded (an Elias stream is checked as it is decoded)
         "payload_from_wire": lambda: codec.decode(codec.payload_from_wire(raw, n, **p.meta)),
     }
-    if codec.combine == "sum" or getattr(codec, "mode", "") == "dense":
+    if isinstance(codec, CombinedDecodable):
         calls["decode_sum"] = lambda: codec.decode_sum(p, 1)
     if codec.name == "nested_dithered":
         calls["payload_from_wire"] = lambda: codec.payload_from_wire(raw, n, **p.meta)
@@ -152,7 +153,7 @@ def test_float_baselines_check_the_size(name, size):
     for call in decoders(codec, with_data(p, p.data, size)).values():
         with pytest.raises(ValueError, match=f"^{name}: "):
             call()
-    if codec.combine == "sum":
+    if isinstance(codec, SumDecodable):
         with pytest.raises(ValueError, match=f"^{name}: "):
             codec.decode_sum(with_data(p, p.data, size), 2)
 
@@ -319,7 +320,7 @@ def test_device_ops_check_before_launching(name, params, damage):
     elif damage == "extra byte":
         bad = with_data(p, np.concatenate([raw, np.zeros(1, np.uint8)]))
     else:  # the first 8 bytes: a sparse count and first position, an NDQSG k, a scale
-        if not codec.head_nbytes:
+        if not codec.traits.head_nbytes:
             pytest.skip("a fixed-width payload without a header: any bytes decode")
         d = raw.copy()
         d[:8] = 0xFF
@@ -327,7 +328,7 @@ def test_device_ops_check_before_launching(name, params, damage):
     n = params.get("world_size", 2)
     calls = decoders(codec, bad)
     calls["combine_gathered"] = lambda: codec.combine_gathered([p] * (n - 1) + [bad], 0)
-    if hasattr(codec, "reduce") and getattr(codec, "mode", "") == "dense":
+    if hasattr(codec, "reduce"):
         calls["decode_sum"] = lambda: codec.decode_sum(bad, n)
         calls["reduce"] = lambda: codec.reduce([p] * (n - 1) + [bad], 0)
     for call in calls.values():

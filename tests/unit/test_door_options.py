@@ -1,15 +1,18 @@
-"""DoorOptions: one default per setting, taken the same way by all four doors."""
+"""DoorOptions: one default per setting, taken the same way by all four doors, from one
+place (keywords or options=)."""
+import ast
+import dataclasses
 import inspect
+from pathlib import Path
 
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.doors import (DEFAULT_FUSION_BYTES, OPTIMIZER_ONLY, UNSET, DoorOptions,
-                                 door_options)
+from horovod_quant import doors
+from horovod_quant.doors import (DEFAULT_FUSION_BYTES, DOOR_SETTINGS, OPTIMIZER_ONLY, SHARED,
+                                 DoorOptions, ExchangeSettings, OptimizerSettings, door_options)
 from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS
 from horovod_quant.policy import LayerPolicy
-
-SHARED = ("seed", "gather", "policy", "pipeline_elems")
 
 
 def test_defaults():
@@ -21,24 +24,60 @@ def test_defaults():
         DEFAULT_FUSION_BYTES, None, "auto", None)
 
 
-def test_keyword_over_options_over_inherited_over_default():
+def test_keywords_over_inherited_over_default_or_options():
     inherited = DoorOptions(seed=3, gather="sra")
-    assert door_options(None, inherited).seed == 3
-    assert door_options(None, inherited, seed=None).seed == 3  # None: not given
-    assert door_options(None, inherited, seed=5).seed == 5
-    assert door_options(DoorOptions(seed=9), inherited).gather == "auto"  # options replace it
-    assert door_options(DoorOptions(seed=9), inherited, seed=9).seed == 9  # the same value: fine
-    assert door_options().pipeline_elems == 1 << 21
-    assert door_options(pipeline_elems=UNSET).pipeline_elems == 1 << 21
-    assert door_options(pipeline_elems=None).pipeline_elems is None  # None: whole vectors
+    assert door_options({}, None, inherited).seed == 3
+    assert door_options({"seed": 5}, None, inherited) == DoorOptions(seed=5, gather="sra")
+    assert door_options({}, DoorOptions(seed=9), inherited).gather == "auto"  # options replace
+    assert door_options({}).pipeline_elems == 1 << 21
+    assert door_options({"pipeline_elems": None}).pipeline_elems is None  # None: whole vectors
 
 
-def test_a_setting_given_twice_differently_raises():
-    assert door_options(DoorOptions(seed=4), seed=4).seed == 4
-    with pytest.raises(ValueError, match="seed given both as keyword arguments and in options="):
-        door_options(DoorOptions(seed=4), seed=5)
+def test_keywords_and_options_together_raise_saying_which_to_use():
+    for given in ({"seed": 4}, {"seed": 5}):  # the same value as options' too
+        with pytest.raises(ValueError, match=r"seed given as keyword arguments and options= "
+                                             r"given too: set seed inside options="):
+            door_options(given, DoorOptions(seed=4))
     with pytest.raises(ValueError, match="is not a horovod_quant DoorOptions"):
-        door_options({"seed": 4})
+        door_options({}, {"seed": 4})
+    with pytest.raises(ValueError, match="fusion_bytes: not a setting of this door"):
+        door_options({"fusion_bytes": 1024})
+    assert door_options({"fusion_bytes": 1024}, takes=DOOR_SETTINGS).fusion_bytes == 1024
+
+
+def test_exchange_and_optimizer_settings_are_two_small_frozen_types():
+    assert SHARED == tuple(f.name for f in dataclasses.fields(ExchangeSettings))
+    assert OPTIMIZER_ONLY == tuple(f.name for f in dataclasses.fields(OptimizerSettings))
+    assert DOOR_SETTINGS == tuple(f.name for f in dataclasses.fields(DoorOptions))
+    options = DoorOptions()
+    assert isinstance(options, ExchangeSettings) and isinstance(options, OptimizerSettings)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.seed = 1
+
+
+def _package_sources():
+    return sorted(Path(hq.__file__).parent.rglob("*.py"))
+
+
+def test_no_sentinel_and_each_setting_attribute_written_once():
+    """No "not given" sentinel: a door takes ``**settings``; each setting is read as a door's
+    attribute in one place (doors.SettingsAttributes, the optimizer's own two)."""
+    assert not hasattr(doors, "UNSET")
+    defined = {}
+    for path in _package_sources():
+        text = path.read_text()
+        assert "UNSET" not in text, path
+        for node in ast.walk(ast.parse(text, str(path))):
+            is_property = isinstance(node, ast.FunctionDef) and any(
+                isinstance(d, ast.Name) and d.id == "property" for d in node.decorator_list)
+            if is_property and node.name in DOOR_SETTINGS and "options" in ast.unparse(node):
+                defined.setdefault(node.name, []).append(path.name)
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) \
+                    and ast.unparse(node.value.func) == "property":
+                names = [ast.unparse(t) for t in node.targets]
+                assert not set(names) & set(DOOR_SETTINGS), (path, names)
+    twice = {name: where for name, where in defined.items() if len(where) > 1}
+    assert not twice and set(defined) == set(SHARED) | {"on_step", "fallback"}, defined
 
 
 @pytest.mark.parametrize("setting,value,message", [
@@ -58,17 +97,9 @@ def test_optimizer_only_settings_raise_in_the_other_doors():
     assert set(OPTIMIZER_ONLY) == {"fusion_bytes", "transport", "fallback", "on_step"}
 
 
-def _defaults(function):
-    return {name: p.default for name, p in inspect.signature(function).parameters.items()}
-
-
-def _not_given(value):
-    return value is None or value is UNSET
-
-
-def test_every_door_takes_the_settings_with_no_default_of_its_own():
-    """Each door's keyword for a setting defaults to "not given", so DoorOptions' default is
-    the one every door runs with; each door takes ``options=``."""
+def test_every_door_takes_the_settings_as_keywords_or_options():
+    """Each door takes ``options=`` and the settings as ``**settings`` (no default of its own:
+    DoorOptions' is the one every door runs with)."""
     hvd_torch = pytest.importorskip("horovod.torch")
     import horovod_quant.torch as hqt
     from horovod_quant.torch import ddp
@@ -85,12 +116,13 @@ def test_every_door_takes_the_settings_with_no_default_of_its_own():
         doors.update({"TF Compression": hqtf.Compression.qsgd,
                       "TF QuantizedCompressor": hqtf.QuantizedCompressor})
     for door, function in doors.items():
-        defaults = _defaults(function)
-        settings = SHARED + (OPTIMIZER_ONLY if "DistributedOptimizer" in door else ())
-        assert "options" in defaults, door
-        for setting in settings:
-            assert setting in defaults and _not_given(defaults[setting]), (door, setting)
+        parameters = inspect.signature(function).parameters
+        assert "options" in parameters, door
+        assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()), door
+        assert not set(parameters) & set(DOOR_SETTINGS), door
     assert hvd_torch is not None
+    with pytest.raises(ValueError, match="seed given as keyword arguments and options="):
+        hqt.QuantizedCompressor(hq.get_codec("qsgd"), seed=1, options=DoorOptions())
 
 
 def test_torch_compressor_keeps_its_settings_for_the_optimizer():

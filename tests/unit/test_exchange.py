@@ -9,6 +9,7 @@ import horovod_quant as hq
 from horovod_quant.exchange import CodecStates, Exchange, LocalCollectives
 from horovod_quant.exchange.plans import pipeline_seed
 from horovod_quant.exchange.wire import frame, norm_wire, unframe
+from horovod_quant.core.contract import Combine
 from horovod_quant.core.registry import codec_class
 from horovod_quant.core.payload import Payload
 
@@ -40,7 +41,7 @@ def _codec(name, n):
 @pytest.mark.parametrize("gather", ["allgather", "sra"])
 def test_exchange_matches_reference(name, n, gather):
     codec = _codec(name, n)
-    if codec.combine != "gather" and gather == "sra":
+    if codec.traits.combine is not Combine.GATHER and gather == "sra":
         pytest.skip("schedule applies to gather codecs only")
     xs = _inputs(n, 3001)
     results = _distributed(codec, xs, seed=11, gather=gather)

@@ -5,6 +5,7 @@ import pytest
 
 import horovod_quant as hq
 from horovod_quant.core.base import worker_seed
+from horovod_quant.core.contract import GlobalNorm
 from horovod_quant.exchange import CUSTOM_COLLECTIVES, Done, Exchange, LocalCollectives, plans
 from horovod_quant.exchange.reference import Lockstep
 from horovod_quant.exchange.wire import NO_TAG, frame, unframe
@@ -107,7 +108,7 @@ def test_plans_yield_their_signature(name, gather):
     xs = _inputs(n, 1500)
     kind = plans.runnable(plans.plan_kind(codec, n, 1500, gather), custom=False)
     norm = None
-    if codec.needs_norm:
+    if isinstance(codec, GlobalNorm):
         norm = Lockstep([_checked(plans.norm_plan(codec, [x]), plans.signature("norm", codec))
                          for x in xs]).finish()[0]
     checked = [_checked(p, plans.signature(kind, codec)) for p in _pieces(codec, xs, 3, kind, norm)]
@@ -210,8 +211,8 @@ def test_plan_kind_follows_declared_capabilities():
     assert plans.runnable("custom", custom=False) == "allgather"
     assert plans.runnable("custom", custom=True) == "custom"
     sparse = _codec("global_qsgd", 8, mode="sparse")
-    assert plans.plan_kind(sparse, 8, big, "sra") == "allgather"  # needs_norm: no second norm
+    assert plans.plan_kind(sparse, 8, big, "sra") == "allgather"  # global norm: no second norm
     assert plans.plan_kind(_codec("nested_dithered", 4), 4, big) == "allgather"  # no collective
-    assert not hq.get_codec("qsgd").needs_norm and gq.needs_norm
+    assert not isinstance(hq.get_codec("qsgd"), GlobalNorm) and isinstance(gq, GlobalNorm)
     with pytest.raises(ValueError, match="gather='ring' is not valid"):
         plans.check_gather("ring")

@@ -6,7 +6,8 @@ import math
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.core.base import COMBINES, Codec
+from horovod_quant.core.base import Codec
+from horovod_quant.core.contract import Combine, ExchangeTraits
 from horovod_quant.core.registry import register
 
 CORE = ["none", "fp16", "bf16", "qsgd", "nuqsgd", "natural", "natural_dithering",
@@ -30,7 +31,7 @@ def test_available_codecs():
 def test_every_codec_builds_and_round_trips_config(name):
     codec = _build(name)
     assert codec.name == name
-    assert codec.combine in COMBINES
+    assert isinstance(codec.traits, ExchangeTraits) and codec.traits.combine in Combine
     cfg = codec.config()
     assert cfg["codec"] == name
     params = {k: v for k, v in cfg.items() if k != "codec"}

@@ -1,0 +1,156 @@
+"""What a codec needs from an exchange: its :class:`ExchangeTraits` and its capabilities.
+
+Every codec carries one frozen :class:`ExchangeTraits` (``codec.traits``), computed once when it
+is built. What it can do beyond encode and decode is a capability it inherits, and the exchange
+checks capabilities by type (``isinstance``), never by name: :class:`SumDecodable` (payload words
+add under a plain allreduce), :class:`Reduced` (its own reduction, run by a custom collective),
+:class:`GlobalNorm` (encoding needs the norm of every rank's vector) and
+:class:`SideInformation` (decoding needs the other ranks' payloads and an outage count). A codec
+has the methods of the capabilities it has and no others (docs/dev/architecture.md).
+"""
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Sequence
+
+import numpy as np
+
+from .payload import Payload
+
+
+class Combine(str, enum.Enum):
+    """How the payloads of n workers combine (derived from a codec's capabilities)."""
+
+    #: elementwise sum of the words under a plain allreduce (:class:`SumDecodable`)
+    SUM = "sum"
+    #: each payload decoded and the results averaged in rank order
+    GATHER = "gather"
+    #: the codec's own reduction (:class:`Reduced`) or side information (:class:`SideInformation`)
+    CUSTOM = "custom"
+
+
+@dataclass(frozen=True)
+class ExchangeTraits:
+    """What an exchange needs to know about a codec, fixed when the codec is built.
+
+    Attributes:
+        combine: how n payloads combine (:class:`Combine`).
+        wire_dtype: dtype of ``Payload.data``, what a collective moves.
+        head_nbytes: leading payload bytes the payload's length depends on (a sparse count,
+            an NDQSG header), 0 for fixed-length formats.
+        collective: the name in ``horovod_quant.exchange.CUSTOM_COLLECTIVES`` of the
+            collective that runs a :class:`Reduced` codec's reduction, else None.
+    """
+
+    combine: Combine
+    wire_dtype: np.dtype
+    head_nbytes: int = 0
+    collective: str | None = None
+
+
+class SideInfoOutcome(NamedTuple):
+    """One rank's result of :meth:`SideInformation.combine_side_info`.
+
+    Attributes:
+        mean: the float32 mean estimate, the same on every rank.
+        own_outages: values of this rank's own payload whose side-information decode failed.
+        record: the exchange's statistics, completed by
+            :meth:`SideInformation.finish_side_info`.
+    """
+
+    mean: Any
+    own_outages: int
+    record: Any
+
+
+class CombinedDecodable(abc.ABC):
+    """A codec whose n payloads combine into one payload that decodes to the mean."""
+
+    @abc.abstractmethod
+    def decode_sum(self, payload: Payload, n: int, out: Any | None = None) -> Any:
+        """The float32 mean estimate from the combined payload of ``n`` workers (into ``out``
+        when given)."""
+
+
+class SumDecodable(CombinedDecodable):
+    """Payload words of n workers add up elementwise under a plain allreduce (as
+    ``traits.wire_dtype``); :meth:`decode_sum` turns the sum into the mean estimate."""
+
+
+class Reduced(CombinedDecodable):
+    """Payloads combine by the codec's own reduction (Global-QSGD's exponent reduction,
+    Global-QSGD paper Algorithm 1), which the custom collective named :attr:`collective` runs
+    between ranks; without it the allgather plan runs :meth:`reduce` on every rank."""
+
+    #: the name of the collective in ``horovod_quant.exchange.CUSTOM_COLLECTIVES``
+    collective: ClassVar[str]
+
+    @abc.abstractmethod
+    def reduce(self, payloads: Sequence[Payload], seed: int) -> Payload:
+        """The combined payload of n workers (rank order), reduced with exchange seed
+        ``seed``; :meth:`decode_sum` decodes it."""
+
+
+class GlobalNorm(abc.ABC):
+    """Encoding needs the global norm of every rank's vector (Global-QSGD, Definition 3.1):
+    each rank gives :meth:`norm_statistic`, the statistics combine with :attr:`norm_op`, and
+    :meth:`norm_from_statistics` gives the norm. Never the sra plan (a chunk mean would need a
+    second norm)."""
+
+    #: how several statistics of one rank combine: "max" or "sum"
+    norm_op: str
+
+    @abc.abstractmethod
+    def norm_statistic(self, x: Any) -> float:
+        """This rank's part of the global norm of ``x`` (float64; non-finite when x is)."""
+
+    @abc.abstractmethod
+    def norm_from_statistics(self, stats: Sequence[float]) -> np.float32:
+        """The global norm from every rank's statistic, in rank order (the same float32 on
+        every rank)."""
+
+
+class SideInformation(abc.ABC):
+    """Decoding needs side information from the other ranks' payloads (NDQSG, Algorithm 2):
+    a gathered exchange combines with :meth:`combine_side_info`, sums the ranks'
+    ``own_outages`` with one integer allreduce and hands the total to
+    :meth:`finish_side_info`."""
+
+    @abc.abstractmethod
+    def combine_side_info(self, payloads: Sequence[Payload], seed: int, rank: int, x: Any,
+                          out: Any | None = None, state: Any = None) -> SideInfoOutcome:
+        """The mean estimate of a gathered exchange, decoded with side information.
+
+        Args:
+            payloads: every rank's payload, in rank order (``meta["seed"]`` set).
+            seed: the exchange seed.
+            rank: this rank.
+            x: this rank's input vector: the outcome counts the side-information failures of
+                this rank's own values (no rank knows the others').
+            out: destination of the estimate, or None for a new array.
+            state: the exchange's ``new_state()``, moved on by this exchange (None: a fresh
+                one, dropped after).
+
+        Every rank computes the same mean and moves its state the same way; the count is this
+        rank's own.
+        """
+
+    @abc.abstractmethod
+    def finish_side_info(self, outcome: SideInfoOutcome, total_outages: int) -> None:
+        """Complete an exchange's statistics with the sum over ranks of ``outcome.own_outages``
+        (what one integer allreduce gives every rank)."""
+
+
+def traits_of(codec: Any) -> ExchangeTraits:
+    """The traits of a codec from its capabilities and its class's wire format (what
+    ``Codec.__init__`` stores)."""
+    if isinstance(codec, SumDecodable):
+        combine = Combine.SUM
+    elif isinstance(codec, (Reduced, SideInformation)):
+        combine = Combine.CUSTOM
+    else:
+        combine = Combine.GATHER
+    return ExchangeTraits(combine, np.dtype(codec.wire_dtype), int(codec.head_nbytes),
+                          codec.collective if isinstance(codec, Reduced) else None)
