@@ -46,10 +46,17 @@ import subprocess
 import sys
 import time
 
-from cluster_report import (OVERLAP_TRANSPORTS, analyse, median_of_runs, merge_rounds, plots,
-                            write_outputs)
-from emulator import EmulatedCluster, cleanup_leftovers, parse_rate
 from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS
+
+from cluster_report import (
+    OVERLAP_TRANSPORTS,
+    analyse,
+    median_of_runs,
+    merge_rounds,
+    plots,
+    write_outputs,
+)
+from emulator import EmulatedCluster, cleanup_leftovers, parse_rate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -31,13 +31,20 @@ import numpy as np
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
-from ..doors import (UNSET, CompressionNamespace, CompressorSettings, ConfigCheck, DoorOptions,
-                     door_options, mpi_exchange_config)
+from ..core.base import Codec
+from ..core.rng import derive_key
+from ..doors import (
+    UNSET,
+    CompressionNamespace,
+    CompressorSettings,
+    ConfigCheck,
+    DoorOptions,
+    door_options,
+    mpi_exchange_config,
+)
 from ..exchange import plans, wire
 from ..exchange.codec_states import CodecStates
 from ..exchange.driver import custom_collective
-from ..core.base import Codec
-from ..core.rng import derive_key
 from ..policy import LayerPolicy
 from ._fenv import ieee_denormals
 from .collectives import HorovodTFCollectives

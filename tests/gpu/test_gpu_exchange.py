@@ -14,15 +14,14 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
+from horovod_quant.core.registry import codec_class
 from horovod_quant.exchange import Exchange, HostStaged, plans
 from horovod_quant.exchange.cost import GPU_RANKS
 from horovod_quant.exchange.topology import Topology
-from horovod_quant.core.registry import codec_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
-from threaded_comm import run_ranks  # noqa: E402
-
 from test_gpu_parity import cp, gen, same, same_nan  # noqa: E402,F401  (the fixture)
+from threaded_comm import run_ranks  # noqa: E402
 
 CODECS = [c for c in hq.available_codecs() if c != "none"]
 

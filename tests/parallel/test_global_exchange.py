@@ -6,9 +6,9 @@ under gloo it falls back to allgather + local reduction. Both must equal mean_es
 """
 import os
 
+import horovod.torch as hvd
 import numpy as np
 import pytest
-import horovod.torch as hvd
 
 import horovod_quant as hq
 from horovod_quant.exchange import CodecStates, Exchange

@@ -18,8 +18,8 @@ tf = pytest.importorskip("tensorflow")
 hvd = pytest.importorskip("horovod.tensorflow")
 
 import horovod_quant as hq
-from horovod_quant.core.rng import derive_key
 from horovod_quant.core.registry import codec_class
+from horovod_quant.core.rng import derive_key
 
 
 @pytest.fixture(scope="session", autouse=True)

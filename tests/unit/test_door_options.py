@@ -4,8 +4,13 @@ import inspect
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.doors import (DEFAULT_FUSION_BYTES, OPTIMIZER_ONLY, UNSET, DoorOptions,
-                                 door_options)
+from horovod_quant.doors import (
+    DEFAULT_FUSION_BYTES,
+    OPTIMIZER_ONLY,
+    UNSET,
+    DoorOptions,
+    door_options,
+)
 from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS
 from horovod_quant.policy import LayerPolicy
 

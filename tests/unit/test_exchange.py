@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
+from horovod_quant.core.payload import Payload
+from horovod_quant.core.registry import codec_class
 from horovod_quant.exchange import CodecStates, Exchange, LocalCollectives
 from horovod_quant.exchange.plans import pipeline_seed
 from horovod_quant.exchange.wire import frame, norm_wire, unframe
-from horovod_quant.core.registry import codec_class
-from horovod_quant.core.payload import Payload
 
 from threaded_comm import run_ranks
 

@@ -18,6 +18,7 @@ from horovod_quant.exchange import Exchange, plans  # noqa: E402
 from horovod_quant.stats import StepStats  # noqa: E402
 from horovod_quant.torch.buckets import form_buckets  # noqa: E402
 from horovod_quant.torch.schedule import ExchangeSchedule  # noqa: E402
+
 from threaded_comm import ThreadCollectives, run_ranks  # noqa: E402
 
 SEED, STEP, PREFIX = 11, 4, "hq.test"

@@ -15,6 +15,7 @@ import horovod_quant as hq  # noqa: E402
 from horovod_quant.exchange import Exchange, HostStaged, LocalCollectives  # noqa: E402
 from horovod_quant.exchange.topology import Topology  # noqa: E402
 from horovod_quant.torch import transport  # noqa: E402
+
 from threaded_comm import run_ranks  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
