@@ -41,7 +41,7 @@ def _inputs(n: int, size: int) -> list[np.ndarray]:
 @pytest.mark.parametrize("name", CODECS)
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("pipeline_elems", [None, 1000])
-def test_device_exchange_equals_cpu_reference(cp, name, n, pipeline_elems):
+def test_device_exchange_equals_cpu_reference(cp, name, n, pipeline_elems):  # noqa: F811 (the fixture)
     xs = _inputs(n, 3001)
 
     def rank_fn(comm):
@@ -54,7 +54,7 @@ def test_device_exchange_equals_cpu_reference(cp, name, n, pipeline_elems):
         assert same_nan(got, want), name
 
 
-def test_device_exchange_sra_schedule(cp):
+def test_device_exchange_sra_schedule(cp):  # noqa: F811 (the fixture)
     n, xs = 3, _inputs(3, 4099)
 
     def rank_fn(comm):
@@ -67,7 +67,7 @@ def test_device_exchange_sra_schedule(cp):
 
 
 @pytest.mark.parametrize("name", ["qsgd", "natural", "none", "global_qsgd"])
-def test_device_hierarchical_exchange_equals_cpu_reference(cp, name):
+def test_device_hierarchical_exchange_equals_cpu_reference(cp, name):  # noqa: F811 (the fixture)
     """2 hosts x 2 ranks on threads, host and shard groups staged through host memory: the
     hierarchical pieces run on each rank's worker thread inside the non-default stream the
     vector was made on, the host mean is the exact kernel (subnormal host means kept: a
