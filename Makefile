@@ -3,7 +3,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: all install test unit parallel emulated kernels demo bench clean clean-cache \
+.PHONY: all install test lint unit parallel emulated kernels demo bench clean clean-cache \
 	images image-test image-test-gpu image-two-hosts gpu-check
 
 all: test
@@ -24,6 +24,11 @@ test: install
 	bash tests/cuda_parity/compile.sh
 	$(PYTHON) -m pytest -q tests/cuda_parity
 	$(PYTHON) -m pytest -q tests/gpu
+
+# The linter over the package, tests, benchmarks, scripts and examples (pyproject.toml's
+# [tool.ruff]); not yet part of `test`: lines over 100 columns remain to be wrapped.
+lint:
+	$(PYTHON) -m ruff check horovod_quant tests benchmarks scripts examples
 
 # The pieces of `test` on their own, without the install step.
 unit:
