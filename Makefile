@@ -3,7 +3,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: all install test unit parallel emulated kernels demo bench clean clean-cache \
+.PHONY: all install test lint unit parallel emulated kernels demo bench clean clean-cache \
 	images image-test image-test-gpu image-two-hosts gpu-check
 
 all: test
@@ -11,15 +11,24 @@ all: test
 install:
 	bash scripts/install.sh
 
+# Every suite fails when it collects no test (pytest's exit status 5; tests/unit/test_suites.py
+# holds the rule): one folder per pytest run, so that each must collect its own. A suite whose
+# tests all skip passes (tests/gpu without a GPU).
 test: install
-	$(PYTHON) -m pytest -q tests/unit || [ $$? -eq 5 ]
+	$(PYTHON) -m pytest -q tests/unit
 	$(PYTHON) scripts/check_docs.py
 	bash tests/parallel/run.sh
 	bash tests/parallel_tf/run.sh
 	bash tests/parallel_ddp/run.sh
 	bash tests/emulated/run.sh
 	bash tests/cuda_parity/compile.sh
-	$(PYTHON) -m pytest -q tests/cuda_parity tests/gpu
+	$(PYTHON) -m pytest -q tests/cuda_parity
+	$(PYTHON) -m pytest -q tests/gpu
+
+# The linter over the package, tests, benchmarks, scripts and examples (pyproject.toml's
+# [tool.ruff]); not yet part of `test`: lines over 100 columns remain to be wrapped.
+lint:
+	$(PYTHON) -m ruff check horovod_quant tests benchmarks scripts examples
 
 # The pieces of `test` on their own, without the install step.
 unit:

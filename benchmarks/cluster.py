@@ -46,10 +46,17 @@ import subprocess
 import sys
 import time
 
-from cluster_report import (OVERLAP_TRANSPORTS, analyse, median_of_runs, merge_rounds, plots,
-                            write_outputs)
-from emulator import EmulatedCluster, cleanup_leftovers, parse_rate
 from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS
+
+from cluster_report import (
+    OVERLAP_TRANSPORTS,
+    analyse,
+    median_of_runs,
+    merge_rounds,
+    plots,
+    write_outputs,
+)
+from emulator import EmulatedCluster, cleanup_leftovers, parse_rate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -197,7 +204,7 @@ def run_phase(cluster: EmulatedCluster, label: str, items: list[dict], bar,
         done: set[str] = set()
         while True:
             with open(rows) as f:
-                lines = [l for l in f.read().splitlines() if l.strip()]
+                lines = [text for text in f.read().splitlines() if text.strip()]
             for line in lines[seen:]:
                 row = json.loads(line)
                 last = time.monotonic()
@@ -403,7 +410,7 @@ def main(argv=None) -> int:
         data = datas[0]
         for extra in datas[1:]:  # runs made separately: links added, same-rate rows merged
             for link in extra["links"]:
-                same = [l for l in data["links"] if l["label"] == link["label"]]
+                same = [other for other in data["links"] if other["label"] == link["label"]]
                 if same:
                     same[0]["results"] += link["results"]
                     same[0].setdefault("calibration_other_runs", []).append(

@@ -246,7 +246,7 @@ def render(data: dict, prefix: str) -> list[str]:
                              squeeze=False)
     for (ax_s, ax_b), link in zip(axes, data["links"]):
         names = [r["config"] for r in link["rows"]]
-        colors = ["tab:gray" if not (":" in n) else "tab:blue" for n in names]
+        colors = ["tab:gray" if ":" not in n else "tab:blue" for n in names]
         ax_s.barh(names, [r["samples_per_s"] for r in link["rows"]], color=colors)
         ax_s.set_xlabel("samples/s (higher is better)")
         ax_s.set_title(f"{link['label']}: throughput")

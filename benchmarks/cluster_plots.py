@@ -44,8 +44,8 @@ def render_plots(data: dict, prefix: str) -> list[str]:
         ax.set_xlim(-0.6, len(names) - 0.4)
 
     # 1. speedups
-    panels = [(l, "exchange") for l in links if s["exchange"].get(l["label"])]
-    panels += [(l, "train") for l in links if s["training"].get(l["label"])]
+    panels = [(link, "exchange") for link in links if s["exchange"].get(link["label"])]
+    panels += [(link, "train") for link in links if s["training"].get(link["label"])]
     if panels:
         fig, axes = plt.subplots(len(panels), 1, figsize=(13, 3.4 * len(panels)), squeeze=False,
                                  layout="constrained")

@@ -291,7 +291,7 @@ def render_markdown(data: dict, prefix: str) -> str:
     base = os.path.basename(prefix)
     L = []
     L.append(f"# Cluster benchmark results ({base})\n")
-    shapes = ", ".join(f"{h} x {k}" for h, k in dict.fromkeys(shape_of(l) for l in data["links"]))
+    shapes = ", ".join(f"{h} x {k}" for h, k in dict.fromkeys(shape_of(link) for link in data["links"]))
     L.append(f"Produced by `{data['command']}` on {data['date']} "
              f"({data['machine']['cpus']} CPUs, {data['machine']['cpu']}; load average "
              f"{data['machine']['loadavg_before']} before, "
@@ -504,14 +504,14 @@ def render_markdown(data: dict, prefix: str) -> str:
                          f"{_fmt_sps(r.get('ref_samples_per_s'))} | {_load(r)} |")
             L.append("")
     L += render_shapes(s.get("shapes", []))
-    errs = [(l["label"], r["id"], r["error"].splitlines()[0][:200]) for l in data["links"]
-            for r in l["results"] if r.get("error")]
+    errs = [(link["label"], r["id"], r["error"].splitlines()[0][:200]) for link in data["links"]
+            for r in link["results"] if r.get("error")]
     if errs:
         L.append("## Failed items\n")
         for lab, i, e in errs:
             L.append(f"* {lab} {i}: {e}")
         L.append("")
-    if any(r.get("kind") in ("exchange", "train") for l in data["links"] for r in l["results"]):
+    if any(r.get("kind") in ("exchange", "train") for link in data["links"] for r in link["results"]):
         L.append(f"Plots: `{base}_speedup.png`, `{base}_bytes.png`, `{base}_split.png`"
                  + (f", `{base}_shapes.png`" if s.get("shapes") else "") + ".\n")
     return "\n".join(L)

@@ -43,11 +43,12 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from emulator import NIC_ENV, nic_counters
 from horovod_quant.core.registry import codec_class, get_codec
 from horovod_quant.exchange import Exchange
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 from horovod_quant.torch.transport import transport_collectives
+
+from emulator import NIC_ENV, nic_counters
 
 MB = 1 << 20
 

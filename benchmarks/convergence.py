@@ -34,8 +34,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -72,7 +72,7 @@ CODECS = {
 }
 #: ``--codecs`` presets
 PRESETS = {
-    "default": [l for l in CODECS if l not in ("qsgd 2b b128", "global_qsgd linear 4b",
+    "default": [label for label in CODECS if label not in ("qsgd 2b b128", "global_qsgd linear 4b",
                                                "global_qsgd exp 4b",
                                                "fp32 control (lr x (1+1e-6))")],
     "control": ["fp32 control (lr x (1+1e-6))"],
@@ -94,7 +94,8 @@ def make_data(seed_split: int = 0):
     x = (x / 16.0).astype(np.float32)
     xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=seed_split,
                                           stratify=y)
-    t = lambda a, dt: torch.tensor(a, dtype=dt)
+    def t(a, dt):
+        return torch.tensor(a, dtype=dt)
     return (t(xtr, torch.float32), t(ytr, torch.long), t(xte, torch.float32),
             t(yte, torch.long))
 
@@ -172,7 +173,7 @@ def worker(args) -> None:
     hvd.init()
     torch.set_num_threads(1)
     data = make_data()
-    labels = [l for l in args.codecs.split(";") if l]
+    labels = [label for label in args.codecs.split(";") if label]
     runs = []
     meta = {"world": hvd.size(), "command": " ".join(sys.argv),
             "env": {k: os.environ.get(k) for k in ("HOROVOD_FUSION_THRESHOLD",
@@ -186,8 +187,8 @@ def worker(args) -> None:
         with open(args.json) as fh:
             old = json.load(fh)
         runs = old["runs"]
-        meta["codecs"] = old["meta"]["codecs"] + [l for l in labels
-                                                  if l not in old["meta"]["codecs"]]
+        meta["codecs"] = old["meta"]["codecs"] + [label for label in labels
+                                                  if label not in old["meta"]["codecs"]]
         meta["seeds"] = sorted(set(old["meta"]["seeds"]) | set(meta["seeds"]))
         meta["appended"] = old["meta"].get("appended", []) + [" ".join(sys.argv)]
     t0 = time.perf_counter()
@@ -380,9 +381,9 @@ def plot(res: dict, summary: dict, out: str, pre: str) -> list[str]:
     paths = []
     for n, blob in res.items():
         runs = [r for r in blob["runs"] if "curve" in r]
-        by_label = {l: [r for r in runs if r["label"] == l] for l in blob["meta"]["codecs"]}
+        by_label = {label: [r for r in runs if r["label"] == label] for label in blob["meta"]["codecs"]}
         base = by_label.get("fp32", [])
-        labels = [l for l, rs in by_label.items() if rs and l != "fp32"]
+        labels = [label for label, rs in by_label.items() if rs and label != "fp32"]
         if not labels:
             continue
         ncols = 5 if len(labels) > 9 else 3
@@ -430,14 +431,14 @@ def plot(res: dict, summary: dict, out: str, pre: str) -> list[str]:
         paths.append(p)
     # gap plot
     worlds = list(summary)
-    labels = [l for l in next(iter(res.values()))["meta"]["codecs"] if l != "fp32"]
+    labels = [label for label in next(iter(res.values()))["meta"]["codecs"] if label != "fp32"]
     fig, axes = plt.subplots(1, 2, figsize=(15, 5.8), layout="constrained")
     width = 0.8 / max(1, len(worlds))
     x = np.arange(len(labels))
     for j, n in enumerate(worlds):
         for ax, key, title in ((axes[0], "gap_train_loss", "final training loss - fp32"),
                                (axes[1], "gap_test_acc", "final test accuracy - fp32")):
-            vals = [summary[n].get(l, {}).get(key, (np.nan, 0)) for l in labels]
+            vals = [summary[n].get(label, {}).get(key, (np.nan, 0)) for label in labels]
             scale = 100 if key == "gap_test_acc" else 1
             ax.bar(x + (j - (len(worlds) - 1) / 2) * width, [v[0] * scale for v in vals],
                    width, yerr=[v[1] * scale for v in vals], capsize=2, label=f"{n} ranks",
@@ -552,7 +553,7 @@ def main() -> None:
     if bad:
         raise SystemExit(f"--worlds: {bad} are not N or HxK")
     args.codecs = ";".join(PRESETS[args.codecs]) if args.codecs in PRESETS else args.codecs
-    unknown = [l for l in args.codecs.split(";") if l and l not in CODECS]
+    unknown = [label for label in args.codecs.split(";") if label and label not in CODECS]
     if unknown:
         raise SystemExit(f"unknown codec labels {unknown}; known: {list(CODECS)}")
     args.out = os.path.abspath(args.out)

@@ -66,11 +66,14 @@ def p_label(p: float) -> str:
 def synthetic(dist: str, d: int, count: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     if dist == "gaussian":
-        make = lambda: rng.standard_normal(d)
+        def make():
+            return rng.standard_normal(d)
     elif dist == "laplace":
-        make = lambda: rng.laplace(size=d)
+        def make():
+            return rng.laplace(size=d)
     elif dist == "uniform":
-        make = lambda: rng.uniform(-1.0, 1.0, d)
+        def make():
+            return rng.uniform(-1.0, 1.0, d)
     else:
         raise ValueError(dist)
     # "several norms": each vector gets its own scale, 10^U(-3, 3); normalized variance does not
@@ -684,7 +687,8 @@ def main() -> None:
         with open(json_path) as f:
             results = json.load(f).get("results", {})
     if args.plot_only:
-        out = lambda name: os.path.join(args.out, name)
+        def out(name):
+            return os.path.join(args.out, name)
         for part, res in results.items():
             if part in ("fig16", "fig17"):
                 plot_dithering(res, part, out(f"variance_{part}.png"))

@@ -50,8 +50,9 @@ def datasets():
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0 - 0.5).reshape(-1, 1, 8, 8)
     xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
-    as_ds = lambda a, b: torch.utils.data.TensorDataset(
-        torch.tensor(a, dtype=torch.float32), torch.tensor(b, dtype=torch.long))
+    def as_ds(a, b):
+        return torch.utils.data.TensorDataset(
+            torch.tensor(a, dtype=torch.float32), torch.tensor(b, dtype=torch.long))
     return as_ds(xtr, ytr), as_ds(xte, yte)
 
 

@@ -11,8 +11,7 @@ import os
 # (effective when numba is imported after this package, the usual order).
 os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
 
-from .core import (  # noqa: E402
-    Codec, Payload, available_codecs, derive_key, get_codec, worker_seed)
+from .core import Codec, Payload, available_codecs, derive_key, get_codec, worker_seed  # noqa: E402
 from .exchange.reference import mean_estimate  # noqa: E402
 
 

@@ -37,8 +37,16 @@ from .core.limits import CodecLimitWarning
 from .core.registry import available_codecs, codec_class, get_codec
 from .doors import DEFAULT_FUSION_BYTES, CodecRequest
 from .exchange import plans
-from .exchange.cost import (INTRA_ENV, LINK_ENV, ROUND_ENV, Cost, Fabric, codec_work, plan_cost,
-                             ring_allreduce)
+from .exchange.cost import (
+    INTRA_ENV,
+    LINK_ENV,
+    ROUND_ENV,
+    Cost,
+    Fabric,
+    codec_work,
+    plan_cost,
+    ring_allreduce,
+)
 from .exchange.topology import Topology
 
 #: parameter counts of common models (float32 gradients of every parameter): checked against

@@ -20,6 +20,7 @@ set -euo pipefail
 : "${HOROVOD_VERSION:=0.28.1}"
 : "${TORCH_VERSION:=2.13.0}"
 : "${NUMBA_VERSION:=0.68.1}"
+: "${RUFF_VERSION:=0.17.6}"               # the linter: its rules change between releases
 : "${TENSORFLOW_VERSION:=2.21.0}"
 : "${TF_KERAS_VERSION:=${TENSORFLOW_VERSION}}"
 
@@ -50,7 +51,7 @@ command -v ip >/dev/null || APT_PACKAGES+=(iproute2)
 PY_PACKAGES=(
   "setuptools>=64" wheel packaging cloudpickle psutil pyyaml   # build + Horovod runtime deps
   numpy "numba==${NUMBA_VERSION}" mpi4py
-  pytest hypothesis scikit-learn matplotlib tqdm
+  pytest hypothesis scikit-learn matplotlib tqdm "ruff==${RUFF_VERSION}"
 )
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"

@@ -9,7 +9,7 @@ from .dithered import DitheredQuantizer
 from .global_qsgd import GlobalQSGD
 from .nested_dithered import NestedDitheredQuantizer
 from .payload import Payload
-from .quantizers import QSGD, NUQSGD, NaturalCompression, NaturalDithering, StandardDithering
+from .quantizers import NUQSGD, QSGD, NaturalCompression, NaturalDithering, StandardDithering
 from .registry import available_codecs, get_codec, register
 from .rng import derive_key
 

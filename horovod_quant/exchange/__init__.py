@@ -6,11 +6,8 @@ runs Global-QSGD's exponent reduction between ranks over MPI (docs/dev/architect
 from .codec_states import CodecStates
 from .collectives import Collectives, Done, Handle, LocalCollectives
 from .driver import CUSTOM_COLLECTIVES, Exchange, ExchangeStats, Pending
-from .mpi_exponent_allreduce import mpi_exponent_factory
 from .reference import mean_estimate
 from .staging import HostStaged
-
-CUSTOM_COLLECTIVES["exponent_allreduce"] = mpi_exponent_factory
 
 __all__ = [
     "CUSTOM_COLLECTIVES", "CodecStates", "Collectives", "Done", "Exchange", "ExchangeStats", "Handle",

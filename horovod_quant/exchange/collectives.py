@@ -16,6 +16,7 @@ import numpy as np
 
 from ..core.payload import Payload
 
+
 class Handle(abc.ABC):
     """A collective in flight."""
 

@@ -28,13 +28,14 @@ from . import plans, wire
 from .codec_states import CodecStates
 from .collectives import Collectives, Handle
 from .cost import CPU_RANKS, Fabric
+from .mpi_exponent_allreduce import mpi_exponent_factory
 
 log = logging.getLogger("horovod_quant")
 
 #: custom collectives by the name reduced codecs declare (``codec.traits.collective``):
 #: ``factory(codec, comm) -> runner`` (or None to fall back to the allgather plan)
 #: where ``runner(payload, seed, name) -> Handle`` whose wait() gives the mean estimate.
-CUSTOM_COLLECTIVES: dict[str, Callable] = {}
+CUSTOM_COLLECTIVES: dict[str, Callable] = {"exponent_allreduce": mpi_exponent_factory}
 
 
 class ExchangeStats:

@@ -16,8 +16,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import gpu
-from .topology import Hierarchy
 from .collectives import Collectives, Handle, Then, joined
+from .topology import Hierarchy
 
 
 def for_device_arrays(comm: Collectives) -> Collectives:

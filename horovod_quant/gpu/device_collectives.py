@@ -22,6 +22,7 @@ from typing import Any
 
 from ..env import env_flag
 
+
 def _from_mpix() -> bool | None:
     try:
         from mpi4py import MPI

@@ -31,14 +31,21 @@ import numpy as np
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
-from ..doors import (CompressionNamespace, CompressorSettings, ConfigCheck, DoorOptions,
-                     RequestedCodec, door_options, mpi_exchange_config)
-from ..exchange import plans, wire
-from ..exchange.codec_states import CodecStates
-from ..exchange.driver import custom_collective
 from ..core.base import Codec
 from ..core.contract import GlobalNorm, SideInformation
 from ..core.rng import derive_key
+from ..doors import (
+    CompressionNamespace,
+    CompressorSettings,
+    ConfigCheck,
+    DoorOptions,
+    RequestedCodec,
+    door_options,
+    mpi_exchange_config,
+)
+from ..exchange import plans, wire
+from ..exchange.codec_states import CodecStates
+from ..exchange.driver import custom_collective
 from ._fenv import ieee_denormals
 from .collectives import HorovodTFCollectives
 

@@ -11,23 +11,25 @@ The Horovod doors' names are imported when first used, so the DDP hook
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from ..doors import DoorOptions
 from ..policy import LayerPolicy
 from ..stats import StepStats
 
-#: the names that need Horovod -> the module that defines them
-_HOROVOD_NAMES = {"Compression": ".compression", "QuantizedCompressor": ".compression",
-                  "DistributedOptimizer": ".optimizer", "StatsLogger": ".reporting"}
-
 
 def __getattr__(name: str) -> Any:
-    if name not in _HOROVOD_NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """The Horovod doors' names, imported on first use (plain imports, so import tools see
+    them); a ModuleNotFoundError that says what to use where Horovod is not installed."""
     try:
-        module = importlib.import_module(_HOROVOD_NAMES[name], __name__)
+        if name in ("Compression", "QuantizedCompressor"):
+            from . import compression as module
+        elif name == "DistributedOptimizer":
+            from . import optimizer as module
+        elif name == "StatsLogger":
+            from . import reporting as module
+        else:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] != "horovod":
             raise
@@ -36,6 +38,7 @@ def __getattr__(name: str) -> Any:
             "install.sh builds it); the DDP hook does not: horovod_quant.torch.ddp."
             "QuantizationState(hq.get_codec(...))", name="horovod") from exc
     return getattr(module, name)
+
 
 __all__ = ["Compression", "DistributedOptimizer", "DoorOptions", "LayerPolicy",
            "QuantizedCompressor", "StatsLogger", "StepStats"]

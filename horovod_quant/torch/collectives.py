@@ -13,7 +13,7 @@ import horovod.torch as hvd
 import torch
 
 from .. import gpu
-from ..exchange.collectives import Collectives, Handle
+from ..exchange.collectives import Handle
 from ..process_sets import ProcessSetCollectives, world_communicator
 from .tensors import as_array, as_tensor
 

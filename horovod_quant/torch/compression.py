@@ -24,13 +24,21 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
-from ..doors import (DOOR_SETTINGS, CompressionNamespace, CompressorSettings, ConfigCheck,
-                     DoorOptions, RequestedCodec, door_options, mpi_exchange_config)
+from ..core.base import Codec
+from ..core.rng import derive_key, name_key
+from ..doors import (
+    DOOR_SETTINGS,
+    CompressionNamespace,
+    CompressorSettings,
+    ConfigCheck,
+    DoorOptions,
+    RequestedCodec,
+    door_options,
+    mpi_exchange_config,
+)
 from ..exchange.codec_states import CodecStates
 from ..exchange.driver import Exchange
 from ..exchange.wire import exchange_tag
-from ..core.base import Codec
-from ..core.rng import derive_key, name_key
 from ..policy import LayerPolicy
 from .horovod_calls import horovod_call
 from .tensors import as_tensor, flat_array, horovod_dtype, stream_of

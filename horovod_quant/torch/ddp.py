@@ -28,16 +28,16 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ..doors import CodecRequest, CompressorSettings, ConfigCheck, DoorOptions, door_options
 from .. import gpu
+from ..core.base import Codec
+from ..core.rng import derive_key
+from ..doors import CodecRequest, CompressorSettings, ConfigCheck, DoorOptions, door_options
 from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
 from ..exchange.topology import SerialWorker
-from ..core.base import Codec
-from ..core.rng import derive_key
-from .tensors import as_array, as_tensor, flat_array, on_gpu, parameter_names, stream_of
 from .distributed import process_group_collectives
+from .tensors import as_array, as_tensor, flat_array, on_gpu, parameter_names, stream_of
 
 __all__ = ["QuantizationState", "quantization_hook"]
 

@@ -39,7 +39,8 @@ from ..stats import StepStats
 from .buckets import Bucket, BucketLayout
 from .collectives import HorovodTorchCollectives
 from .compression import QuantizedCompressor
-from .schedule import ExchangeSchedule, HorovodPath
+from .horovod_path import HorovodPath
+from .schedule import ExchangeSchedule
 from .tensors import as_tensor, on_gpu, parameter_names, stream_of
 from .transport import resolve_transport, transport_collectives, transport_of
 

@@ -14,7 +14,9 @@ pair by call order, so the optimizer starts its buckets in bucket order, as DDP 
 The groups are built once per Horovod process set and device, collectively: rank 0 opens a
 ``TCPStore``, the ranks find an address of rank 0 they all reach (:mod:`.addresses`) through
 Horovod's collectives, and each connects its groups through it (:func:`connect_group`); the
-default ``torch.distributed`` group is left alone.
+default ``torch.distributed`` group is left alone. Horovod is imported only by the functions
+that build Horovod's collectives (:func:`transport_collectives`, :func:`horovod_topology`); the
+choice itself (:func:`collectives_for`) runs on any :class:`Collectives`.
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import secrets
 from datetime import timedelta
 from typing import Any, Callable
 
-import horovod.torch as hvd
 import torch
 import torch.distributed as dist
 
@@ -35,7 +36,6 @@ from ..exchange.shared_memory import host_collectives
 from ..exchange.staging import HostStaged, for_device_arrays
 from ..exchange.topology import Hierarchy, SerialWorker, Topology
 from . import addresses
-from .collectives import HorovodTorchCollectives
 from .distributed import StandaloneGroupCollectives
 
 log = logging.getLogger("horovod_quant")
@@ -237,12 +237,20 @@ def gloo_group_beside_horovod(comm: Collectives, topology: Topology | None = Non
     return world
 
 
-def horovod_topology(comm: HorovodTorchCollectives) -> Topology:
+def horovod_topology(comm: Collectives) -> Topology:
     """Which ranks of ``comm``'s process set share a host, from Horovod's own local and cross
-    ranks (a host's ranks share a cross rank where every host runs as many ranks; else each
-    rank counts as a host of its own: no hierarchical exchange). Collective."""
-    places = comm.allgather_object([hvd.cross_rank(), hvd.local_rank(), hvd.local_size()],
-                                   f"hq.topology.{comm.group_id}")
+    ranks (:func:`topology_of_places`). Collective."""
+    import horovod.torch as hvd
+
+    return topology_of_places(comm, [hvd.cross_rank(), hvd.local_rank(), hvd.local_size()])
+
+
+def topology_of_places(comm: Collectives, place: list[int]) -> Topology:
+    """Which ranks of ``comm`` share a host, from every rank's ``place``: ``[cross rank, local
+    rank, local size]`` as Horovod numbers them. A host's ranks share a cross rank where every
+    host runs as many ranks, each with a local rank of its own; else each rank counts as a
+    host of its own (no hierarchical exchange). Collective."""
+    places = comm.allgather_object(place, f"hq.topology.{comm.group_id}")
     if len({size for _, _, size in places}) != 1:
         return Topology.grid(comm.size, 1)
     topology = Topology.from_host_keys([cross for cross, _, _ in places])
@@ -253,17 +261,33 @@ def horovod_topology(comm: HorovodTorchCollectives) -> Topology:
 
 def transport_collectives(process_set: Any = None, transport: str | None = None,
                           device: torch.device | None = None) -> Collectives:
-    """The collectives the exchanges of ``process_set`` run on (collective on first use).
+    """The collectives the exchanges of ``process_set`` (a Horovod process set; default: all
+    ranks) run on: :func:`collectives_for` over Horovod's collectives of the process set, the
+    topology from Horovod's local and cross ranks. Collective on first use."""
+    from .collectives import HorovodTorchCollectives
+
+    transport = resolve_transport(transport)  # an invalid one fails before Horovod is asked
+    return collectives_for(HorovodTorchCollectives(process_set), transport, device)
+
+
+def collectives_for(horovod: Collectives, transport: str | None = None,
+                    device: torch.device | None = None,
+                    topology_of: Callable[[Collectives], Topology] = horovod_topology
+                    ) -> Collectives:
+    """The collectives the exchanges run on, chosen over ``horovod`` (Horovod's collectives
+    of the ranks, which carry the rendezvous). Collective on first use.
 
     Args:
-        process_set: Horovod process set (default: all ranks).
-        transport: "horovod" (Horovod's collectives), "gloo" (a gloo group beside Horovod,
+        horovod: Horovod's collectives of the ranks (the tests' in-process ones stand in).
+        transport: "horovod" (``horovod`` itself), "gloo" (a gloo group beside Horovod,
             whose collectives pair by call order; raises if it cannot be built), or "auto"
             (the gloo group for CPU gradients, and for CUDA gradients where ranks share hosts,
-            when it can be built; else Horovod's; the choice is logged once); None:
+            when it can be built; else ``horovod``; the choice is logged once); None:
             :func:`resolve_transport`'s.
         device: where the gradients' codec work runs: a CUDA device (CuPy encodes them
             there) or the CPU; None: the current CUDA device where torch and CuPy see one.
+        topology_of: which ranks share a host (collective; asked only when a group beside
+            Horovod may be built).
 
     Returns:
         The collectives; for CUDA gradients, device payloads are staged through host memory
@@ -271,20 +295,19 @@ def transport_collectives(process_set: Any = None, transport: str | None = None,
         device buffers themselves (NCCL groups and Horovod's GPU operations do).
     """
     transport = resolve_transport(transport)
-    horovod = HorovodTorchCollectives(process_set)
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     on_gpu = device is not None and device.type == "cuda" and gpu.available()
     comm: Collectives = horovod
     if horovod.size > 1 and transport != "horovod":
-        topology = horovod_topology(horovod)
+        topology = topology_of(horovod)
         if transport == "gloo" or not on_gpu or topology.hierarchical:
             comm = _gloo_group(horovod, topology, device if on_gpu else None,
                                required=transport == "gloo") or horovod
     return for_device_arrays(comm) if on_gpu else comm
 
 
-def _gloo_group(horovod: HorovodTorchCollectives, topology: Topology,
+def _gloo_group(horovod: Collectives, topology: Topology,
                 device: torch.device | None, required: bool) -> StandaloneGroupCollectives | None:
     """The process set's gloo group (its hierarchy's groups on ``device``), built on first use
     (logged); None when it cannot be built (logged once), unless ``required``

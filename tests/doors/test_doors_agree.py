@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import agreement  # noqa: E402
-
 from horovod_quant.core.rng import derive_key  # noqa: E402
+
+import agreement  # noqa: E402
 
 REQUIRED = os.environ.get("HQ_DOORS_REQUIRE", "").split()
 WRITTEN = {door: agreement.read(door) for door in agreement.DOORS}

@@ -14,15 +14,14 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
+from horovod_quant.core.registry import codec_class
 from horovod_quant.exchange import Exchange, HostStaged, plans
 from horovod_quant.exchange.cost import GPU_RANKS
 from horovod_quant.exchange.topology import Topology
-from horovod_quant.core.registry import codec_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
-from threaded_comm import run_ranks  # noqa: E402
-
 from test_gpu_parity import cp, gen, same, same_nan  # noqa: E402,F401  (the fixture)
+from threaded_comm import run_ranks  # noqa: E402
 
 CODECS = [c for c in hq.available_codecs() if c != "none"]
 
@@ -42,7 +41,7 @@ def _inputs(n: int, size: int) -> list[np.ndarray]:
 @pytest.mark.parametrize("name", CODECS)
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("pipeline_elems", [None, 1000])
-def test_device_exchange_equals_cpu_reference(cp, name, n, pipeline_elems):
+def test_device_exchange_equals_cpu_reference(cp, name, n, pipeline_elems):  # noqa: F811 (the fixture)
     xs = _inputs(n, 3001)
 
     def rank_fn(comm):
@@ -55,7 +54,7 @@ def test_device_exchange_equals_cpu_reference(cp, name, n, pipeline_elems):
         assert same_nan(got, want), name
 
 
-def test_device_exchange_sra_schedule(cp):
+def test_device_exchange_sra_schedule(cp):  # noqa: F811 (the fixture)
     n, xs = 3, _inputs(3, 4099)
 
     def rank_fn(comm):
@@ -68,7 +67,7 @@ def test_device_exchange_sra_schedule(cp):
 
 
 @pytest.mark.parametrize("name", ["qsgd", "natural", "none", "global_qsgd"])
-def test_device_hierarchical_exchange_equals_cpu_reference(cp, name):
+def test_device_hierarchical_exchange_equals_cpu_reference(cp, name):  # noqa: F811 (the fixture)
     """2 hosts x 2 ranks on threads, host and shard groups staged through host memory: the
     hierarchical pieces run on each rank's worker thread inside the non-default stream the
     vector was made on, the host mean is the exact kernel (subnormal host means kept: a

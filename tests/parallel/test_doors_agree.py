@@ -5,10 +5,10 @@
 import sys
 from pathlib import Path
 
+import horovod.torch as hvd
 import numpy as np
 import pytest
 import torch
-import horovod.torch as hvd
 
 import horovod_quant.torch as hqt
 from horovod_quant.core.rng import derive_key, name_key

@@ -6,9 +6,9 @@ under gloo it falls back to allgather + local reduction. Both must equal mean_es
 """
 import os
 
+import horovod.torch as hvd
 import numpy as np
 import pytest
-import horovod.torch as hvd
 
 import horovod_quant as hq
 from horovod_quant.exchange import CodecStates, Exchange
@@ -33,8 +33,9 @@ def _run(codec, size, seed, name, scale=1.0):
 @pytest.mark.parametrize("size", SIZES)
 def test_exponent_allreduce_matches_reference(reduction, bits, size):
     n = hvd.size()
-    make = lambda: hq.get_codec("global_qsgd", world_size=n, bits=bits, levels="exponential",
-                                reduction=reduction)
+    def make():
+        return hq.get_codec("global_qsgd", world_size=n, bits=bits, levels="exponential",
+                            reduction=reduction)
     ex, xs, got = _run(make(), size, 7, f"gq.exp.{reduction}.{bits}.{size}")
     want, _ = hq.mean_estimate(make(), xs, seed=7)
     assert np.array_equal(got, want)
@@ -78,7 +79,8 @@ def test_linear_integer_sum_exact_at_the_width_limit(bits):
 
 def test_nested_dithered_matches_reference():
     n = hvd.size()
-    make = lambda: hq.get_codec("nested_dithered", world_size=n, bits=6)
+    def make():
+        return hq.get_codec("nested_dithered", world_size=n, bits=6)
     codec = make()
     states, ref_states = CodecStates(), CodecStates()  # the exchanges', the reference's
     for step in range(3):  # k adapts from the measured side-information error

@@ -2,10 +2,10 @@
 2 x 2 as ``horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo``), the gloo transport builds
 each host's group and each shard's group between the hosts, and the exchanges give
 mean_estimate's bits for that topology; elsewhere nothing changes."""
+import horovod.torch as hvd
 import numpy as np
 import pytest
 import torch
-import horovod.torch as hvd
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt
@@ -13,7 +13,7 @@ from horovod_quant.core.rng import derive_key
 from horovod_quant.exchange import Exchange, mean_estimate, plans
 from horovod_quant.exchange.wire import exchange_tag
 from horovod_quant.torch.collectives import HorovodTorchCollectives
-from horovod_quant.torch.transport import transport_collectives, horovod_topology
+from horovod_quant.torch.transport import horovod_topology, transport_collectives
 
 from conftest import Linear, codec_params, rank_gradients
 

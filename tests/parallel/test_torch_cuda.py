@@ -7,10 +7,10 @@ gradients equal mean_estimate's CPU numbers bit for bit, on every rank. Skipped 
 and CuPy (on every rank alike); ``HQ_TEST_GPU=1`` makes that a failure."""
 import os
 
+import horovod.torch as hvd
 import numpy as np
 import pytest
 import torch
-import horovod.torch as hvd
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt

@@ -1,14 +1,14 @@
 """Both PyTorch doors give exactly mean_estimate's numbers, on every rank, for every codec."""
+import horovod.torch as hvd
 import numpy as np
 import pytest
 import torch
-import horovod.torch as hvd
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt
 from horovod_quant.core.rng import derive_key, name_key
-from horovod_quant.exchange.wire import FRAME_HEADER_BYTES
 from horovod_quant.exchange import driver
+from horovod_quant.exchange.wire import FRAME_HEADER_BYTES
 
 from conftest import Linear, codec_params, rank_gradients
 

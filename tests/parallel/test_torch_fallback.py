@@ -5,15 +5,15 @@ fallback.measure_bucket and fallback.clock (no real timing)."""
 import logging
 import time
 
+import horovod.torch as hvd
 import numpy as np
 import pytest
 import torch
-import horovod.torch as hvd
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt
-from horovod_quant.core.rng import derive_key
 from horovod_quant import fallback
+from horovod_quant.core.rng import derive_key
 from horovod_quant.fallback import FALLBACK_STEP, STEP_CHECK_ROUNDS
 
 from conftest import Linear, codec_params, rank_gradients

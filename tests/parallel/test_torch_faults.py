@@ -1,8 +1,8 @@
 """Bad input and faults through the PyTorch doors: clear errors on every rank, never a hang."""
+import horovod.torch as hvd
 import numpy as np
 import pytest
 import torch
-import horovod.torch as hvd
 
 import horovod_quant.torch as hqt
 

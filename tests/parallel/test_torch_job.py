@@ -5,10 +5,10 @@ model keep every rank identical."""
 import io
 import warnings
 
+import horovod.torch as hvd
 import numpy as np
 import pytest
 import torch
-import horovod.torch as hvd
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt

@@ -2,10 +2,10 @@
 configuration check: when rank 1 differs in one, every rank raises the same ValueError before
 anything is exchanged (a differing ``pipeline_elems`` used to abort the job over the gloo
 transport and hang over Horovod's)."""
+import horovod.torch as hvd
 import numpy as np
 import pytest
 import torch
-import horovod.torch as hvd
 
 import horovod_quant.torch as hqt
 

@@ -1,8 +1,7 @@
 """A short data-parallel training run converges like the uncompressed one for 8-bit codecs."""
-import numpy as np
+import horovod.torch as hvd
 import pytest
 import torch
-import horovod.torch as hvd
 
 import horovod_quant.torch as hqt
 

@@ -4,15 +4,15 @@ same clear error, never a silent difference or a hang (the trust issue, PyTorch 
 Every test runs on every rank and issues its collectives in an order every rank follows,
 including after an expected error (see ``_resync`` where a rank is left one check behind).
 """
+import horovod.torch as hvd
 import numpy as np
 import pytest
 import torch
-import horovod.torch as hvd
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt
-from horovod_quant.doors import CHECKS, ConfigCheck
 from horovod_quant.core.rng import derive_key, name_key
+from horovod_quant.doors import CHECKS, ConfigCheck
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 
 from conftest import codec_params, rank_gradients

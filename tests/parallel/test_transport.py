@@ -3,10 +3,10 @@ picks for CPU gradients; its collectives pair by call order) against Horovod's c
 import socket
 import time
 
+import horovod.torch as hvd
 import numpy as np
 import pytest
 import torch
-import horovod.torch as hvd
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt
@@ -15,8 +15,11 @@ from horovod_quant.exchange import Exchange, mean_estimate
 from horovod_quant.exchange.mpi_exponent_allreduce import EXPONENT_LANES
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 from horovod_quant.torch.distributed import StandaloneGroupCollectives
-from horovod_quant.torch.transport import (transport_collectives, gloo_group_beside_horovod,
-                                           resolve_transport)
+from horovod_quant.torch.transport import (
+    gloo_group_beside_horovod,
+    resolve_transport,
+    transport_collectives,
+)
 
 from conftest import Linear, codec_params, rank_gradients
 

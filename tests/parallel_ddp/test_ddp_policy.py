@@ -12,7 +12,7 @@ from horovod_quant.policy import LayerPolicy, describe
 from horovod_quant.torch import ddp
 
 from conftest import codec_params, gather_rows
-from test_ddp_exact import Net, Recorder, _batch, _model
+from test_ddp_exact import Recorder, _batch, _model
 
 
 class Wide(torch.nn.Module):

@@ -17,9 +17,10 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 hvd = pytest.importorskip("horovod.tensorflow")
 
-import horovod_quant as hq
-from horovod_quant.core.rng import derive_key
-from horovod_quant.core.registry import codec_class
+# after the TF environment and the skips
+import horovod_quant as hq  # noqa: E402
+from horovod_quant.core.registry import codec_class  # noqa: E402
+from horovod_quant.core.rng import derive_key  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,10 +5,10 @@ every rank alike."""
 import sys
 from pathlib import Path
 
+import horovod.tensorflow as hvd
 import numpy as np
 import pytest
 import tensorflow as tf
-import horovod.tensorflow as hvd
 
 import horovod_quant.tensorflow as hqtf
 from horovod_quant.core.rng import derive_key

@@ -10,12 +10,13 @@ import horovod.tensorflow.keras as hvd_keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import codec_params, linear_loss, rank_gradients, reference, same_on_every_rank
 
 import horovod_quant as hq
 import horovod_quant.tensorflow as hqtf
 from horovod_quant.core.rng import derive_key
 from horovod_quant.exchange import CodecStates
+
+from conftest import codec_params, linear_loss, rank_gradients, reference, same_on_every_rank
 
 EVERYTHING = hqtf.LayerPolicy.everything()
 CONFIGS = [(c, {}) for c in hq.available_codecs() if c not in ("none", "fp16")] + [

@@ -3,9 +3,10 @@ import horovod.tensorflow as hvd
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import codec_params, linear_loss, rank_gradients, same_on_every_rank
 
 import horovod_quant.tensorflow as hqtf
+
+from conftest import codec_params, linear_loss, rank_gradients, same_on_every_rank
 
 EVERYTHING = hqtf.LayerPolicy.everything()
 

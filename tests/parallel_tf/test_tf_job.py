@@ -1,14 +1,15 @@
 """A whole TensorFlow training job through the compressor: resumed from a tf.train.Checkpoint
 (the compressor's call counter and codec states beside the variables and the optimizer) it
 continues bit for bit on every rank; float16 and bfloat16 gradients keep their dtype."""
+import horovod.tensorflow as hvd
 import numpy as np
 import pytest
 import tensorflow as tf
-import horovod.tensorflow as hvd
-from conftest import codec_params, linear_loss, rank_gradients, reference, same_on_every_rank
 
 import horovod_quant as hq
 import horovod_quant.tensorflow as hqtf
+
+from conftest import codec_params, linear_loss, rank_gradients, reference, same_on_every_rank
 
 SHAPES = [(30, 40), (20, 10)]
 EVERYTHING = hqtf.LayerPolicy.everything()

@@ -4,9 +4,10 @@ with identical weights."""
 import horovod.tensorflow.keras as hvd
 import numpy as np
 import pytest
-from conftest import codec_params, same_on_every_rank
 
 import horovod_quant.tensorflow as hqtf
+
+from conftest import codec_params, same_on_every_rank
 
 EIGHT_BIT = [("qsgd", {"bits": 8}), ("nuqsgd", {"bits": 8}), ("natural", {"bits": 8}),
              ("natural_dithering", {"bits": 8}), ("global_qsgd", {"bits": 8}),

@@ -14,12 +14,13 @@ import horovod.tensorflow.keras as hvd_keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import codec_params, linear_loss, rank_gradients, reference, same_on_every_rank
 
 import horovod_quant as hq
 import horovod_quant.tensorflow as hqtf
 from horovod_quant.doors import CHECKS, ConfigCheck
 from horovod_quant.tensorflow.collectives import HorovodTFCollectives
+
+from conftest import codec_params, linear_loss, rank_gradients, reference, same_on_every_rank
 
 EVERYTHING = hqtf.LayerPolicy.everything()
 ERRORS = (ValueError, tf.errors.OpError)

@@ -1,11 +1,13 @@
 """The package's architecture rules (docs/dev/architecture.md), checked on its source.
 
-* No import cycles (lazy imports included); imports run one way through the layers.
+* Every module is in a layer, or is one of the few that stand outside them; no import cycles
+  (lazy imports included); imports run one way through the layers.
 * No module outside the codec modules names a codec; codecs declare what the other layers need.
 * Backends share only the protocol: no backend imports another, and only the backend picker
   (and the public GPU helpers) import a backend implementation.
 * The layers below the doors import no framework and no Horovod.
-* The exchange uses only what ``Codec`` declares (methods and attributes).
+* The exchange uses only what ``Codec`` declares (methods and attributes); no module fills
+  another module's table on import (registration is written where the table is read).
 * Sizes a reader can take in: no class over 300 lines, no module docstring over 20 lines, no
   one-letter module alias, no issue number or commit hash.
 
@@ -31,16 +33,21 @@ PACKAGE = "horovod_quant"
 
 #: Layers from the bottom: a module may import its own layer and the ones before it, never a
 #: later one. The first prefix that matches a module decides its layer (the most specific
-#: prefixes first); modules no prefix matches are unconstrained.
+#: prefixes first); every module is in one, except those of :data:`OUTSIDE_LAYERS`.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("environment", ("horovod_quant.env",)),
     ("backends", ("horovod_quant.backends",)),
     ("codecs", ("horovod_quant.core",)),
     ("gpu helpers", ("horovod_quant.gpu",)),
     ("exchange", ("horovod_quant.exchange",)),
+    ("fallback controller", ("horovod_quant.fallback",)),
     ("doors", ("horovod_quant.doors", "horovod_quant.policy", "horovod_quant.stats",
                "horovod_quant.process_sets", "horovod_quant.torch", "horovod_quant.tensorflow")),
 ]
+
+#: Modules that stand outside the layers (docs/dev/architecture.md): the package's top, and the
+#: demo and the predictor, applications of the package that may import any layer.
+OUTSIDE_LAYERS = {"horovod_quant", "horovod_quant.demo", "horovod_quant.predict"}
 
 #: Modules that may name codecs besides the modules that define them: the registry and the
 #: registration in the codecs' package, and the demo, which is an application of the package
@@ -167,6 +174,17 @@ def codec_mentions(path: Path) -> list[str]:
     return [f"{line}: {text}" for line, text in sorted(hits)]
 
 
+def unplaced(modules: list[str]) -> list[str]:
+    """The ``modules`` in no layer and not in :data:`OUTSIDE_LAYERS`."""
+    return [m for m in modules if layer_of(m) is None and m not in OUTSIDE_LAYERS]
+
+
+def test_every_module_is_in_a_layer() -> None:
+    found = unplaced(sorted(package_modules()))
+    assert not found, ("modules in no layer (add a prefix to a layer of LAYERS and place them in "
+                       "docs/dev/architecture.md's picture):\n" + "\n".join(found))
+
+
 def test_no_import_cycles() -> None:
     cycles = strongly_connected(import_graph())
     assert not cycles, ("import cycles between package modules (lazy imports included): "
@@ -207,7 +225,7 @@ MAY_IMPORT_BACKENDS = {"horovod_quant.backends", "horovod_quant.gpu"}
 #: Frameworks the layers below the doors never import (the CUDA backend views torch tensors,
 #: so the backends layer is not among them).
 FRAMEWORKS = ("horovod", "torch", "tensorflow")
-FRAMEWORK_FREE_LAYERS = ("codecs", "gpu helpers", "exchange")
+FRAMEWORK_FREE_LAYERS = ("codecs", "gpu helpers", "exchange", "fallback controller")
 MAX_CLASS_LINES = 300
 MAX_MODULE_DOC_LINES = 20
 #: The capabilities a codec may have (horovod_quant/core/contract.py).
@@ -336,6 +354,37 @@ def test_the_exchange_uses_only_what_codec_declares() -> None:
                        + "\n".join(f"{m}: {h}" for m, h in found.items()))
 
 
+def import_side_registrations(path: Path) -> list[str]:
+    """Module-level item assignments into a name imported from the package (``TABLE[key] =
+    value`` with ``TABLE`` from another package module: a registration run by importing), as
+    ``line: text``."""
+    tree = ast.parse(path.read_text(), str(path))
+    imported = {(a.asname or a.name).split(".")[0] for node in tree.body
+                if isinstance(node, ast.ImportFrom) and (node.level > 0 or (
+                    node.module or "").split(".")[0] == PACKAGE)
+                or isinstance(node, ast.Import) and node.names[0].name.split(".")[0] == PACKAGE
+                for a in node.names}
+    hits = []
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            base = target
+            while isinstance(base, (ast.Subscript, ast.Attribute)):
+                base = base.value
+            if target is not base and isinstance(base, ast.Name) and base.id in imported:
+                hits.append(f"{node.lineno}: {ast.unparse(node)}")
+    return hits
+
+
+def test_no_module_registers_into_another_on_import() -> None:
+    found = {m: hits for m, p in package_modules().items()
+             for hits in [import_side_registrations(p)] if hits}
+    assert not found, ("modules fill another module's table when imported (write the entry "
+                       "where the table is defined, so that no import order matters):\n"
+                       + "\n".join(f"{m}: {h}" for m, h in found.items()))
+
+
 def test_no_class_is_over_300_lines() -> None:
     found = [f"{module}.{name}: {lines} lines" for module, path in package_modules().items()
              for name, lines in long_classes(path)]
@@ -388,6 +437,11 @@ def test_layer_prefixes(module: str, layer: str) -> None:
     assert LAYERS[layer_of(module)][0] == layer
 
 
+def test_an_unplaced_module_is_found() -> None:
+    assert unplaced(["horovod_quant.torch.buckets", "horovod_quant.demo",
+                     "horovod_quant.newcomer"]) == ["horovod_quant.newcomer"]
+
+
 def test_backend_leaks_are_found_on_a_made_up_graph() -> None:
     graph = {"horovod_quant.backends.cuda.levels": {"horovod_quant.backends.numba.packing",
                                                     "horovod_quant.backends.protocol"},
@@ -421,4 +475,8 @@ def test_source_rules_fail_on_made_up_modules(tmp_path: Path) -> None:
                                           f"{first + 6}: last_stats", f"{first + 6}: levels"]
     assert long_classes(src) == [("Big", MAX_CLASS_LINES + 1)]
     assert [h.split(":")[0] for h in issue_references(src)] == [str(first + 5)]
+    registers = tmp_path / "r.py"
+    registers.write_text("from .driver import TABLE\nfrom . import other\nlocal = {}\n"
+                         "TABLE['name'] = 1\nother.TABLE['x'] = 2\nlocal['y'] = 3\n")
+    assert [h.split(":")[0] for h in import_side_registrations(registers)] == ["4", "5"]
     assert not issue_references(Path(__file__).with_name("conftest.py"))

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
-from horovod_quant.core.dithered import fine_levels
-from horovod_quant.core.nested_dithered import HEADER, coarse_bits, outage_bound, theorem6_ratio
 from horovod_quant.backends.numba.packing import packed_nbytes, unpack
 from horovod_quant.backends.numba.rng import uniforms
+from horovod_quant.core.dithered import fine_levels
+from horovod_quant.core.nested_dithered import HEADER, coarse_bits, outage_bound, theorem6_ratio
 from horovod_quant.core.rng import derive_key
 from horovod_quant.exchange.codec_states import CodecStates
 

@@ -9,8 +9,16 @@ import pytest
 
 import horovod_quant as hq
 from horovod_quant import doors
-from horovod_quant.doors import (DEFAULT_FUSION_BYTES, DOOR_SETTINGS, OPTIMIZER_ONLY, SHARED,
-                                 DoorOptions, ExchangeSettings, OptimizerSettings, door_options)
+from horovod_quant.doors import (
+    DEFAULT_FUSION_BYTES,
+    DOOR_SETTINGS,
+    OPTIMIZER_ONLY,
+    SHARED,
+    DoorOptions,
+    ExchangeSettings,
+    OptimizerSettings,
+    door_options,
+)
 from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS
 from horovod_quant.policy import LayerPolicy
 

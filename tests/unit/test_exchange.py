@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 import horovod_quant as hq
+from horovod_quant.core.contract import Combine
+from horovod_quant.core.payload import Payload
+from horovod_quant.core.registry import codec_class
 from horovod_quant.exchange import CodecStates, Exchange, LocalCollectives
 from horovod_quant.exchange.plans import pipeline_seed
 from horovod_quant.exchange.wire import frame, norm_wire, unframe
-from horovod_quant.core.contract import Combine
-from horovod_quant.core.registry import codec_class
-from horovod_quant.core.payload import Payload
 
 from threaded_comm import run_ranks
 
@@ -94,7 +94,8 @@ def test_pipelined_global_norm_spans_all_pieces():
     n = 2
     xs = [np.concatenate([np.full(500, 100.0, np.float32), np.full(500, 0.5, np.float32)])
           for _ in range(n)]
-    make = lambda: hq.get_codec("global_qsgd", world_size=n, bits=8, levels="linear")
+    def make():
+        return hq.get_codec("global_qsgd", world_size=n, bits=8, levels="linear")
     piped, _ = hq.mean_estimate(make(), xs, seed=1, pipeline_elems=500)
     codec = make()
     norm = codec.global_norm(xs)
@@ -119,7 +120,8 @@ def test_nested_outage_share_exact_in_a_distributed_exchange(n):
     base = rng.standard_normal(6000).astype(np.float32)
     # a loose side information and a small fixed k: some coarse bins are wrong
     xs = [base + 0.05 * rng.standard_normal(6000).astype(np.float32) for _ in range(n)]
-    make = lambda: hq.get_codec("nested_dithered", world_size=n, bits=6, coarse_ratio=5)
+    def make():
+        return hq.get_codec("nested_dithered", world_size=n, bits=6, coarse_ratio=5)
 
     def rank_fn(comm):
         codec = make()

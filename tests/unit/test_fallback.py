@@ -7,10 +7,20 @@ import numpy as np
 import pytest
 
 from horovod_quant import fallback
-from horovod_quant.fallback import (FALLBACK_CLEAR_WIN, FALLBACK_MARGIN, FALLBACK_MIN_SAVING_S,
-                                    FALLBACK_STEP, STEP_CHECK_ROUNDS, BucketTrial,
-                                    FallbackController, StepChecker, check_fallback, decide,
-                                    measure_and_decide, needs_step_check)
+from horovod_quant.fallback import (
+    FALLBACK_CLEAR_WIN,
+    FALLBACK_MARGIN,
+    FALLBACK_MIN_SAVING_S,
+    FALLBACK_STEP,
+    STEP_CHECK_ROUNDS,
+    BucketTrial,
+    FallbackController,
+    StepChecker,
+    check_fallback,
+    decide,
+    measure_and_decide,
+    needs_step_check,
+)
 
 from threaded_comm import run_ranks
 

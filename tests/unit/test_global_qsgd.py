@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-from horovod_quant.core.exponent_reduction import chunk_bounds
 import pytest
 
 from horovod_quant import get_codec, mean_estimate, worker_seed
@@ -19,6 +17,7 @@ from horovod_quant.backends.numba.global_qsgd import WORD_BLOCK, exp_combine
 from horovod_quant.backends.numba.packing import PACK_BLOCK, pack, packed_nbytes, unpack
 from horovod_quant.backends.numba.rng import uniforms
 from horovod_quant.core.exponent_reduction import (
+    chunk_bounds,
     packed_range,
     reduction_rounds,
     round_key,

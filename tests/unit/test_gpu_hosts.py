@@ -194,7 +194,7 @@ def test_nccl_only_where_every_rank_of_a_host_has_a_gpu_of_its_own():
     """The CUDA transport's host and shard groups are NCCL's only where every rank has NCCL
     and a GPU no other rank of its host uses (NCCL refuses two ranks on one GPU): the answer
     every rank computes from the same reports."""
-    transport = pytest.importorskip("horovod_quant.torch.transport")  # needs Horovod
+    transport = pytest.importorskip("horovod_quant.torch.transport")  # needs torch
     choose, topology = transport.host_group_backend, Topology.grid(2, 2)
 
     def ranks(*gpus, nccl=True):

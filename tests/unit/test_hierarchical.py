@@ -17,8 +17,14 @@ from horovod_quant.core.exponent_reduction import chunk_bounds
 from horovod_quant.core.registry import codec_class
 from horovod_quant.exchange import Exchange, plans
 from horovod_quant.exchange.collectives import joined
-from horovod_quant.exchange.cost import (CPU_RANKS, GPU_RANKS, Fabric, flat_cost, float32_ring,
-                                         plan_cost)
+from horovod_quant.exchange.cost import (
+    CPU_RANKS,
+    GPU_RANKS,
+    Fabric,
+    flat_cost,
+    float32_ring,
+    plan_cost,
+)
 from horovod_quant.exchange.shared_memory import SharedMemoryCollectives
 from horovod_quant.exchange.topology import Topology
 

@@ -193,10 +193,13 @@ def _transformer_layer(d: int, ff: int, norms: int = 2, bias: bool = True) -> in
 
 def test_the_model_table_matches_the_architectures():
     """Every count of the table, from the architecture (layer by layer)."""
-    gpt2 = lambda d, layers: (50257 * d + 1024 * d + layers * _transformer_layer(d, 4 * d)
-                              + 2 * d)
-    bert = lambda d, layers: (30522 * d + 512 * d + 2 * d + 2 * d
-                              + layers * _transformer_layer(d, 4 * d) + d * d + d)
+    def gpt2(d, layers):
+        return (50257 * d + 1024 * d + layers * _transformer_layer(d, 4 * d)
+                + 2 * d)
+
+    def bert(d, layers):
+        return (30522 * d + 512 * d + 2 * d + 2 * d
+                + layers * _transformer_layer(d, 4 * d) + d * d + d)
     vit = (3 * 768 * 16 * 16 + 768 + 768 + 197 * 768 + 12 * _transformer_layer(768, 3072)
            + 2 * 768 + 768 * 1000 + 1000)
     head = 64  # Llama 3.2 1B: 32 query heads, 8 key/value heads of 64

@@ -8,15 +8,20 @@ import pytest
 
 import horovod_quant as hq
 import horovod_quant.exchange
+from horovod_quant.core.payload import Payload
 from horovod_quant.doors import CHECKS, ConfigCheck, check_same_config, wait_for_peers
+from horovod_quant.env import env_choice, env_flag, env_seconds, env_text
 from horovod_quant.exchange import Exchange
 from horovod_quant.exchange.collectives import Handle, decode_objects, encode_object
-from horovod_quant.process_sets import world_communicator
-from horovod_quant.exchange.wire import (check_tags, exchange_tag, frame, norm_from_gathered,
-                                      norm_wire)
-from horovod_quant.core.payload import Payload
-from horovod_quant.env import env_choice, env_flag, env_seconds, env_text
+from horovod_quant.exchange.wire import (
+    check_tags,
+    exchange_tag,
+    frame,
+    norm_from_gathered,
+    norm_wire,
+)
 from horovod_quant.policy import LayerPolicy
+from horovod_quant.process_sets import world_communicator
 
 from threaded_comm import run_ranks
 

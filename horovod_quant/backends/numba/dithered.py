@@ -168,9 +168,9 @@ def decode_nested(data, o, n, bucket, M, k, bits, am, alpha, y, k0, k1, out):
                     ob[j] += (((np.float32(q) - _HALF) + rho) * step) * alpha + beta * ys[j]
                 m8 = rs.size // 8 * 8
                 for t in range(0, m8, 8):
-                    for l in range(8):
-                        v = np.float64(rs[t + l])
-                        lanes[l] += v * v
+                    for lane in range(8):
+                        v = np.float64(rs[t + lane])
+                        lanes[lane] += v * v
                 for t in range(m8, rs.size):
                     v = np.float64(rs[t])
                     lanes[t - m8] += v * v
@@ -180,8 +180,8 @@ def decode_nested(data, o, n, bucket, M, k, bits, am, alpha, y, k0, k1, out):
                     ob[j] += kap * np.float32(0.0)
             i = hi
     total = 0.0
-    for l in range(8):
-        total += lanes[l]
+    for lane in range(8):
+        total += lanes[lane]
     return total, count
 
 
