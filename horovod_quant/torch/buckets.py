@@ -169,3 +169,14 @@ class BucketLayout:
                 "sparse": sorted(self.names[k] for k in self.sparse),
                 "buckets": [[b.codec.config(), [[self.names[id(p)], list(p.shape)]
                                                 for p in b.params]] for b in self.buckets]}
+
+    def scratch(self) -> dict[Bucket, Any]:
+        """A scratch float32 view per bucket, its buckets on one device sharing one buffer (the
+        largest bucket's): room to run a bucket's exchange without touching its gradients."""
+        largest: dict[torch.device, Bucket] = {}
+        for b in self.buckets:
+            device = b.params[0].device
+            if device not in largest or b.numel > largest[device].numel:
+                largest[device] = b
+        shared = {device: b.buffer() for device, b in largest.items()}
+        return {b: shared[b.params[0].device][:b.numel] for b in self.buckets}

@@ -287,14 +287,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         """The fallback's trial of every bucket: two blocking runs each, the codec exchange
         and Horovod's float32 allreduce of the same vector, reading the step's means and
         writing into a scratch buffer per device (no gradient changes)."""
-        largest: dict[torch.device, Bucket] = {}
-        for b in self._layout.buckets:
-            device = b.params[0].device
-            if device not in largest or b.numel > largest[device].numel:
-                largest[device] = b
-        scratch = {device: b.buffer() for device, b in largest.items()}
-        return [self._trial(b, scratch[b.params[0].device][:b.numel])
-                for b in self._layout.buckets]
+        scratch = self._layout.scratch()
+        return [self._trial(b, scratch[b]) for b in self._layout.buckets]
 
     def _trial(self, bucket: Bucket, out: Any) -> BucketTrial:
         """The two blocking runs that measure ``bucket``, both writing into ``out``."""

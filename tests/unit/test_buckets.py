@@ -115,3 +115,14 @@ def test_a_bucket_formed_again_keeps_its_buffers() -> None:
     layout.form({id(ps[0])}, keep_buffers=False)
     layout.form(set(), keep_buffers=False)
     assert layout.buckets[0] is not whole  # dropped when it left without keep_buffers
+
+
+def test_scratch_views_share_the_largest_buckets_buffer() -> None:
+    model = {f"l{i}": torch.nn.Parameter(torch.zeros(n, 32)) for i, n in enumerate((64, 32))}
+    ps, names = list(model.values()), {id(p): n for n, p in model.items()}
+    layout = BucketLayout(ps, names, QSGD, LayerPolicy(), None, 1)  # a bucket per tensor
+    scratch = layout.scratch()
+    assert sorted(len(scratch[b]) for b in layout.buckets) == [32 * 32, 64 * 32]
+    (largest,) = [b for b in layout.buckets if b.numel == 64 * 32]
+    base = scratch[largest].ctypes.data
+    assert all(view.ctypes.data == base for view in scratch.values())  # one buffer
