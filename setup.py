@@ -51,7 +51,8 @@ setup(
     # bound: numba, torch and TensorFlow ship wheels for 3.12+, and what 3.12 changed (inlined
     # comprehensions) was checked on 3.13; Horovod is built by scripts/install.sh, not required
     python_requires=">=3.11",
-    packages=find_packages(include=["horovod_quant", "horovod_quant.*"]) + ["horovod_quant.kernels"],
+    packages=(find_packages(include=["horovod_quant", "horovod_quant.*"])
+              + ["horovod_quant.kernels"]),
     package_dir={"horovod_quant.kernels": "kernels"},
     package_data={"horovod_quant.kernels": ["*.cu", "*.cuh"]},
     include_package_data=False,
@@ -60,7 +61,8 @@ setup(
     extras_require={
         "torch": ["torch>=2.0"],
         "mpi": ["mpi4py"],
-        # CuPy for the CUDA major of your torch (python -c "import torch; print(torch.version.cuda)")
+        # CuPy for the CUDA major of your torch:
+        #   python -c "import torch; print(torch.version.cuda)"
         "gpu-cuda12": ["cupy-cuda12x"],
         "gpu-cuda13": ["cupy-cuda13x"],
         "test": TEST,

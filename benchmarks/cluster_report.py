@@ -89,10 +89,10 @@ def _target(target: str, values: dict, goal: float, higher: bool = True) -> dict
 
 
 def two_host_targets(data: dict, summary: dict) -> list[dict]:
-    """The 2 hosts x 1 rank targets from the rows of a run: at 1 Gbit/s the largest exchange within 1.3x
-    of its payload's wire time (payload bytes / calibrated TCP rate), >= 3.3x fp32 at 8 bits,
-    >= 6x at 4 bits, >= 1.7x fp16 at 8 bits, MLP training >= 2.5x fp32 at 8 bits and >= 4x at
-    4 bits (one run here; the issue asks for the median of 3); at 10 Gbit/s no codec slower
+    """The 2 hosts x 1 rank targets from the rows of a run: at 1 Gbit/s the largest exchange
+    within 1.3x of its payload's wire time (payload bytes / calibrated TCP rate), >= 3.3x fp32 at
+    8 bits, >= 6x at 4 bits, >= 1.7x fp16 at 8 bits, MLP training >= 2.5x fp32 at 8 bits and
+    >= 4x at 4 bits (one run here; the issue asks for the median of 3); at 10 Gbit/s no codec slower
     than fp32, exchange or training. A target is met when every codec meets it."""
     targets = []
 
@@ -291,7 +291,8 @@ def render_markdown(data: dict, prefix: str) -> str:
     base = os.path.basename(prefix)
     L = []
     L.append(f"# Cluster benchmark results ({base})\n")
-    shapes = ", ".join(f"{h} x {k}" for h, k in dict.fromkeys(shape_of(link) for link in data["links"]))
+    shapes = ", ".join(f"{h} x {k}"
+                       for h, k in dict.fromkeys(shape_of(link) for link in data["links"]))
     L.append(f"Produced by `{data['command']}` on {data['date']} "
              f"({data['machine']['cpus']} CPUs, {data['machine']['cpu']}; load average "
              f"{data['machine']['loadavg_before']} before, "
@@ -511,7 +512,8 @@ def render_markdown(data: dict, prefix: str) -> str:
         for lab, i, e in errs:
             L.append(f"* {lab} {i}: {e}")
         L.append("")
-    if any(r.get("kind") in ("exchange", "train") for link in data["links"] for r in link["results"]):
+    if any(r.get("kind") in ("exchange", "train")
+           for link in data["links"] for r in link["results"]):
         L.append(f"Plots: `{base}_speedup.png`, `{base}_bytes.png`, `{base}_split.png`"
                  + (f", `{base}_shapes.png`" if s.get("shapes") else "") + ".\n")
     return "\n".join(L)
@@ -655,8 +657,8 @@ def _ratio(v: float | None) -> str:
 def median_of_runs(paths: list[str], prefix: str | None = None) -> str:
     """Training speedups vs fp32 of separate runs side by side, their median, and the 2 hosts
     x 1 rank training targets on the medians (markdown): at 1 Gbit/s the MLP at 8 bits >= 2.5x
-    and at 4 bits >= 4x, at 10 Gbit/s no codec below 1.0x but those that fell back whole in every run
-    (Horovod's float32 allreduce carried every tensor: fp32's own path, listed apart). With
+    and at 4 bits >= 4x, at 10 Gbit/s no codec below 1.0x but those that fell back whole in every
+    run (Horovod's float32 allreduce carried every tensor: fp32's own path, listed apart). With
     ``prefix``, the medians across cluster shapes are drawn in ``PREFIX_shapes.png``."""
     runs, whole, shapes, cpus = [], [], [], set()
     for path in paths:

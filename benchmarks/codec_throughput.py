@@ -1,9 +1,11 @@
-"""Encode / decode throughput of every codec in one process.
+r"""Encode / decode throughput of every codec in one process.
 
 examples:
   NUMBA_NUM_THREADS=1 python3 benchmarks/codec_throughput.py              # 1M and 64M elements
-  python3 benchmarks/codec_throughput.py --sizes 1M --codecs qsgd,natural --bits 4,8 --repeat 7 --json bench_out/cpu.json
-  python3 benchmarks/codec_throughput.py --sizes 1M --json bench_out/cpu.json --plot bench_out/cpu.png
+  python3 benchmarks/codec_throughput.py --sizes 1M --codecs qsgd,natural --bits 4,8 --repeat 7 \
+      --json bench_out/cpu.json
+  python3 benchmarks/codec_throughput.py --sizes 1M --json bench_out/cpu.json \
+      --plot bench_out/cpu.png
   python3 benchmarks/codec_throughput.py --from-json bench_out/cpu.json --plot bench_out/cpu.png
   python3 benchmarks/codec_throughput.py --device cuda                      # the CUDA backend
   python3 benchmarks/codec_throughput.py --device cuda --torch-ref          # + plain PyTorch

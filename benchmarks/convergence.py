@@ -7,10 +7,10 @@
 
 The driver starts ONE launch per world (``horovodrun -np N --gloo`` by default, or
 ``mpirun -np N --allow-run-as-root`` with ``--launcher mpirun``; a world ``HxK`` is H host
-names of this machine with K ranks each, so the optimizer takes its hierarchical plans) that trains every codec for
-every seed in sequence, so Horovod's start-up is paid once per world. Rank 0 of the launch
-rewrites ``<out>/convergence_n<N>.json`` after every run (a launch cut short keeps what it
-finished). The driver then draws the loss curves and writes the tables.
+names of this machine with K ranks each, so the optimizer takes its hierarchical plans) that
+trains every codec for every seed in sequence, so Horovod's start-up is paid once per world.
+Rank 0 of the launch rewrites ``<out>/convergence_n<N>.json`` after every run (a launch cut
+short keeps what it finished). The driver then draws the loss curves and writes the tables.
 
 Task: the 64-256-256-10 MLP (85,002 parameters) on scikit-learn's digits (8x8 images, ships
 with scikit-learn: no download), stratified 1,347 / 450 train/test split (random_state=0);
@@ -177,7 +177,8 @@ def worker(args) -> None:
     runs = []
     meta = {"world": hvd.size(), "command": " ".join(sys.argv),
             "env": {k: os.environ.get(k) for k in ("HOROVOD_FUSION_THRESHOLD",
-                                                    "HOROVOD_CYCLE_TIME", "OMP_NUM_THREADS")}, "steps": args.steps, "batch_per_rank": args.batch,
+                                                    "HOROVOD_CYCLE_TIME", "OMP_NUM_THREADS")},
+            "steps": args.steps, "batch_per_rank": args.batch,
             "lr_per_rank": args.lr, "lr": args.lr * hvd.size(), "eval_every": args.eval_every,
             "seeds": list(range(args.first_seed, args.first_seed + args.seeds)), "codecs": labels,
             "train": int(data[0].shape[0]), "test": int(data[2].shape[0]),
@@ -381,7 +382,8 @@ def plot(res: dict, summary: dict, out: str, pre: str) -> list[str]:
     paths = []
     for n, blob in res.items():
         runs = [r for r in blob["runs"] if "curve" in r]
-        by_label = {label: [r for r in runs if r["label"] == label] for label in blob["meta"]["codecs"]}
+        by_label = {label: [r for r in runs if r["label"] == label]
+                    for label in blob["meta"]["codecs"]}
         base = by_label.get("fp32", [])
         labels = [label for label, rs in by_label.items() if rs and label != "fp32"]
         if not labels:

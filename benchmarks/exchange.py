@@ -1,12 +1,16 @@
-"""The exchange alone: Horovod's own fp32 and fp16 allreduce against the codecs people pick and
+r"""The exchange alone: Horovod's own fp32 and fp16 allreduce against the codecs people pick and
 every Global-QSGD mode, in one run, with the encode / exchange / decode split.
 
 examples:
   horovodrun -np 2 -H localhost:2 --mpi python3 benchmarks/exchange.py --sizes 4,64
-  horovodrun -np 2 -H localhost:2 --gloo python3 benchmarks/exchange.py --sizes 4 --configs horovod,codecs
-  horovodrun -np 2 -H localhost:2 --mpi python3 benchmarks/exchange.py --kernel --json bench_out/exchange_n2.json --plot bench_out/exchange_n2.png
-  horovodrun -np 4 -H localhost:4 --mpi python3 benchmarks/exchange.py --repeat 3 --json bench_out/exchange_n4.json
-  python3 benchmarks/exchange.py --from-json docs/results/exchange_n2.json --plot bench_out/exchange_n2_old.png
+  horovodrun -np 2 -H localhost:2 --gloo python3 benchmarks/exchange.py --sizes 4 \
+      --configs horovod,codecs
+  horovodrun -np 2 -H localhost:2 --mpi python3 benchmarks/exchange.py --kernel \
+      --json bench_out/exchange_n2.json --plot bench_out/exchange_n2.png
+  horovodrun -np 4 -H localhost:4 --mpi python3 benchmarks/exchange.py --repeat 3 \
+      --json bench_out/exchange_n4.json
+  python3 benchmarks/exchange.py --from-json docs/results/exchange_n2.json \
+      --plot bench_out/exchange_n2_old.png
 
 Each configuration runs --repeat exchanges (after one untimed, which compiles kernels) of a
 float32 vector of each size in --sizes (MB) and reports, on rank 0, the median wall time per
@@ -139,7 +143,8 @@ def plot(rows: list[dict], path: str) -> None:
     base_label, base = baseline(rows)
     sizes = list(dict.fromkeys(r["mb"] for r in rows))
     ncfg = max(sum(r["mb"] == z for r in rows) for z in sizes)
-    fig, axes = plt.subplots(len(sizes), 1, figsize=(max(9.0, 0.75 * ncfg + 3), 3.6 * len(sizes) + 0.3),
+    fig, axes = plt.subplots(len(sizes), 1,
+                             figsize=(max(9.0, 0.75 * ncfg + 3), 3.6 * len(sizes) + 0.3),
                              squeeze=False, layout="constrained")
     for ax, z in zip(axes[:, 0], sizes):
         sel = [r for r in rows if r["mb"] == z]

@@ -13,11 +13,11 @@ so each step computes little and exchanges a lot: the regime where gradient comp
 For each codec (``name`` or ``name:bits``) rank 0 prints the bytes this rank sent per step, the
 compression ratio, the wall time per step and its split (encode, waiting for collectives,
 decode) from ``opt.last_stats``; ``none`` goes through Horovod's own allreduce, which those
-statistics do not time, so its split shows "-"), and the loss reached. On one host ranks exchange through
-shared memory at several GB/s, so compression often does not cut wall time here: encoding
-costs CPU time that a fast link does not give back. The column ``payload @ --link-gbps`` is
-only an estimate (bytes / link bandwidth) of the payload's transfer time on a slower
-network, to show where the bytes start to dominate; it is not measured.
+statistics do not time, so its split shows "-"), and the loss reached. On one host ranks
+exchange through shared memory at several GB/s, so compression often does not cut wall time
+here: encoding costs CPU time that a fast link does not give back. The column
+``payload @ --link-gbps`` is only an estimate (bytes / link bandwidth) of the payload's transfer
+time on a slower network, to show where the bytes start to dominate; it is not measured.
 
 Progress: rank 0 shows a progress bar on stderr when that is a terminal. Under ``horovodrun`` or
 ``mpirun`` the ranks' output goes through a pipe, so pass ``--progress`` to see it there;

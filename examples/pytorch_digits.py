@@ -85,7 +85,8 @@ def main():
     ap.add_argument("--bits", type=int, default=None,
                     help="bits for --codec (the same as writing --codec name:bits)")
     ap.add_argument("--codecs", default=DEFAULT_CODECS,
-                    help="space-separated specs, trained one after the other (default: %(default)s)")
+                    help="space-separated specs, trained one after the other "
+                         "(default: %(default)s)")
     ap.add_argument("--steps", type=int, default=150, help="steps per codec (default: %(default)s)")
     ap.add_argument("--batch", type=int, default=32, help="batch per rank (default: %(default)s)")
     ap.add_argument("--lr", type=float, default=0.05,

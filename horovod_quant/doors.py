@@ -13,16 +13,16 @@ import logging
 import time
 from typing import Any, Callable, Iterable
 
-from .exchange.collectives import Collectives, Handle
 from .core import available_codecs, get_codec
-from .core.registry import codec_class
 from .core.base import Codec, check_int
 from .core.contract import Combine
-from .process_sets import mpi_exchange_enabled
-from .exchange.plans import DEFAULT_PIPELINE_ELEMS, check_gather, check_pipeline_elems
+from .core.registry import codec_class
 from .env import env_seconds
+from .exchange.collectives import Collectives, Handle
+from .exchange.plans import DEFAULT_PIPELINE_ELEMS, check_gather, check_pipeline_elems
 from .fallback import check_fallback
 from .policy import LayerPolicy, describe
+from .process_sets import mpi_exchange_enabled
 from .stats import StepStats
 
 log = logging.getLogger("horovod_quant")

@@ -8,9 +8,9 @@ anything else raises ValueError naming the variable, so a typo never silently me
 | ``HQ_MPI_EXCHANGE`` | bool, default on | the mpi4py exponent allreduce of Global-QSGD |
 | ``HQ_CUDA_AWARE_MPI`` | bool, unset = detect | MPI takes device buffers |
 | ``HQ_DEVICE_COLLECTIVES`` | bool, unset = detect | Horovod's collectives take device buffers |
-| ``HQ_CONFIG_TIMEOUT`` | seconds, default 600 | how long a rank waits for the others' configuration |
-| ``HQ_TRANSPORT`` | auto/gloo/horovod, default auto | what carries the torch Horovod door's payloads |
-| ``HQ_PEER_ADDR`` | address, unset = detect | the address this rank's gloo transport binds (and rank 0 offers) |
+| ``HQ_CONFIG_TIMEOUT`` | seconds, default 600 | a rank's wait for the others' configuration |
+| ``HQ_TRANSPORT`` | auto (default)/gloo/horovod | what carries the torch Horovod door's payloads |
+| ``HQ_PEER_ADDR`` | address, unset = detect | this rank's gloo bind address (rank 0 offers it) |
 | ``HQ_LINK_GBIT``, ``HQ_INTRA_GBYTE``, ``HQ_ROUND_US`` | numbers | the plan choice's fabric |
 """
 from __future__ import annotations

@@ -19,7 +19,8 @@ def as_vector(x: Any) -> Any:
     CUDA torch tensors).
 
     float16, bfloat16 (``ml_dtypes``/torch-converted) and float64 inputs are accepted; codecs
-    compute in float32 and decode to float32, as the framework doors cast back to the tensor's dtype.
+    compute in float32 and decode to float32, as the framework doors cast back to the tensor's
+    dtype.
     """
     return backend_of(x).vector(x)
 
@@ -33,8 +34,8 @@ def array_module(x: Any) -> Any:
 def worker_seed(seed: int, rank: int) -> int:
     """The seed worker ``rank`` encodes with when the exchange's seed is ``seed``.
 
-    The framework doors derive ``seed`` itself from (user seed, step, tensor); every rank can compute
-    every other rank's seed, which DQSG/NDQSG receivers need to regenerate dithers.
+    The framework doors derive ``seed`` itself from (user seed, step, tensor); every rank can
+    compute every other rank's seed, which DQSG/NDQSG receivers need to regenerate dithers.
     """
     return derive_key(seed, 0x7A4B, rank)
 

@@ -33,7 +33,6 @@ from ..backends import (
 )
 from .base import Codec, WireLayout, check_choice, check_int, worker_seed
 from .contract import GlobalNorm, Reduced, SumDecodable
-from .limits import FEW_LEVELS, HIERARCHY_HINT, warn_limit
 from .exponent_reduction import (
     REDUCTIONS,
     exponent_offset,
@@ -41,6 +40,7 @@ from .exponent_reduction import (
     reduce_packed,
     reduction_rounds,
 )
+from .limits import FEW_LEVELS, HIERARCHY_HINT, warn_limit
 from .payload import Payload
 from .quantizers import uniform_grid_omega
 from .rng import derive_key, split_key

@@ -208,7 +208,8 @@ class QSGD(LevelQuantizer):
         bucket_size: elements per bucket (one float32 scale each); None = whole tensor.
         norm: "max" (QSGDinf, default) or "l2" (Lemma 3.1).
         levels: s, to use fewer levels than ``bits`` can hold.
-        elias: send the codes Elias-coded (Section 3.2, :mod:`horovod_quant.backends.numba.elias`): payload
+        elias: send the codes Elias-coded (Section 3.2,
+            :mod:`horovod_quant.backends.numba.elias`): payload
             ``[float32 scale per bucket][Elias bit stream]`` of data-dependent length, smaller
             than ``bits`` bits per element in the sparse regime (small s, large buckets).
     """
@@ -224,7 +225,8 @@ class QSGD(LevelQuantizer):
         s = _default_levels("qsgd", levels, bits, (1 << (bits - 1)) - 1)
         super().__init__({"bits": bits, "bucket_size": bucket_size, "norm": norm, "levels": s,
                           "elias": bool(elias)}, bits=bits, nonzero_levels=s,
-                         bucket_size=_check_bucket(bucket_size), p=2.0 if norm == "l2" else math.inf)
+                         bucket_size=_check_bucket(bucket_size),
+                         p=2.0 if norm == "l2" else math.inf)
         self.elias = bool(elias)
 
     def payload_nbytes(self, n: int) -> int:
@@ -296,7 +298,8 @@ class StandardDithering(LevelQuantizer):
         bits = check_int("bits", bits, 2, 8)
         p = _check_p(p)
         s = _default_levels("standard_dithering", levels, bits, (1 << (bits - 1)) - 1)
-        super().__init__({"bits": bits, "bucket_size": bucket_size, "p": p, "levels": s}, bits=bits, nonzero_levels=s, bucket_size=_check_bucket(bucket_size), p=p)
+        super().__init__({"bits": bits, "bucket_size": bucket_size, "p": p, "levels": s},
+                         bits=bits, nonzero_levels=s, bucket_size=_check_bucket(bucket_size), p=p)
 
     def omega(self, d: int) -> float:
         return uniform_grid_omega(d, self.s, self.p)
@@ -319,8 +322,8 @@ class NUQSGD(LevelQuantizer):
                  levels: int | None = None) -> None:
         bits = check_int("bits", bits, 3, 8, hint="NUQSGD needs s >= 1 internal levels.")
         s = _default_levels("nuqsgd", levels, bits, (1 << (bits - 1)) - 2)
-        super().__init__({"bits": bits, "bucket_size": bucket_size, "levels": s}, bits=bits, nonzero_levels=s + 1, bucket_size=_check_bucket(bucket_size),
-                         p=2.0)
+        super().__init__({"bits": bits, "bucket_size": bucket_size, "levels": s}, bits=bits,
+                         nonzero_levels=s + 1, bucket_size=_check_bucket(bucket_size), p=2.0)
 
     def omega(self, d: int) -> float:
         return geometric_grid_omega(d, self.s, 2.0)
@@ -345,7 +348,8 @@ class NaturalDithering(LevelQuantizer):
         bits = check_int("bits", bits, 2, 8)
         p = _check_p(p)
         s = _default_levels("natural_dithering", levels, bits, (1 << (bits - 1)) - 1)
-        super().__init__({"bits": bits, "bucket_size": bucket_size, "p": p, "levels": s}, bits=bits, nonzero_levels=s, bucket_size=_check_bucket(bucket_size), p=p)
+        super().__init__({"bits": bits, "bucket_size": bucket_size, "p": p, "levels": s},
+                         bits=bits, nonzero_levels=s, bucket_size=_check_bucket(bucket_size), p=p)
 
     def omega(self, d: int) -> float:
         return geometric_grid_omega(d, self.s, self.p)
@@ -367,7 +371,8 @@ class NaturalCompression(LevelQuantizer):
 
     def __init__(self, bits: int = 8, bucket_size: int | None = DEFAULT_BUCKET) -> None:
         bits = check_int("bits", bits, 2, 8)
-        super().__init__({"bits": bits, "bucket_size": bucket_size}, bits=bits, nonzero_levels=(1 << (bits - 1)) - 1,
+        super().__init__({"bits": bits, "bucket_size": bucket_size}, bits=bits,
+                         nonzero_levels=(1 << (bits - 1)) - 1,
                          bucket_size=_check_bucket(bucket_size), p=math.inf, pow2_scale=True)
 
     def omega(self, d: int) -> float:

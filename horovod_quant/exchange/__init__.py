@@ -10,6 +10,6 @@ from .reference import mean_estimate
 from .staging import HostStaged
 
 __all__ = [
-    "CUSTOM_COLLECTIVES", "CodecStates", "Collectives", "Done", "Exchange", "ExchangeStats", "Handle",
-    "HostStaged", "LocalCollectives", "Pending", "mean_estimate",
+    "CUSTOM_COLLECTIVES", "CodecStates", "Collectives", "Done", "Exchange", "ExchangeStats",
+    "Handle", "HostStaged", "LocalCollectives", "Pending", "mean_estimate",
 ]

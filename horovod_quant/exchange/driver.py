@@ -8,9 +8,9 @@ piece k while this thread encodes k + 1 and decodes k - 1. A global-norm codec's
 starts with the norm's small allgather alone and returns at once; its pieces start when
 :meth:`Pending.advance` finds the norm arrived (the torch optimizer calls it from its backward
 hooks), so the norm never holds the caller up while its peers catch up. Device (CuPy) vectors
-are encoded and decoded on their device; their payloads go to collectives that take device arrays, or
-through :class:`~horovod_quant.exchange.staging.HostStaged`. Hierarchical exchanges run on the
-hierarchy's worker thread, on the caller's CUDA stream (:class:`_OnWorker`).
+are encoded and decoded on their device; their payloads go to collectives that take device
+arrays, or through :class:`~horovod_quant.exchange.staging.HostStaged`. Hierarchical exchanges
+run on the hierarchy's worker thread, on the caller's CUDA stream (:class:`_OnWorker`).
 """
 from __future__ import annotations
 

@@ -150,10 +150,10 @@ class MpiExponentReduce:
 
 def mpi_exponent_factory(codec: Reduced, collectives: Collectives) -> MpiExponentReduce | None:
     """The collective of reduced codecs whose ``traits.collective`` is
-    ``"exponent_allreduce"`` (packed exponent codes, reduced with the codec's ``bits`` and ``reduction`` parameters) when the
-    collectives expose an MPI communicator; None means "fall back to allgather + local
-    reduction". Collective: asks for :data:`EXPONENT_LANES` communicators, in order, on every
-    rank."""
+    ``"exponent_allreduce"`` (packed exponent codes, reduced with the codec's ``bits`` and
+    ``reduction`` parameters) when the collectives expose an MPI communicator; None means "fall
+    back to allgather + local reduction". Collective: asks for :data:`EXPONENT_LANES`
+    communicators, in order, on every rank."""
     comm = collectives.mpi_communicator()
     if comm is None:
         return None

@@ -220,10 +220,11 @@ def shard_seed(seed: int, shard: int) -> int:
 def hierarchical_plan(p: Piece, inner: str) -> Plan:
     """Compress only between hosts: the K ranks of a host sum their vectors in float32 (each
     rank shard k of K, summed in local rank order: a reduce-scatter, as an alltoall of framed
-    shards), divide by K (``Backend.mean_in_order``: the same bits on every backend), exchange their host's mean shard with the ranks holding shard k on
-    the other hosts by the ``inner`` plan (``codec`` built for that many hosts, its own global
-    norm, seed :func:`shard_seed`), and allgather the shards inside the host. One
-    quantization per host, not per rank (docs/codecs.md).
+    shards), divide by K (``Backend.mean_in_order``: the same bits on every backend), exchange
+    their host's mean shard with the ranks holding shard k on the other hosts by the ``inner``
+    plan (``codec`` built for that many hosts, its own global norm, seed :func:`shard_seed`), and
+    allgather the shards inside the host. One quantization per host, not per rank
+    (docs/codecs.md).
 
     Tags: a host whose ranks sent different tensors goes on with a spoiled tag, so that the
     first collective between the hosts (which checks tags) raises on every rank."""

@@ -183,12 +183,13 @@ class QuantizedCompressor(CompressorSettings, Compressor):
 
     Args: the codec, ``process_set``, and the settings of
     :class:`~horovod_quant.doors.DoorOptions` as ``options=`` or as keywords (seed, gather,
-    policy, pipeline_elems; the optimizer-only ones raise ValueError). Here the k-th tensor compressed (from 0) uses seed ``derive_key(seed, k)``
-    (module doc), the policy's name rules see the variable names (``dense/kernel:0``) or the
-    ``name=`` of ``hvd.allreduce``, tensors whose static shape is not fully known travel
-    uncompressed too, and integer and boolean tensors always pass to Horovod unchanged
-    (exact). Tensors longer than ``pipeline_elems`` are exchanged in pieces, as
-    :class:`~horovod_quant.exchange.Exchange` does (same pieces, seeds and bits).
+    policy, pipeline_elems; the optimizer-only ones raise ValueError). Here the k-th tensor
+    compressed (from 0) uses seed ``derive_key(seed, k)`` (module doc), the policy's name rules
+    see the variable names (``dense/kernel:0``) or the ``name=`` of ``hvd.allreduce``, tensors
+    whose static shape is not fully known travel uncompressed too, and integer and boolean
+    tensors always pass to Horovod unchanged (exact). Tensors longer than ``pipeline_elems`` are
+    exchanged in pieces, as :class:`~horovod_quant.exchange.Exchange` does (same pieces, seeds
+    and bits).
 
     Attributes:
         codec_states: the adaptive codecs' states its exchanges carry (NDQSG's,
@@ -404,7 +405,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             with self._lock:
                 self.stats.tensors += 1
                 self.stats.bytes_raw += 4 * int(np.prod(spec.shape, dtype=np.int64))
-        if isinstance(spec.codec, SideInformation):  # read after this callback: TF may reuse its buffer
+        # read after this callback: TF may reuse its buffer
+        if isinstance(spec.codec, SideInformation):
             x = np.array(x, copy=True)
         return plans.PLANS[spec.kind](plans.Piece(
             spec.codec, x, plans.pipeline_seed(derive_key(self.seed, k), i, pieces), spec.rank,

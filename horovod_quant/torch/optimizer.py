@@ -26,14 +26,20 @@ from typing import Any, Callable, Iterable
 import horovod.torch as hvd
 import torch
 
-from ..doors import (DOOR_SETTINGS, DoorOptions, SettingsAttributes, check_same_config,
-                     door_options, mpi_exchange_config)
+from ..core.base import Codec
+from ..core.registry import get_codec, horovod_equivalent
+from ..doors import (
+    DOOR_SETTINGS,
+    DoorOptions,
+    SettingsAttributes,
+    check_same_config,
+    door_options,
+    mpi_exchange_config,
+)
 from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
 from ..fallback import BucketTrial, FallbackController, FallbackDecision, StepCheck
-from ..core.registry import get_codec, horovod_equivalent
-from ..core.base import Codec
 from ..policy import describe
 from ..stats import StepStats
 from .buckets import Bucket, BucketLayout
@@ -43,7 +49,6 @@ from .horovod_path import HorovodPath
 from .schedule import ExchangeSchedule
 from .tensors import as_tensor, on_gpu, parameter_names, stream_of
 from .transport import resolve_transport, transport_collectives, transport_of
-
 
 #: the key of the optimizer's own state in its ``state_dict()``, beside torch's "state" and
 #: "param_groups"

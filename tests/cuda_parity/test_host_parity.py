@@ -280,7 +280,8 @@ def _check_levels(ops, codec, x, seed, nonfinite=False):
     nb = -(-n // codec._bucket(n)) if n else 0
     where = f"{codec!r} n={n}"
     if nonfinite:
-        assert same_nan(got.data[: 4 * nb].view(np.float32), ref.data[: 4 * nb].view(np.float32)), where
+        assert same_nan(got.data[: 4 * nb].view(np.float32),
+                        ref.data[: 4 * nb].view(np.float32)), where
         assert same(got.data[4 * nb:], ref.data[4 * nb:]), where
     else:
         assert same(got.data, ref.data), f"{where}: {first_diff(got.data, ref.data)}"
@@ -292,7 +293,8 @@ def _check_levels(ops, codec, x, seed, nonfinite=False):
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
-@pytest.mark.parametrize("spec", LEVEL_SPECS, ids=lambda s: f"{s[0]}-{'-'.join(map(str, s[1].values()))}")
+@pytest.mark.parametrize("spec", LEVEL_SPECS,
+                         ids=lambda s: f"{s[0]}-{'-'.join(map(str, s[1].values()))}")
 def test_levels_encode_decode(host_cuda, spec, bits):
     name, kw = spec
     ran = 0
@@ -308,7 +310,8 @@ def test_levels_encode_decode(host_cuda, spec, bits):
 
 
 @pytest.mark.parametrize("kind", ["special", "nonfinite"])
-@pytest.mark.parametrize("spec", LEVEL_SPECS, ids=lambda s: f"{s[0]}-{'-'.join(map(str, s[1].values()))}")
+@pytest.mark.parametrize("spec", LEVEL_SPECS,
+                         ids=lambda s: f"{s[0]}-{'-'.join(map(str, s[1].values()))}")
 def test_levels_special_values(host_cuda, spec, kind):
     name, kw = spec
     for bits in (3, 4, 8):
@@ -344,7 +347,8 @@ def test_levels_combine_gathered(host_cuda, spec, npay):
             continue
         for n in (1, 9, PB + 1):
             pays = [codec.encode(gen("normal", n, r), worker_seed(3, r)) for r in range(npay)]
-            assert same(on(host_cuda, codec.combine_gathered, pays, 3), codec.combine_gathered(pays, 3))
+            assert same(on(host_cuda, codec.combine_gathered, pays, 3),
+                        codec.combine_gathered(pays, 3))
 
 
 def test_float64_and_float16_inputs(host_cuda):
@@ -532,7 +536,8 @@ def test_nested_dithered(host_cuda, world, bits):
         for k in (None, 3, 5):
             kw = dict(world_size=world, bits=bits, alpha=alpha, coarse_ratio=k, bucket_size=512)
             try:
-                c_cpu, c_gpu = hq.get_codec("nested_dithered", **kw), hq.get_codec("nested_dithered", **kw)
+                c_cpu = hq.get_codec("nested_dithered", **kw)
+                c_gpu = hq.get_codec("nested_dithered", **kw)
             except ValueError:
                 continue
             for n in (1, 9, 600, PB + 1, 2 * PB + 17):
@@ -551,12 +556,14 @@ def test_nested_dithered(host_cuda, world, bits):
                         nb = -(-n // 512)
                         assert same_nan(a.data[4: 4 + 4 * nb].view(np.float32),
                                         b.data[4: 4 + 4 * nb].view(np.float32))
-                        assert same(a.data[:4], b.data[:4]) and same(a.data[4 + 4 * nb:], b.data[4 + 4 * nb:])
+                        assert (same(a.data[:4], b.data[:4])
+                                and same(a.data[4 + 4 * nb:], b.data[4 + 4 * nb:]))
                     seeds = [worker_seed(seed, r) for r in range(world)]
                     e_ref = c_cpu.decode_side_info(ref, seeds, inputs=xs)
                     e_got = on(host_cuda, c_gpu.decode_side_info, got, seeds, inputs=xs)
                     assert same_nan(e_got, e_ref), (world, bits, alpha, k, n, rnd)
-                    assert c_gpu.sigma2 == c_cpu.sigma2 or (math.isinf(c_gpu.sigma2) and math.isinf(c_cpu.sigma2))
+                    assert c_gpu.sigma2 == c_cpu.sigma2 or (math.isinf(c_gpu.sigma2)
+                                                            and math.isinf(c_cpu.sigma2))
                     assert c_gpu.last_stats == c_cpu.last_stats
                     if n <= 600:
                         assert same(on(host_cuda, c_gpu.decode, got[0]), c_cpu.decode(ref[0]))

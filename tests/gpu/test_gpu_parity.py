@@ -146,7 +146,8 @@ def _codec(name, kw, bits, bucket):
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
-@pytest.mark.parametrize("spec", LEVEL_SPECS, ids=lambda s: f"{s[0]}-{'-'.join(map(str, s[1].values()))}")
+@pytest.mark.parametrize("spec", LEVEL_SPECS,
+                         ids=lambda s: f"{s[0]}-{'-'.join(map(str, s[1].values()))}")
 def test_levels_payload_and_decode(cp, spec, bits):
     name, kw = spec
     for bucket in BUCKETS:
@@ -173,7 +174,8 @@ def test_levels_nonfinite(cp):
         x = gen("nonfinite", 3 * PB + 5, 3)
         ref, got = codec.encode(x, 1), codec.encode(cp.asarray(x), 1)
         nb = -(-x.size // 512)
-        assert same_nan(host(got.data)[: 4 * nb].view(np.float32), ref.data[: 4 * nb].view(np.float32))
+        assert same_nan(host(got.data)[: 4 * nb].view(np.float32),
+                        ref.data[: 4 * nb].view(np.float32))
         assert same(host(got.data)[4 * nb:], ref.data[4 * nb:])
         assert same_nan(codec.decode(got), codec.decode(ref))
 
@@ -254,7 +256,8 @@ def test_global_qsgd(cp, cfg, norm):
             for n in (0, 1, 9, PB + 1, 3 * PB + 5):
                 xs = [gen("normal", n, 10 * world + r) for r in range(world)]
                 dx = [cp.asarray(x) for x in xs]
-                assert [codec.norm_statistic(d) for d in dx] == [codec.norm_statistic(x) for x in xs]
+                assert ([codec.norm_statistic(d) for d in dx]
+                        == [codec.norm_statistic(x) for x in xs])
                 g = codec.global_norm(xs)
                 ref = [codec.encode_worker(x, 11, r, g) for r, x in enumerate(xs)]
                 got = [codec.encode_worker(d, 11, r, g) for r, d in enumerate(dx)]

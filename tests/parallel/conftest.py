@@ -45,4 +45,5 @@ def codec_params(name):
 
 
 def ids():
-    return {"rank": hvd.rank(), "size": hvd.size(), "controller": os.environ.get("HQ_CONTROLLER", "?")}
+    return {"rank": hvd.rank(), "size": hvd.size(),
+            "controller": os.environ.get("HQ_CONTROLLER", "?")}

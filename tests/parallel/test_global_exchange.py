@@ -84,7 +84,8 @@ def test_nested_dithered_matches_reference():
     codec = make()
     states, ref_states = CodecStates(), CodecStates()  # the exchanges', the reference's
     for step in range(3):  # k adapts from the measured side-information error
-        xs = [rank_gradients([(5000,)], 100 + step, 0)[0] + 0.01 * rank_gradients([(5000,)], step, r)[0]
+        xs = [rank_gradients([(5000,)], 100 + step, 0)[0]
+              + 0.01 * rank_gradients([(5000,)], step, r)[0]
               for r in range(n)]
         pending = Exchange(codec, HorovodTorchCollectives(), states=states).start(
             xs[hvd.rank()], step, f"nd.{step}")

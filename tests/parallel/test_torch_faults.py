@@ -69,7 +69,8 @@ def test_nonfinite_zero_empty_and_unused(name, door):
     def run(grads):
         opt.zero_grad()
         # the last parameter gets no gradient (unused in this step)
-        sum((p * torch.from_numpy(g)).sum() for p, g in zip(list(model.ps)[:4], grads[:4])).backward()
+        sum((p * torch.from_numpy(g)).sum()
+            for p, g in zip(list(model.ps)[:4], grads[:4])).backward()
         if door == "horovod" and hvd.size() > 1:
             # Horovod's own optimizer requires a grad for every parameter it tracks
             model.ps[4].grad = torch.zeros(5)

@@ -89,7 +89,8 @@ def test_backward_passes_per_step_may_differ(door):
     base = torch.optim.SGD(model.parameters(), lr=0.1)
     wrap = hqt.DistributedOptimizer if door == "quant" else hvd.DistributedOptimizer
     opt = wrap(base, named_parameters=model.named_parameters(), compression=_compressor(seed=5),
-               backward_passes_per_step=passes, **({"fallback": "never"} if door == "quant" else {}))
+               backward_passes_per_step=passes,
+               **({"fallback": "never"} if door == "quant" else {}))
     for step in range(2):
         opt.zero_grad()
         grads = rank_gradients(SHAPES, step, hvd.rank())

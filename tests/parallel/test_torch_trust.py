@@ -78,7 +78,8 @@ def _synced_model(**kw):
 
 # -- 1. unused parameters ---------------------------------------------------------------------
 @MULTI
-@pytest.mark.parametrize("name,params", CODECS, ids=[f"{n}-{p.get('levels', '')}" for n, p in CODECS])
+@pytest.mark.parametrize("name,params", CODECS,
+                         ids=[f"{n}-{p.get('levels', '')}" for n, p in CODECS])
 @pytest.mark.parametrize("door", ["horovod", "quant"])
 def test_layer_unused_on_some_ranks_keeps_ranks_identical(door, name, params):
     model = _synced_model()
@@ -184,7 +185,8 @@ def test_sparse_embeddings_train_and_stay_identical(sparse_as_dense):
     gen = torch.Generator().manual_seed(7 + hvd.rank())
     for _ in range(3):
         opt.zero_grad()
-        a, b = torch.randint(0, 2000, (8,), generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        a, b = (torch.randint(0, 2000, (8,), generator=gen),
+                torch.randint(0, 10, (8,), generator=gen))
         model(a, b).square().mean().backward()
         opt.step()
     for n, p in model.named_parameters():
@@ -211,7 +213,8 @@ def _rank_grads(model):
     for r in range(hvd.size()):
         ref = _mlp()
         ref.load_state_dict(model.state_dict())
-        ref(torch.randn(8, 40, generator=torch.Generator().manual_seed(30 + r))).square().mean().backward()
+        x = torch.randn(8, 40, generator=torch.Generator().manual_seed(30 + r))
+        ref(x).square().mean().backward()
         out.append({n: p.grad.reshape(-1).numpy().copy() for n, p in ref.named_parameters()})
     return out
 

@@ -75,7 +75,8 @@ def test_cuda_buckets_take_the_hierarchy_on_nodes_of_several_ranks(cuda, name):
         model(_batch(step).to(cuda)).square().mean().backward()
         torch.cuda.synchronize()
         rec.check()  # every bucket against mean_estimate(topology=..., fabric=...), every rank
-    assert state.fabric == Fabric.for_ranks(on_gpu=True) and (state.topology is not None) == hierarchical
+    assert (state.fabric == Fabric.for_ranks(on_gpu=True)
+            and (state.topology is not None) == hierarchical)
     kinds = state.stats.plans
     if dist.get_world_size() > 1:
         assert kinds and all(k.startswith(plans.HIERARCHICAL) == hierarchical for k in kinds)

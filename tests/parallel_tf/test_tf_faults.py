@@ -50,7 +50,8 @@ def test_bad_parameters_fail_at_construction():
 
 
 @pytest.mark.parametrize("name,params", [("qsgd", {}), ("natural", {}), ("dithered", {}),
-                                         ("global_qsgd", {}), ("global_qsgd", {"levels": "linear"})])
+                                         ("global_qsgd", {}),
+                                         ("global_qsgd", {"levels": "linear"})])
 def test_nonfinite_zero_and_tiny_sizes(name, params):
     shapes = [(0,), (1,), (4, 300), (3, 3)]
     vs = [tf.Variable(tf.zeros(s)) for s in shapes]

@@ -4,8 +4,9 @@ a backend that runs the numba kernels on them, and the stream and staging hooks 
 
 * :class:`DeviceArray`: a NumPy array whose type's module says CuPy, so ``backend_of`` and
   ``gpu.is_device_array`` take it for a device array. Float arithmetic on it (NumPy's ``+``,
-  ``-``, ``*``, ``/``, and ``xp.multiply`` and its kin) raises, as a reminder that CuPy's own elementwise kernels flush
-  subnormals: the GPU path must leave that arithmetic to the backends' kernels.
+  ``-``, ``*``, ``/``, and ``xp.multiply`` and its kin) raises, as a reminder that CuPy's own
+  elementwise kernels flush subnormals: the GPU path must leave that arithmetic to the backends'
+  kernels.
 * :class:`EmulatedDeviceBackend`: every ``Backend`` entry point of the numba backend, run on
   plain views of its arguments (a kernel reading device memory); arrays it returns, and the
   arrays its ``xp`` makes, are :class:`DeviceArray`. It records its calls.

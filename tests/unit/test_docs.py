@@ -127,12 +127,12 @@ def test_check_links_reports_missing_link_targets_and_quoted_paths(tmp_path, mon
     assert "docs/dev/b.md:2: docs/missing.md" in problems[3]
 
 
-API_PAGE = """# API
-### `horovod_quant.get_codec(name, **params)`
-### `horovod_quant.mean_estimate(codec, xs, seed=0, gather='allgather', pipeline_elems=None, topology=None, fabric=None, states=None)`
-### `horovod_quant.Codec.encode(x, seed=0)`
-### `horovod_quant.Payload(data, size, meta=<factory>)`
-"""
+API_PAGE = ("# API\n"
+            "### `horovod_quant.get_codec(name, **params)`\n"
+            "### `horovod_quant.mean_estimate(codec, xs, seed=0, gather='allgather', "
+            "pipeline_elems=None, topology=None, fabric=None, states=None)`\n"
+            "### `horovod_quant.Codec.encode(x, seed=0)`\n"
+            "### `horovod_quant.Payload(data, size, meta=<factory>)`\n")
 
 
 def test_api_signatures_match_the_code():

@@ -2,8 +2,9 @@
 reduction and its schedules.
 
 References here are written from the paper (Definition 3.1, Appendix B Algorithm 2) and from
-the documented wire formats (docs/dev/formats.md, "Global-QSGD" and "The exponent reduction"), not
-from the kernels. Statistical tolerances are 5 sigma from exact or empirical variances with fixed seeds.
+the documented wire formats (docs/dev/formats.md, "Global-QSGD" and "The exponent reduction"),
+not from the kernels. Statistical tolerances are 5 sigma from exact or empirical variances with
+fixed seeds.
 """
 from __future__ import annotations
 

@@ -56,10 +56,12 @@ PYTHON_STUB = textwrap.dedent('''\
         prefix = Path(value("--target"))
         (prefix / "horovod" / "torch").mkdir(parents=True)
         (prefix / "horovod" / "__init__.py").write_text("")
-        (prefix / "horovod" / "torch" / "__init__.py").write_text("def gloo_built(): return True\\n")
+        (prefix / "horovod" / "torch" / "__init__.py").write_text(
+            "def gloo_built(): return True\\n")
         (prefix / "bin").mkdir()
         run = prefix / "bin" / "horovodrun"
-        run.write_text("#!/bin/sh\\necho $(date +%s.%N) horovodrun \\"$@\\" >> \\"$STUB_LOG.horovodrun\\"\\n"
+        run.write_text("#!/bin/sh\\n"
+                       "echo $(date +%s.%N) horovodrun \\"$@\\" >> \\"$STUB_LOG.horovodrun\\"\\n"
                        "exit ${{STUB_HOROVODRUN_RC:-0}}\\n")
         run.chmod(0o755)
     elif args[:2] == ["-m", "pytest"]:
@@ -210,7 +212,8 @@ def test_the_horovod_patches_apply_to_the_sdist(tmp_path):
     with tarfile.open(SDIST) as tar:
         tar.extractall(tmp_path, filter="data")
     src = tmp_path / "horovod-0.28.1"
-    script = f'say() {{ :; }}; die() {{ echo "$*" >&2; exit 1; }}; source {REPO}/scripts/horovod_build.sh; horovod_patch_source {src}'
+    script = (f'say() {{ :; }}; die() {{ echo "$*" >&2; exit 1; }}; '
+              f'source {REPO}/scripts/horovod_build.sh; horovod_patch_source {src}')
     res = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "distutils" not in (src / "horovod/torch/CMakeLists.txt").read_text()

@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh's GPU_CHECK_STEPS (the GPU image sets it: no Nsight Compute there): the
 steps it names run without --steps, and the preflight notes only the tools of the steps that
-run; a missing tool fails its own step, not the run before it starts. The stubs (a GPU, an interpreter, the tools) are those of test_gpu_check.py."""
+run; a missing tool fails its own step, not the run before it starts. The stubs (a GPU, an
+interpreter, the tools) are those of test_gpu_check.py."""
 import os
 from pathlib import Path
 

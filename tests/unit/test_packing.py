@@ -1,4 +1,5 @@
-"""Bit packing (backends/numba/packing.py) against a plain-Python packer of the documented layout."""
+"""Bit packing (backends/numba/packing.py) against a plain-Python packer of the documented
+layout."""
 from __future__ import annotations
 
 import numpy as np

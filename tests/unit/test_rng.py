@@ -1,4 +1,5 @@
-"""Counter-based RNG (core/rng.py keys, backends/numba/rng.py hash): determinism, uniformity, independence across keys."""
+"""Counter-based RNG (core/rng.py keys, backends/numba/rng.py hash): determinism, uniformity,
+independence across keys."""
 from __future__ import annotations
 
 import math

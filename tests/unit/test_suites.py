@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 #: where suites are run: the Makefile's recipes and the scripts that launch pytest
-RUNNERS = [ROOT / "Makefile", *sorted(ROOT.glob("tests/*/*.sh")), *sorted(ROOT.glob("scripts/*.sh"))]
+RUNNERS = [ROOT / "Makefile", *sorted(ROOT.glob("tests/*/*.sh")),
+           *sorted(ROOT.glob("scripts/*.sh"))]
 #: ways a command accepts pytest's "no tests collected" status
 ACCEPTS_NOTHING = re.compile(r"\$+\?\s*-eq\s*5|--suppress-no-test-exit-code|\|\|\s*(true|:)(\s|$)")
 SUITE = re.compile(r"\btests/[\w.]+")

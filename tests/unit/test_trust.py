@@ -73,7 +73,8 @@ def test_waiting_for_peers_has_a_deadline(monkeypatch):
 
 def test_objects_from_peers_are_json_never_pickle():
     blobs = np.concatenate([encode_object({"r": r, "t": (1, 2.5, None)}) for r in range(2)])
-    assert decode_objects(blobs, 2) == [{"r": 0, "t": [1, 2.5, None]}, {"r": 1, "t": [1, 2.5, None]}]
+    assert decode_objects(blobs, 2) == [{"r": 0, "t": [1, 2.5, None]},
+                                        {"r": 1, "t": [1, 2.5, None]}]
     evil = np.frombuffer(pickle.dumps({"r": 0}), np.uint8)
     framed = frame(Payload(evil, evil.size))
     with pytest.raises(ValueError, match="not JSON"):

@@ -260,7 +260,8 @@ class CupyKernels:
             (x, i64(n), i32(mode), i32(bits), i32(s), i32(c), f32(gnorm), u32(k0), u32(k1), codes))
 
     def pack(self, codes, n, bits, out) -> None:
-        get_function("levels.cu", "hq_pack")(_blocks(n), (THREADS,), (codes, i64(n), i32(bits), out))
+        get_function("levels.cu", "hq_pack")(
+            _blocks(n), (THREADS,), (codes, i64(n), i32(bits), out))
 
     def scale(self, src, n, f, dst) -> None:
         get_function("levels.cu", "hq_scale")(_grid(n), (THREADS,), (src, i64(n), f32(f), dst))

@@ -75,7 +75,8 @@ def u24_float(typingctx, h):
 @numba.njit(inline="always")
 def block_key(start, k0):
     """First key half for indices sharing ``start >> 32`` (fold the high word once per block)."""
-    return np.uint32(k0 ^ np.uint32((np.uint64(start) >> np.uint64(32)) * np.uint64(0x85EBCA6B) & np.uint64(0xFFFFFFFF)))
+    return np.uint32(k0 ^ np.uint32((np.uint64(start) >> np.uint64(32)) * np.uint64(0x85EBCA6B)
+                                    & np.uint64(0xFFFFFFFF)))
 
 
 @numba.njit(inline="always")
