@@ -36,7 +36,7 @@ from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
 from ..exchange.topology import SerialWorker
-from .distributed import process_group_collectives
+from .distributed import own_group, process_group_collectives
 from .tensors import as_array, as_tensor, flat_array, on_gpu, parameter_names, stream_of
 
 __all__ = ["QuantizationState", "quantization_hook"]
@@ -201,7 +201,7 @@ class QuantizationState(CompressorSettings):
         if not dist.is_initialized():
             raise RuntimeError("horovod_quant DDP hook: call torch.distributed.init_process_group"
                                " before building a QuantizationState")
-        comm = process_group_collectives(process_group)
+        comm = process_group_collectives(own_group(process_group))
         topology = getattr(comm.hierarchy, "topology", None)
         # a codec too small for every rank's payload may serve one payload per node
         nodes = (lambda: topology.host_count) if topology is not None else None
@@ -308,7 +308,7 @@ class QuantizationState(CompressorSettings):
         self.codecs = pickled["codecs"]
         self._codec_indices = {c.config_key(): k for k, c in enumerate(self.codecs)}
         self.codec_states = CodecStates()
-        self._connect(None, process_group_collectives(None))
+        self._connect(None, process_group_collectives(own_group(None)))
         self.step = 0
         self.load_state_dict(pickled["saved"])
 

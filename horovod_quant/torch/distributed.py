@@ -422,6 +422,26 @@ _hierarchies: dict[str, Hierarchy] = {}  # group id -> its hierarchy, built once
 _GROUPS_KEEP_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
 
 
+def own_group(group: Any = None) -> Any:
+    """A new process group of ``group``'s ranks, in its rank order, and of its backend (None:
+    the default group), for the collectives this package issues from its own threads.
+    torch.distributed pairs a group's collectives by call order: issued beside DDP's own on
+    the user's group (the unused-parameter map during backward), they would pair differently
+    on different ranks. Collective over ``group``'s ranks only, as in the order they call it.
+
+    Raises:
+        ValueError: this PyTorch's ``new_group`` sorts ranks and ``group``'s do not ascend.
+    """
+    ranks = group_ranks(group)
+    if not _GROUPS_KEEP_ORDER and ranks != sorted(ranks):
+        raise ValueError(f"horovod_quant: this PyTorch's new_group sorts ranks, and the "
+                         f"process group's global ranks {ranks} do not ascend: give the state "
+                         f"a group whose ranks ascend")
+    order = {"sort_ranks": False} if _GROUPS_KEEP_ORDER else {}
+    return dist.new_group(ranks, backend=dist.get_backend(group),
+                          use_local_synchronization=True, **order)
+
+
 def _subgroups_possible(comm: ProcessGroupCollectives, topology: Topology) -> bool:
     """Whether every host group and shard group of ``topology`` can be built with group ranks
     in the topology's order (always where ``new_group`` keeps the order; else where each
