@@ -179,7 +179,7 @@ class DigitsMLP:
 
 class DigitsCNN(DigitsMLP):
     """The digits MLP's data, split and optimizer with a small conv net: conv 3x3 1->16, ReLU,
-    conv 3x3 16->32, ReLU, 2x2 max pool, 512-64-10 (38,314 parameters)."""
+    conv 3x3 16->32, ReLU, 2x2 max pool, 512-64-10 (38,282 parameters)."""
     name, title = "cnn", "digits CNN"
     steps = 300  # the conv net starts slower than the MLP
     gap_keys = ("gap_test_loss", "gap_test_acc")
@@ -218,7 +218,7 @@ def stdlib_sources(val_every: int = 10) -> tuple[list[str], list[str]]:
 
 class ByteLM(DigitsMLP):
     """A byte-level GPT (vocabulary 256, context 64, 2 pre-norm blocks of d_model 128 with 4
-    heads and a 512-wide MLP; 468,864 parameters) on this Python's standard-library source,
+    heads and a 512-wide MLP; 470,528 parameters) on this Python's standard-library source,
     split by file (``stdlib_sources``). Each rank samples windows from its contiguous 1/size
     of the training bytes; Adam. Losses in nats per byte on fixed windows (64 of the training
     bytes, 256 of the held-out files); accuracy is next-byte accuracy."""
