@@ -222,7 +222,7 @@ class ByteLM(DigitsMLP):
     split by file (``stdlib_sources``). Each rank samples windows from its contiguous 1/size
     of the training bytes; Adam. Losses in nats per byte on fixed windows (64 of the training
     bytes, 256 of the held-out files); accuracy is next-byte accuracy."""
-    name, title, optimizer_note = "bytelm", "byte-level GPT on stdlib source", "Adam"
+    name, title, optimizer_note = "bytelm", "byte GPT, stdlib", "Adam"
     steps, batch, lr, eval_every = 150, 16, 1.5e-3, 30
     lr_scaling = "sqrt"
     gap_keys = ("gap_test_loss", "gap_test_acc")
