@@ -177,16 +177,21 @@ class DigitsMLP:
         return {"train_loss": tr, "test_loss": te, "test_acc": acc}
 
 
+def final_gap_columns(test: str) -> tuple:
+    """Table columns led by the final ``test`` loss gap (the MLP's tables lead with training)."""
+    return (("train loss", "train_loss", 1, 4), (f"{test} loss", "test_loss", 1, 4),
+            (f"{test} acc (%)", "test_acc", 100, 2), (f"Δ {test} loss", "gap_test_loss", 1, 4),
+            ("Δ mean-curve train loss", "gap_mean_curve_loss", 1, 4),
+            (f"Δ {test} acc (pp)", "gap_test_acc", 100, 2))
+
+
 class DigitsCNN(DigitsMLP):
     """The digits MLP's data, split and optimizer with a small conv net: conv 3x3 1->16, ReLU,
     conv 3x3 16->32, ReLU, 2x2 max pool, 512-64-10 (38,282 parameters)."""
     name, title = "cnn", "digits CNN"
     steps = 300  # the conv net starts slower than the MLP
     gap_keys = ("gap_test_loss", "gap_test_acc")
-    columns = (("train loss", "train_loss", 1, 4), ("test loss", "test_loss", 1, 4),
-               ("test acc (%)", "test_acc", 100, 2), ("Δ test loss", "gap_test_loss", 1, 4),
-               ("Δ mean-curve train loss", "gap_mean_curve_loss", 1, 4),
-               ("Δ test acc (pp)", "gap_test_acc", 100, 2))
+    columns = final_gap_columns("test")
 
     def model(self):
         import torch
@@ -229,10 +234,7 @@ class ByteLM(DigitsMLP):
     words = {"test": "validation", "loss": "loss (nats/byte)", "acc": "next-byte accuracy"}
     curve_keys = (("test_loss", "validation loss (nats/byte)"),
                   ("test_acc", "validation error = 1 - next-byte accuracy"))
-    columns = (("train loss", "train_loss", 1, 4), ("val loss", "test_loss", 1, 4),
-               ("val acc (%)", "test_acc", 100, 2), ("Δ val loss", "gap_test_loss", 1, 4),
-               ("Δ mean-curve train loss", "gap_mean_curve_loss", 1, 4),
-               ("Δ val acc (pp)", "gap_test_acc", 100, 2))
+    columns = final_gap_columns("val")
     table_note = ("Byte-level GPT on this Python's standard-library source, split by file: "
                   "losses in nats per byte (bits per byte = nats / ln 2) on fixed windows "
                   "(train: 64 windows of the training files; val: 256 windows of the held-out "
