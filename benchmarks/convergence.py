@@ -12,6 +12,14 @@ trains every codec for every seed in sequence, so Horovod's start-up is paid onc
 Rank 0 of the launch rewrites ``<out>/convergence_n<N>.json`` after every run (a launch cut
 short keeps what it finished). The driver then draws the loss curves and writes the tables.
 
+``--task`` picks the model and data (``TASKS``): ``mlp`` (the default, below), ``cnn`` (a small
+conv net on the same digits split) or ``bytelm`` (a byte-level GPT on this Python's
+standard-library source, split by file into training and validation files; ``ByteLM``). Each
+task brings its own defaults for ``--steps``, ``--batch``, ``--lr`` and ``--eval-every``, and
+its outputs are named ``convergence_<task>[_<tag>]_n<N>.*`` (the MLP's keep their names):
+
+    python3 benchmarks/convergence.py --task bytelm --worlds 2 --seeds 3 --codecs readme
+
 Task: the 64-256-256-10 MLP (85,002 parameters) on scikit-learn's digits (8x8 images, ships
 with scikit-learn: no download), stratified 1,347 / 450 train/test split (random_state=0);
 each rank trains on its shard (rank::size) with mini-batches of ``--batch`` per rank, SGD with
@@ -69,12 +77,18 @@ CODECS = {
     # run moves from the fp32 run of the same seed through chaos alone (any last-bit change to
     # the trajectory), the noise floor of every paired gap.
     "fp32 control (lr x (1+1e-6))": ("none", {}, 1 + 1e-6),
+    # the README's recommendations at their defaults (qsgd: bucket 512, max norm; global_qsgd:
+    # exponential levels), for --codecs readme
+    "qsgd 8b b512 max": ("qsgd", {"bits": 8, "bucket_size": 512, "norm": "max"}),
+    "qsgd 4b b512 max": ("qsgd", {"bits": 4, "bucket_size": 512, "norm": "max"}),
 }
 #: ``--codecs`` presets
 PRESETS = {
-    "default": [label for label in CODECS if label not in ("qsgd 2b b128", "global_qsgd linear 4b",
-                                               "global_qsgd exp 4b",
-                                               "fp32 control (lr x (1+1e-6))")],
+    "default": [label for label in CODECS if label not in (
+        "qsgd 2b b128", "global_qsgd linear 4b", "global_qsgd exp 4b",
+        "fp32 control (lr x (1+1e-6))", "qsgd 8b b512 max", "qsgd 4b b512 max")],
+    # float32, Horovod's 16 bits, and the README's "Which codec" list at its defaults
+    "readme": ["fp32", "fp16", "qsgd 8b b512 max", "qsgd 4b b512 max", "global_qsgd exp 8b"],
     "control": ["fp32 control (lr x (1+1e-6))"],
     # where the measured variances differ by an order of magnitude (docs/results/variance*):
     # does the difference show in training?
@@ -100,38 +114,260 @@ def make_data(seed_split: int = 0):
             t(yte, torch.long))
 
 
+class DigitsMLP:
+    """The task of the module docstring: ``data`` is (x_train, y_train, x_test, y_test)."""
+    name, title, optimizer_note = "mlp", "digits MLP", "momentum 0.9"
+    steps, batch, lr, eval_every = 200, 16, 0.025, 20
+    #: the world's learning rate: per-rank lr x size ("linear") or x sqrt(size) ("sqrt")
+    lr_scaling = "linear"
+    #: the paired gaps of the gap plot (left, right)
+    gap_keys = ("gap_train_loss", "gap_test_acc")
+    #: what the tables call the test split, its loss and its accuracy
+    words = {"test": "test", "loss": "loss", "acc": "accuracy"}
+    #: the curves drawn per codec (top, bottom): curve key, title
+    curve_keys = (("train_loss", "training-set loss"),
+                  ("test_acc", "test error = 1 - test accuracy"))
+    #: the tables' metric columns: header, summary key, scale, decimals
+    columns = (("train loss", "train_loss", 1, 4), ("test loss", "test_loss", 1, 4),
+               ("test acc (%)", "test_acc", 100, 2), ("Δ train loss", "gap_train_loss", 1, 4),
+               ("Δ mean-curve loss", "gap_mean_curve_loss", 1, 4),
+               ("Δ test acc (pp)", "gap_test_acc", 100, 2))
+    #: a line above the tables
+    table_note = ""
+
+    def data(self):
+        return make_data()
+
+    def meta(self, data) -> dict:
+        return {"train": int(data[0].shape[0]), "test": int(data[2].shape[0])}
+
+    def model(self):
+        import torch
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                   torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                   torch.nn.Linear(256, 10))
+
+    def optimizer(self, params, lr):
+        import torch
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+    def shard(self, data, rank, size):
+        return data[0][rank::size], data[1][rank::size]
+
+    def batch_of(self, shard, gen, batch):
+        import torch
+        xs, ys = shard
+        idx = torch.randint(0, xs.shape[0], (batch,), generator=gen)
+        return xs[idx], ys[idx]
+
+    def loss(self, model, x, y):
+        import torch
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    def evaluate(self, model, data) -> dict:
+        """Full training-set loss, test loss and test accuracy."""
+        import torch
+        xtr, ytr, xte, yte = data
+        lossf = torch.nn.functional.cross_entropy
+        with torch.no_grad():
+            tr = lossf(model(xtr), ytr).item()
+            logits = model(xte)
+            te = lossf(logits, yte).item()
+            acc = (logits.argmax(1) == yte).float().mean().item()
+        return {"train_loss": tr, "test_loss": te, "test_acc": acc}
+
+
+def final_gap_columns(test: str) -> tuple:
+    """Table columns led by the final ``test`` loss gap (the MLP's tables lead with training)."""
+    return (("train loss", "train_loss", 1, 4), (f"{test} loss", "test_loss", 1, 4),
+            (f"{test} acc (%)", "test_acc", 100, 2), (f"Δ {test} loss", "gap_test_loss", 1, 4),
+            ("Δ mean-curve train loss", "gap_mean_curve_loss", 1, 4),
+            (f"Δ {test} acc (pp)", "gap_test_acc", 100, 2))
+
+
+class DigitsCNN(DigitsMLP):
+    """The digits MLP's data, split and optimizer with a small conv net: conv 3x3 1->16, ReLU,
+    conv 3x3 16->32, ReLU, 2x2 max pool, 512-64-10 (38,282 parameters)."""
+    name, title = "cnn", "digits CNN"
+    steps = 300  # the conv net starts slower than the MLP
+    gap_keys = ("gap_test_loss", "gap_test_acc")
+    columns = final_gap_columns("test")
+
+    def model(self):
+        import torch
+        nn = torch.nn
+        return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 16, 3, padding=1),
+                             nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Flatten(), nn.Linear(512, 64), nn.ReLU(),
+                             nn.Linear(64, 10))
+
+
+def stdlib_sources(val_every: int = 10) -> tuple[list[str], list[str]]:
+    """This Python's standard-library ``*.py`` files (relative paths, sorted), split by file:
+    validation when the first byte of sha1(path) is 0 mod ``val_every``. Tests, idlelib's tests
+    and installed packages are left out."""
+    import hashlib
+    import sysconfig
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    train, val = [], []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in skip)
+        for f in sorted(files):
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(d, f), root)
+                digest = hashlib.sha1(rel.encode()).digest()[0]
+                (val if digest % val_every == 0 else train).append(rel)
+    return sorted(train), sorted(val)
+
+
+class ByteLM(DigitsMLP):
+    """A byte-level GPT (vocabulary 256, context 64, 2 pre-norm blocks of d_model 128 with 4
+    heads and a 512-wide MLP; 470,528 parameters) on this Python's standard-library source,
+    split by file (``stdlib_sources``). Each rank samples windows from its contiguous 1/size
+    of the training bytes; Adam. Losses in nats per byte on fixed windows (64 of the training
+    bytes, 256 of the held-out files); accuracy is next-byte accuracy."""
+    name, title, optimizer_note = "bytelm", "byte GPT, stdlib", "Adam"
+    steps, batch, lr, eval_every = 150, 16, 1.5e-3, 30
+    lr_scaling = "sqrt"
+    gap_keys = ("gap_test_loss", "gap_test_acc")
+    words = {"test": "validation", "loss": "loss (nats/byte)", "acc": "next-byte accuracy"}
+    curve_keys = (("test_loss", "validation loss (nats/byte)"),
+                  ("test_acc", "validation error = 1 - next-byte accuracy"))
+    columns = final_gap_columns("val")
+    table_note = ("Byte-level GPT on this Python's standard-library source, split by file: "
+                  "losses in nats per byte (bits per byte = nats / ln 2) on fixed windows "
+                  "(train: 64 windows of the training files; val: 256 windows of the held-out "
+                  "files); acc = next-byte accuracy on the validation windows.")
+    context, d_model, layers, heads = 64, 128, 2, 4
+    eval_train, eval_val = 64, 256
+
+    def data(self):
+        import sysconfig
+
+        import numpy as np
+        import torch
+        root = sysconfig.get_paths()["stdlib"]
+        train, val = stdlib_sources()
+
+        def stream(files):
+            blob = b"\n\n".join(open(os.path.join(root, f), "rb").read() for f in files)
+            return torch.from_numpy(np.frombuffer(blob, np.uint8).copy())
+        tr, va = stream(train), stream(val)
+        gen = torch.Generator().manual_seed(0)  # fixed evaluation windows
+        fixed = [torch.randint(0, len(s) - self.context - 1, (k,), generator=gen)
+                 for s, k in ((tr, self.eval_train), (va, self.eval_val))]
+        return {"train": tr, "val": va, "fixed": fixed, "files": (len(train), len(val))}
+
+    def meta(self, data) -> dict:
+        import sys as _sys
+        return {"train": int(data["train"].numel()), "test": int(data["val"].numel()),
+                "files_train": data["files"][0], "files_val": data["files"][1],
+                "python": _sys.version.split()[0], "context": self.context,
+                "d_model": self.d_model, "layers": self.layers, "heads": self.heads}
+
+    def windows(self, stream, starts):
+        import torch
+        w = stream[starts[:, None] + torch.arange(self.context + 1)].long()
+        return w[:, :-1], w[:, 1:]
+
+    def model(self):
+        import torch
+        nn, F = torch.nn, torch.nn.functional
+        ctx, d, h = self.context, self.d_model, self.heads
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+                self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+                self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+            def forward(self, x):
+                b, t, _ = x.shape
+                q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+                return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+        class GPT(nn.Module):
+            def __init__(self, layers):
+                super().__init__()
+                self.tok, self.pos = nn.Embedding(256, d), nn.Embedding(ctx, d)
+                self.blocks = nn.Sequential(*[Block() for _ in range(layers)])
+                self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, 256, bias=False)
+
+            def forward(self, x):
+                z = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+                return self.head(self.ln(self.blocks(z)))
+        return GPT(self.layers)
+
+    def optimizer(self, params, lr):
+        import torch
+        return torch.optim.Adam(params, lr=lr)
+
+    def shard(self, data, rank, size):
+        s = data["train"]
+        return s[rank * len(s) // size:(rank + 1) * len(s) // size]
+
+    def batch_of(self, shard, gen, batch):
+        import torch
+        return self.windows(shard, torch.randint(0, len(shard) - self.context - 1, (batch,),
+                                                 generator=gen))
+
+    def loss(self, model, x, y):
+        import torch
+        return torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+
+    def evaluate(self, model, data) -> dict:
+        import torch
+        out = {}
+        with torch.no_grad():
+            for key, stream, starts in (("train", data["train"], data["fixed"][0]),
+                                        ("test", data["val"], data["fixed"][1])):
+                x, y = self.windows(stream, starts)
+                logits = model(x).reshape(-1, 256)
+                out[f"{key}_loss"] = torch.nn.functional.cross_entropy(
+                    logits, y.reshape(-1)).item()
+                if key == "test":
+                    out["test_acc"] = (logits.argmax(1) == y.reshape(-1)).float().mean().item()
+        return out
+
+
+TASKS = {t.name: t for t in (DigitsMLP, DigitsCNN, ByteLM)}
+GAP_TITLES = {"gap_train_loss": "final training {loss} - fp32",
+              "gap_test_loss": "final {test} {loss} - fp32",
+              "gap_test_acc": "final {test} {acc} - fp32"}
+
+
+def world_lr(task, lr: float, size: int) -> float:
+    return lr * (size if task.lr_scaling == "linear" else math.sqrt(size))
+
+
 def train_one(label: str, seed: int, args, data) -> dict:
     import horovod.torch as hvd
     import torch
 
     import horovod_quant.torch as hq
 
+    task = TASKS[args.task]()
     name, params, *rest = CODECS[label]
     lr_scale = rest[0] if rest else 1.0
-    xtr, ytr, xte, yte = data
     rank, size = hvd.rank(), hvd.size()
-    xs, ys = xtr[rank::size], ytr[rank::size]
+    shard = task.shard(data, rank, size)
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                                torch.nn.Linear(256, 256), torch.nn.ReLU(),
-                                torch.nn.Linear(256, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr * size * lr_scale, momentum=0.9)
+    model = task.model()
+    opt = task.optimizer(model.parameters(), world_lr(task, args.lr, size) * lr_scale)
     compression = getattr(hq.Compression, name)(seed=1000 + seed, **params)
     opt = hq.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                   compression=compression, fallback="never")  # the codec's own
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(10_000 * seed + rank)
-    lossf = torch.nn.functional.cross_entropy
 
     def evaluate(step):
         if rank != 0:
             return None
-        with torch.no_grad():
-            tr = lossf(model(xtr), ytr).item()
-            logits = model(xte)
-            te = lossf(logits, yte).item()
-            acc = (logits.argmax(1) == yte).float().mean().item()
-        return {"step": step, "train_loss": tr, "test_loss": te, "test_acc": acc}
+        return {"step": step, **task.evaluate(model, data)}
 
     curve = [evaluate(0)]
     sent = raw = 0
@@ -140,9 +376,9 @@ def train_one(label: str, seed: int, args, data) -> dict:
     diverged = False
     for step in range(1, args.steps + 1):
         t = time.perf_counter()
-        idx = torch.randint(0, xs.shape[0], (args.batch,), generator=gen)
+        x, y = task.batch_of(shard, gen, args.batch)
         opt.zero_grad()
-        loss = lossf(model(xs[idx]), ys[idx])
+        loss = task.loss(model, x, y)
         loss.backward()
         opt.step()
         t_train += time.perf_counter() - t
@@ -172,18 +408,22 @@ def worker(args) -> None:
 
     hvd.init()
     torch.set_num_threads(1)
-    data = make_data()
+    task = TASKS[args.task]()
+    data = task.data()
     labels = [label for label in args.codecs.split(";") if label]
     runs = []
     meta = {"world": hvd.size(), "command": " ".join(sys.argv),
             "env": {k: os.environ.get(k) for k in ("HOROVOD_FUSION_THRESHOLD",
                                                     "HOROVOD_CYCLE_TIME", "OMP_NUM_THREADS")},
             "steps": args.steps, "batch_per_rank": args.batch,
-            "lr_per_rank": args.lr, "lr": args.lr * hvd.size(), "eval_every": args.eval_every,
+            "lr_per_rank": args.lr, "lr": world_lr(task, args.lr, hvd.size()),
+            "eval_every": args.eval_every,
             "seeds": list(range(args.first_seed, args.first_seed + args.seeds)), "codecs": labels,
-            "train": int(data[0].shape[0]), "test": int(data[2].shape[0]),
+            **task.meta(data),
             "mpi_enabled": bool(hvd.mpi_enabled()), "gloo_enabled": bool(hvd.gloo_enabled()),
             "torch": torch.__version__}
+    if task.name != "mlp":  # the digits MLP's files predate the option
+        meta["task"] = task.name
     if args.append and os.path.exists(args.json):  # add runs to an earlier launch's file
         with open(args.json) as fh:
             old = json.load(fh)
@@ -228,7 +468,7 @@ def launch(world: str, args) -> tuple[int, float]:
              if per_host else f"localhost:{world}")
     n = int(hosts_) * int(per_host) if per_host else int(world)
     inner = [sys.executable, os.path.abspath(__file__), "--worker", "--json", path,
-             "--tag", args.tag, "--first-seed", str(args.first_seed)] + (
+             "--task", args.task, "--tag", args.tag, "--first-seed", str(args.first_seed)] + (
                  ["--append"] if args.append else []) + [
              "--steps", str(args.steps), "--seeds", str(args.seeds), "--batch", str(args.batch),
              "--lr", str(args.lr), "--eval-every", str(args.eval_every),
@@ -267,7 +507,9 @@ def launch(world: str, args) -> tuple[int, float]:
 
 
 def prefix(args) -> str:
-    return "convergence" + (f"_{args.tag}" if args.tag else "")
+    task = getattr(args, "task", "mlp")
+    return ("convergence" + (f"_{task}" if task != "mlp" else "")
+            + (f"_{args.tag}" if args.tag else ""))
 
 
 def load(args) -> dict:
@@ -347,13 +589,15 @@ def orderings(summary: dict) -> list[dict]:
                         "better": bool(better),
                         "separated": bool(abs(abs(ev) - abs(lv)) > max(ls, es)),
                     })
-        q = rows.get("qsgd 8b b512")
         base = rows.get("fp32")
-        if q and base:
+        for label, norm in (("qsgd 8b b512", ""), ("qsgd 8b b512 max", ", max norm")):
+            q = rows.get(label)
+            if not (q and base):
+                continue
             g, gs = q["gap_test_acc"]
             seed_sd = base["test_acc"][1]
             checks.append({
-                "world": n, "claim": "QSGD 8-bit bucket 512 recovers fp32 test accuracy "
+                "world": n, "claim": f"QSGD 8-bit bucket 512{norm} recovers fp32 test accuracy "
                 "(paired gap >= -max(0.5 pp, fp32 seed std))",
                 "gap_test_acc": [g, gs], "fp32_acc_std": seed_sd,
                 "holds": bool(g >= -max(0.005, seed_sd)),
@@ -361,7 +605,7 @@ def orderings(summary: dict) -> list[dict]:
     return checks
 
 
-def plot(res: dict, summary: dict, out: str, pre: str) -> list[str]:
+def plot(res: dict, summary: dict, out: str, pre: str, task=None) -> list[str]:
     """Per world: small multiples, one panel per codec with fp32 drawn in every panel (training
     loss on top, test error below; both on log axes, nothing cut off). Then the paired gaps."""
     import matplotlib
@@ -378,6 +622,7 @@ def plot(res: dict, summary: dict, out: str, pre: str) -> list[str]:
             m = 1.0 - m  # test error: on a log axis the start (0.9) and the end (0.05) both read
         return steps, m.mean(0), m.std(0)
 
+    task = task or DigitsMLP()
     CODEC_COLOR = "tab:orange"
     paths = []
     for n, blob in res.items():
@@ -393,8 +638,7 @@ def plot(res: dict, summary: dict, out: str, pre: str) -> list[str]:
         fig = plt.figure(figsize=(3.6 * ncols, 2.35 * 2 * nrows + 0.55), layout="constrained")
         head, *subs = fig.subfigures(3, 1, height_ratios=(0.55, 2.35 * nrows, 2.35 * nrows),
                                      hspace=0.02)
-        for sub, key, title in ((subs[0], "train_loss", "training-set loss"),
-                                (subs[1], "test_acc", "test error = 1 - test accuracy")):
+        for sub, (key, title) in zip(subs, task.curve_keys):
             axes = sub.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False)
             for ax, label in zip(axes.flat, labels):
                 rs = by_label[label]
@@ -418,9 +662,10 @@ def plot(res: dict, summary: dict, out: str, pre: str) -> list[str]:
                 ax.set_ylabel(title.split(" =")[0])
             sub.suptitle(f"{title} (log scale)", fontsize=11)
         m = blob["meta"]
-        head.suptitle(f"digits MLP, {n} ranks ({'gloo' if m.get('gloo_enabled') else 'MPI'}), "
+        head.suptitle(f"{task.title}, {n} ranks ({'gloo' if m.get('gloo_enabled') else 'MPI'}), "
                       f"{m['steps']} steps, batch {m['batch_per_rank']}/rank, lr {m['lr']:g}, "
-                      "momentum 0.9: each codec against fp32 on the same seeds", fontsize=12)
+                      f"{task.optimizer_note}: each codec against fp32 on the same seeds",
+                      fontsize=12)
         handles = [Line2D([], [], color="black", lw=1.6), Patch(color="black", alpha=0.2),
                    Line2D([], [], color=CODEC_COLOR, lw=1.4), Patch(color=CODEC_COLOR, alpha=0.2)]
         head.legend(handles, [f"fp32, mean over {len(base)} seeds (in every panel)",
@@ -438,8 +683,8 @@ def plot(res: dict, summary: dict, out: str, pre: str) -> list[str]:
     width = 0.8 / max(1, len(worlds))
     x = np.arange(len(labels))
     for j, n in enumerate(worlds):
-        for ax, key, title in ((axes[0], "gap_train_loss", "final training loss - fp32"),
-                               (axes[1], "gap_test_acc", "final test accuracy - fp32")):
+        for ax, key in zip(axes, task.gap_keys):
+            title = GAP_TITLES[key].format(**task.words)
             vals = [summary[n].get(label, {}).get(key, (np.nan, 0)) for label in labels]
             scale = 100 if key == "gap_test_acc" else 1
             ax.bar(x + (j - (len(worlds) - 1) / 2) * width, [v[0] * scale for v in vals],
@@ -461,26 +706,28 @@ def plot(res: dict, summary: dict, out: str, pre: str) -> list[str]:
     return paths
 
 
-def tables(res: dict, summary: dict, checks: list[dict]) -> str:
-    def pm(v, scale=1.0, d=4):
-        return f"{v[0] * scale:.{d}f} ± {v[1] * scale:.{d}f}"
+def pm(v, scale=1.0, d=4) -> str:
+    """A (mean, std) pair as ``mean ± std``."""
+    return f"{v[0] * scale:.{d}f} ± {v[1] * scale:.{d}f}"
 
-    out = []
+
+def tables(res: dict, summary: dict, checks: list[dict], task=None) -> str:
+    task = task or DigitsMLP()
+    out = [task.table_note + "\n"] if task.table_note else []
     for n, rows in summary.items():
         m = res[n]["meta"]
         out.append(f"### {n} ranks: {m['steps']} steps, batch {m['batch_per_rank']}/rank, "
                    f"lr {m['lr']:g}, seeds {m['seeds']} (mean ± std over seeds; Δ = paired "
                    f"by seed against fp32)\n")
-        out.append("| codec | seeds | train loss | test loss | test acc (%) | Δ train loss | "
-                   "Δ mean-curve loss | Δ test acc (pp) | bytes/step/rank | ratio | ms/step |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        out.append("| codec | seeds | " + " | ".join(c[0] for c in task.columns)
+                   + " | bytes/step/rank | ratio | ms/step |")
+        out.append("|---|---|" + "---|" * (len(task.columns) + 3))
         for label, r in rows.items():
             ratio = r["raw_bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else 0
             out.append(
-                f"| {label} | {r['seeds']} | {pm(r['train_loss'])} | {pm(r['test_loss'])} | "
-                f"{pm(r['test_acc'], 100, 2)} | {pm(r['gap_train_loss'])} | "
-                f"{pm(r['gap_mean_curve_loss'])} | {pm(r['gap_test_acc'], 100, 2)} | "
-                f"{r['bytes_per_step']:.0f} | {ratio:.2f} | {r['ms_per_step'][0]:.1f} |"
+                f"| {label} | {r['seeds']} | "
+                + "".join(f"{pm(r[key], scale, d)} | " for _, key, scale, d in task.columns)
+                + f"{r['bytes_per_step']:.0f} | {ratio:.2f} | {r['ms_per_step'][0]:.1f} |"
                 + (f" diverged {r['diverged']}" if r["diverged"] else ""))
         out.append("")
     out.append("### The papers' orderings, as measured\n")
@@ -510,8 +757,9 @@ def report(args) -> None:
         raise SystemExit(f"no {pre}_n*.json under {args.out}")
     summary = summarize(res)
     checks = orderings(summary)
-    paths = plot(res, summary, args.out, pre)
-    md = tables(res, summary, checks)
+    task = TASKS[args.task]()
+    paths = plot(res, summary, args.out, pre, task)
+    md = tables(res, summary, checks, task)
     with open(os.path.join(args.out, f"{pre}_tables.md"), "w") as f:
         f.write("<!-- generated by benchmarks/convergence.py; do not edit -->\n\n" + md)
     with open(os.path.join(args.out, f"{pre}_summary.json"), "w") as f:
@@ -531,10 +779,15 @@ def main() -> None:
     ap.add_argument("--append", action="store_true",
                     help="add the runs to the existing JSON of that world (e.g. to finish "
                     "codecs a --timeout cut short) instead of replacing it")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--batch", type=int, default=16, help="mini-batch per rank")
-    ap.add_argument("--lr", type=float, default=0.025, help="per-rank lr (x world size)")
-    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--task", choices=list(TASKS), default="mlp",
+                    help="mlp: digits MLP; cnn: digits conv net; bytelm: byte-level GPT on "
+                    "the standard library's source (the defaults below are the task's)")
+    ap.add_argument("--steps", type=int, default=None, help="(mlp 200, cnn 300, bytelm 150)")
+    ap.add_argument("--batch", type=int, default=None, help="mini-batch per rank (16)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="per-rank lr, x world size (mlp, cnn: 0.025) or x sqrt(world size) "
+                    "(bytelm, Adam: 0.0015)")
+    ap.add_argument("--eval-every", type=int, default=None, help="(mlp, cnn 20; bytelm 30)")
     ap.add_argument("--codecs", default="default",
                     help="';'-separated labels of CODECS, or a preset: "
                     + ", ".join(PRESETS))
@@ -547,6 +800,10 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    task = TASKS[args.task]
+    for key in ("steps", "batch", "lr", "eval_every"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(task, key))
     if args.worker:
         worker(args)
         return

@@ -28,7 +28,7 @@ from cluster_report import on_fp32_path, stalled  # noqa: E402 (the benchmark's 
 
 RESULTS = os.path.join(ROOT, "docs", "results")
 PAGES = ["docs/performance.md", "docs/choosing.md", "docs/scaling.md", "docs/will-it-pay.md",
-         "docs/codecs.md"]
+         "docs/codecs.md", "docs/dev/experiments.md"]
 MARK = re.compile(r"^<!--\s*results:\s*([\w-]+)\s*-->\s*$")
 FIGURE = re.compile(r"<!-- figure: ([\w-]+) -->(.*?)<!-- /figure -->")
 
@@ -311,9 +311,49 @@ def prediction() -> str:
                     f"{r['vs_fp16']:.2f}x", f"{r['vs_fp32']:.2f}x"] for r in rows])
 
 
+#: (task of benchmarks/convergence.py --task, what its table calls it)
+ACCURACY_TASKS = [("cnn", "digits CNN, Δ test loss"), ("bytelm", "byte LM, Δ val loss")]
+#: (convergence label, what the table calls it)
+ACCURACY_ROWS = [("fp16", "`fp16` (Horovod)"), ("qsgd 8b b512 max", "**`qsgd(bits=8)`**"),
+                 ("qsgd 4b b512 max", "**`qsgd(bits=4)`**"),
+                 ("global_qsgd exp 8b", "`global_qsgd(bits=8)` (exponential)")]
+
+
+@functools.lru_cache(maxsize=None)
+def _accuracy(task: str) -> dict:
+    """{world: benchmarks/convergence.py's summary rows} of ``convergence_<task>_n<N>.json``."""
+    import convergence
+    return convergence.summarize({n: _load(f"convergence_{task}_n{n}.json") for n in (2, 4)})
+
+
+def _accuracy_gap(task: str, n: int, label: str) -> str:
+    """The paired gap of the final test (validation) loss to fp32, mean ± std over seeds."""
+    row = _accuracy(task)[n].get(label)
+    if row is None:
+        return "not run"
+    mean, std = row["gap_test_loss"]
+    return f"{mean:+.4f} ± {std:.4f}" if row["seeds"] > 1 else f"{mean:+.4f} (1 seed)"
+
+
+def accuracy() -> str:
+    """dev/experiments.md's table: the final test/validation loss of the README's codecs minus
+    float32's on the same seed (convergence_cnn_n*.json, convergence_bytelm_n*.json)."""
+    cells = [(t, n) for t, _ in ACCURACY_TASKS for n in (2, 4)]
+    head = ["codec", "fewer bytes (CNN / LM)"] + [f"{name}, n={n}" for _, name in ACCURACY_TASKS
+                                                  for n in (2, 4)]
+    rows = [["fp32: final loss, mean (std) over seeds", "1x / 1x"]
+            + ["{:.4f} ({:.4f})".format(*_accuracy(t)[n]["fp32"]["test_loss"]) for t, n in cells]]
+    for label, name in ACCURACY_ROWS:
+        ratio = " / ".join(f"{r['raw_bytes_per_step'] / r['bytes_per_step']:.1f}x" for r in
+                           (_accuracy(t)[2][label] for t, _ in ACCURACY_TASKS))
+        rows.append([name, ratio] + [_accuracy_gap(t, n, label) for t, n in cells])
+    rows.append(["seeds", "-"] + [str(_accuracy(t)[n]["fp32"]["seeds"]) for t, n in cells])
+    return _table(head, rows)
+
+
 TABLES = {"exchange": exchange, "training": training, "transport": transport, "ddp": ddp,
           "throughput": throughput, "codecs": codecs, "scaling": scaling,
-          "prediction": prediction}
+          "prediction": prediction, "accuracy": accuracy}
 
 
 def _exchange_256mb(name: str, bits: int) -> str:
@@ -417,7 +457,6 @@ FIGURES = {
     "validation-earlier-max": lambda: format(
         100 * _load("predictor_vs_scaling_runs.json")["summary"]["max_abs_error"], ".0f") + "%",
     "omega-qsgd-8-max": lambda: _g(_variance()[1]["omega"]["mean"]),
-    "l2-over-max-8": lambda: f"{_omega('qsgd 8b b512') / _variance()[1]['omega']['mean']:.0f}x",
     "omega-qsgd-4-max": lambda: _g(_omega("qsgd 4b b512 max-norm")),
     "l2-over-max-4": lambda: f"{_omega('qsgd 4b b512') / _omega('qsgd 4b b512 max-norm'):.0f}x",
     "omega-natural-dithering-4": lambda: _g(_omega("natural_dithering 4b p=inf b512")),
@@ -431,6 +470,12 @@ FIGURES = {
         ".0f") + "x",
     "theta-global-linear-4-n2": lambda: _g(_variance()[2][2]["theta_gradient"]["mean"]),
     "theta-global-linear-4-n4": lambda: _g(_variance()[2][4]["theta_gradient"]["mean"]),
+    "accuracy-bytelm-qsgd8-n2": lambda: _accuracy_gap("bytelm", 2, "qsgd 8b b512 max"),
+    "accuracy-bytelm-qsgd4-n2": lambda: _accuracy_gap("bytelm", 2, "qsgd 4b b512 max"),
+    "accuracy-bytelm-global8-n2": lambda: _accuracy_gap("bytelm", 2, "global_qsgd exp 8b"),
+    "accuracy-bytelm-fp32-std-n2": lambda: f"{_accuracy('bytelm')[2]['fp32']['test_loss'][1]:.4f}",
+    "accuracy-cnn-qsgd8-n2": lambda: _accuracy_gap("cnn", 2, "qsgd 8b b512 max"),
+    "accuracy-cnn-fp16-n2": lambda: _accuracy_gap("cnn", 2, "fp16"),
     "control-gap-n2": lambda: f"{_convergence_gaps('')[2, CONTROL]:+.4f}",
     "control-gap-n4": lambda: f"{_convergence_gaps('')[4, CONTROL]:+.4f}",
 }
