@@ -541,6 +541,7 @@ def test_nested_dithered(host_cuda, world, bits):
             except ValueError:
                 continue
             for n in (1, 9, 600, PB + 1, 2 * PB + 17):
+                s_cpu, s_gpu = c_cpu.new_state(), c_gpu.new_state()  # the exchange's state
                 base = rng.standard_normal(n).astype(np.float32)
                 xs = [base + np.float32(0.05) * rng.standard_normal(n).astype(np.float32)
                       for _ in range(world)]
@@ -549,9 +550,10 @@ def test_nested_dithered(host_cuda, world, bits):
                     xs[-1][700] = np.nan  # a non-finite one
                 for rnd in range(2):  # the second exchange uses the adapted k
                     seed = 9 + rnd
-                    ref = [c_cpu.encode_worker(x, seed, r) for r, x in enumerate(xs)]
-                    got = [on(host_cuda, c_gpu.encode, x, worker_seed(seed, r), rank=r)
+                    ref = [c_cpu.encode_worker(x, seed, r, state=s_cpu)
                            for r, x in enumerate(xs)]
+                    got = [on(host_cuda, c_gpu.encode, x, worker_seed(seed, r), rank=r,
+                              state=s_gpu) for r, x in enumerate(xs)]
                     for a, b in zip(got, ref):
                         nb = -(-n // 512)
                         assert same_nan(a.data[4: 4 + 4 * nb].view(np.float32),
@@ -559,12 +561,13 @@ def test_nested_dithered(host_cuda, world, bits):
                         assert (same(a.data[:4], b.data[:4])
                                 and same(a.data[4 + 4 * nb:], b.data[4 + 4 * nb:]))
                     seeds = [worker_seed(seed, r) for r in range(world)]
-                    e_ref = c_cpu.decode_side_info(ref, seeds, inputs=xs)
-                    e_got = on(host_cuda, c_gpu.decode_side_info, got, seeds, inputs=xs)
+                    e_ref = c_cpu.decode_side_info(ref, seeds, inputs=xs, state=s_cpu)
+                    e_got = on(host_cuda, c_gpu.decode_side_info, got, seeds, inputs=xs,
+                               state=s_gpu)
                     assert same_nan(e_got, e_ref), (world, bits, alpha, k, n, rnd)
-                    assert c_gpu.sigma2 == c_cpu.sigma2 or (math.isinf(c_gpu.sigma2)
-                                                            and math.isinf(c_cpu.sigma2))
-                    assert c_gpu.last_stats == c_cpu.last_stats
+                    assert s_gpu.sigma2 == s_cpu.sigma2 or (math.isinf(s_gpu.sigma2)
+                                                            and math.isinf(s_cpu.sigma2))
+                    assert s_gpu.last_stats == s_cpu.last_stats
                     if n <= 600:
                         assert same(on(host_cuda, c_gpu.decode, got[0]), c_cpu.decode(ref[0]))
 

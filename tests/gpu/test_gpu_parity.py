@@ -312,13 +312,17 @@ def test_nested_dithered(cp, world):
         base = rng.standard_normal(2 * PB + 17).astype(np.float32)
         xs = [base + np.float32(0.05) * rng.standard_normal(base.size).astype(np.float32)
               for _ in range(world)]
-        for rnd in range(2):
-            ref = [c_cpu.encode_worker(x, rnd, r) for r, x in enumerate(xs)]
-            got = [c_gpu.encode_worker(cp.asarray(x), rnd, r) for r, x in enumerate(xs)]
+        s_cpu, s_gpu = c_cpu.new_state(), c_gpu.new_state()  # the exchange's state
+        for rnd in range(2):  # the second exchange uses the adapted k
+            ref = [c_cpu.encode_worker(x, rnd, r, state=s_cpu) for r, x in enumerate(xs)]
+            got = [c_gpu.encode_worker(cp.asarray(x), rnd, r, state=s_gpu)
+                   for r, x in enumerate(xs)]
             for a, b in zip(got, ref):
                 assert same(a.data, b.data)
-            assert same(c_gpu.combine_gathered(got, rnd), c_cpu.combine_gathered(ref, rnd))
-            assert c_gpu.last_stats == c_cpu.last_stats
+            seeds = [worker_seed(rnd, r) for r in range(world)]
+            assert same(c_gpu.decode_side_info(got, seeds, state=s_gpu),
+                        c_cpu.decode_side_info(ref, seeds, state=s_cpu))
+            assert s_gpu.last_stats == s_cpu.last_stats
 
 
 # -- every specialisation, at the backend entry points -----------------------------------------
