@@ -259,18 +259,25 @@ def _batch(step, dtype=torch.float32):
     return torch.randn(16, 32, generator=gen).to(dtype)
 
 
+def _door(door, model):
+    """SGD over ``model`` with qsgd 8 bits through ``door``: "optimizer" (hq's, no fallback)
+    or "compression" (Horovod's optimizer with the compressor)."""
+    base = torch.optim.SGD(model.parameters(), lr=0.05)
+    comp = hqt.Compression.qsgd(seed=SEED, bits=8)
+    if door == "optimizer":
+        return hqt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                        compression=comp, fallback="never")
+    return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                    compression=comp)
+
+
 @pytest.mark.parametrize("door", ["optimizer", "compression"])
 def test_grad_scaler_skips_an_overflow_step_on_every_rank(door):
     """fp16 autocast and GradScaler, Horovod's recipe (synchronize, unscale_, step inside
     skip_synchronize): one rank's overflow makes the averaged gradient non-finite on every
     rank, so every rank skips that step and lowers the scale alike."""
     model = _mlp()
-    base = torch.optim.SGD(model.parameters(), lr=0.05)
-    comp = hqt.Compression.qsgd(seed=SEED, bits=8)
-    opt = (hqt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                    compression=comp, fallback="never") if door == "optimizer"
-           else hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                         compression=comp))
+    opt = _door(door, model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     for step in range(4):
         opt.zero_grad()
@@ -296,12 +303,7 @@ def test_bf16_parameters_train_identically(door):
     allreduce carries (the biases, exact) travels as float32, since Horovod's CPU operations
     refuse bfloat16; the parameters stay bf16 and every rank identical."""
     model = _mlp(torch.bfloat16)
-    base = torch.optim.SGD(model.parameters(), lr=0.05)
-    comp = hqt.Compression.qsgd(seed=SEED, bits=8)
-    opt = (hqt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                    compression=comp, fallback="never") if door == "optimizer"
-           else hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                         compression=comp))
+    opt = _door(door, model)
     first = _params(model)
     for step in range(3):
         opt.zero_grad()
