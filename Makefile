@@ -17,7 +17,7 @@ install:
 # (tests/gpu without a GPU).
 test: install
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m pytest -q tests/unit
+	$(PYTHON) -m pytest -q -n auto tests/unit
 	$(PYTHON) scripts/check_docs.py
 	bash tests/parallel/run.sh
 	bash tests/parallel_tf/run.sh
@@ -33,7 +33,7 @@ lint:
 
 # The pieces of `test` on their own, without the install step.
 unit:
-	$(PYTHON) -m pytest -q tests/unit
+	$(PYTHON) -m pytest -q -n auto tests/unit
 
 parallel:
 	bash tests/parallel/run.sh

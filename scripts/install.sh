@@ -51,7 +51,7 @@ command -v ip >/dev/null || APT_PACKAGES+=(iproute2)
 PY_PACKAGES=(
   "setuptools>=64" wheel packaging cloudpickle psutil pyyaml   # build + Horovod runtime deps
   numpy "numba==${NUMBA_VERSION}" mpi4py
-  pytest hypothesis scikit-learn matplotlib tqdm "ruff==${RUFF_VERSION}"
+  pytest pytest-xdist hypothesis scikit-learn matplotlib tqdm "ruff==${RUFF_VERSION}"
 )
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
