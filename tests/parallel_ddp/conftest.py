@@ -2,10 +2,10 @@
 under plain pytest as a one-rank world. Every test issues its collectives in the same order on
 every rank, and no test skips on some ranks only."""
 import os
-import socket
 
 import numpy as np
 import pytest
+from torchrun_env import free_port, rank_environment
 
 from horovod_quant.core.registry import codec_class
 
@@ -16,11 +16,7 @@ dist = pytest.importorskip("torch.distributed")
 @pytest.fixture(scope="session", autouse=True)
 def process_group():
     if "RANK" not in os.environ:  # plain pytest: a one-rank world
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
-                          WORLD_SIZE="1")
+        os.environ.update(rank_environment(0, 1, 1, free_port()))
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     torch.set_num_threads(1)

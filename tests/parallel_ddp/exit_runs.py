@@ -21,7 +21,6 @@ import argparse
 import atexit
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -35,23 +34,7 @@ from horovod_quant.torch import distributed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import exit_job  # noqa: E402
-
-# the job's codec run once here: its compiled functions are loaded before forking too
-hq.mean_estimate(hq.get_codec("qsgd", bits=4), [np.ones(64, np.float32)] * 2, seed=0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank_environment(rank: int, nodes: int, per_node: int, port: int) -> dict[str, str]:
-    """What torchrun sets for global rank ``rank`` of ``nodes`` x ``per_node`` ranks."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(nodes * per_node),
-            "LOCAL_RANK": str(rank % per_node), "LOCAL_WORLD_SIZE": str(per_node),
-            "GROUP_RANK": str(rank // per_node), "GROUP_WORLD_SIZE": str(nodes),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+from torchrun_env import free_port, rank_environment  # noqa: E402
 
 
 def run_rank(env: dict[str, str]) -> None:
@@ -112,6 +95,8 @@ def main() -> int:
     nodes, per_node = map(int, args.shape.split("x")) if "x" in args.shape else (1, int(args.shape))
     if args.without_release:
         without_release()
+    # the job's codec run once before forking: the children find its compiled functions loaded
+    hq.mean_estimate(hq.get_codec("qsgd", bits=4), [np.ones(64, np.float32)] * 2, seed=0)
     failed = 0
     for i in range(1, args.runs + 1):
         codes = one_run(nodes, per_node, args.deadline)
