@@ -7,6 +7,7 @@ tensors through DLPack when Horovod's collectives take device buffers, else thro
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import horovod.torch as hvd
@@ -18,6 +19,28 @@ from ..process_sets import ProcessSetCollectives, world_communicator
 from .tensors import as_array, as_tensor
 
 _OPS = {"sum": hvd.Sum, "max": hvd.Max}
+_LONGEST_PAUSE_S = 1e-4
+
+
+def synchronize(handle: Any) -> Any:
+    """``hvd.synchronize(handle)``, entered once the collective is done.
+
+    Horovod's own wait calls ``sched_yield`` in a loop; where a host's ranks outnumber its
+    cores, those loops take the cores that the other ranks' codecs and Horovod's background
+    threads need (docs/dev/benchmarks.md measures both waits). Sleeping between polls, at
+    most ``_LONGEST_PAUSE_S``, bounds the latency it adds.
+
+    Args:
+        handle: a handle of one of Horovod's ``*_async`` collectives.
+
+    Returns:
+        what ``hvd.synchronize`` returns (it raises Horovod's error of a failed collective).
+    """
+    pause = 1e-5
+    while not hvd.poll(handle):
+        time.sleep(pause)
+        pause = min(2 * pause, _LONGEST_PAUSE_S)
+    return hvd.synchronize(handle)
 
 
 class _TorchHandle(Handle):
@@ -26,7 +49,7 @@ class _TorchHandle(Handle):
         self._post = post
 
     def wait(self) -> Any:
-        out = hvd.synchronize(self._handle)
+        out = synchronize(self._handle)
         return self._post(out) if self._post else as_array(out)
 
     def done(self) -> bool:

@@ -14,6 +14,7 @@ import horovod.torch as hvd
 import torch
 
 from ..stats import StepStats
+from .collectives import synchronize
 
 
 class HorovodPath:
@@ -67,7 +68,7 @@ class HorovodPath:
     def finish(self) -> None:
         """Wait for every allreduce of the step and write the results into the gradients."""
         for p, handle in self._handles.values():
-            out = handle() if callable(handle) else hvd.synchronize(handle)  # sparse: callable
+            out = handle() if callable(handle) else synchronize(handle)  # sparse: callable
             if p.grad.is_sparse:
                 p.grad = out
             elif out.data_ptr() != p.grad.data_ptr():  # a cast copy travelled

@@ -43,7 +43,7 @@ from ..fallback import BucketTrial, FallbackController, FallbackDecision, StepCh
 from ..policy import describe
 from ..stats import StepStats
 from .buckets import Bucket, BucketLayout
-from .collectives import HorovodTorchCollectives
+from .collectives import HorovodTorchCollectives, synchronize
 from .compression import QuantizedCompressor
 from .horovod_path import HorovodPath
 from .schedule import ExchangeSchedule
@@ -313,7 +313,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
 
         def run_fp32() -> None:
             with stream_of(first):
-                hvd.synchronize(self._horovod.allreduce_async_(as_tensor(out), f"{name}.fp32"))
+                synchronize(self._horovod.allreduce_async_(as_tensor(out), f"{name}.fp32"))
                 settle()
 
         return BucketTrial(bucket.index, repr(bucket.codec), bucket.numel * 4, run_codec,
