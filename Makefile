@@ -24,7 +24,7 @@ test: install
 	bash tests/parallel_ddp/run.sh
 	bash tests/emulated/run.sh
 	bash tests/cuda_parity/compile.sh
-	$(PYTHON) -m pytest -q tests/cuda_parity
+	$(PYTHON) -m pytest -q -n auto tests/cuda_parity
 	$(PYTHON) -m pytest -q tests/gpu
 
 # The linter over the whole tree (pyproject.toml's [tool.ruff]), the first step of `test`.

@@ -32,7 +32,7 @@ NVCC = os.environ.get("NVCC") or shutil.which("nvcc") or (
     "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 
 #: host compile flags: no contraction anywhere (device: -fmad=false; host: -ffp-contract=off)
-HOST_FLAGS = ["-x", "cu", "-shared", "-std=c++17", "-O2", "-fmad=false",
+HOST_FLAGS = ["-x", "cu", "-shared", "-std=c++17", "-O2", "-fmad=false", "-Werror", "all-warnings",
               "-Xcompiler", "-fPIC", "-Xcompiler", "-ffp-contract=off"]
 
 P = ctypes.c_void_p

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs tests/parallel under real Horovod worlds: 2 ranks under the gloo and MPI controllers, 4
+# Runs tests/parallel under real Horovod worlds (launched by tests/horovodrun.py: horovodrun,
+# its build probe importing torch, not TensorFlow): 2 ranks under the gloo and MPI controllers, 4
 # under MPI, and 2 hosts x 2 ranks under gloo (horovodrun takes localhost and 127.0.0.1 for two
 # hosts, so ranks share "hosts" and the hierarchical exchange runs; MPI sees one host). A world
 # WORLD:CTRL runs under that controller only: what 4 gloo ranks on one host would run, the
@@ -33,7 +34,7 @@ for entry in $HQ_PARALLEL_WORLDS; do
     [[ " $HQ_PARALLEL_CONTROLLERS " == *" $ctrl "* ]] || continue
     echo "== tests/parallel: $world ranks, $ctrl =="
     if ! HQ_CONTROLLER=$ctrl timeout --kill-after=30 "$HQ_PARALLEL_TIMEOUT" \
-        horovodrun -np "$np" -H "$hosts" "--$ctrl" \
+        python3 tests/horovodrun.py -np "$np" -H "$hosts" "--$ctrl" \
         python3 -m pytest -q -x -p no:cacheprovider tests/parallel "$@"; then
       echo "!! tests/parallel failed: $world ranks, $ctrl"
       status=1
@@ -44,7 +45,7 @@ done
 for ctrl in $HQ_PARALLEL_CONTROLLERS; do
   echo "== tests/parallel/test_global_exchange.py: 3 ranks, $ctrl =="
   if ! HQ_CONTROLLER=$ctrl timeout --kill-after=30 "$HQ_PARALLEL_TIMEOUT" \
-      horovodrun -np 3 -H localhost:3 "--$ctrl" \
+      python3 tests/horovodrun.py -np 3 -H localhost:3 "--$ctrl" \
       python3 -m pytest -q -x -p no:cacheprovider tests/parallel/test_global_exchange.py; then
     echo "!! tests/parallel/test_global_exchange.py failed: 3 ranks, $ctrl"
     status=1

@@ -26,7 +26,7 @@ for np in $HQ_PARALLEL_TF_WORLDS; do
     echo "== tests/parallel_tf: $np ranks, $ctrl =="
     start=$SECONDS
     if ! HQ_CONTROLLER=$ctrl timeout --kill-after=30 "$HQ_PARALLEL_TF_TIMEOUT" \
-        horovodrun -np "$np" -H "localhost:$np" "--$ctrl" \
+        "$PY" tests/horovodrun.py -np "$np" -H "localhost:$np" "--$ctrl" \
         "$PY" -m pytest -q -x -p no:cacheprovider tests/parallel_tf "$@"; then
       echo "!! tests/parallel_tf failed: $np ranks, $ctrl"
       status=1
