@@ -27,19 +27,24 @@ def synchronize(handle: Any) -> Any:
 
     Horovod's own wait calls ``sched_yield`` in a loop; where a host's ranks outnumber its
     cores, those loops take the cores that the other ranks' codecs and Horovod's background
-    threads need (docs/dev/benchmarks.md measures both waits). Sleeping between polls, at
-    most ``_LONGEST_PAUSE_S``, bounds the latency it adds.
+    threads need (docs/dev/benchmarks.md measures both waits). The pauses between polls grow
+    to ``_LONGEST_PAUSE_S`` requested (the kernel's timer slack adds about 0.05 ms), which
+    bounds the latency this adds.
 
     Args:
         handle: a handle of one of Horovod's ``*_async`` collectives.
 
     Returns:
-        what ``hvd.synchronize`` returns (it raises Horovod's error of a failed collective).
+        what ``hvd.synchronize`` returns: it raises Horovod's error of a failed collective, and
+        answers for a handle Horovod no longer knows (``hvd.poll`` would raise ValueError).
     """
     pause = 1e-5
-    while not hvd.poll(handle):
-        time.sleep(pause)
-        pause = min(2 * pause, _LONGEST_PAUSE_S)
+    try:
+        while not hvd.poll(handle):
+            time.sleep(pause)
+            pause = min(2 * pause, _LONGEST_PAUSE_S)
+    except ValueError:  # an unknown or cleared handle: Horovod's own wait says what it is
+        pass
     return hvd.synchronize(handle)
 
 

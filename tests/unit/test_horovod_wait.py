@@ -14,10 +14,13 @@ class FakeHorovod:
 
     def poll(self, handle):
         self.polls += 1
+        if self.until is None:
+            raise ValueError(f"Handle {handle} was not created or has been cleared.")
         return self.polls >= self.until
 
     def synchronize(self, handle):
-        assert self.polls >= self.until, "synchronize entered before the collective was done"
+        assert self.until is None or self.polls >= self.until, \
+            "synchronize entered before the collective was done"
         self.synchronized.append(handle)
         if self.error:
             raise self.error
@@ -47,3 +50,10 @@ def test_synchronize_raises_horovods_error(monkeypatch, pauses):
     monkeypatch.setattr(collectives, "hvd", FakeHorovod(3, error=RuntimeError("peer lost")))
     with pytest.raises(RuntimeError, match="peer lost"):
         collectives.synchronize(1)
+
+
+def test_a_handle_horovod_no_longer_knows_goes_to_horovods_wait(monkeypatch, pauses):
+    fake = FakeHorovod(None)
+    monkeypatch.setattr(collectives, "hvd", fake)
+    assert collectives.synchronize(5) == "result of 5"
+    assert fake.synchronized == [5] and pauses == []
