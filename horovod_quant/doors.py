@@ -18,7 +18,7 @@ from .core.base import Codec, check_int
 from .core.contract import Combine
 from .core.registry import codec_class
 from .env import env_seconds
-from .exchange.collectives import Collectives, Handle
+from .exchange.collectives import Collectives, Handle, growing_pauses
 from .exchange.plans import DEFAULT_PIPELINE_ELEMS, check_gather, check_pipeline_elems
 from .fallback import check_fallback
 from .policy import LayerPolicy, describe
@@ -222,7 +222,7 @@ def wait_for_peers(handle: Handle, what: str, timeout: float | None = None) -> A
     the job fails with a message saying what it was waiting for.
     """
     timeout = env_seconds("HQ_CONFIG_TIMEOUT", CONFIG_TIMEOUT_S) if timeout is None else timeout
-    start, pause, warned = time.monotonic(), 1e-4, False
+    start, pauses, warned = time.monotonic(), growing_pauses(1e-4, 0.05), False
     while not handle.done():
         waited = time.monotonic() - start
         if waited > timeout:
@@ -234,8 +234,7 @@ def wait_for_peers(handle: Handle, what: str, timeout: float | None = None) -> A
         if not warned and waited > timeout / 10:
             log.warning("horovod_quant: still waiting for %s after %.0f s", what, waited)
             warned = True
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+        time.sleep(next(pauses))
     return handle.wait()
 
 

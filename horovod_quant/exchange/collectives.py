@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -29,6 +29,14 @@ class Handle(abc.ABC):
         """Whether :meth:`wait` would return without blocking (backends that cannot tell say
         True, and their ``wait`` blocks as before)."""
         return True
+
+
+def growing_pauses(first: float, longest: float) -> Iterator[float]:
+    """The sleeps of a poll loop, seconds: ``first``, doubling up to ``longest``, without end."""
+    pause = first
+    while True:
+        yield pause
+        pause = min(2 * pause, longest)
 
 
 class Then(Handle):

@@ -14,7 +14,7 @@ import horovod.torch as hvd
 import torch
 
 from .. import gpu
-from ..exchange.collectives import Handle
+from ..exchange.collectives import Handle, growing_pauses
 from ..process_sets import ProcessSetCollectives, world_communicator
 from .tensors import as_array, as_tensor
 
@@ -38,11 +38,10 @@ def synchronize(handle: Any) -> Any:
         what ``hvd.synchronize`` returns: it raises Horovod's error of a failed collective, and
         answers for a handle Horovod no longer knows (``hvd.poll`` would raise ValueError).
     """
-    pause = 1e-5
+    pauses = growing_pauses(1e-5, _LONGEST_PAUSE_S)
     try:
         while not hvd.poll(handle):
-            time.sleep(pause)
-            pause = min(2 * pause, _LONGEST_PAUSE_S)
+            time.sleep(next(pauses))
     except ValueError:  # an unknown or cleared handle: Horovod's own wait says what it is
         pass
     return hvd.synchronize(handle)
