@@ -11,6 +11,10 @@ all: test
 install:
 	bash scripts/install.sh
 
+# pytest loads only the plugins named (-p): hypothesis's, loaded by itself, takes 2.7 s in every
+# pytest process; only tests/unit uses it (the multi-rank runners set the same variable)
+NO_PLUGINS = PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+
 # The linter runs first (ruff, pinned and installed by the install step). Every suite fails when
 # it collects no test (pytest's exit status 5; tests/unit/test_suites.py holds the rule): one
 # folder per pytest run, so that each must collect its own. A suite whose tests all skip passes
@@ -24,8 +28,8 @@ test: install
 	bash tests/parallel_ddp/run.sh
 	bash tests/emulated/run.sh
 	bash tests/cuda_parity/compile.sh
-	$(PYTHON) -m pytest -q -n auto tests/cuda_parity
-	$(PYTHON) -m pytest -q tests/gpu
+	$(NO_PLUGINS) $(PYTHON) -m pytest -p xdist.plugin -q -n auto tests/cuda_parity
+	$(NO_PLUGINS) $(PYTHON) -m pytest -q tests/gpu
 
 # The linter over the whole tree (pyproject.toml's [tool.ruff]), the first step of `test`.
 lint:

@@ -15,6 +15,8 @@ if [[ "$(id -u)" != 0 ]] || ! command -v ip >/dev/null; then
   exit 1
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1
+# pytest loads no plugin by itself: hypothesis's costs 2.7 s in each rank; these suites use none
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 export OMPI_MCA_mpi_yield_when_idle=1
 export HQ_EMULATED_TIMEOUT=${HQ_EMULATED_TIMEOUT:-120}
 : "${HQ_EMULATED_SUITE_TIMEOUT:=2400}"

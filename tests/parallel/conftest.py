@@ -15,9 +15,37 @@ torch = pytest.importorskip("torch")
 @pytest.fixture(scope="session", autouse=True)
 def horovod_world():
     hvd.init()
+    if _ranks_on_this_machine() > (os.cpu_count() or 1):
+        _poll_horovod_waits()
     torch.manual_seed(0)
     torch.set_num_threads(1)
     yield hvd
+
+
+def _ranks_on_this_machine() -> int:
+    """The ranks that share this machine's cores (horovodrun's hosts "localhost" and
+    "127.0.0.1" are one machine): those whose kernel has this one's boot id."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        machine = f.read().strip()
+    return hvd.allgather_object(machine).count(machine)
+
+
+def _poll_horovod_waits():
+    """Horovod's waits (its synchronous collectives, its optimizer's and its functions') poll
+    with short sleeps, as the package's own waits do (horovod_quant.torch.collectives
+    .synchronize), where a machine's ranks outnumber its cores: there Horovod's
+    ``sched_yield`` loop takes the cores the other ranks need (DEVELOPERS.md). Only how a
+    rank waits changes, never what a collective returns; worlds with a core per rank keep
+    Horovod's own wait, as users run it."""
+    import horovod.torch.functions
+    import horovod.torch.mpi_ops
+    import horovod.torch.optimizer
+    import horovod.torch.sync_batch_norm
+
+    from horovod_quant.torch.collectives import synchronize
+    for module in (horovod.torch.mpi_ops, horovod.torch.optimizer, horovod.torch.functions,
+                   horovod.torch.sync_batch_norm):
+        module.synchronize = synchronize
 
 
 def rank_gradients(shapes, step, rank, scale=1.0):

@@ -10,6 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 TF_USE_LEGACY_KERAS=1
+# pytest loads no plugin by itself: hypothesis's costs 2.7 s in each rank; these suites use none
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 # oversubscribed ranks (4 on 2 cores) must not spin while waiting
 export OMPI_MCA_mpi_yield_when_idle=1 HOROVOD_CYCLE_TIME=${HOROVOD_CYCLE_TIME:-1}
 : "${HQ_PARALLEL_WORLDS:=2 4:mpi 2x2}"

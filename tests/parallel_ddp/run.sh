@@ -7,6 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1
+# pytest loads no plugin by itself: hypothesis's costs 2.7 s in each rank; these suites use none
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 : "${HQ_PARALLEL_WORLDS:=2 4 2x2}"
 : "${HQ_PARALLEL_TIMEOUT:=900}"
 status=0

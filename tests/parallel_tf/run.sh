@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1
+# pytest loads no plugin by itself: hypothesis's costs 2.7 s in each rank; these suites use none
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 # tf-keras (Keras 2) for horovod.tensorflow.keras; quiet TF start-up logs
 export TF_USE_LEGACY_KERAS=1 TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
 # ranks waiting in MPI must not spin on a 2-core machine
