@@ -322,7 +322,7 @@ def test_compressor_on_one_rank_only_fails_within_the_deadline(monkeypatch):
     0 in the configuration check, which gives up after HQ_CONFIG_TIMEOUT with a RuntimeError
     instead of hanging. In a real job the launcher then stops the others; here rank 0 joins
     their allreduce afterwards and they join its check, so the session goes on."""
-    timeout = 8.0
+    timeout = 2.0
     monkeypatch.setenv("HQ_CONFIG_TIMEOUT", str(timeout))
     shapes = [(16, 64)]
     vs = [tf.Variable(tf.zeros(shapes[0]), name="hq_trust_lonely")]
