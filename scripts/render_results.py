@@ -475,7 +475,8 @@ FIGURES = {
     "accuracy-bytelm-global8-n2": lambda: _accuracy_gap("bytelm", 2, "global_qsgd exp 8b"),
     "accuracy-bytelm-fp32-std-n2": lambda: f"{_accuracy('bytelm')[2]['fp32']['test_loss'][1]:.4f}",
     "accuracy-cnn-qsgd8-n2": lambda: _accuracy_gap("cnn", 2, "qsgd 8b b512 max"),
-    "accuracy-cnn-fp16-n2": lambda: _accuracy_gap("cnn", 2, "fp16"),
+    "accuracy-bytelm-qsgd4-n4": lambda: _accuracy_gap("bytelm", 4, "qsgd 4b b512 max"),
+    "accuracy-cnn-fp32-std-n2": lambda: f"{_accuracy('cnn')[2]['fp32']['test_loss'][1]:.4f}",
     "control-gap-n2": lambda: f"{_convergence_gaps('')[2, CONTROL]:+.4f}",
     "control-gap-n4": lambda: f"{_convergence_gaps('')[4, CONTROL]:+.4f}",
 }
