@@ -162,7 +162,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         if wire is not None:
             self.stats.add_raw(tensor.numel() * wire.itemsize,
                                tensor.numel() * tensor.element_size())
-            return (tensor, None) if wire == tensor.dtype else (tensor.to(wire), tensor.dtype)
+            # a contiguous copy of a strided tensor (channels_last), which Horovod refuses
+            sent = tensor.to(wire, memory_format=torch.contiguous_format)
+            return (sent, None) if wire == tensor.dtype else (sent, tensor.dtype)
         if self._decompressing:  # first compress after a decompress: a new step
             self._unnamed, self._decompressing = 0, False
         if name is None:

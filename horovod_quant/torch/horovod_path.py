@@ -45,7 +45,8 @@ class HorovodPath:
     def start(self, p: torch.nn.Parameter, name: str, dtype: torch.dtype | None,
               stats: StepStats) -> None:
         """Horovod's allreduce of ``p``'s gradient (sparse: Horovod's sparse path; ``dtype``:
-        a cast copy, as Horovod's ``Compression.fp16``)."""
+        a cast copy, as Horovod's ``Compression.fp16``; a gradient that is not contiguous,
+        such as a ``channels_last`` one: a contiguous copy)."""
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         name = f"{self._prefix}.raw.{name}"
@@ -53,8 +54,8 @@ class HorovodPath:
         if wire.is_sparse:
             handle = hvd.sparse_allreduce_async(wire, name=name, op=self._op,
                                                 process_set=self._process_set)
-        else:
-            wire = wire.to(dtype or wire.dtype)
+        else:  # Horovod refuses strided tensors (channels_last): those travel as a copy
+            wire = wire.to(dtype or wire.dtype, memory_format=torch.contiguous_format)
             handle = self.allreduce_async_(wire, name)
         stats.add_raw(wire.numel() * wire.element_size(), p.grad.numel() * p.grad.element_size())
         self._handles[id(p)] = (p, handle)
@@ -71,6 +72,6 @@ class HorovodPath:
             out = handle() if callable(handle) else synchronize(handle)  # sparse: callable
             if p.grad.is_sparse:
                 p.grad = out
-            elif out.data_ptr() != p.grad.data_ptr():  # a cast copy travelled
+            elif out.data_ptr() != p.grad.data_ptr():  # a cast or contiguous copy travelled
                 p.grad.copy_(out)
         self._handles.clear()
