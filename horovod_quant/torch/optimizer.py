@@ -9,11 +9,13 @@ topology=opt.topology, fabric=opt.fabric)`` reproduces it exactly, global-norm c
 (the norm is the bucket's).
 
 As in Horovod, every parameter gets the averaged gradient on every rank, also where a rank did
-not use it (its gradient counts as zeros). The ranks check at construction that they agree on
-the codecs, the policy and the bucket layout, before anything else waits for a peer. A sparse
-gradient travels on Horovod's sparse path and its parameter leaves its bucket from the next
-step on. ``state_dict()`` adds the optimizer's own state (its step, which seeds the exchanges,
-the adaptive codecs' states and the fallback's decisions) to the wrapped optimizer's under
+not use it (its gradient counts as zeros). Unlike Horovod's, it follows ``requires_grad`` changed
+between steps: an unfrozen parameter's first gradient takes Horovod's allreduce, then a bucket;
+a frozen one keeps no gradient and leaves its bucket. The ranks check at construction that they
+agree on the codecs, the policy and the bucket layout, before anything else waits for a peer. A
+sparse gradient travels on Horovod's sparse path and leaves its bucket from the next step on.
+``state_dict()`` adds the optimizer's own state (its step, which seeds the exchanges, the
+adaptive codecs' states and the fallback's decisions) to the wrapped optimizer's under
 :data:`STATE_KEY`, so a job resumed from a checkpoint continues bit for bit. docs/pytorch.md,
 section 1, tells the whole story.
 """
@@ -118,8 +120,9 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self.last_stats: StepStats | None = None
         self._step = 0
         self._fallback = FallbackController(options.fallback)
-        all_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        all_params = self._trainable()
         self._all_params = all_params
+        self._named_by_user = named_parameters is not None
         self._layout = BucketLayout(all_params, _names_of(named_parameters, all_params),
                                     codec, options.policy, groups, options.fusion_bytes)
         self._densified: set[int] = set()  # sparse this step, exchanged dense (sparse_as_dense)
@@ -155,12 +158,10 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._schedule = ExchangeSchedule(self._comm, exchanges, options.seed, self._prefix)
         self._schedule.use(self._layout.buckets)
         self._horovod = HorovodPath(op, gradient_predivide_factor, process_set, self._prefix)
-        self._grad_accs = []
+        self._grad_accs: list[Any] = []
         if self._comm.size > 1:
             for p in all_params:
-                acc = p.expand_as(p).grad_fn.next_functions[0][0]
-                acc.register_hook(self._make_hook(p))
-                self._grad_accs.append(acc)
+                self._watch(p)
 
     # -- the optimizer's own settings and the fallback's records, as attributes -------------
     @property
@@ -214,6 +215,29 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._check_layout()
 
     # -- hooks --------------------------------------------------------------------------------
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _watch(self, p: torch.nn.Parameter) -> None:
+        """Start ``p``'s exchange from the backward hook of its gradient accumulator."""
+        acc = p.expand_as(p).grad_fn.next_functions[0][0]
+        acc.register_hook(self._make_hook(p))
+        self._grad_accs.append(acc)
+        self._delay[id(p)] = self.backward_passes_per_step
+
+    def _adopt(self, p: torch.nn.Parameter) -> None:
+        """``p`` takes gradients now and did not when the layout was formed (unfrozen): its
+        name, and its hook from the next step on."""
+        names = self._layout.names
+        if id(p) not in names:
+            if self._named_by_user:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} takes gradients now "
+                                 "and is missing from named_parameters: pass every parameter "
+                                 "of the model (model.named_parameters()), frozen ones too")
+            names[id(p)] = f"param.{len(names)}"
+        if id(p) not in self._delay:
+            self._watch(p)
+
     def _make_hook(self, p: torch.nn.Parameter):
         def hook(*_):
             key = id(p)
@@ -259,7 +283,16 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             self._finish_step()
             return
         self._fallback.exchange_started()  # a step without gradients: its exchange starts now
-        for p in [p for b in self._layout.buckets for p in b.params] + self._layout.raw:
+        # requires_grad changed since the layout was formed (layers frozen or unfrozen): this
+        # step the unfrozen go to Horovod's allreduce and the frozen keep no gradient; the
+        # layout takes the new set from the next step on
+        trainable = self._trainable()
+        formed = {id(p) for p in self._all_params}
+        unfrozen = [p for p in trainable if id(p) not in formed]
+        frozen_bare = [p for p in self._all_params if not p.requires_grad and p.grad is None]
+        for p in unfrozen:
+            self._adopt(p)
+        for p in [p for b in self._layout.buckets for p in b.params] + self._layout.raw + unfrozen:
             if id(p) not in self._hooked:  # no gradient this step (unused parameter)
                 self._hooked.add(id(p))
                 self._ready(p)
@@ -280,7 +313,12 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             if id(p) in self._densified:
                 p.grad = p.grad.to_sparse()
         self._densified.clear()
-        relayout = any(k in self._layout.bucket_of for k in self._layout.sparse)
+        for p in frozen_bare:
+            p.grad = None
+        relayout = len(trainable) != len(self._all_params) or bool(unfrozen)
+        if relayout:
+            self._all_params = self._layout.params = trainable
+        relayout |= any(k in self._layout.bucket_of for k in self._layout.sparse)
         relayout |= self._fallback.end_step(
             self._comm, f"{self._prefix}.fallback", self._step,
             [[id(p) for p in b.params] for b in self._layout.buckets], self._trials)

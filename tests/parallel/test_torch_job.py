@@ -1,7 +1,7 @@
 """A whole training job through the Horovod torch doors: synchronize() before step() exchanges
 once, backward_passes_per_step changes between steps, a job resumed from a checkpoint continues
-bit for bit, fp16 and bf16 gradients and parameters, GradScaler's skipped steps and a compiled
-model keep every rank identical."""
+bit for bit, layers frozen and unfrozen between steps, fp16 and bf16 gradients and parameters,
+GradScaler's skipped steps and a compiled model keep every rank identical."""
 import io
 import warnings
 
@@ -334,3 +334,50 @@ def test_compiled_model_trains_identically():
         results.append(_params(model))
     assert torch.allclose(results[0], results[1], rtol=0, atol=1e-2)
     assert _same_everywhere(results[1])
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_layers_frozen_and_unfrozen_between_steps(named):
+    """requires_grad changed between steps (fine-tuning): an unfrozen parameter's first
+    gradient is Horovod's exact average, then it joins the bucket; a frozen one keeps no
+    gradient and does not move (SGD with momentum), and leaves the bucket; every step's bucket
+    is mean_estimate's."""
+    model = Linear(SHAPES)
+    first, second = model.ps
+    first.requires_grad_(False)
+    opt = hqt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=model.named_parameters() if named else None,
+        compression=hqt.Compression.qsgd(seed=SEED, policy=EVERYTHING), fallback="never")
+    codec = hq.get_codec("qsgd")
+    # step -> (parameter trainable before it, parameters in the step's bucket, in bucket order)
+    plan = {0: ({0: False, 1: True}, [1]), 1: ({0: True, 1: True}, [1]),
+            2: ({0: True, 1: True}, [1, 0]), 3: ({0: True, 1: False}, [1, 0]),
+            4: ({0: True, 1: False}, [0])}
+    for step, (trainable, bucket) in plan.items():
+        for i, p in enumerate(model.ps):
+            p.requires_grad_(trainable[i])
+        frozen_before = second.detach().clone()
+        opt.zero_grad()
+        model.loss(rank_gradients(SHAPES, step, hvd.rank())).backward()
+        opt.step()
+        if hvd.size() == 1:
+            continue
+        per_rank = [rank_gradients(SHAPES, step, r) for r in range(hvd.size())]
+        flats = [np.concatenate([g[i].reshape(-1) if trainable[i] else np.zeros(g[i].size,
+                                                                                 np.float32)
+                                 for i in bucket]) for g in per_rank]
+        want, _ = hq.mean_estimate(codec, flats, seed=derive_key(SEED, step, 0), gather="auto",
+                                   topology=opt.topology)
+        got = np.concatenate([model.ps[i].grad.reshape(-1).numpy() if trainable[i]
+                              else np.zeros(model.ps[i].numel(), np.float32) for i in bucket])
+        assert np.array_equal(got, want), step
+        if step == 1:  # unfrozen this step: Horovod's average of the whole gradient
+            np.testing.assert_allclose(first.grad.numpy(),
+                                       np.mean([g[0] for g in per_rank], axis=0),
+                                       rtol=1e-6, atol=1e-6)
+        if not trainable[1]:
+            assert second.grad is None
+            assert torch.equal(second.detach(), frozen_before), step
+    for p in model.ps:
+        assert _same_everywhere(p)
