@@ -163,6 +163,24 @@ class BucketLayout:
             self._cache = {b.key: b for b in self.buckets}
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
 
+    def unfrozen(self, trainable: list[torch.nn.Parameter], named_by_user: bool) -> list:
+        """The parameters of ``trainable`` the layout lacks (``requires_grad`` set since it was
+        formed), each named: by ``named_parameters``, else ``param.<i>`` after the others.
+
+        Raises:
+            ValueError: one is missing from the user's ``named_parameters``.
+        """
+        formed = {id(p) for p in self.params}
+        new = [p for p in trainable if id(p) not in formed]
+        for p in new:
+            if id(p) not in self.names:
+                if named_by_user:
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} takes gradients "
+                                     "now and is missing from named_parameters: pass every "
+                                     "parameter (model.named_parameters()), frozen ones too")
+                self.names[id(p)] = f"param.{len(self.names)}"
+        return new
+
     def describe(self) -> dict:
         """What of the layout must agree across ranks (the configuration check)."""
         return {"fusion_bytes": self._fusion_bytes,

@@ -102,6 +102,29 @@ def _key_by_name(names: dict[int, str]) -> Callable[[str], int]:
     return key_of
 
 
+def _bucket_trial(bucket: Bucket, out: Any, exchange: Exchange, seed: int, name: str,
+                  fp32_allreduce: Callable[[torch.Tensor, str], Any]) -> BucketTrial:
+    """The two blocking runs that measure ``bucket``, both writing into ``out``: its codec
+    exchange with ``seed`` (the estimate is discarded) and ``fp32_allreduce``, Horovod's."""
+    first = bucket.params[0]
+
+    def settle() -> None:  # device work is queued: the time must include it
+        if on_gpu(first):
+            torch.cuda.synchronize(first.device)
+
+    def run_codec() -> None:
+        with stream_of(first):
+            exchange.start(bucket.mean, seed, name, out=out).wait()
+            settle()
+
+    def run_fp32() -> None:
+        with stream_of(first):
+            synchronize(fp32_allreduce(as_tensor(out), f"{name}.fp32"))
+            settle()
+
+    return BucketTrial(bucket.index, repr(bucket.codec), bucket.numel * 4, run_codec, run_fp32)
+
+
 class _QuantDistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, codec: Codec, backward_passes_per_step: int,
                  op, gradient_predivide_factor: float, groups, sparse_as_dense: bool,
@@ -121,12 +144,11 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._step = 0
         self._fallback = FallbackController(options.fallback)
         all_params = self._trainable()
-        self._all_params = all_params
         self._named_by_user = named_parameters is not None
         self._layout = BucketLayout(all_params, _names_of(named_parameters, all_params),
                                     codec, options.policy, groups, options.fusion_bytes)
         self._densified: set[int] = set()  # sparse this step, exchanged dense (sparse_as_dense)
-        self._delay = {id(p): backward_passes_per_step for p in all_params}
+        self._delay: dict[int, int] = {}
         self._hooked: set[int] = set()
         self._should_synchronize = True
         # synchronize() ran and no gradient reached the exchange since: step() must not
@@ -225,19 +247,6 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._grad_accs.append(acc)
         self._delay[id(p)] = self.backward_passes_per_step
 
-    def _adopt(self, p: torch.nn.Parameter) -> None:
-        """``p`` takes gradients now and did not when the layout was formed (unfrozen): its
-        name, and its hook from the next step on."""
-        names = self._layout.names
-        if id(p) not in names:
-            if self._named_by_user:
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} takes gradients now "
-                                 "and is missing from named_parameters: pass every parameter "
-                                 "of the model (model.named_parameters()), frozen ones too")
-            names[id(p)] = f"param.{len(names)}"
-        if id(p) not in self._delay:
-            self._watch(p)
-
     def _make_hook(self, p: torch.nn.Parameter):
         def hook(*_):
             key = id(p)
@@ -287,11 +296,11 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         # step the unfrozen go to Horovod's allreduce and the frozen keep no gradient; the
         # layout takes the new set from the next step on
         trainable = self._trainable()
-        formed = {id(p) for p in self._all_params}
-        unfrozen = [p for p in trainable if id(p) not in formed]
-        frozen_bare = [p for p in self._all_params if not p.requires_grad and p.grad is None]
+        unfrozen = self._layout.unfrozen(trainable, self._named_by_user)
+        frozen_bare = [p for p in self._layout.params if not p.requires_grad and p.grad is None]
         for p in unfrozen:
-            self._adopt(p)
+            if id(p) not in self._delay:  # from the next step on, from its hook
+                self._watch(p)
         for p in [p for b in self._layout.buckets for p in b.params] + self._layout.raw + unfrozen:
             if id(p) not in self._hooked:  # no gradient this step (unused parameter)
                 self._hooked.add(id(p))
@@ -309,15 +318,15 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                     p.grad.copy_(mean[offset:offset + n].view_as(p.grad))
                 offset += n
         self._horovod.finish()
-        for p in self._all_params:  # as Horovod: the optimizer gets the sparse form back
+        for p in self._layout.params:  # as Horovod: the optimizer gets the sparse form back
             if id(p) in self._densified:
                 p.grad = p.grad.to_sparse()
         self._densified.clear()
         for p in frozen_bare:
             p.grad = None
-        relayout = len(trainable) != len(self._all_params) or bool(unfrozen)
+        relayout = len(trainable) != len(self._layout.params) or bool(unfrozen)
         if relayout:
-            self._all_params = self._layout.params = trainable
+            self._layout.params = trainable
         relayout |= any(k in self._layout.bucket_of for k in self._layout.sparse)
         relayout |= self._fallback.end_step(
             self._comm, f"{self._prefix}.fallback", self._step,
@@ -331,31 +340,11 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         and Horovod's float32 allreduce of the same vector, reading the step's means and
         writing into a scratch buffer per device (no gradient changes)."""
         scratch = self._layout.scratch()
-        return [self._trial(b, scratch[b]) for b in self._layout.buckets]
-
-    def _trial(self, bucket: Bucket, out: Any) -> BucketTrial:
-        """The two blocking runs that measure ``bucket``, both writing into ``out``."""
-        first = bucket.params[0]
-        exchange = self._schedule.exchange_of(bucket)
-        seed = self._schedule.seed_of(self._step, bucket)  # its estimate is discarded
-        name = f"{self._prefix}.fallback.b{bucket.index}"
-
-        def settle() -> None:  # device work is queued: the time must include it
-            if on_gpu(first):
-                torch.cuda.synchronize(first.device)
-
-        def run_codec() -> None:
-            with stream_of(first):
-                exchange.start(bucket.mean, seed, name, out=out).wait()
-                settle()
-
-        def run_fp32() -> None:
-            with stream_of(first):
-                synchronize(self._horovod.allreduce_async_(as_tensor(out), f"{name}.fp32"))
-                settle()
-
-        return BucketTrial(bucket.index, repr(bucket.codec), bucket.numel * 4, run_codec,
-                           run_fp32)
+        return [_bucket_trial(b, scratch[b], self._schedule.exchange_of(b),
+                              self._schedule.seed_of(self._step, b),
+                              f"{self._prefix}.fallback.b{b.index}",
+                              self._horovod.allreduce_async_)
+                for b in self._layout.buckets]
 
     def _finish_step(self) -> None:
         self._hooked.clear()
