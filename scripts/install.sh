@@ -145,7 +145,8 @@ pip_install_torch_set() {
 check_cuda_major() {
   [[ -n "$HQ_CUDA_MAJOR" ]] || return 0
   local scratch home torch_cuda cupy nvcc_release
-  torch_cuda="$("$PYTHON" -c 'import torch; print(torch.version.cuda or "none")')"
+  torch_cuda="$(hvd_torch_version)"
+  torch_cuda="${torch_cuda#* }"
   cupy="$("$PYTHON" - <<'PY'
 import re
 from importlib import metadata
@@ -181,7 +182,7 @@ step_python() {
     say "pip: installing ${torch_set[*]} ${HQ_TORCH_PIP_ARGS}"
     pip_install_torch_set "${torch_set[@]}"
   fi
-  say "torch: $("$PYTHON" -c 'import torch; print(torch.__version__, "cuda=%s" % torch.version.cuda)')"
+  say "torch: $(hvd_torch_version | sed 's/ / CUDA /')"
   if [[ -n "$HQ_CUDA_TOOLKIT_DIR" ]]; then
     hvd_cuda_toolkit_from_wheels "$HQ_CUDA_TOOLKIT_DIR" \
       || die "no CUDA toolkit made in $HQ_CUDA_TOOLKIT_DIR (HQ_CUDA_TOOLKIT_DIR)"

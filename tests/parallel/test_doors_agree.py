@@ -16,6 +16,10 @@ from horovod_quant.core.rng import derive_key, name_key
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "doors"))
 import agreement  # noqa: E402
 
+# the doors' results of one 2-rank world, compared across frameworks (tests/doors):
+# the same bits under every controller (test_torch_exact.py)
+pytestmark = pytest.mark.controller_independent
+
 
 @pytest.fixture
 def two_ranks():

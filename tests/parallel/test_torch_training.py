@@ -7,6 +7,10 @@ import horovod_quant.torch as hqt
 
 from conftest import codec_params
 
+# training quality: the exchanges it runs are checked bit for bit under every controller
+# (test_torch_exact.py)
+pytestmark = pytest.mark.controller_independent
+
 EIGHT_BIT = [("qsgd", {"bits": 8}), ("nuqsgd", {"bits": 8}), ("natural", {"bits": 8}),
              ("natural_dithering", {"bits": 8}), ("global_qsgd", {"bits": 8}),
              ("dithered", {"bits": 8})]

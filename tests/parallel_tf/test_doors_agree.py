@@ -18,6 +18,10 @@ from conftest import linear_loss, same_on_every_rank
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "doors"))
 import agreement  # noqa: E402
 
+# the doors' results of one 2-rank world, compared across frameworks (tests/doors):
+# the same bits under every controller (test_tf_exact.py)
+pytestmark = pytest.mark.controller_independent
+
 
 def test_tensorflow_door():
     if hvd.size() != agreement.WORLD:

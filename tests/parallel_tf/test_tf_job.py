@@ -11,6 +11,10 @@ import horovod_quant.tensorflow as hqtf
 
 from conftest import codec_params, linear_loss, rank_gradients, reference, same_on_every_rank
 
+# checkpoints and dtypes: the exchanges they run are checked bit for bit under every
+# controller (test_tf_exact.py)
+pytestmark = pytest.mark.controller_independent
+
 SHAPES = [(30, 40), (20, 10)]
 EVERYTHING = hqtf.LayerPolicy.everything()
 

@@ -9,6 +9,10 @@ import horovod_quant.tensorflow as hqtf
 
 from conftest import codec_params, same_on_every_rank
 
+# training quality: the exchanges a fit runs are checked bit for bit under every
+# controller (test_tf_exact.py)
+pytestmark = pytest.mark.controller_independent
+
 EIGHT_BIT = [("qsgd", {"bits": 8}), ("nuqsgd", {"bits": 8}), ("natural", {"bits": 8}),
              ("natural_dithering", {"bits": 8}), ("global_qsgd", {"bits": 8}),
              ("dithered", {"bits": 8})]
