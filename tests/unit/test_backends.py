@@ -60,3 +60,41 @@ def test_unknown_mode_is_rejected(backend):
     with pytest.raises(ValueError, match="unknown mode 9"):
         backend.encode(x, np.zeros(64, np.uint8), 0, 10, 9, 4, (1, 2))
 
+
+
+#: key halves as a caller may hold them (Python integers): distinctive values to find in the
+#: arguments the kernels receive
+K0, K1 = 0x9E3779B9, 0x7F4A7C15
+
+
+@pytest.mark.parametrize("call", [
+    lambda be, z: be.encode(z, z, 0, 8, B.MODE_UNIFORM, 4, (K0, K1)),
+    lambda be, z: be.encode(z, z, 0, 8, B.MODE_DITHER, 4, (K0, K1)),
+    lambda be, z: be.encode(z, z, 0, 8, B.MODE_EXP, 4, (K0, K1)),
+    lambda be, z: be.linear_encode(z, 4, 7, 1.0, (K0, K1), z),
+    lambda be, z: be.encode_sparse(z, B.MODE_EXP, 1.0, 7, 1, 4, (K0, K1)),
+    lambda be, z: be.exp_combine(z, z, z, 8, 0, 4, K0, K1),
+    lambda be, z: be.decode_dither([z], [(K0, K1)], 0, 8, 8, 4, 3, z, False),
+    lambda be, z: be.decode_nested(z, 0, 8, 8, 3, 2, 4, 1.0, 1.0, z, (K0, K1), z),
+    lambda be, z: be.count_outside(z, z, 0, 8, 8, 3, 2, 4, 1.0, z, (K0, K1)),
+], ids=["levels", "dither", "exp", "linear", "sparse", "exp_combine", "decode_dither",
+        "decode_nested", "count_outside"])
+def test_numba_kernels_get_uint32_keys_from_any_integers(call, monkeypatch):
+    """Python integers as keys reach the kernels as uint32: numba compiles a kernel once per
+    argument type, and a second compile of a keyed kernel costs as much as the first."""
+    from horovod_quant.backends.numba import dithered, global_qsgd, levels
+
+    received = []
+
+    def record(*args):
+        received.extend(a for a in args if not isinstance(a, np.ndarray) and a in (K0, K1))
+        return (0.0, 0) if len(args) == 13 else 0  # decode_nested returns a pair
+
+    for module in (levels, dithered, global_qsgd):
+        for name in ("encode_levels", "encode_dithered", "encode_exp", "encode_linear",
+                     "encode_sparse", "exp_combine", "decode_dithered", "decode_nested",
+                     "fine_indices", "nested_outside"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, record)
+    call(NumbaBackend(), np.zeros(8, np.float32))
+    assert len(received) >= 2 and all(type(k) is np.uint32 for k in received), received

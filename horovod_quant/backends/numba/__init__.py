@@ -28,6 +28,12 @@ def _flat(a: Any) -> np.ndarray:
     return np.asarray(a).reshape(-1)
 
 
+def _uint32_keys(k0: int, k1: int) -> tuple[np.uint32, np.uint32]:
+    """Key halves as the kernels take them: numba compiles a kernel once per argument type, so
+    Python integers (int64 to numba) would compile every keyed kernel a second time."""
+    return np.uint32(k0), np.uint32(k1)
+
+
 class NumbaBackend(Backend):
     """Numba kernels on NumPy arrays (the CPU)."""
 
@@ -50,7 +56,7 @@ class NumbaBackend(Backend):
     def encode(self, x: Any, out: Any, offset: int, bucket: int, mode: int, bits: int,
                keys: Keys, *, norm_kind: int = NORM_MAX, p: float = 2.0, s: int = 0, c: int = 0,
                M: int = 0, k: int = 0, am: float = 0.0, gnorm: float = 0.0) -> None:
-        k0, k1 = keys
+        k0, k1 = _uint32_keys(*keys)
         if mode in (MODE_UNIFORM, MODE_GEOMETRIC):
             levels.encode_levels(x, bucket, norm_kind, p, mode, s, bits, k0, k1, out[offset:])
         elif mode in (MODE_DITHER, MODE_NESTED):
@@ -82,7 +88,7 @@ class NumbaBackend(Backend):
 
     def linear_encode(self, x: Any, bits: int, s: int, norm: float, keys: Keys,
                       words: Any) -> None:
-        global_qsgd.encode_linear(x, np.float32(norm), s, bits, keys[0], keys[1], words)
+        global_qsgd.encode_linear(x, np.float32(norm), s, bits, *_uint32_keys(*keys), words)
 
     def linear_decode(self, words: Any, n: int, bits: int, offset: int, scale: float, out: Any,
                       accumulate: bool) -> None:
@@ -93,7 +99,7 @@ class NumbaBackend(Backend):
         if mode not in (MODE_EXP, MODE_LINEAR_SM):
             raise ValueError(f"encode_sparse: mode {mode} is not MODE_EXP or MODE_LINEAR_SM")
         return global_qsgd.encode_sparse(x, mode == MODE_EXP, np.float32(norm), s, c, bits,
-                                         keys[0], keys[1])
+                                         *_uint32_keys(*keys))
 
     def decode_sparse(self, data: Any, n: int, bits: int, table: Any, scale: float,
                       out: Any) -> int:
@@ -101,15 +107,15 @@ class NumbaBackend(Backend):
 
     def exp_combine(self, a: Any, b: Any, out: Any, n_elements: int, first_element_index: int,
                     bits: int, k0: int, k1: int) -> int:
-        return int(global_qsgd.exp_combine(a, b, out, n_elements, first_element_index, bits, k0,
-                                           k1))
+        return int(global_qsgd.exp_combine(a, b, out, n_elements, first_element_index, bits,
+                                           *_uint32_keys(k0, k1)))
 
     # -- dithered ----------------------------------------------------------------------------
     def decode_dither(self, datas: Sequence[Any], keys: Sequence[Keys], offset: int, n: int,
                       bucket: int, bits: int, M: int, out: Any, accumulate: bool,
                       post: float | None = None) -> None:
-        for i, (data, (k0, k1)) in enumerate(zip(datas, keys)):
-            dithered.decode_dithered(data, offset, n, bucket, M, bits, k0, k1, out,
+        for i, (data, key) in enumerate(zip(datas, keys)):
+            dithered.decode_dithered(data, offset, n, bucket, M, bits, *_uint32_keys(*key), out,
                                      accumulate or i > 0)
         if post is not None:
             out *= np.float32(post)
@@ -118,15 +124,15 @@ class NumbaBackend(Backend):
                       bits: int, am: float, alpha: float, y: Any, keys: Keys,
                       out: Any) -> tuple[float, int]:
         s2, count = dithered.decode_nested(data, offset, n, bucket, M, k, bits, np.float32(am),
-                                           np.float32(alpha), y, keys[0], keys[1], out)
+                                           np.float32(alpha), y, *_uint32_keys(*keys), out)
         return float(s2), int(count)
 
     def count_outside(self, x: Any, data: Any, offset: int, n: int, bucket: int, M: int, k: int,
                       bits: int, am: float, y: Any, keys: Keys) -> int:
-        am = np.float32(am)
-        fine = dithered.fine_indices(x, bucket, am, keys[0], keys[1])
-        return int(dithered.nested_outside(data, offset, n, bucket, M, k, bits, am, y, keys[0],
-                                           keys[1], fine))
+        am, (k0, k1) = np.float32(am), _uint32_keys(*keys)
+        fine = dithered.fine_indices(x, bucket, am, k0, k1)
+        return int(dithered.nested_outside(data, offset, n, bucket, M, k, bits, am, y, k0, k1,
+                                           fine))
 
     # -- reduce ------------------------------------------------------------------------------
     def mean_in_order(self, parts: Sequence[Any], count: int, out: Any) -> Any:
