@@ -27,7 +27,7 @@ HOROVOD_PATCH_REV=p5
 HOROVOD_DEFAULT_CUDA_CC=80,86,89,90  # A100 8.0, A10/A40 8.6, L4/L40 8.9, H100 9.0
 
 # The C++ standard the installed torch's headers ask for (ATen.h refuses older ones by name),
-# found without importing torch (3 s of a patch run's 3.5 s on 2 cores).
+# found without importing torch (a patch run 6 -> 2 s on 2 cores).
 _HVD_TORCH_STD='import importlib.util, os, re
 torch_dir = importlib.util.find_spec("torch").submodule_search_locations[0]
 aten = os.path.join(torch_dir, "include", "ATen", "ATen.h")
