@@ -27,7 +27,7 @@ HOROVOD_PATCH_REV=p5
 HOROVOD_DEFAULT_CUDA_CC=80,86,89,90  # A100 8.0, A10/A40 8.6, L4/L40 8.9, H100 9.0
 
 # The C++ standard the installed torch's headers ask for (ATen.h refuses older ones by name),
-# found without importing torch (a patch run 6 -> 2 s on 2 cores).
+# found without importing torch (the import was most of a patch run: DEVELOPERS.md).
 _HVD_TORCH_STD='import importlib.util, os, re
 torch_dir = importlib.util.find_spec("torch").submodule_search_locations[0]
 aten = os.path.join(torch_dir, "include", "ATen", "ATen.h")
@@ -35,7 +35,7 @@ found = re.search(r"C\+\+(\d+) or later compatible compiler", open(aten).read())
 print(max(17, int(found.group(1))) if found else 17)'
 
 # Prints "<version> <CUDA version or none>" of the installed torch, read from its version.py
-# without importing torch (the import takes 3 s on 2 cores; every install step asks).
+# without importing torch (every install step asks, and the import is most of its time).
 hvd_torch_version() {
   "${PYTHON:-python3}" - <<'PY'
 import importlib.util, os, runpy
