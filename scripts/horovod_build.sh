@@ -35,7 +35,7 @@ found = re.search(r"C\+\+(\d+) or later compatible compiler", open(aten).read())
 print(max(17, int(found.group(1))) if found else 17)'
 
 # Prints "<version> <CUDA version or none>" of the installed torch, read from its version.py
-# without importing torch (every install step asks, and the import is most of its time).
+# without importing torch (every install step asks, and an import of torch costs seconds).
 hvd_torch_version() {
   "${PYTHON:-python3}" - <<'PY'
 import importlib.util, os, runpy
