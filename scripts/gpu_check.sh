@@ -180,8 +180,9 @@ horovod_step() {
   fi
   # shellcheck source=scripts/horovod_build.sh
   source "$ROOT/scripts/horovod_build.sh"
-  local key wheel dir
-  key="horovod-${HOROVOD_VERSION}_$("$PYTHON" -c 'import sys, torch; print("torch-%s_cp%d%d" % ((torch.__version__,) + sys.version_info[:2]))')_gloo_${HOROVOD_PATCH_REV}"
+  local key wheel dir torch_version
+  read -r torch_version _ < <(hvd_torch_version) || return 1
+  key="horovod-${HOROVOD_VERSION}_torch-${torch_version}_$("$PYTHON" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')_gloo_${HOROVOD_PATCH_REV}"
   key="${key//+/-}"
   dir="$HQ_CACHE/wheels/$key"
   wheel="$(ls "$dir"/horovod-*.whl 2>/dev/null | head -1)"

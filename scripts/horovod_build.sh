@@ -26,24 +26,28 @@
 HOROVOD_PATCH_REV=p5
 HOROVOD_DEFAULT_CUDA_CC=80,86,89,90  # A100 8.0, A10/A40 8.6, L4/L40 8.9, H100 9.0
 
-# The C++ standard the installed torch's headers ask for (ATen.h refuses older ones by name),
-# found without importing torch (the import was most of a patch run: DEVELOPERS.md).
-_HVD_TORCH_STD='import importlib.util, os, re
-torch_dir = importlib.util.find_spec("torch").submodule_search_locations[0]
-aten = os.path.join(torch_dir, "include", "ATen", "ATen.h")
-found = re.search(r"C\+\+(\d+) or later compatible compiler", open(aten).read())
-print(max(17, int(found.group(1))) if found else 17)'
+# The installed torch's folder, found without importing torch: the steps below only read its
+# files, and an import of torch costs seconds (every install step asks).
+hvd_torch_dir() {
+  "${PYTHON:-python3}" -c \
+    'import importlib.util; print(importlib.util.find_spec("torch").submodule_search_locations[0])'
+}
 
-# Prints "<version> <CUDA version or none>" of the installed torch, read from its version.py
-# without importing torch (every install step asks, and an import of torch costs seconds).
+# Prints "<version> <CUDA version or none>" of the installed torch (its version.py).
 hvd_torch_version() {
-  "${PYTHON:-python3}" - <<'PY'
-import importlib.util, os, runpy
-spec = importlib.util.find_spec("torch")
-found = runpy.run_path(os.path.join(spec.submodule_search_locations[0], "version.py"))
+  local dir
+  dir="$(hvd_torch_dir)" || return 1
+  "${PYTHON:-python3}" - "$dir/version.py" <<'PY'
+import runpy, sys
+found = runpy.run_path(sys.argv[1])
 print(found["__version__"], found["cuda"] or "none")
 PY
 }
+
+# The C++ standard the headers at ATen.h's path (argv[1]) ask for (it refuses older ones by name).
+_HVD_TORCH_STD='import re, sys
+found = re.search(r"C\+\+(\d+) or later compatible compiler", open(sys.argv[1]).read())
+print(max(17, int(found.group(1))) if found else 17)'
 
 _hvd_replace_once() {  # FILE OLD NEW: replaces the one occurrence of OLD in FILE, or fails
   "${PYTHON:-python3}" - "$@" <<'PY' || die "patch did not apply to $1"
@@ -61,7 +65,8 @@ horovod_patch_source() {  # DIR: an unpacked horovod-<version> sdist
   # Patch 1: torch 2.x headers need C++17 (torch 2.14's C++20), Horovod 0.28.1 asks for C++14
   # (C++11 for the CUDA kernels, which CUDA 13's headers no longer accept).
   local torch_std
-  torch_std="$("${PYTHON:-python3}" -c "$_HVD_TORCH_STD" 2>/dev/null)" || torch_std=17
+  torch_std="$("${PYTHON:-python3}" -c "$_HVD_TORCH_STD" \
+               "$(hvd_torch_dir)/include/ATen/ATen.h" 2>/dev/null)" || torch_std=17
   _hvd_replace_once "$dir/CMakeLists.txt" 'set(CMAKE_CXX_STANDARD 14)' 'set(CMAKE_CXX_STANDARD 17)'
   _hvd_replace_once "$dir/horovod/torch/CMakeLists.txt" \
     'set(CMAKE_CXX_STANDARD 14)' "set(CMAKE_CXX_STANDARD $torch_std)"
@@ -191,8 +196,7 @@ _hvd_cuda_home() {  # SCRATCH
 # capabilities, so that CPU and GPU wheels, or GPU wheels of two flavours, never mix.
 horovod_gpu_key() {
   local cuda ops="${HOROVOD_GPU_OPERATIONS:-}" cc="${HQ_HOROVOD_CUDA_CC:-$HOROVOD_DEFAULT_CUDA_CC}"
-  cuda="$(hvd_torch_version)" || die "cannot read the installed torch's CUDA version"
-  cuda="${cuda#* }"
+  read -r _ cuda < <(hvd_torch_version) || die "cannot read the installed torch's CUDA version"
   [[ "$cuda" == none ]] && cuda=""
   [[ -z "$cuda" && -z "$ops" ]] && return 0
   ops="${ops:-nogpuops}"

@@ -145,8 +145,7 @@ pip_install_torch_set() {
 check_cuda_major() {
   [[ -n "$HQ_CUDA_MAJOR" ]] || return 0
   local scratch home torch_cuda cupy nvcc_release
-  torch_cuda="$(hvd_torch_version)"
-  torch_cuda="${torch_cuda#* }"
+  read -r _ torch_cuda < <(hvd_torch_version) || die "cannot read the installed torch's version"
   cupy="$("$PYTHON" - <<'PY'
 import re
 from importlib import metadata

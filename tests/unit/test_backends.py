@@ -61,7 +61,6 @@ def test_unknown_mode_is_rejected(backend):
         backend.encode(x, np.zeros(64, np.uint8), 0, 10, 9, 4, (1, 2))
 
 
-
 #: key halves as a caller may hold them (Python integers): distinctive values to find in the
 #: arguments the kernels receive
 K0, K1 = 0x9E3779B9, 0x7F4A7C15
