@@ -23,7 +23,7 @@
 # Callers define say/die (messages) before sourcing.
 
 # Bump when the patches change, so that cached wheels built without them are not reused.
-HOROVOD_PATCH_REV=p5
+HOROVOD_PATCH_REV=p6
 HOROVOD_DEFAULT_CUDA_CC=80,86,89,90  # A100 8.0, A10/A40 8.6, L4/L40 8.9, H100 9.0
 
 # The installed torch's folder, found without importing torch: the steps below only read its
@@ -97,6 +97,23 @@ horovod_patch_source() {  # DIR: an unpacked horovod-<version> sdist
   # (the extension is pybind11's); a machine without network and without cffi cannot fetch it.
   _hvd_replace_once "$dir/setup.py" \
     $'if not os.environ.get(\'HOROVOD_WITHOUT_PYTORCH\'):\n    require_list.append(\'cffi>=1.4.0\')\n' ''
+  # Patch 6: one gloo. Patch 1 already compiles the bundled gloo as C++17, so the C++17 copy
+  # made for TensorFlow compiles the same sources with the same flags once more; TF links the
+  # one gloo when their C++ ABIs agree (the copy stays for a TF of the old ABI).
+  _hvd_replace_once "$dir/CMakeLists.txt" \
+    'if(HAVE_GLOO AND (DEFINED Tensorflow_CXX17 AND Tensorflow_CXX17))' \
+    'if(HAVE_GLOO AND (DEFINED Tensorflow_CXX17 AND Tensorflow_CXX17 AND NOT Tensorflow_CXX11))'
+  _hvd_replace_once "$dir/horovod/tensorflow/CMakeLists.txt" \
+    $'    if (Tensorflow_CXX17)\n       list(APPEND TF_LINKER_LIBS compatible17_gloo)' \
+    $'    if (Tensorflow_CXX17 AND NOT Tensorflow_CXX11)\n       list(APPEND TF_LINKER_LIBS compatible17_gloo)'
+  # Patch 7: no debug information: in TF's and torch's headers it costs a third of the compile
+  # time (and most of the wheel); the optimization stays -O3 and the symbols stay for backtraces.
+  _hvd_replace_once "$dir/CMakeLists.txt" \
+    'string(REPLACE "-O2" "-O3" CMAKE_CXX_FLAGS_RELWITHDEBINFO "${CMAKE_CXX_FLAGS_RELWITHDEBINFO}")' \
+    'string(REPLACE "-O2 -g" "-O3" CMAKE_CXX_FLAGS_RELWITHDEBINFO "${CMAKE_CXX_FLAGS_RELWITHDEBINFO}")'
+  _hvd_replace_once "$dir/CMakeLists.txt" \
+    'string(REPLACE "-O2" "-O3" CMAKE_C_FLAGS_RELWITHDEBINFO "${CMAKE_C_FLAGS_RELWITHDEBINFO}")' \
+    'string(REPLACE "-O2 -g" "-O3" CMAKE_C_FLAGS_RELWITHDEBINFO "${CMAKE_C_FLAGS_RELWITHDEBINFO}")'
 }
 
 _hvd_cmake() {  # prints the CMake to build with: HOROVOD_CMAKE, else the system's, else PATH's
