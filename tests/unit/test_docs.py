@@ -4,11 +4,9 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("check_docs",
-                                               os.path.join(ROOT, "scripts", "check_docs.py"))
-cd = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("check_docs", cd)  # dataclasses look their module up there
-_spec.loader.exec_module(cd)
+# importable by its name, as the processes its --help runs fork from import it
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import check_docs as cd  # noqa: E402
 
 
 def _invs(text, lang="bash"):
