@@ -601,8 +601,8 @@ def help_flags(inv: Invocation) -> tuple[set | None, str]:
 
 
 #: what this repository's scripts import before they parse their arguments: a fork server loads
-#: them once, and each --help runs in a process forked from it (importing torch took 3 of the
-#: 3.5 CPU-seconds of each of the twenty --help runs of a fresh interpreter)
+#: them once, and each --help runs in a process forked from it, since importing torch is most of
+#: what a fresh interpreter's --help costs
 HELP_PRELOAD = ["numpy", "torch", "horovod_quant"]
 _HELP_CONTEXT = multiprocessing.get_context("forkserver")
 _HELP_CONTEXT.set_forkserver_preload(HELP_PRELOAD)
@@ -643,7 +643,9 @@ def _run_as_main(args: list[str], env: dict, out: str, err: str) -> None:
         else:
             sys.argv, sys.path[0] = list(args), os.path.dirname(os.path.abspath(args[0]))
             runpy.run_path(args[0], run_name="__main__")
-    except SystemExit as exc:
+    except SystemExit as exc:  # sys.exit(message) prints the message and exits 1
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
         code = exc.code if isinstance(exc.code, int) else (exc.code is not None)
     except BaseException:  # noqa: BLE001  (reported as the interpreter reports it)
         traceback.print_exc()
