@@ -643,10 +643,12 @@ def _run_as_main(args: list[str], env: dict, out: str, err: str) -> None:
         else:
             sys.argv, sys.path[0] = list(args), os.path.dirname(os.path.abspath(args[0]))
             runpy.run_path(args[0], run_name="__main__")
-    except SystemExit as exc:  # sys.exit(message) prints the message and exits 1
-        if exc.code is not None and not isinstance(exc.code, int):
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:  # sys.exit(message): the interpreter prints the message and exits 1
             print(exc.code, file=sys.stderr)
-        code = exc.code if isinstance(exc.code, int) else (exc.code is not None)
+            code = 1
     except BaseException:  # noqa: BLE001  (reported as the interpreter reports it)
         traceback.print_exc()
         code = 1
