@@ -452,6 +452,10 @@ FIGURES = {
         100 * _load("predictor_validation.json")["summary"]["median_abs_error"], ".0f") + "%",
     "validation-max": lambda: format(
         100 * _load("predictor_validation.json")["summary"]["max_abs_error"], ".0f") + "%",
+    "validation-over-max": lambda: str(
+        _load("predictor_validation.json")["summary"]["over_max_error"]),
+    "validation-over-max-unrepeatable": lambda: str(
+        _load("predictor_validation.json")["summary"]["over_max_error_unrepeatable"]),
     "validation-earlier-median": lambda: format(
         100 * _load("predictor_vs_scaling_runs.json")["summary"]["median_abs_error"], ".0f") + "%",
     "validation-earlier-max": lambda: format(

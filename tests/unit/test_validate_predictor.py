@@ -85,3 +85,26 @@ def test_the_command_writes_its_table_and_fails_on_large_errors(tmp_path):
     assert json.loads((tmp_path / "v.json").read_text())["summary"]["passed"] is False
     path.write_text(json.dumps(_run(1.0)))
     assert vp.main([str(path)]) == 0
+
+
+def test_rows_whose_rounds_disagree_are_counted_among_the_misses():
+    """A miss whose own rounds (or its compute row's) differ by more than the limit is
+    counted apart; a miss measured the same in every round is not."""
+    run = _run(1.0)
+    link = run["links"][0]
+    compute = next(r for r in link["results"] if r["config_id"] == "compute")
+    compute["rounds"] = [{"step_s": 0.4}, {"step_s": 0.44}]
+    misses = [r for r in link["results"] if r["config_id"] in ("fp32", "qsgd:8")
+              and r["model"] == compute["model"]]
+    for row, rounds in zip(misses, ([1.0, 1.5], [1.0, 1.1])):
+        row["step_median_s"] *= 2  # predicted -50%
+        row["rounds"] = [{"step_s": s} for s in rounds]
+    rows = vp.compare([run])
+    by_config = {r["config"]: r for r in rows if r["shape"] == "2x1"
+                 and r["model"] == compute["model"]}
+    assert by_config["fp32"]["rounds_spread"] == pytest.approx(0.5)
+    assert by_config["qsgd:8"]["compute_rounds_spread"] == pytest.approx(0.1)
+    assert by_config["qsgd:4"]["rounds_spread"] is None
+    summary = vp.summarize(rows)
+    assert summary["over_max_error"] == 2 and summary["over_max_error_unrepeatable"] == 1
+    assert "2 rows over 30%; in 1 of them" in vp.table(rows, summary)
