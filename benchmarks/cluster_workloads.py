@@ -45,7 +45,11 @@ import torch
 
 from horovod_quant.core.registry import codec_class, get_codec
 from horovod_quant.exchange import Exchange
-from horovod_quant.torch.collectives import HorovodTorchCollectives
+from horovod_quant.torch.collectives import (
+    HorovodTorchCollectives,
+    synchronize,
+    wait_until_done,
+)
 from horovod_quant.torch.transport import transport_collectives
 
 from emulator import NIC_ENV, nic_counters
@@ -346,7 +350,11 @@ class _Trainer:
 
     ``codec_cfg["door"]``: "horovod" (Horovod's own optimizer, float32 or its fp16 cast),
     "compression" (Horovod's optimizer with ``compression=hq.Compression.<codec>(...)``), "hq"
-    (``hq.DistributedOptimizer``) or "compute" (no communication: the plain optimizer)."""
+    (``hq.DistributedOptimizer``) or "compute" (no communication: the plain optimizer; the
+    ranks start each step together, as a training step's exchange holds them together, so that
+    the slowest rank's step is the compute of a synchronized step where ranks share cores; they
+    wait for each other without spinning, as the package's waits do, so that a rank that is
+    done takes no core from one still computing)."""
 
     def __init__(self, item: dict, codec_cfg: dict, prefix: str = "") -> None:
         import horovod_quant.torch as hq
@@ -387,11 +395,20 @@ class _Trainer:
         return self.door != "hq" or self.opt.fallback_settled
 
     def step(self) -> dict:
+        if self.door == "compute":
+            synchronize(hvd.allreduce_async(torch.zeros(1), name="hqcl.train.lockstep"))
         t0 = time.perf_counter()
         self.opt.zero_grad()
         self.loss = torch.nn.functional.cross_entropy(self.model(self.xb), self.yb)
         self.loss.backward()
         t1 = time.perf_counter()
+        if self.door in ("horovod", "compression"):
+            # Horovod's optimizer waits in a sched_yield loop (docs/dev/benchmarks.md): where
+            # ranks outnumber cores, the baselines would lose to their own wait, which a rank
+            # with its own core never pays. Its allreduces are waited for as the package waits.
+            for handle, _ in list(self.opt._handles.values()):
+                if handle is not None and not callable(handle):
+                    wait_until_done(handle)
         if self.door != "compute":
             self.opt.synchronize()
         t2 = time.perf_counter()

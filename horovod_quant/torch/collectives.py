@@ -22,14 +22,30 @@ _OPS = {"sum": hvd.Sum, "max": hvd.Max}
 _LONGEST_PAUSE_S = 1e-4
 
 
-def synchronize(handle: Any) -> Any:
-    """``hvd.synchronize(handle)``, entered once the collective is done.
+def wait_until_done(handle: Any) -> None:
+    """Return once Horovod's collective ``handle`` is done, polling without spinning.
 
     Horovod's own wait calls ``sched_yield`` in a loop; where a host's ranks outnumber its
     cores, those loops take the cores that the other ranks' codecs and Horovod's background
     threads need (docs/dev/benchmarks.md measures both waits). The pauses between polls grow
     to ``_LONGEST_PAUSE_S`` requested (the kernel's timer slack adds about 0.05 ms), which
-    bounds the latency this adds.
+    bounds the latency this adds. The handle stays Horovod's: ``hvd.synchronize`` takes its
+    result (a handle Horovod no longer knows returns at once, for that call to report).
+
+    Args:
+        handle: a handle of one of Horovod's ``*_async`` collectives.
+    """
+    pauses = growing_pauses(1e-5, _LONGEST_PAUSE_S)
+    try:
+        while not hvd.poll(handle):
+            time.sleep(next(pauses))
+    except ValueError:  # an unknown or cleared handle: Horovod's own wait says what it is
+        pass
+
+
+def synchronize(handle: Any) -> Any:
+    """``hvd.synchronize(handle)``, entered once the collective is done
+    (:func:`wait_until_done`).
 
     Args:
         handle: a handle of one of Horovod's ``*_async`` collectives.
@@ -38,12 +54,7 @@ def synchronize(handle: Any) -> Any:
         what ``hvd.synchronize`` returns: it raises Horovod's error of a failed collective, and
         answers for a handle Horovod no longer knows (``hvd.poll`` would raise ValueError).
     """
-    pauses = growing_pauses(1e-5, _LONGEST_PAUSE_S)
-    try:
-        while not hvd.poll(handle):
-            time.sleep(next(pauses))
-    except ValueError:  # an unknown or cleared handle: Horovod's own wait says what it is
-        pass
+    wait_until_done(handle)
     return hvd.synchronize(handle)
 
 

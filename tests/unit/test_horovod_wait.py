@@ -1,4 +1,5 @@
-"""The torch door's wait on Horovod's handles: polls with bounded sleeps, then synchronizes."""
+"""The torch door's wait on Horovod's handles: polls with bounded sleeps, then synchronizes
+(``wait_until_done`` alone leaves the handle to Horovod)."""
 import pytest
 
 pytest.importorskip("horovod.torch")
@@ -57,3 +58,10 @@ def test_a_handle_horovod_no_longer_knows_goes_to_horovods_wait(monkeypatch, pau
     monkeypatch.setattr(collectives, "hvd", fake)
     assert collectives.synchronize(5) == "result of 5"
     assert fake.synchronized == [5] and pauses == []
+
+
+def test_wait_until_done_polls_and_leaves_the_handle_to_horovod(monkeypatch, pauses):
+    fake = FakeHorovod(4)
+    monkeypatch.setattr(collectives, "hvd", fake)
+    assert collectives.wait_until_done(3) is None
+    assert fake.polls == 4 and len(pauses) == 3 and fake.synchronized == []
