@@ -49,24 +49,18 @@ def _link(name: str, label: str) -> dict:
 
 
 def _shared_cores_best_vs_fp32(first: bool) -> list[float]:
-    """float32's step over the fastest codec's, per link and model, in the predictor's
-    validation runs where the ranks outnumber the cores (``first``: the runs whose float32
-    rows kept Horovod's own wait)."""
-    inputs = _load("predictor_validation_first.json" if first
-                   else "predictor_validation.json")["inputs"]
-    ratios = []
-    for path in inputs:
-        run = _load(os.path.basename(path))
-        for link in run["links"]:
-            if link["hosts"] * link["ranks_per_host"] <= run["machine"]["cpus"]:
-                continue
-            rows = [r for r in link["results"] if r.get("kind") == "train" and not r.get("error")]
-            for model in {r["model"] for r in rows}:
-                steps = {r["config_id"]: r["step_median_s"] for r in rows if r["model"] == model}
-                codecs = [v for k, v in steps.items() if _bits(k)]
-                if "fp32" in steps and codecs:
-                    ratios.append(steps["fp32"] / min(codecs))
-    return ratios
+    """float32's measured step over the fastest codec's, per link and model, in the predictor's
+    validation where the ranks outnumber the cores (``first``: the runs whose float32 rows
+    kept Horovod's own wait)."""
+    rows = _load("predictor_validation_first.json" if first
+                 else "predictor_validation.json")["rows"]
+    steps: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if r["counted"] and int(r["shape"].split("x")[1]) > r["cores_per_host"]:
+            steps.setdefault((r["shape"], r["link_gbit"], r["model"]), {})[r["config"]] = (
+                r["measured_ms"])
+    return [by_config["fp32"] / min(v for k, v in by_config.items() if _bits(k))
+            for by_config in steps.values()]
 
 
 def _range(values, fmt: str, unit: str = "") -> str:
