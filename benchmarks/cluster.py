@@ -100,6 +100,10 @@ def link_label(rate_bps: float, hosts: int, ranks_per_host: int) -> str:
 
 
 # -- plan and runs ---------------------------------------------------------------------------
+#: every rank's threads: one each (the hosts' cores are shared out by the ranks, not threads)
+RANK_THREADS = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 def build_plan(args, rate_bps: float, first_rate: bool) -> list[dict]:
     """The items of one launch (the probes' rendezvous address is filled in by run_phase)."""
     items = []
@@ -181,8 +185,7 @@ def run_phase(cluster: EmulatedCluster, label: str, items: list[dict], bar,
     attempt = 0
     env = {"PYTHONPATH": ROOT + (os.pathsep + os.environ["PYTHONPATH"]
                                  if os.environ.get("PYTHONPATH") else ""),
-           "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "OMPI_MCA_mpi_yield_when_idle": "1"}
+           **RANK_THREADS, "OMPI_MCA_mpi_yield_when_idle": "1"}
     if args.controller == "mpi":
         env.update(HOROVOD_CONTROLLER="mpi", HOROVOD_CPU_OPERATIONS="mpi")
     rendezvous = f"{cluster.hosts[0].address}:{29500 + os.getpid() % 1000}"
@@ -458,6 +461,9 @@ def main(argv=None) -> int:
             "machine": machine_info(), "controller": args.controller,
             "transport": args.transport, "fallback": args.fallback,
             "shapes": [list(s) for s in args.shapes], "links": [], "notes": []}
+    if not args.no_training:
+        data["machine"]["codec_throughput"] = measure_codecs(
+            sorted({s.removeprefix("hvd.") for s in args.train_specs[3:]}))
     plans = [build_plan(args, rate, i == 0) for i, rate in enumerate(args.rates)]
     bar = tqdm(total=len(args.shapes) * sum(ticks(it) for p in plans for it in p), unit="step",
                dynamic_ncols=True, mininterval=1.0)
@@ -495,6 +501,19 @@ def main(argv=None) -> int:
         bar.close()
         for sig, h in old.items():
             signal.signal(sig, h)
+
+
+def measure_codecs(specs: list[str]) -> dict:
+    """The codecs' encode / decode / combine GB/s on this machine, measured before the runs as
+    ``python -m horovod_quant.predict --measure`` measures them, in a process with one thread as
+    the ranks have (:data:`RANK_THREADS`): the predictor's validation takes the codec speed of the
+    machine that measured the steps, not the built-in table of another."""
+    code = ("import json, sys; from horovod_quant.predict import measure_throughput; "
+            "print(json.dumps(measure_throughput(sys.argv[1:], 'cpu', repeat=7)))")
+    env = dict(os.environ, **RANK_THREADS)
+    done = subprocess.run([sys.executable, "-c", code, *specs], capture_output=True, text=True,
+                          env=env, check=True)
+    return json.loads(done.stdout)
 
 
 def machine_info() -> dict:

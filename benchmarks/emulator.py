@@ -397,8 +397,8 @@ class EmulatedCluster:
         return out
 
     def calibrate(self, seconds: float = 2.0, src: int = 0, dst: int = 1) -> dict:
-        """One TCP stream host ``src`` -> ``dst`` for ``seconds`` (Gbit/s) and the median round
-        trip of 1-byte messages (ms)."""
+        """One TCP stream host ``src`` -> ``dst`` for ``seconds`` (Gbit/s; the CPU time it took,
+        both ends together, per byte, ns) and the median round trip of 1-byte messages (ms)."""
         script = os.path.join(self.tmp, "calib.py")
         with open(script, "w") as f:
             f.write(CALIB_SCRIPT)
@@ -730,7 +730,7 @@ def _zombie(pid: int) -> bool:
 
 
 CALIB_SCRIPT = r'''
-import json, socket, sys, time
+import json, os, socket, sys, time
 role, addr, secs = sys.argv[1], sys.argv[2], float(sys.argv[3])
 if role == "server":
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -757,12 +757,19 @@ else:
         t = time.perf_counter(); c.sendall(b"x"); c.recv(1); rtts.append(time.perf_counter() - t)
     c.close()
     time.sleep(0.2)
-    c = socket.create_connection((addr, 5199)); b = bytes(1 << 20); t = time.perf_counter()
+    def busy_s():  # every core's busy time: both ends of the stream run on this machine
+        with open("/proc/stat") as f:
+            t = [int(v) for v in f.readline().split()[1:]]
+        return (sum(t) - t[3] - t[4]) / os.sysconf("SC_CLK_TCK")
+    c = socket.create_connection((addr, 5199)); b = bytes(1 << 20); n = 0
+    cpu = busy_s(); t = time.perf_counter()
     while time.perf_counter() - t < secs:
-        c.sendall(b)
+        c.sendall(b); n += len(b)
+    cpu = busy_s() - cpu
     c.close()
     rtts.sort()
-    print(json.dumps({"tcp_rtt_ms_median": rtts[len(rtts) // 2] * 1e3}))
+    print(json.dumps({"tcp_rtt_ms_median": rtts[len(rtts) // 2] * 1e3,
+                      "tcp_cpu_ns_per_byte": cpu / n * 1e9}))
 '''
 
 

@@ -9,7 +9,9 @@ Input: JSON of ``benchmarks/cluster.py`` with training rows (``--no-exchange``; 
 controller; ``--paired-from`` above the link rates so that no row steps a second model). Per
 link (shape and rate) and model the ``compute`` row's median step is the predictor's compute;
 the link rate is the link's TCP calibration; the cores the ranks of a host share are the
-machine's cores over the hosts (every emulated host runs on the same cores). Compared: fp32,
+machine's cores over the hosts (every emulated host runs on the same cores); the codecs' speed
+is the one cluster.py measured on the machine before the runs (``--measure``'s, in
+``machine.codec_throughput``; runs without it: the built-in table). Compared: fp32,
 Horovod's fp16 and every ``hq.DistributedOptimizer`` codec row, each row's median step.
 
 The statistic (median and largest absolute relative error) covers fp32 and the codecs. The
@@ -73,6 +75,9 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
     out = []
     for run in runs:
         cores = run["machine"]["cpus"]
+        measured_rates = run["machine"].get("codec_throughput")
+        rates = None if measured_rates is None else {
+            spec: predictor.Throughput(*r) for spec, r in measured_rates.items()}
         loads = (run["machine"].get("loadavg_before"), run["machine"].get("loadavg_after"))
         for link in run["links"]:
             hosts, per_host = link["hosts"], link["ranks_per_host"]
@@ -88,7 +93,8 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
                           and rows[m, c].get("door") == "hq"]
                 prediction = predict(hosts, per_host, gbit, compute["step_median_s"] * 1e3,
                                      params=compute["model_params"], device="cpu",
-                                     codecs=codecs, cores_per_host=cores / hosts)
+                                     codecs=codecs, cores_per_host=cores / hosts,
+                                     throughput=rates)
                 for row in prediction.rows:
                     measured = rows.get((model, row.name))
                     if measured is None or row.step_ms <= 0:

@@ -10,7 +10,9 @@ One cost model: each bucket (``fusion_bytes``, pipelined pieces) takes the plan
 wire time is :meth:`~.exchange.cost.Cost.seconds`, its codec time
 :func:`~.exchange.cost.codec_work` at measured throughput (built-in tables of committed
 results, or ``--measure``; CPU ranks get their share of the host's cores). float32 and 16-bit
-are ring allreduces (:func:`~.exchange.cost.ring_allreduce`) without codec work on GPUs.
+are ring allreduces (:func:`~.exchange.cost.ring_allreduce`) without codec work on GPUs. Every
+row copies each bucket's gradients into one vector and its mean back (the optimizer's buckets,
+Horovod's fusion buffer) at the device's measured copy rate (the table's ``"copy"``).
 Overlap, the same for every row: the device runs forward, backward (the last
 :data:`BACKWARD_SHARE` of the compute) and the codecs one after the other; the wire carries
 the buckets one after the other, each once backward produced it and it is encoded; the step
@@ -78,23 +80,22 @@ class Throughput(NamedTuple):
     combine: float | None = None
 
 
-#: one numba thread of the 2-core development machine, 16M elements
-#: (docs/results/redesign_throughput_after.json; tests/unit/test_predict.py checks the copy).
-#: Keys are "<codec>:<bits>": linear Global-QSGD takes the exponential levels' figures, the
-#: only ones measured (its decode of one summed payload is the cheaper of the two)
+#: one numba thread of the 2-core development machine, as ``--measure`` times it (128 MB
+#: vectors; docs/results/predict_throughput_cpu.json; tests/unit/test_predict.py checks the
+#: copy). Keys are "<codec>:<bits>": linear Global-QSGD takes the exponential levels' figures
 CPU_THROUGHPUT: dict[str, Throughput] = {
-    "fp16": Throughput(2.25, 3.01),
-    "qsgd:4": Throughput(6.53, 10.42, 4.70), "qsgd:8": Throughput(7.10, 7.35, 3.83),
-    "nuqsgd:4": Throughput(5.61, 10.26, 4.70), "nuqsgd:8": Throughput(6.11, 7.45, 3.87),
-    "natural:4": Throughput(6.09, 10.45, 4.70), "natural:8": Throughput(6.64, 7.42, 3.87),
-    "natural_dithering:4": Throughput(5.81, 10.48, 4.68),
-    "natural_dithering:8": Throughput(6.16, 7.41, 3.87),
-    "standard_dithering:4": Throughput(6.11, 10.37, 4.63),
-    "standard_dithering:8": Throughput(6.51, 7.36, 3.86),
-    "global_qsgd:4": Throughput(6.50, 11.14), "global_qsgd:8": Throughput(4.96, 7.75),
-    "dithered:4": Throughput(7.92, 12.39, 8.11), "dithered:8": Throughput(5.72, 7.79, 6.06),
-    "nested_dithered:4": Throughput(7.93, 12.24),
-    "nested_dithered:8": Throughput(5.62, 7.71),
+    "fp16": Throughput(1.205, 2.869), "copy": Throughput(6.825, 6.825),
+    "qsgd:4": Throughput(2.883, 4.828, 2.742), "nuqsgd:4": Throughput(2.08, 4.473, 2.755),
+    "natural:4": Throughput(2.57, 4.248, 2.733),
+    "natural_dithering:4": Throughput(2.117, 4.562, 2.847),
+    "standard_dithering:4": Throughput(2.235, 4.34, 2.721),
+    "global_qsgd:4": Throughput(1.749, 5.607), "dithered:4": Throughput(3.106, 3.748, 2.034),
+    "nested_dithered:4": Throughput(2.929, 3.67), "qsgd:8": Throughput(2.616, 3.674, 2.289),
+    "nuqsgd:8": Throughput(1.947, 3.646, 2.216), "natural:8": Throughput(2.439, 3.576, 2.271),
+    "natural_dithering:8": Throughput(1.98, 3.615, 2.218),
+    "standard_dithering:8": Throughput(2.091, 3.556, 2.268),
+    "global_qsgd:8": Throughput(1.641, 4.088), "dithered:8": Throughput(2.303, 2.741, 1.629),
+    "nested_dithered:8": Throughput(2.291, 2.842),
 }
 #: one H100: qsgd from the current kernels (docs/results/gpu_check_throughput.json, 256M
 #: elements, ``make gpu-check``; its combine from gpu_h100_256m.json), the other codecs from
@@ -112,9 +113,10 @@ GPU_THROUGHPUT: dict[str, Throughput] = {
     "global_qsgd:4": Throughput(321.8, 698.7), "global_qsgd:8": Throughput(333.2, 952.0),
     "nested_dithered:4": Throughput(650.6, 449.8),
     "nested_dithered:8": Throughput(691.7, 480.3),
+    "copy": Throughput(1506.6, 1506.6),
 }
 #: where each built-in table comes from, for the printout
-TABLE_SOURCES = {"cpu": "docs/results/redesign_throughput_after.json (one numba thread)",
+TABLE_SOURCES = {"cpu": "docs/results/predict_throughput_cpu.json (one numba thread)",
                  "cuda": "docs/results/gpu_check_throughput.json (one H100, qsgd), "
                          "gpu_h100_256m.json and gpu_h100_throughput.json (the others)"}
 
@@ -130,7 +132,8 @@ class Row:
         step_ms: the predicted step.
         vs_fp32, vs_fp16: float32's (16-bit's) step over this one (> 1: faster).
         wire_ms: the buckets' wire time, all together.
-        codec_ms: encode and decode time per step on the device.
+        codec_ms: the device's work per step beside compute: the buckets' copies in and out,
+            the codec's encode and decode (the CPU's float16 cast).
         exposed_ms: how much of the step is communication the compute did not hide.
         note: the codec's limits at this shape, or why it could not be built.
     """
@@ -160,6 +163,7 @@ class Prediction:
     fabric: Fabric
     buckets: list[int]
     throughput_source: str
+    throughput: dict[str, Throughput]
     core_share: float
     notes: list[str] = field(default_factory=list)
 
@@ -169,7 +173,9 @@ class Prediction:
             "hosts": self.hosts, "ranks_per_host": self.ranks_per_host, "params": self.params,
             "compute_ms": self.compute_ms, "device": self.device,
             "fabric": self.fabric._asdict(), "buckets": self.buckets,
-            "throughput": self.throughput_source, "core_share": self.core_share,
+            "throughput": self.throughput_source,
+            "throughput_gbps": {k: list(v) for k, v in self.throughput.items()},
+            "core_share": self.core_share,
             "backward_share": BACKWARD_SHARE, "notes": self.notes}}
 
 
@@ -398,11 +404,12 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
     specs = list(DEFAULT_CODECS if codecs is None else codecs)
     for spec in specs:  # a misspelt spec is the caller's error; a codec the shape cannot
         parse_codec(spec)  # serve is a row that says why
-    rows = [_baseline_row("fp32", 4.0, topology, sizes, compute_s, fabric, None, share),
+    work = DeviceWork(_rate(table, "copy", device), share)
+    rows = [_baseline_row("fp32", 4.0, topology, sizes, compute_s, fabric, None, work),
             _baseline_row("fp16", 2.0, topology, sizes, compute_s, fabric,
-                          None if on_gpu else _rate(table, "fp16", device), share)]
+                          None if on_gpu else _rate(table, "fp16", device), work)]
     for spec in specs:
-        rows.append(_codec_row(spec, topology, sizes, compute_s, fabric, table, device, share,
+        rows.append(_codec_row(spec, topology, sizes, compute_s, fabric, table, device, work,
                                pipeline_elems))
     fp32, fp16 = rows[0].step_ms, rows[1].step_ms
     for row in rows:
@@ -418,7 +425,7 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
         notes.append("16-bit on CPUs: the cast is timed, gloo's float16 sum is taken as fast "
                      "as its float32 sum (it is slower: docs/will-it-pay.md)")
     return Prediction(rows, hosts, ranks_per_host, numel_total, compute_s * 1e3, device, fabric,
-                      sizes, source, share, notes)
+                      sizes, source, table, share, notes)
 
 
 def _rate(table: Mapping[str, Throughput], key: str, device: str) -> Throughput:
@@ -429,26 +436,45 @@ def _rate(table: Mapping[str, Throughput], key: str, device: str) -> Throughput:
                          "(use --measure, or one of " + ", ".join(sorted(table)) + ")") from None
 
 
+class DeviceWork(NamedTuple):
+    """The rank's device beside its codec: ``copy``, its copy rate; ``share``, the rank's
+    share of a core (CPU ranks; 1 on GPUs)."""
+
+    copy: Throughput
+    share: float
+
+    def bucket(self, encode: float, cost: Cost, fabric: Fabric, decode: float,
+               numel: int) -> BucketTime:
+        """A bucket's times with its copies added: its gradients into one vector before the
+        encode, the mean back into them after the decode."""
+        return BucketTime(encode + _gbps_seconds(numel, self.copy.encode * self.share),
+                          cost.seconds(fabric),
+                          decode + _gbps_seconds(numel, self.copy.decode * self.share))
+
+
 def _baseline_row(name: str, element_bytes: float, topology: Topology, sizes: list[int],
                   compute_s: float, fabric: Fabric, cast: Throughput | None,
-                  share: float) -> Row:
+                  work: DeviceWork) -> Row:
     """A ring allreduce of ``element_bytes`` per element (``cast``: the CPU's float16 cast)."""
     times, host_bytes = [], 0.0
     for numel in sizes:
+        if topology.size == 1:
+            times.append(BucketTime(0.0, 0.0, 0.0))
+            continue
         cost = ring_allreduce(topology, numel, element_bytes)
         encode = decode = 0.0
-        if cast is not None and topology.size > 1:
-            encode = _gbps_seconds(numel, cast.encode * share)
-            decode = _gbps_seconds(numel, cast.decode * share)
-        times.append(BucketTime(encode, cost.seconds(fabric), decode))
+        if cast is not None:
+            encode = _gbps_seconds(numel, cast.encode * work.share)
+            decode = _gbps_seconds(numel, cast.decode * work.share)
+        times.append(work.bucket(encode, cost, fabric, decode, numel))
         host_bytes += cost.host_bytes
     return _row(name, "ring allreduce" if topology.size > 1 else "none", host_bytes, times,
                 sizes, compute_s)
 
 
 def _codec_row(spec: str, topology: Topology, sizes: list[int], compute_s: float,
-               fabric: Fabric, table: Mapping[str, Throughput], device: str, share: float,
-               pipeline_elems: int | None) -> Row:
+               fabric: Fabric, table: Mapping[str, Throughput], device: str,
+               work: DeviceWork, pipeline_elems: int | None) -> Row:
     try:
         codec = build_codec(spec, topology)
     except ValueError as exc:
@@ -466,8 +492,8 @@ def _codec_row(spec: str, topology: Topology, sizes: list[int], compute_s: float
         # no custom collective on the transports that carry GPU and gloo payloads
         kind = plans.runnable(choice.kind, custom=False)
         cost = _pieces_cost(kind, topology, numel, codec, pipeline_elems)
-        encode, decode = _codec_seconds(kind, topology, numel, rate, share)
-        times.append(BucketTime(encode, cost.seconds(fabric), decode))
+        encode, decode = _codec_seconds(kind, topology, numel, rate, work.share)
+        times.append(work.bucket(encode, cost, fabric, decode, numel))
         kinds.append(kind)
         host_bytes += cost.host_bytes
     row = _row(spec.strip(), _plan_label(kinds), host_bytes, times, sizes, compute_s)
@@ -483,15 +509,18 @@ def _row(name: str, plan: str, host_bytes: float, times: list[BucketTime], sizes
 
 
 # -- --measure ----------------------------------------------------------------------------------
-def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 22,
+def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 25,
                        repeat: int = 3) -> dict[str, Throughput]:
     """Time each codec's encode, decode and combine on this machine (best of ``repeat``,
-    after a first call that compiles the kernels); on CPUs also the float16 cast (``"fp16"``).
+    after a first call that compiles the kernels), a copy of the vector (``"copy"``) and on
+    CPUs the float16 cast (``"fp16"``).
 
     Args:
         specs: codec specs (:func:`parse_codec`).
         device: "cpu" (numba, one thread) or "cuda" (CuPy kernels; needs CuPy and a GPU).
-        elements: float32 elements of the timed vector.
+        elements: float32 elements of the timed vector: by default 128 MB, more than a
+            CPU's last-level cache or a GPU's L2 holds, as a model's gradients are (a vector
+            that stays in cache runs a CPU's kernels up to three times as fast).
 
     Returns:
         spec -> :class:`Throughput` (GB/s of float32 input).
@@ -523,7 +552,8 @@ def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 2
             times.append(time.perf_counter() - start)
         return gigabytes / min(times)
 
-    rates: dict[str, Throughput] = {}
+    copy = best(lambda: xp.copyto(out, x))  # a bucket's gradients in, or its mean out
+    rates: dict[str, Throughput] = {"copy": Throughput(copy, copy)}
     if device == "cpu":  # the 16-bit baseline's cast and back, as the built-in table times it
         half = get_codec("fp16")
         payload = half.encode(x, seed=1)

@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from cluster_report import on_fp32_path, stalled  # noqa: E402 (the benchmark's own rules)
 
 RESULTS = os.path.join(ROOT, "docs", "results")
-PAGES = ["docs/performance.md", "docs/choosing.md", "docs/scaling.md", "docs/will-it-pay.md",
-         "docs/codecs.md", "docs/dev/experiments.md"]
+PAGES = ["README.md", "docs/performance.md", "docs/choosing.md", "docs/scaling.md",
+         "docs/will-it-pay.md", "docs/codecs.md", "docs/dev/experiments.md"]
 MARK = re.compile(r"^<!--\s*results:\s*([\w-]+)\s*-->\s*$")
 FIGURE = re.compile(r"<!-- figure: ([\w-]+) -->(.*?)<!-- /figure -->")
 

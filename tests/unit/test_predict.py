@@ -125,22 +125,26 @@ def test_the_step_overlaps_communication_with_backward():
 
 def test_cpu_codecs_share_the_cores():
     """CPU codecs run on a rank's share of its host's cores: half the cores, twice the codec
-    time; the GPU rows have no cast cost in the 16-bit baseline, the CPU rows do."""
+    time; the GPU rows have no cast cost in the 16-bit baseline, the CPU rows do; every row
+    copies its buckets in and out (float32's only work beside compute)."""
     full = _rows(pr.predict(2, 2, 1, 100, params=8_000_000, device="cpu", codecs=["qsgd:8"],
                             cores_per_host=2))
     half = _rows(pr.predict(2, 2, 1, 100, params=8_000_000, device="cpu", codecs=["qsgd:8"],
                             cores_per_host=1))
     assert half["qsgd:8"].codec_ms == pytest.approx(2 * full["qsgd:8"].codec_ms)
-    assert full["fp16"].codec_ms > 0 and full["fp32"].codec_ms == 0
+    copies_ms = 2 * 8_000_000 * 4 / (pr.CPU_THROUGHPUT["copy"].encode * 1e9) * 1e3
+    assert full["fp32"].codec_ms == pytest.approx(copies_ms)
+    assert full["fp16"].codec_ms > copies_ms
     gpu = _rows(pr.predict(2, 2, 1, 100, params=8_000_000, device="cuda", codecs=["qsgd:8"]))
-    assert gpu["fp16"].codec_ms == 0
+    assert gpu["fp16"].codec_ms == gpu["fp32"].codec_ms  # the copies: no cast on GPUs
 
 
 def test_the_builtin_throughput_tables_are_the_committed_measurements():
-    """CPU: docs/results/redesign_throughput_after.json at 16M elements; GPU: qsgd's encode and
-    decode from gpu_check_throughput.json at 256M, the rest from gpu_h100_256m.json, and
-    Global-QSGD, standard dithering and NDQSG from gpu_h100_throughput.json at 64M (the
-    built-in copies keep three significant figures)."""
+    """CPU: the predictor's own ``--measure`` on the development machine
+    (docs/results/predict_throughput_cpu.json); GPU: qsgd's encode and decode and the copy from
+    gpu_check_throughput.json at 256M, the rest from gpu_h100_256m.json, and Global-QSGD,
+    standard dithering and NDQSG from gpu_h100_throughput.json at 64M (the built-in copies keep
+    three or four significant figures)."""
     def table(name, elements):
         with open(os.path.join(RESULTS, name)) as f:
             results = json.load(f)["results"]
@@ -148,14 +152,19 @@ def test_the_builtin_throughput_tables_are_the_committed_measurements():
                 (r["encode_gbps"], r["decode_gbps"], r["combine_gbps"])
                 for r in results if r["elements"] == elements}
 
-    cpu = table("redesign_throughput_after.json", 1 << 24)
+    with open(os.path.join(RESULTS, "predict_throughput_cpu.json")) as f:
+        cpu = json.load(f)["assumptions"]["throughput_gbps"]
     gpu = {**table("gpu_h100_throughput.json", 1 << 26), **table("gpu_h100_256m.json", 1 << 28)}
     with open(os.path.join(RESULTS, "gpu_check_throughput.json")) as f:
-        current = {(f"{r['codec']}:{r['bits']}", r["direction"]): r["input_gbps"]
-                   for r in json.load(f)["results"] if r["elements"] == 1 << 28}
+        check = json.load(f)
+    current = {(f"{r['codec']}:{r['bits']}", r["direction"]): r["input_gbps"]
+               for r in check["results"] if r["elements"] == 1 << 28}
     for key in ("qsgd:4", "qsgd:8"):
         gpu[key] = (current[key, "encode"], current[key, "decode"], gpu[key][2])
+    copy = next(c for c in check["env"]["copy"] if c["elements"] == 1 << 28)
+    gpu["copy"] = (4 * copy["elements"] / copy["seconds"] / 1e9,) * 2 + (None,)
     for built_in, measured in ((pr.CPU_THROUGHPUT, cpu), (pr.GPU_THROUGHPUT, gpu)):
+        assert "copy" in built_in
         for key, rate in built_in.items():
             enc, dec, comb = measured[key]
             assert rate.encode == pytest.approx(enc, rel=2e-3), key
@@ -288,12 +297,13 @@ def test_measure_times_the_codecs_here():
     prediction then uses."""
     rates = pr.measure_throughput(["qsgd:4", "global_qsgd-lin:8"], "cpu", elements=1 << 16,
                                   repeat=1)
-    assert set(rates) == {"fp16", "qsgd:4", "global_qsgd:8"}
+    assert set(rates) == {"copy", "fp16", "qsgd:4", "global_qsgd:8"}
     assert all(r.encode > 0 and r.decode > 0 for r in rates.values())
     assert rates["qsgd:4"].combine > 0 and rates["global_qsgd:8"].combine is None
     prediction = pr.predict(2, 1, 1, 10, params=1 << 20, device="cpu", codecs=["qsgd:4"],
                             throughput=rates)
     assert prediction.throughput_source.startswith("measured here")
+    assert prediction.as_json()["assumptions"]["throughput_gbps"]["copy"][0] == rates["copy"][0]
 
 
 def test_the_committed_example_is_what_the_code_predicts():

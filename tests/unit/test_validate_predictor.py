@@ -18,9 +18,10 @@ SHAPES = [(2, 1), (2, 2), (4, 1), (4, 2)]
 CODECS = ["qsgd:8", "qsgd:4", "global_qsgd-lin:8"]
 
 
-def _run(rate_gbit: float, wobble: float = 0.05) -> dict:
+def _run(rate_gbit: float, wobble: float = 0.05, throughput: dict | None = None) -> dict:
     """A cluster.py JSON whose training rows measured what the predictor says, give or take
-    ``wobble`` (alternating signs: a measurement's scatter), on 2 cores."""
+    ``wobble`` (alternating signs: a measurement's scatter), on 2 cores; with ``throughput``
+    (spec -> :class:`Throughput`), the codec speed the run measured and records."""
     links = []
     for k, (hosts, per_host) in enumerate(SHAPES):
         results, sign = [], 1
@@ -28,7 +29,8 @@ def _run(rate_gbit: float, wobble: float = 0.05) -> dict:
                                          ("gpt25", 25_239_552, 0.3)):
             prediction = vp.predictor.predict(hosts, per_host, rate_gbit, compute_s * 1e3,
                                               params=params, device="cpu", codecs=CODECS,
-                                              cores_per_host=2 / hosts)
+                                              cores_per_host=2 / hosts,
+                                              throughput=throughput)
             results.append({"kind": "train", "model": model, "config_id": "compute",
                             "door": "compute", "step_median_s": compute_s,
                             "model_params": params, "other_load_cores": 0.01})
@@ -40,8 +42,10 @@ def _run(rate_gbit: float, wobble: float = 0.05) -> dict:
                                 "model_params": params, "other_load_cores": 0.01})
         links.append({"hosts": hosts, "ranks_per_host": per_host, "rate_bps": rate_gbit * 1e9,
                       "calibration": {"tcp_gbit_s": rate_gbit}, "results": results})
-    return {"machine": {"cpus": 2, "loadavg_before": "0.10 0.20 0.30",
-                        "loadavg_after": "0.90 0.80 0.50"}, "links": links}
+    machine = {"cpus": 2, "loadavg_before": "0.10 0.20 0.30", "loadavg_after": "0.90 0.80 0.50"}
+    if throughput is not None:
+        machine["codec_throughput"] = {k: list(v) for k, v in throughput.items()}
+    return {"machine": machine, "links": links}
 
 
 RUNS = [_run(1.0), _run(10.0)]
@@ -72,9 +76,21 @@ def test_a_forgotten_codec_term_fails_the_comparison():
     free = {k: vp.predictor.Throughput(1e9, 1e9, 1e9) for k in vp.predictor.CPU_THROUGHPUT}
 
     def no_codec_time(*args, **kwargs):
-        return vp.predictor.predict(*args, throughput=free, **kwargs)
+        return vp.predictor.predict(*args, **dict(kwargs, throughput=free))
 
     assert not vp.summarize(vp.compare(RUNS, predict=no_codec_time))["passed"]
+
+
+def test_the_codec_speed_is_the_one_measured_with_the_runs():
+    """A run on a machine whose codecs are five times slower than the built-in table records
+    their speed (cluster.py's ``machine.codec_throughput``): compared with it, the rows pass;
+    with the built-in table in its place they would not."""
+    slow = {k: vp.predictor.Throughput(*(None if v is None else v / 5 for v in rate))
+            for k, rate in vp.predictor.CPU_THROUGHPUT.items()}
+    run = _run(1.0, throughput=slow)
+    assert vp.summarize(vp.compare([run]))["passed"]
+    del run["machine"]["codec_throughput"]
+    assert not vp.summarize(vp.compare([run]))["passed"]
 
 
 def test_the_command_writes_its_table_and_fails_on_large_errors(tmp_path):
