@@ -461,13 +461,13 @@ def main(argv=None) -> int:
             "machine": machine_info(), "controller": args.controller,
             "transport": args.transport, "fallback": args.fallback,
             "shapes": [list(s) for s in args.shapes], "links": [], "notes": []}
-    if not args.no_training:
-        data["machine"]["codec_throughput"] = measure_codecs(
-            sorted({s.removeprefix("hvd.") for s in args.train_specs[3:]}))
     plans = [build_plan(args, rate, i == 0) for i, rate in enumerate(args.rates)]
     bar = tqdm(total=len(args.shapes) * sum(ticks(it) for p in plans for it in p), unit="step",
                dynamic_ncols=True, mininterval=1.0)
     try:
+        if not args.no_training:
+            data["machine"]["codec_throughput"] = measure_codecs(
+                sorted({s.removeprefix("hvd.") for s in args.train_specs[3:]}))
         for hosts, per_host in args.shapes:
             with EmulatedCluster(hosts=hosts, ranks_per_host=per_host,
                                  delay_ms=args.delay_ms) as cluster:
@@ -510,9 +510,12 @@ def measure_codecs(specs: list[str]) -> dict:
     machine that measured the steps, not the built-in table of another."""
     code = ("import json, sys; from horovod_quant.predict import measure_throughput; "
             "print(json.dumps(measure_throughput(sys.argv[1:], 'cpu', repeat=7)))")
-    env = dict(os.environ, **RANK_THREADS)
+    env = dict(os.environ, **RANK_THREADS, PYTHONPATH=ROOT + (
+        os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
     done = subprocess.run([sys.executable, "-c", code, *specs], capture_output=True, text=True,
-                          env=env, check=True)
+                          env=env)
+    if done.returncode:
+        raise RuntimeError(f"timing the codecs failed:\n{done.stderr}")
     return json.loads(done.stdout)
 
 

@@ -758,8 +758,8 @@ else:
     c.close()
     time.sleep(0.2)
     def busy_s():  # every core's busy time: both ends of the stream run on this machine
-        with open("/proc/stat") as f:
-            t = [int(v) for v in f.readline().split()[1:]]
+        with open("/proc/stat") as f:  # user nice system idle iowait irq softirq steal ...
+            t = [int(v) for v in f.readline().split()[1:8]]
         return (sum(t) - t[3] - t[4]) / os.sysconf("SC_CLK_TCK")
     c = socket.create_connection((addr, 5199)); b = bytes(1 << 20); n = 0
     cpu = busy_s(); t = time.perf_counter()

@@ -364,8 +364,8 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
         round_us: a round's latency across hosts, microseconds (default as ``intra_gbyte``).
         cores_per_host: CPU cores the ranks of a host share (device "cpu"; default one per
             rank; fractions allowed: hosts emulated on fewer cores).
-        throughput: codec spec -> :class:`Throughput` (``"fp16"``: the CPU cast), in place of
-            the built-in table (``--measure``).
+        throughput: codec spec -> :class:`Throughput` (``"fp16"``: the CPU cast; ``"copy"``:
+            a plain copy, required), in place of the built-in table (``--measure``).
         fusion_bytes: float32 bytes per bucket.
         pipeline_elems: elements per pipelined piece (None: whole buckets).
 
@@ -428,6 +428,15 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
                       sizes, source, table, share, notes)
 
 
+def rate_keys(spec: str, codec: Codec) -> list[str]:
+    """The throughput table's keys for ``spec``, most specific first: with its suffix
+    (``"global_qsgd-lin:8"``), then the codec's (``"global_qsgd:8"``, which the built-in
+    tables measure for every suffix)."""
+    bits = codec.params.get("bits")
+    return list(dict.fromkeys([f"{spec.strip().partition(':')[0]}:{bits}",
+                               f"{codec.name}:{bits}"]))
+
+
 def _rate(table: Mapping[str, Throughput], key: str, device: str) -> Throughput:
     try:
         return table[key]
@@ -479,8 +488,8 @@ def _codec_row(spec: str, topology: Topology, sizes: list[int], compute_s: float
         codec = build_codec(spec, topology)
     except ValueError as exc:
         return Row(spec.strip(), "cannot be built", 0.0, 0.0, 0.0, 0.0, note=str(exc))
-    rate_key = f"{codec.name}:{codec.params.get('bits')}"
-    rate = _rate(table, rate_key, device)
+    keys = rate_keys(spec, codec)
+    rate = _rate(table, next((k for k in keys if k in table), keys[-1]), device)
     times, kinds, host_bytes = [], [], 0.0
     for numel in sizes:
         if topology.size == 1:
@@ -564,7 +573,7 @@ def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 2
         if codec_class(name).needs_world_size:
             params["world_size"] = 2
         codec = get_codec(name, **params)
-        key = f"{codec.name}:{codec.params.get('bits')}"
+        key = rate_keys(spec, codec)[0]
         if key in rates:
             continue
         payload = codec.encode(x, seed=1)

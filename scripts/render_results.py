@@ -48,12 +48,11 @@ def _link(name: str, label: str) -> dict:
     return next(x for x in _load(name)["links"] if x["label"] == label)
 
 
-def _shared_cores_best_vs_fp32(first: bool) -> list[float]:
+def _shared_cores_best_vs_fp32(validation: str) -> list[float]:
     """float32's measured step over the fastest codec's, per link and model, in the predictor's
-    validation where the ranks outnumber the cores (``first``: the runs whose float32 rows
-    kept Horovod's own wait)."""
-    rows = _load("predictor_validation_first.json" if first
-                 else "predictor_validation.json")["rows"]
+    validation ``validation`` (a JSON of docs/results; ``predictor_validation_first.json``: the
+    runs whose float32 rows kept Horovod's own wait) where the ranks outnumber the cores."""
+    rows = _load(validation)["rows"]
     steps: dict[tuple, dict[str, float]] = {}
     for r in rows:
         if r["counted"] and int(r["shape"].split("x")[1]) > r["cores_per_host"]:
@@ -61,6 +60,12 @@ def _shared_cores_best_vs_fp32(first: bool) -> list[float]:
                 r["measured_ms"])
     return [by_config["fp32"] / min(v for k, v in by_config.items() if _bits(k))
             for by_config in steps.values()]
+
+
+def _validation_low() -> tuple[int, int]:
+    """How many of the predictor's validation rows it counts are predicted low, of how many."""
+    counted = [r for r in _load("predictor_validation.json")["rows"] if r["counted"]]
+    return sum(r["error"] < 0 for r in counted), len(counted)
 
 
 def _range(values, fmt: str, unit: str = "") -> str:
@@ -467,9 +472,17 @@ FIGURES = {
         100 * _load("predictor_validation.json")["summary"]["median_abs_error"], ".0f") + "%",
     "validation-max": lambda: format(
         100 * _load("predictor_validation.json")["summary"]["max_abs_error"], ".0f") + "%",
-    "shared-cores-best-vs-fp32": lambda: _range(_shared_cores_best_vs_fp32(False), ".2f", "x"),
-    "shared-cores-best-vs-fp32-first": lambda: _range(_shared_cores_best_vs_fp32(True), ".2f",
-                                                      "x"),
+    "validation-low": lambda: "{} of {}".format(*_validation_low()),
+    "validation-socket-ns": lambda: _range(
+        [link["calibration"]["tcp_cpu_ns_per_byte"] for name in _load(
+            "predictor_validation.json")["inputs"] for link in _load(os.path.basename(name))[
+            "links"]], ".1f"),
+    "shared-cores-best-vs-fp32": lambda: _range(
+        _shared_cores_best_vs_fp32("predictor_validation.json"), ".2f", "x"),
+    "shared-cores-best-vs-fp32-epyc": lambda: _range(
+        _shared_cores_best_vs_fp32("predictor_validation_epyc.json"), ".2f", "x"),
+    "shared-cores-best-vs-fp32-first": lambda: _range(
+        _shared_cores_best_vs_fp32("predictor_validation_first.json"), ".2f", "x"),
     "omega-qsgd-8-max": lambda: _g(_variance()[1]["omega"]["mean"]),
     "omega-qsgd-4-max": lambda: _g(_omega("qsgd 4b b512 max-norm")),
     "l2-over-max-4": lambda: f"{_omega('qsgd 4b b512') / _omega('qsgd 4b b512 max-norm'):.0f}x",

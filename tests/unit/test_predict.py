@@ -297,13 +297,30 @@ def test_measure_times_the_codecs_here():
     prediction then uses."""
     rates = pr.measure_throughput(["qsgd:4", "global_qsgd-lin:8"], "cpu", elements=1 << 16,
                                   repeat=1)
-    assert set(rates) == {"copy", "fp16", "qsgd:4", "global_qsgd:8"}
+    assert set(rates) == {"copy", "fp16", "qsgd:4", "global_qsgd-lin:8"}
     assert all(r.encode > 0 and r.decode > 0 for r in rates.values())
-    assert rates["qsgd:4"].combine > 0 and rates["global_qsgd:8"].combine is None
+    assert rates["qsgd:4"].combine > 0 and rates["global_qsgd-lin:8"].combine is None
     prediction = pr.predict(2, 1, 1, 10, params=1 << 20, device="cpu", codecs=["qsgd:4"],
                             throughput=rates)
     assert prediction.throughput_source.startswith("measured here")
     assert prediction.as_json()["assumptions"]["throughput_gbps"]["copy"][0] == rates["copy"][0]
+
+
+def test_the_copy_rate_and_each_suffix_s_own_speed_are_used():
+    """The rows take the table's copy rate (twice as fast: float32's copies take half as long)
+    and a suffixed spec's own entry before its codec's (linear Global-QSGD measured apart
+    from the exponential levels)."""
+    def predict(table):
+        return _rows(pr.predict(2, 1, 10, 100, params=1 << 22, device="cpu",
+                                codecs=["global_qsgd-lin:8", "global_qsgd:8"], throughput=table))
+
+    table = dict(pr.CPU_THROUGHPUT)
+    base = predict(table)
+    table["copy"] = pr.Throughput(2 * table["copy"].encode, 2 * table["copy"].decode)
+    assert predict(table)["fp32"].codec_ms == pytest.approx(base["fp32"].codec_ms / 2)
+    table["global_qsgd-lin:8"] = pr.Throughput(1e-3, 1e-3)
+    slow = predict(table)
+    assert slow["global_qsgd-lin:8"].codec_ms > 100 * slow["global_qsgd:8"].codec_ms
 
 
 def test_the_committed_example_is_what_the_code_predicts():
