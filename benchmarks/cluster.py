@@ -100,8 +100,12 @@ def link_label(rate_bps: float, hosts: int, ranks_per_host: int) -> str:
 
 
 # -- plan and runs ---------------------------------------------------------------------------
-#: every rank's threads: one each (the hosts' cores are shared out by the ranks, not threads)
-RANK_THREADS = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+def rank_env() -> dict[str, str]:
+    """What every rank's process (and the codecs' timing beside them) runs with: this checkout
+    first on the path, one thread each (the hosts' cores are shared out by the ranks)."""
+    return {"PYTHONPATH": ROOT + (os.pathsep + os.environ["PYTHONPATH"]
+                                  if os.environ.get("PYTHONPATH") else ""),
+            "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def build_plan(args, rate_bps: float, first_rate: bool) -> list[dict]:
@@ -183,9 +187,7 @@ def run_phase(cluster: EmulatedCluster, label: str, items: list[dict], bar,
     notes: list[str] = []
     remaining = list(items)
     attempt = 0
-    env = {"PYTHONPATH": ROOT + (os.pathsep + os.environ["PYTHONPATH"]
-                                 if os.environ.get("PYTHONPATH") else ""),
-           **RANK_THREADS, "OMPI_MCA_mpi_yield_when_idle": "1"}
+    env = {**rank_env(), "OMPI_MCA_mpi_yield_when_idle": "1"}
     if args.controller == "mpi":
         env.update(HOROVOD_CONTROLLER="mpi", HOROVOD_CPU_OPERATIONS="mpi")
     rendezvous = f"{cluster.hosts[0].address}:{29500 + os.getpid() % 1000}"
@@ -505,13 +507,12 @@ def main(argv=None) -> int:
 
 def measure_codecs(specs: list[str]) -> dict:
     """The codecs' encode / decode / combine GB/s on this machine, measured before the runs as
-    ``python -m horovod_quant.predict --measure`` measures them, in a process with one thread as
-    the ranks have (:data:`RANK_THREADS`): the predictor's validation takes the codec speed of the
+    ``python -m horovod_quant.predict --measure`` measures them, in a process set up as the
+    ranks are (:func:`rank_env`): the predictor's validation takes the codec speed of the
     machine that measured the steps, not the built-in table of another."""
     code = ("import json, sys; from horovod_quant.predict import measure_throughput; "
             "print(json.dumps(measure_throughput(sys.argv[1:], 'cpu', repeat=7)))")
-    env = dict(os.environ, **RANK_THREADS, PYTHONPATH=ROOT + (
-        os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    env = dict(os.environ, **rank_env())
     done = subprocess.run([sys.executable, "-c", code, *specs], capture_output=True, text=True,
                           env=env)
     if done.returncode:

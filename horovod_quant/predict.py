@@ -437,12 +437,15 @@ def rate_keys(spec: str, codec: Codec) -> list[str]:
                                f"{codec.name}:{bits}"]))
 
 
-def _rate(table: Mapping[str, Throughput], key: str, device: str) -> Throughput:
-    try:
-        return table[key]
-    except KeyError:
-        raise ValueError(f"no {device} throughput for {key!r}: its kernels were not measured "
-                         "(use --measure, or one of " + ", ".join(sorted(table)) + ")") from None
+def _rate(table: Mapping[str, Throughput], keys: str | Sequence[str],
+          device: str) -> Throughput:
+    """The entry of the first of ``keys`` (one key, or :func:`rate_keys`) that ``table`` has."""
+    keys = [keys] if isinstance(keys, str) else list(keys)
+    for key in keys:
+        if key in table:
+            return table[key]
+    raise ValueError(f"no {device} throughput for {keys[0]!r}: its kernels were not measured "
+                     "(use --measure, or one of " + ", ".join(sorted(table)) + ")")
 
 
 class DeviceWork(NamedTuple):
@@ -488,8 +491,7 @@ def _codec_row(spec: str, topology: Topology, sizes: list[int], compute_s: float
         codec = build_codec(spec, topology)
     except ValueError as exc:
         return Row(spec.strip(), "cannot be built", 0.0, 0.0, 0.0, 0.0, note=str(exc))
-    keys = rate_keys(spec, codec)
-    rate = _rate(table, next((k for k in keys if k in table), keys[-1]), device)
+    rate = _rate(table, rate_keys(spec, codec), device)
     times, kinds, host_bytes = [], [], 0.0
     for numel in sizes:
         if topology.size == 1:
