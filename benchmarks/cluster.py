@@ -21,7 +21,9 @@ The parts (root needed; see docs/dev/benchmarks.md):
   rate one launch running ``cluster_workloads.py``; rank 0 writes one JSON line per finished
   item, which this script tails for its progress bar. A stalled or crashed launch is stopped
   (every rank's Python stacks dumped into its log first), the item recorded as failed, and the
-  remaining items relaunched.
+  remaining items relaunched. The ranks are told the link's rate (``HQ_LINK_GBIT``), as the
+  predictor tells a user to; with training rows the codecs are timed first, alone and per
+  link in its shape's plans (``measure_codecs``: what the predictor's validation takes).
 
 Everything created (namespaces and their processes, temp dir) is removed when a cluster is
 left, also on an error, SIGINT or SIGTERM; ``--cleanup`` removes what killed runs left behind
@@ -46,6 +48,7 @@ import subprocess
 import sys
 import time
 
+from horovod_quant.exchange.cost import LINK_ENV
 from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS
 
 from cluster_report import (
@@ -180,14 +183,15 @@ def result_rows(items: list[dict], results: dict) -> list[dict]:
 
 
 def run_phase(cluster: EmulatedCluster, label: str, items: list[dict], bar,
-              args) -> tuple[dict, list[str]]:
-    """Run ``items`` on ``cluster`` (relaunching after a failed item); returns ({id: result},
-    log notes)."""
+              args, link_gbit: float) -> tuple[dict, list[str]]:
+    """Run ``items`` on ``cluster`` (relaunching after a failed item), the ranks told the
+    link's rate as a user tells the optimizer (``HQ_LINK_GBIT``: the plans the predictor
+    gives that link); returns ({id: result}, log notes)."""
     results: dict[str, dict] = {}
     notes: list[str] = []
     remaining = list(items)
     attempt = 0
-    env = {**rank_env(), "OMPI_MCA_mpi_yield_when_idle": "1"}
+    env = {**rank_env(), "OMPI_MCA_mpi_yield_when_idle": "1", LINK_ENV: f"{link_gbit:g}"}
     if args.controller == "mpi":
         env.update(HOROVOD_CONTROLLER="mpi", HOROVOD_CPU_OPERATIONS="mpi")
     rendezvous = f"{cluster.hosts[0].address}:{29500 + os.getpid() % 1000}"
@@ -467,9 +471,9 @@ def main(argv=None) -> int:
     bar = tqdm(total=len(args.shapes) * sum(ticks(it) for p in plans for it in p), unit="step",
                dynamic_ncols=True, mininterval=1.0)
     try:
+        codec_specs = sorted({s.removeprefix("hvd.") for s in args.train_specs[3:]})
         if not args.no_training:
-            data["machine"]["codec_throughput"] = measure_codecs(
-                sorted({s.removeprefix("hvd.") for s in args.train_specs[3:]}))
+            data["machine"]["codec_throughput"] = measure_codecs(codec_specs)
         for hosts, per_host in args.shapes:
             with EmulatedCluster(hosts=hosts, ranks_per_host=per_host,
                                  delay_ms=args.delay_ms) as cluster:
@@ -478,12 +482,16 @@ def main(argv=None) -> int:
                     bar.set_postfix_str(f"{label}: shaping + calibration", refresh=True)
                     shaping = cluster.shape(rate, args.delay_ms)
                     calib = cluster.calibrate()
+                    in_plans = None if args.no_training else measure_codecs(
+                        codec_specs, (hosts, per_host), rate / 1e9)
                     tag = label.replace(" ", "").replace("/", "p").replace(",", "_")
-                    results, notes = run_phase(cluster, tag, items, bar, args)
+                    results, notes = run_phase(cluster, tag, items, bar, args, rate / 1e9)
                     data["links"].append({"label": label, "hosts": hosts,
                                           "ranks_per_host": per_host, "rate_bps": rate,
+                                          "ranks_link_gbit": rate / 1e9,
                                           "shaping": shaping, "calibration": calib,
                                           "subnet": cluster.subnet,
+                                          "codec_throughput": in_plans,
                                           "results": result_rows(items, results)})
                     data["notes"] += notes
                     # partial results survive a later failure or Ctrl-C
@@ -505,16 +513,23 @@ def main(argv=None) -> int:
             signal.signal(sig, h)
 
 
-def measure_codecs(specs: list[str]) -> dict:
-    """The codecs' encode / decode / combine GB/s on this machine, measured before the runs as
+def measure_codecs(specs: list[str], shape: tuple[int, int] | None = None,
+                   link_gbit: float | None = None) -> dict:
+    """The codecs' encode / decode / combine GB/s on this machine, measured as
     ``python -m horovod_quant.predict --measure`` measures them, in a process set up as the
     ranks are (:func:`rank_env`): the predictor's validation takes the codec speed of the
-    machine that measured the steps, not the built-in table of another."""
-    code = ("import json, sys; from horovod_quant.predict import measure_throughput; "
-            "print(json.dumps(measure_throughput(sys.argv[1:], 'cpu', repeat=7)))")
+    machine that measured the steps, not the built-in table of another. Given a ``shape``
+    (hosts, ranks per host) and the link the ranks are told (``HQ_LINK_GBIT``), also as one
+    rank runs them in that shape's plans (:func:`horovod_quant.predict.measure_throughput`)."""
+    code = ("import json, sys; from horovod_quant import predict as p; "
+            "from horovod_quant.exchange.topology import Topology; "
+            "shape = json.loads(sys.argv[1]); kw = {} if shape is None else dict("
+            "topology=Topology.grid(*shape[:2]), fabric=p.cluster_fabric('cpu', shape[2])); "
+            "print(json.dumps(p.measure_throughput(sys.argv[2:], 'cpu', repeat=7, **kw)))")
     env = dict(os.environ, **rank_env())
-    done = subprocess.run([sys.executable, "-c", code, *specs], capture_output=True, text=True,
-                          env=env)
+    where = None if shape is None else [*shape, link_gbit]
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(where), *specs],
+                          capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"timing the codecs failed:\n{done.stderr}")
     return json.loads(done.stdout)

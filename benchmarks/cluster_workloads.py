@@ -443,7 +443,7 @@ class _Trainer:
                 "codec_step_s": check.codec_step_s, "fp32_step_s": check.fp32_step_s,
                 "fallback": check.fallback}
             row.update(encode_s=st.encode_s, exchange_s=st.exchange_s, decode_s=st.decode_s,
-                       bytes_sent=st.bytes_sent, bytes_raw=st.bytes_raw)
+                       bytes_sent=st.bytes_sent, bytes_raw=st.bytes_raw, plans=dict(st.plans))
 
 
 def _measured_steps(item: dict, last_step_s: float) -> int:
@@ -549,6 +549,7 @@ def run_train(item: dict) -> dict:
     elif nic is not None:
         out.update(nic)
     out["bytes_sent"] = steps[-1]["bytes_sent"]
+    out["plans"] = steps[-1].get("plans")  # the pieces of each plan kind in the last step
     out["fallback_buckets"] = steps[-1].get("fallback_buckets", 0)
     out["step_check"] = steps[-1].get("step_check")
     out["warmup_steps"] = s + 1  # steps 0..s ran untimed

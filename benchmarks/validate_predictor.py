@@ -8,11 +8,13 @@ and compute, told how many cores the ranks share.
 Input: JSON of ``benchmarks/cluster.py`` with training rows (``--no-exchange``; the gloo
 controller; ``--paired-from`` above the link rates so that no row steps a second model). Per
 link (shape and rate) and model the ``compute`` row's median step is the predictor's compute;
-the link rate is the link's TCP calibration; the cores the ranks of a host share are the
-machine's cores over the hosts (every emulated host runs on the same cores); the codecs' speed
-is the one cluster.py measured on the machine before the runs (``--measure``'s, in
-``machine.codec_throughput``; runs without it: the built-in table). Compared: fp32,
-Horovod's fp16 and every ``hq.DistributedOptimizer`` codec row, each row's median step.
+the link rate and the CPU per byte sent (``transport_ns``) are the link's TCP calibration's;
+the cores the ranks of a host share are the machine's cores over the hosts (every emulated
+host runs on the same cores); the codecs' speed is the one cluster.py measured on the machine
+with the link's shape and plans (``--measure``'s, in the link's ``codec_throughput``; older
+runs: the kernels alone, ``machine.codec_throughput``; without either: the built-in table).
+Compared: fp32, Horovod's fp16 and every ``hq.DistributedOptimizer`` codec row, each row's
+median step.
 
 The statistic (median and largest absolute relative error) covers fp32 and the codecs. The
 fp16 rows are listed apart: gloo sums float16 on the CPU, which the predictor does not model
@@ -75,14 +77,15 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
     out = []
     for run in runs:
         cores = run["machine"]["cpus"]
-        measured_rates = run["machine"].get("codec_throughput")
-        rates = None if measured_rates is None else {
-            spec: predictor.Throughput(*r) for spec, r in measured_rates.items()}
         loads = (run["machine"].get("loadavg_before"), run["machine"].get("loadavg_after"))
         for link in run["links"]:
             hosts, per_host = link["hosts"], link["ranks_per_host"]
             calibration = link.get("calibration") or {}
             gbit = calibration.get("tcp_gbit_s") or link["rate_bps"] / 1e9
+            measured_rates = link.get("codec_throughput") or run["machine"].get(
+                "codec_throughput")
+            rates = None if measured_rates is None else {
+                spec: predictor.Throughput(*r) for spec, r in measured_rates.items()}
             rows = _training_rows(link)
             for model in sorted({m for m, _ in rows}):
                 compute = rows.get((model, "compute"))
@@ -94,7 +97,8 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
                 prediction = predict(hosts, per_host, gbit, compute["step_median_s"] * 1e3,
                                      params=compute["model_params"], device="cpu",
                                      codecs=codecs, cores_per_host=cores / hosts,
-                                     throughput=rates)
+                                     throughput=rates,
+                                     transport_ns=calibration.get("tcp_cpu_ns_per_byte"))
                 for row in prediction.rows:
                     measured = rows.get((model, row.name))
                     if measured is None or row.step_ms <= 0:
@@ -103,6 +107,7 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
                     out.append({
                         "shape": f"{hosts}x{per_host}", "link_gbit": round(gbit, 3),
                         "model": model, "config": row.name, "plan": row.plan,
+                        "plans_measured": measured.get("plans"),
                         "measured_ms": ms, "predicted_ms": row.step_ms,
                         "error": row.step_ms / ms - 1, "counted": row.name not in NOT_MODELLED,
                         "compute_ms": compute["step_median_s"] * 1e3,

@@ -8,15 +8,14 @@ full, and its error against measurements).
 One cost model: each bucket (``fusion_bytes``, pipelined pieces) takes the plan
 :func:`~.exchange.plans.plan_choice` picks on the same :class:`~.exchange.cost.Fabric`, its
 wire time is :meth:`~.exchange.cost.Cost.seconds`, its codec time
-:func:`~.exchange.cost.codec_work` at measured throughput (built-in tables of committed
-results, or ``--measure``; CPU ranks get their share of the host's cores). float32 and 16-bit
-are ring allreduces (:func:`~.exchange.cost.ring_allreduce`) without codec work on GPUs. Every
-row copies each bucket's gradients into one vector and its mean back (the optimizer's buckets,
-Horovod's fusion buffer) at the device's measured copy rate (the table's ``"copy"``).
-Overlap, the same for every row: the device runs forward, backward (the last
-:data:`BACKWARD_SHARE` of the compute) and the codecs one after the other; the wire carries
-the buckets one after the other, each once backward produced it and it is encoded; the step
-ends when both are done: ``max(compute + encode + decode, last wire end + its decode)``.
+:func:`~.exchange.cost.codec_work` at measured throughput (built-in tables, or ``--measure``;
+CPU ranks: their share of the host's cores). float32 and 16-bit are ring allreduces. Every
+row copies each bucket into one vector and its mean back at the device's copy rate; CPU ranks
+also pay ``transport_ns`` of CPU per byte they send (TCP, both ends). Overlap, the same for
+every row: the device runs forward, backward (the last :data:`BACKWARD_SHARE` of the compute)
+and the codecs one after the other; the wire carries the buckets one after the other, each
+once backward produced it and it is encoded; the step ends when both are done:
+``max(compute + encode + decode, last wire end + its decode)``.
 """
 from __future__ import annotations
 
@@ -24,6 +23,9 @@ import argparse
 import inspect
 import json
 import math
+import os
+import socket
+import subprocess
 import sys
 import time
 import types
@@ -38,7 +40,7 @@ from .core.contract import Combine
 from .core.limits import CodecLimitWarning
 from .core.registry import available_codecs, codec_class, get_codec
 from .doors import DEFAULT_FUSION_BYTES, CodecRequest
-from .exchange import plans
+from .exchange import plans, reference
 from .exchange.cost import (
     INTRA_ENV,
     LINK_ENV,
@@ -115,6 +117,10 @@ GPU_THROUGHPUT: dict[str, Throughput] = {
     "nested_dithered:8": Throughput(691.7, 480.3),
     "copy": Throughput(1506.6, 1506.6),
 }
+#: the CPU (ns, both ends) one byte a CPU rank sends through TCP costs the host: the median of
+#: the emulated links' calibrations of docs/results/predictor_runs.json and
+#: predictor_runs_4x2.json (0.7-1.1 ns); ``--measure`` times a stream over loopback instead
+CPU_TRANSPORT_NS = 0.89
 #: where each built-in table comes from, for the printout
 TABLE_SOURCES = {"cpu": "docs/results/predict_throughput_cpu.json (one numba thread)",
                  "cuda": "docs/results/gpu_check_throughput.json (one H100, qsgd), "
@@ -165,6 +171,7 @@ class Prediction:
     throughput_source: str
     throughput: dict[str, Throughput]
     core_share: float
+    transport_ns: float
     notes: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict:
@@ -175,7 +182,7 @@ class Prediction:
             "fabric": self.fabric._asdict(), "buckets": self.buckets,
             "throughput": self.throughput_source,
             "throughput_gbps": {k: list(v) for k, v in self.throughput.items()},
-            "core_share": self.core_share,
+            "core_share": self.core_share, "transport_ns": self.transport_ns,
             "backward_share": BACKWARD_SHARE, "notes": self.notes}}
 
 
@@ -265,6 +272,18 @@ def limit_note(codec: Codec, kind: str, topology: Topology) -> str:
             f"payload per host ({topology.host_count}): {used.params.get('num_levels')} levels.")
 
 
+def cluster_fabric(device: str, link_gbit: float, intra_gbyte: float | None = None,
+                   round_us: float | None = None) -> Fabric:
+    """The links the optimizer weighs on this cluster: ``link_gbit`` between hosts, the
+    device's defaults (:meth:`Fabric.for_ranks`) where ``intra_gbyte`` or ``round_us`` is
+    None."""
+    base = Fabric.for_ranks(device == "cuda")
+    return Fabric(_positive("link_gbit", link_gbit),
+                  base.intra_gbyte if intra_gbyte is None
+                  else _positive("intra_gbyte", intra_gbyte),
+                  base.round_us if round_us is None else _positive("round_us", round_us))
+
+
 def bucket_sizes(params: int, fusion_bytes: int = DEFAULT_FUSION_BYTES) -> list[int]:
     """The model's float32 gradients in buckets of ``fusion_bytes`` (elements each; the
     optimizer closes a bucket at the parameter that fills it, so its buckets are as large or
@@ -328,7 +347,7 @@ def _codec_seconds(kind: str, topology: Topology, numel: int, rate: Throughput,
 def _pieces_cost(kind: str, topology: Topology, numel: int, codec: Codec,
                  pipeline_elems: int | None) -> Cost:
     """The plan's cost over every piece of a pipelined bucket (each piece its own plan)."""
-    total = Cost(0.0, 0, 0.0, 0)
+    total = Cost(0.0, 0, 0.0, 0, 0.0)
     cross = codec.for_world_size(topology.host_count) if topology.hierarchical else None
     for lo, hi in plans.pipeline_bounds(numel, pipeline_elems):
         total = total + plan_cost(kind, topology, hi - lo, codec, cross)
@@ -348,7 +367,8 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
             round_us: float | None = None, cores_per_host: float | None = None,
             throughput: Mapping[str, Throughput] | None = None,
             fusion_bytes: int = DEFAULT_FUSION_BYTES,
-            pipeline_elems: int | None = plans.DEFAULT_PIPELINE_ELEMS) -> Prediction:
+            pipeline_elems: int | None = plans.DEFAULT_PIPELINE_ELEMS,
+            transport_ns: float | None = None) -> Prediction:
     """Predict the step of float32, the 16-bit allreduce and each codec (module docstring).
 
     Args:
@@ -368,6 +388,9 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
             a plain copy, required), in place of the built-in table (``--measure``).
         fusion_bytes: float32 bytes per bucket.
         pipeline_elems: elements per pipelined piece (None: whole buckets).
+        transport_ns: CPU ranks: ns of the host's CPU per byte a rank sends, both ends of the
+            TCP stream (default :data:`CPU_TRANSPORT_NS`; 0 allowed). GPU ranks' network
+            runs beside their device: None or 0 only.
 
     Returns:
         The :class:`Prediction`: fp32, fp16, then the codecs in the order given.
@@ -384,10 +407,7 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
     numel_total = model_params(model, params)
     on_gpu = device == "cuda"
     base = Fabric.for_ranks(on_gpu)
-    fabric = Fabric(link_gbit,
-                    base.intra_gbyte if intra_gbyte is None
-                    else _positive("intra_gbyte", intra_gbyte),
-                    base.round_us if round_us is None else _positive("round_us", round_us))
+    fabric = cluster_fabric(device, link_gbit, intra_gbyte, round_us)
     share = 1.0
     if not on_gpu:
         cores = ranks_per_host if cores_per_host is None else _positive("cores_per_host",
@@ -395,6 +415,13 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
         share = min(1.0, cores / ranks_per_host)
     elif cores_per_host is not None:
         _positive("cores_per_host", cores_per_host)  # validated, unused: GPU codecs
+    if transport_ns is None:
+        transport_ns = 0.0 if on_gpu else CPU_TRANSPORT_NS
+    elif transport_ns != 0:
+        transport_ns = _positive("transport_ns", transport_ns)
+        if on_gpu:
+            raise ValueError(f"transport_ns={transport_ns:g} is the CPU that CPU ranks give "
+                             "their network; GPU ranks' runs beside the GPU: leave it unset")
     table = dict(throughput) if throughput is not None else (
         GPU_THROUGHPUT if on_gpu else CPU_THROUGHPUT)
     source = "measured here (--measure)" if throughput is not None else TABLE_SOURCES[device]
@@ -404,7 +431,7 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
     specs = list(DEFAULT_CODECS if codecs is None else codecs)
     for spec in specs:  # a misspelt spec is the caller's error; a codec the shape cannot
         parse_codec(spec)  # serve is a row that says why
-    work = DeviceWork(_rate(table, "copy", device), share)
+    work = DeviceWork(_rate(table, "copy", device), share, transport_ns)
     rows = [_baseline_row("fp32", 4.0, topology, sizes, compute_s, fabric, None, work),
             _baseline_row("fp16", 2.0, topology, sizes, compute_s, fabric,
                           None if on_gpu else _rate(table, "fp16", device), work)]
@@ -425,7 +452,7 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
         notes.append("16-bit on CPUs: the cast is timed, gloo's float16 sum is taken as fast "
                      "as its float32 sum (it is slower: docs/will-it-pay.md)")
     return Prediction(rows, hosts, ranks_per_host, numel_total, compute_s * 1e3, device, fabric,
-                      sizes, source, table, share, notes)
+                      sizes, source, table, share, transport_ns, notes)
 
 
 def rate_keys(spec: str, codec: Codec) -> list[str]:
@@ -450,18 +477,21 @@ def _rate(table: Mapping[str, Throughput], keys: str | Sequence[str],
 
 class DeviceWork(NamedTuple):
     """The rank's device beside its codec: ``copy``, its copy rate; ``share``, the rank's
-    share of a core (CPU ranks; 1 on GPUs)."""
+    share of a core (CPU ranks; 1 on GPUs); ``transport_ns``, the CPU per byte it sends."""
 
     copy: Throughput
     share: float
+    transport_ns: float
 
     def bucket(self, encode: float, cost: Cost, fabric: Fabric, decode: float,
                numel: int) -> BucketTime:
-        """A bucket's times with its copies added: its gradients into one vector before the
-        encode, the mean back into them after the decode."""
+        """A bucket's times with its copies added (its gradients into one vector before the
+        encode, the mean back into them after the decode) and, after the decode, the CPU of
+        the bytes the rank sends (:attr:`Cost.rank_bytes`)."""
         return BucketTime(encode + _gbps_seconds(numel, self.copy.encode * self.share),
                           cost.seconds(fabric),
-                          decode + _gbps_seconds(numel, self.copy.decode * self.share))
+                          decode + _gbps_seconds(numel, self.copy.decode * self.share)
+                          + cost.rank_bytes * self.transport_ns * 1e-9 / self.share)
 
 
 def _baseline_row(name: str, element_bytes: float, topology: Topology, sizes: list[int],
@@ -498,10 +528,7 @@ def _codec_row(spec: str, topology: Topology, sizes: list[int], compute_s: float
             kinds.append("none")
             times.append(BucketTime(0.0, 0.0, 0.0))
             continue
-        choice = plans.plan_choice(codec, topology, numel, "auto", topology.hierarchical,
-                                   fabric)
-        # no custom collective on the transports that carry GPU and gloo payloads
-        kind = plans.runnable(choice.kind, custom=False)
+        kind = _plan_kind(codec, topology, numel, fabric)
         cost = _pieces_cost(kind, topology, numel, codec, pipeline_elems)
         encode, decode = _codec_seconds(kind, topology, numel, rate, work.share)
         times.append(work.bucket(encode, cost, fabric, decode, numel))
@@ -510,6 +537,13 @@ def _codec_row(spec: str, topology: Topology, sizes: list[int], compute_s: float
     row = _row(spec.strip(), _plan_label(kinds), host_bytes, times, sizes, compute_s)
     row.note = " ".join(dict.fromkeys(limit_note(codec, k, topology) for k in kinds if k))
     return row
+
+
+def _plan_kind(codec: Codec, topology: Topology, numel: int, fabric: Fabric) -> str:
+    """The plan the optimizer takes for a bucket of ``numel`` elements: no custom collective
+    on the transports that carry GPU and gloo payloads."""
+    choice = plans.plan_choice(codec, topology, numel, "auto", topology.hierarchical, fabric)
+    return plans.runnable(choice.kind, custom=False)
 
 
 def _row(name: str, plan: str, host_bytes: float, times: list[BucketTime], sizes: list[int],
@@ -521,7 +555,10 @@ def _row(name: str, plan: str, host_bytes: float, times: list[BucketTime], sizes
 
 # -- --measure ----------------------------------------------------------------------------------
 def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 25,
-                       repeat: int = 3) -> dict[str, Throughput]:
+                       repeat: int = 3, topology: Topology | None = None,
+                       fabric: Fabric | None = None,
+                       pipeline_elems: int | None = plans.DEFAULT_PIPELINE_ELEMS
+                       ) -> dict[str, Throughput]:
     """Time each codec's encode, decode and combine on this machine (best of ``repeat``,
     after a first call that compiles the kernels), a copy of the vector (``"copy"``) and on
     CPUs the float16 cast (``"fp16"``).
@@ -532,6 +569,11 @@ def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 2
         elements: float32 elements of the timed vector: by default 128 MB, more than a
             CPU's last-level cache or a GPU's L2 holds, as a model's gradients are (a vector
             that stays in cache runs a CPU's kernels up to three times as fast).
+        topology: CPU ranks: also time one bucket (``DEFAULT_FUSION_BYTES``) through the
+            plan the predictor gives this shape, as one of its ranks runs it
+            (:func:`~.exchange.reference.one_rank`: its pieces, frames and the copies and sums
+            of its collectives), and slow the codec's kernels by what that adds to them.
+        fabric, pipeline_elems: the links the plan is chosen for, and its pieces.
 
     Returns:
         spec -> :class:`Throughput` (GB/s of float32 input).
@@ -552,7 +594,7 @@ def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 2
     out = xp.empty(elements, np.float32)
     gigabytes = elements * 4 / 1e9
 
-    def best(fn) -> float:
+    def best_seconds(fn) -> float:
         fn()
         sync()
         times = []
@@ -561,7 +603,10 @@ def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 2
             fn()
             sync()
             times.append(time.perf_counter() - start)
-        return gigabytes / min(times)
+        return min(times)
+
+    def best(fn) -> float:
+        return gigabytes / best_seconds(fn)
 
     copy = best(lambda: xp.copyto(out, x))  # a bucket's gradients in, or its mean out
     rates: dict[str, Throughput] = {"copy": Throughput(copy, copy)}
@@ -570,6 +615,8 @@ def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 2
         payload = half.encode(x, seed=1)
         rates["fp16"] = Throughput(best(lambda: half.encode(x, seed=1)),
                                    best(lambda: half.decode(payload, out)))
+    in_plan = device == "cpu" and topology is not None and topology.size > 1
+    bucket = x[:min(elements, DEFAULT_FUSION_BYTES // 4)]
     for spec in specs:
         name, params = parse_codec(spec)
         if codec_class(name).needs_world_size:
@@ -582,9 +629,64 @@ def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 2
         combine = None
         if codec.traits.combine is Combine.GATHER:
             combine = best(lambda: codec.decode_add(payload, out))
-        rates[key] = Throughput(best(lambda: codec.encode(x, seed=1)),
-                                best(lambda: codec.decode(payload, out)), combine)
+        rate = Throughput(best(lambda: codec.encode(x, seed=1)),
+                          best(lambda: codec.decode(payload, out)), combine)
+        if in_plan:
+            rate = _as_the_plan_runs(spec, rate, topology, fabric, pipeline_elems, bucket,
+                                     best_seconds)
+        rates[key] = rate
     return rates
+
+
+def _as_the_plan_runs(spec: str, rate: Throughput, topology: Topology, fabric: Fabric | None,
+                      pipeline_elems: int | None, bucket, best_seconds) -> Throughput:
+    """``rate`` slowed by the ratio of one rank's measured time in the plan of ``bucket`` to
+    the time the kernels' rates give that plan; unchanged where the plan cannot run with
+    every rank sending one rank's payload (NDQSG's groups) or ``spec`` cannot be built."""
+    try:
+        codec = build_codec(spec, topology)
+    except ValueError:
+        return rate
+    kind = _plan_kind(codec, topology, bucket.size, fabric or Fabric.for_ranks(False))
+    try:
+        measured = best_seconds(lambda: reference.one_rank(codec, bucket, kind, topology,
+                                                           pipeline_elems))
+    except ValueError:
+        return rate
+    encode, decode = _codec_seconds(kind, topology, bucket.size, rate, 1.0)
+    slower = measured / (encode + decode)
+    return Throughput(rate.encode / slower, rate.decode / slower,
+                      None if rate.combine is None else rate.combine / slower)
+
+
+def measure_transport_ns(nbytes: int = 1 << 30) -> float:
+    """The CPU (ns, every core's busy time: both ends) one byte sent over a TCP stream on
+    loopback costs this machine (Linux: ``/proc/stat``; an otherwise idle machine).
+
+    Args:
+        nbytes: bytes streamed to a child process.
+    """
+    receiver = ("import socket, sys; s = socket.create_connection(('127.0.0.1', "
+                "int(sys.argv[1]))); b = bytearray(1 << 20)\n"
+                "while s.recv_into(b): pass")
+
+    def busy_s() -> float:
+        with open("/proc/stat") as f:  # user nice system idle iowait irq softirq
+            ticks = [int(v) for v in f.readline().split()[1:8]]
+        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        child = subprocess.Popen([sys.executable, "-c", receiver,
+                                  str(server.getsockname()[1])])
+        conn, _ = server.accept()
+        block, sent = bytes(1 << 20), 0
+        start = busy_s()
+        with conn:
+            while sent < nbytes:
+                conn.sendall(block)
+                sent += len(block)
+        child.wait()
+        return (busy_s() - start) / sent * 1e9
 
 
 # -- command line -------------------------------------------------------------------------------
@@ -599,7 +701,9 @@ def format_table(prediction: Prediction) -> str:
              f"{len(p.buckets)} bucket(s); compute {p.compute_ms:g} ms per step",
              f"codec throughput: {p.throughput_source}"
              + (f", x{p.core_share:.2f} (a rank's share of the cores)"
-                if p.core_share != 1.0 else ""),
+                if p.core_share != 1.0 else "")
+             + (f"; {p.transport_ns:.2f} ns of CPU per byte a rank sends"
+                if p.transport_ns else ""),
              "", f"{'config':<20} {'host MB/step':>12} {'step ms':>9} {'vs 16-bit':>9} "
                  f"{'vs fp32':>8}  plan"]
     for r in p.rows:
@@ -649,9 +753,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--codecs", default=",".join(DEFAULT_CODECS),
                     help="comma-separated codec specs, e.g. qsgd:8,qsgd:4,global_qsgd-lin:8 "
                          f"(default {','.join(DEFAULT_CODECS)})")
+    ap.add_argument("--transport-ns", type=float, default=None,
+                    help="CPU ranks: ns of the host's CPU per byte a rank sends, both ends of "
+                         f"TCP (default {CPU_TRANSPORT_NS:g}; --measure times it on loopback)")
     ap.add_argument("--measure", action="store_true",
-                    help="time the codecs on this machine first (CPU, or the GPU with --device "
-                         "cuda) instead of the built-in throughput table")
+                    help="time the codecs on this machine first (CPU: also through the "
+                         "plan of this shape as one rank runs it, and the CPU of a TCP "
+                         "stream; the GPU with --device cuda) instead of the built-in tables")
     ap.add_argument("--json", action="store_true", help="print JSON: {\"rows\": [...]}")
     return ap.parse_args(argv)
 
@@ -663,12 +771,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for spec in codecs:
             parse_codec(spec)
-        table = measure_throughput(codecs, args.device) if args.measure else None
+        table, transport_ns = None, args.transport_ns
+        if args.measure:
+            table = measure_throughput(
+                codecs, args.device, topology=Topology.grid(args.hosts, args.ranks_per_host),
+                fabric=cluster_fabric(args.device, args.link_gbit, args.intra_gbyte,
+                                      args.round_us))
+            if args.device == "cpu" and transport_ns is None:
+                transport_ns = measure_transport_ns()
         prediction = predict(args.hosts, args.ranks_per_host, args.link_gbit, args.compute_ms,
                              params=args.params, model=args.model, device=args.device,
                              codecs=codecs, intra_gbyte=args.intra_gbyte,
                              round_us=args.round_us, cores_per_host=args.cores_per_host,
-                             throughput=table)
+                             throughput=table, transport_ns=transport_ns)
     except ValueError as exc:
         print(f"predict: {exc}", file=sys.stderr)
         return 2

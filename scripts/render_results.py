@@ -68,6 +68,23 @@ def _validation_low() -> tuple[int, int]:
     return sum(r["error"] < 0 for r in counted), len(counted)
 
 
+def _validation_errors(group: str) -> list[float]:
+    """The counted validation rows' errors (%) of ``group``: "fp32", "hierarchical" (codec
+    rows whose ranks ran a hierarchical plan) or "flat" (the other codec rows)."""
+    def group_of(row: dict) -> str:
+        if row["config"] == "fp32":
+            return "fp32"
+        ran = row.get("plans_measured") or {}
+        return "hierarchical" if any(k.startswith("hierarchical") for k in ran) else "flat"
+
+    return [100 * r["error"] for r in _load("predictor_validation.json")["rows"]
+            if r["counted"] and group_of(r) == group]
+
+
+def _signed_range(values) -> str:
+    return f"{min(values):+.0f}% to {max(values):+.0f}%"
+
+
 def _range(values, fmt: str, unit: str = "") -> str:
     lo, hi = format(min(values), fmt), format(max(values), fmt)
     return (lo if lo == hi else f"{lo}-{hi}") + unit
@@ -473,10 +490,9 @@ FIGURES = {
     "validation-max": lambda: format(
         100 * _load("predictor_validation.json")["summary"]["max_abs_error"], ".0f") + "%",
     "validation-low": lambda: "{} of {}".format(*_validation_low()),
-    "validation-socket-ns": lambda: _range(
-        [link["calibration"]["tcp_cpu_ns_per_byte"] for name in _load(
-            "predictor_validation.json")["inputs"] for link in _load(os.path.basename(name))[
-            "links"]], ".1f"),
+    "validation-fp32": lambda: _signed_range(_validation_errors("fp32")),
+    "validation-hierarchical": lambda: _signed_range(_validation_errors("hierarchical")),
+    "validation-flat": lambda: _signed_range(_validation_errors("flat")),
     "shared-cores-best-vs-fp32": lambda: _range(
         _shared_cores_best_vs_fp32("predictor_validation.json"), ".2f", "x"),
     "shared-cores-best-vs-fp32-epyc": lambda: _range(

@@ -95,6 +95,7 @@ class Cost(NamedTuple):
     rounds: int  # rounds of collectives that cross hosts
     local_bytes: float = 0.0  # sent by one rank inside its host
     local_rounds: int = 0  # rounds of collectives inside a host
+    rank_bytes: float = 0.0  # sent by the busiest rank over every link, inside its host or not
 
     def score(self, fabric: Fabric = CPU_RANKS) -> float:
         """The plan's cost in bytes of the link: its bytes across hosts, a round's bytes per
@@ -134,7 +135,7 @@ def _ring(topology: Topology, per_link: float, rounds: int) -> Cost:
     crossing = max(crossings)
     local = topology.local_size > 1
     return Cost(crossing * per_link, rounds if crossing else 0, per_link if local else 0.0,
-                rounds if local else 0)
+                rounds if local else 0, per_link)
 
 
 def _alltoall(topology: Topology, block: float) -> Cost:
@@ -143,7 +144,7 @@ def _alltoall(topology: Topology, block: float) -> Cost:
     host_bytes = max(len(ranks) * (n - len(ranks)) * block for ranks in topology.hosts)
     local = topology.local_size > 1
     return Cost(host_bytes, 1 if topology.host_count > 1 else 0,
-                (topology.local_size - 1) * block, 1 if local else 0)
+                (topology.local_size - 1) * block, 1 if local else 0, (n - 1) * block)
 
 
 def _halving_doubling(topology: Topology, nbytes: float) -> Cost:
@@ -163,7 +164,8 @@ def _halving_doubling(topology: Topology, nbytes: float) -> Cost:
             rounds += 2
         else:
             local, local_rounds = local + 2 * block, local_rounds + 2
-    return Cost(max(sent), rounds, local, local_rounds)
+    return Cost(max(sent), rounds, local, local_rounds,
+                sum(2 * nbytes / (2 << i) for i in range(steps)))
 
 
 def flat_cost(kind: str, topology: Topology, payload: float) -> Cost:
@@ -195,7 +197,7 @@ def hierarchical_cost(inner: str, topology: Topology, numel: int, payload: float
     between = flat_cost(inner, Topology.grid(topology.host_count, 1), payload / k)
     inside = 2 * (k - 1) * 4.0 * numel / k
     return Cost(k * between.host_bytes, between.rounds, inside + between.local_bytes,
-                2 + between.local_rounds)
+                2 + between.local_rounds, inside + between.rank_bytes)
 
 
 def plan_cost(kind: str, topology: Topology, numel: int, codec: Codec,

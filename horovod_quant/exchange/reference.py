@@ -166,3 +166,53 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
     for piece in pieces:  # every piece encoded before any is combined
         piece.finish()
     return outs[0], sum(max(piece.payload_bytes) for piece in pieces)
+
+
+def one_rank(codec: Codec, x: np.ndarray, kind: str, topology: Topology,
+             pipeline_elems: int | None = None, seed: int = 0) -> np.ndarray:
+    """Rank 0's work in the plan ``kind`` over ``topology``, every other rank taken to send
+    what rank 0 sends: what one rank computes in a real exchange (its encodes, frames,
+    decodes and combines, the copies and sums a collective makes of what it receives), without
+    the other ranks' work, for the predictor to time
+    (:func:`horovod_quant.predict.measure_throughput`).
+
+    Args:
+        codec: the codec built for the plan's world (``topology.size`` ranks; a hierarchical
+            plan builds its own for the hosts).
+        x: rank 0's float32 vector.
+        kind: a runnable plan kind (:func:`~.plans.runnable`).
+        topology: the ranks and hosts the plan runs over.
+        pipeline_elems: piece length (None: the vector whole).
+        seed: the exchange seed.
+
+    Returns:
+        Rank 0's float32 output: the mean estimate of n equal vectors in the allgather and sum
+        plans; in the others the chunks and shards of every rank repeat rank 0's.
+
+    Raises:
+        ValueError: a codec whose ranks' payloads must differ (NDQSG's groups).
+    """
+    v = as_vector(x)
+    members = {plans.WORLD: topology.size, plans.LOCAL: topology.local_size,
+               plans.CROSS: topology.host_count}
+
+    def run(plan: plans.Plan) -> Any:
+        try:
+            request = next(plan)
+            while True:  # every member's request is rank 0's: rank 0's result
+                request = plan.send(_simulate([request] * members[request.group])[0])
+        except StopIteration as stop:
+            return stop.value
+
+    hierarchical = kind.startswith(plans.HIERARCHICAL)
+    place = plans.Place(0, topology.host_count, 0, topology.local_size) if hierarchical else None
+    norm = None
+    if isinstance(codec, GlobalNorm) and not hierarchical:
+        norm = run(plans.norm_plan(codec, [v]))
+    out = np.empty(v.size, np.float32)
+    bounds = plans.pipeline_bounds(v.size, plans.check_pipeline_elems(pipeline_elems))
+    for k, (lo, hi) in enumerate(bounds):
+        run(plans.plan_of(kind)(plans.Piece(
+            codec, v[lo:hi], plans.pipeline_seed(seed, k, len(bounds)), 0, topology.size, norm,
+            wire.NO_TAG, out[lo:hi], place=place)))
+    return out

@@ -6,16 +6,18 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 
 import horovod_quant as hq
 from horovod_quant.core.limits import CodecLimitWarning
 from horovod_quant.doors import CodecRequest
-from horovod_quant.exchange import plans
+from horovod_quant.exchange import plans, reference
 from horovod_quant.exchange.cost import Fabric, float32_ring, plan_cost
 from horovod_quant.exchange.topology import Topology
 
@@ -133,10 +135,21 @@ def test_cpu_codecs_share_the_cores():
                             cores_per_host=1))
     assert half["qsgd:8"].codec_ms == pytest.approx(2 * full["qsgd:8"].codec_ms)
     copies_ms = 2 * 8_000_000 * 4 / (pr.CPU_THROUGHPUT["copy"].encode * 1e9) * 1e3
-    assert full["fp32"].codec_ms == pytest.approx(copies_ms)
-    assert full["fp16"].codec_ms > copies_ms
+    # each rank of the float32 ring sends 2 (n - 1) / n of the vector: the host's CPU per byte
+    sent = 2 * 3 / 4 * 8_000_000 * 4
+    assert full["fp32"].codec_ms == pytest.approx(
+        copies_ms + sent * pr.CPU_TRANSPORT_NS * 1e-6)
+    no_network_cpu = _rows(pr.predict(2, 2, 1, 100, params=8_000_000, device="cpu",
+                                      codecs=["qsgd:8"], cores_per_host=2, transport_ns=0))
+    assert no_network_cpu["fp32"].codec_ms == pytest.approx(copies_ms)
+    assert no_network_cpu["qsgd:8"].codec_ms < full["qsgd:8"].codec_ms
+    assert full["fp16"].codec_ms > full["fp32"].codec_ms - sent / 2 * pr.CPU_TRANSPORT_NS * 1e-6
     gpu = _rows(pr.predict(2, 2, 1, 100, params=8_000_000, device="cuda", codecs=["qsgd:8"]))
     assert gpu["fp16"].codec_ms == gpu["fp32"].codec_ms  # the copies: no cast on GPUs
+    assert gpu["fp32"].codec_ms == pytest.approx(copies_ms * pr.CPU_THROUGHPUT["copy"].encode
+                                                 / pr.GPU_THROUGHPUT["copy"].encode)
+    with pytest.raises(ValueError, match="GPU ranks"):
+        pr.predict(2, 2, 1, 100, params=8_000_000, device="cuda", transport_ns=0.5)
 
 
 def test_the_builtin_throughput_tables_are_the_committed_measurements():
@@ -172,6 +185,11 @@ def test_the_builtin_throughput_tables_are_the_committed_measurements():
             assert (rate.combine is None) == (comb is None), key
             if rate.combine is not None:
                 assert rate.combine == pytest.approx(comb, rel=2e-3), key
+    # the CPU per byte sent: the median of the validation runs' link calibrations
+    ns = [link["calibration"]["tcp_cpu_ns_per_byte"]
+          for name in ("predictor_runs.json", "predictor_runs_4x2.json")
+          for link in json.load(open(os.path.join(RESULTS, name)))["links"]]
+    assert pr.CPU_TRANSPORT_NS == pytest.approx(statistics.median(ns), abs=0.005)
 
 
 def _resnet50_params() -> int:
@@ -306,13 +324,55 @@ def test_measure_times_the_codecs_here():
     assert prediction.as_json()["assumptions"]["throughput_gbps"]["copy"][0] == rates["copy"][0]
 
 
+def test_measure_times_one_rank_in_the_plan_of_the_shape():
+    """With a topology, ``--measure`` runs one bucket through the shape's plan as one rank
+    does: a hierarchical plan's float32 shards inside the host (framed, summed in order,
+    gathered) cost a rank far more than its codec's kernels on one shard, so the rates it
+    gives fall; NDQSG, whose ranks cannot all send one rank's payload, keeps its kernels'."""
+    specs = ["qsgd:8", "nested_dithered:8"]
+    kernels = pr.measure_throughput(specs, "cpu", elements=1 << 20, repeat=3)
+    hosts = pr.measure_throughput(specs, "cpu", elements=1 << 20, repeat=3,
+                                  topology=Topology.grid(2, 4), fabric=Fabric(1.0))
+    assert hosts["qsgd:8"].encode < kernels["qsgd:8"].encode / 2
+    assert hosts["qsgd:8"].combine < kernels["qsgd:8"].combine / 2
+    ratio = hosts["qsgd:8"].encode / kernels["qsgd:8"].encode
+    assert hosts["qsgd:8"].decode / kernels["qsgd:8"].decode == pytest.approx(ratio, rel=0.5)
+    assert hosts["nested_dithered:8"].encode == pytest.approx(
+        kernels["nested_dithered:8"].encode, rel=0.5)
+
+
+def test_one_rank_of_a_plan_is_the_mean_of_equal_vectors():
+    """reference.one_rank: rank 0's plan, every rank sending rank 0's payload, estimates x
+    itself in the allgather and sum plans; the other plans run to the end; NDQSG's groups
+    refuse it."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(1 << 16).astype(np.float32)
+    topology = Topology.grid(2, 2)
+    for spec, kind in (("qsgd:8", "allgather"), ("global_qsgd-lin:8", "sum")):
+        out = reference.one_rank(pr.build_codec(spec, topology), x, kind, topology, 1 << 14)
+        assert np.linalg.norm(out - x) < 0.1 * np.linalg.norm(x)
+    for kind in ("sra", "hierarchical-allgather", "hierarchical-sra"):
+        out = reference.one_rank(pr.build_codec("qsgd:8", topology), x, kind, topology)
+        assert out.shape == x.shape and np.isfinite(out).all()
+    with pytest.raises(ValueError):
+        reference.one_rank(pr.build_codec("nested_dithered:8", topology), x, "allgather",
+                           topology)
+
+
+def test_the_cpu_of_a_tcp_stream_is_measured_here():
+    """``--measure``'s CPU per byte of a loopback TCP stream: a fraction of a nanosecond to
+    a few (every core's busy time, both ends)."""
+    assert 0.01 < pr.measure_transport_ns(1 << 27) < 20
+
+
 def test_the_copy_rate_and_each_suffix_s_own_speed_are_used():
     """The rows take the table's copy rate (twice as fast: float32's copies take half as long)
     and a suffixed spec's own entry before its codec's (linear Global-QSGD measured apart
     from the exponential levels)."""
     def predict(table):
         return _rows(pr.predict(2, 1, 10, 100, params=1 << 22, device="cpu",
-                                codecs=["global_qsgd-lin:8", "global_qsgd:8"], throughput=table))
+                                codecs=["global_qsgd-lin:8", "global_qsgd:8"], throughput=table,
+                                transport_ns=0))
 
     table = dict(pr.CPU_THROUGHPUT)
     base = predict(table)

@@ -18,10 +18,13 @@ SHAPES = [(2, 1), (2, 2), (4, 1), (4, 2)]
 CODECS = ["qsgd:8", "qsgd:4", "global_qsgd-lin:8"]
 
 
-def _run(rate_gbit: float, wobble: float = 0.05, throughput: dict | None = None) -> dict:
+def _run(rate_gbit: float, wobble: float = 0.05, throughput: dict | None = None,
+         transport_ns: float | None = None, in_plans: dict | None = None) -> dict:
     """A cluster.py JSON whose training rows measured what the predictor says, give or take
     ``wobble`` (alternating signs: a measurement's scatter), on 2 cores; with ``throughput``
-    (spec -> :class:`Throughput`), the codec speed the run measured and records."""
+    (spec -> :class:`Throughput`), the codec speed the run measured and records; with
+    ``transport_ns``, the CPU per byte its links' calibration measured; with ``in_plans``,
+    the codec speed measured per link in its shape's plans (which the steps then follow)."""
     links = []
     for k, (hosts, per_host) in enumerate(SHAPES):
         results, sign = [], 1
@@ -30,7 +33,8 @@ def _run(rate_gbit: float, wobble: float = 0.05, throughput: dict | None = None)
             prediction = vp.predictor.predict(hosts, per_host, rate_gbit, compute_s * 1e3,
                                               params=params, device="cpu", codecs=CODECS,
                                               cores_per_host=2 / hosts,
-                                              throughput=throughput)
+                                              throughput=in_plans or throughput,
+                                              transport_ns=transport_ns)
             results.append({"kind": "train", "model": model, "config_id": "compute",
                             "door": "compute", "step_median_s": compute_s,
                             "model_params": params, "other_load_cores": 0.01})
@@ -40,8 +44,13 @@ def _run(rate_gbit: float, wobble: float = 0.05, throughput: dict | None = None)
                                 "door": "horovod" if row.name in ("fp32", "fp16") else "hq",
                                 "step_median_s": row.step_ms / 1e3 * (1 + sign * wobble),
                                 "model_params": params, "other_load_cores": 0.01})
+        calibration = {"tcp_gbit_s": rate_gbit}
+        if transport_ns is not None:
+            calibration["tcp_cpu_ns_per_byte"] = transport_ns
         links.append({"hosts": hosts, "ranks_per_host": per_host, "rate_bps": rate_gbit * 1e9,
-                      "calibration": {"tcp_gbit_s": rate_gbit}, "results": results})
+                      "calibration": calibration, "results": results,
+                      "codec_throughput": in_plans and {k: list(v) for k, v in
+                                                        in_plans.items()}})
     machine = {"cpus": 2, "loadavg_before": "0.10 0.20 0.30", "loadavg_after": "0.90 0.80 0.50"}
     if throughput is not None:
         machine["codec_throughput"] = {k: list(v) for k, v in throughput.items()}
@@ -90,6 +99,24 @@ def test_the_codec_speed_is_the_one_measured_with_the_runs():
     run = _run(1.0, throughput=slow)
     assert vp.summarize(vp.compare([run]))["passed"]
     del run["machine"]["codec_throughput"]
+    assert not vp.summarize(vp.compare([run]))["passed"]
+
+
+def test_each_link_s_own_measurements_are_used():
+    """The CPU per byte a link's calibration measured, and the codec speed measured in a
+    link's plans, are the ones its rows are predicted with: without them (the default CPU
+    per byte; the machine's kernel speed) the same rows fail."""
+    run = _run(1.0, transport_ns=6.0)
+    assert vp.summarize(vp.compare([run]))["passed"]
+    for link in run["links"]:
+        del link["calibration"]["tcp_cpu_ns_per_byte"]
+    assert not vp.summarize(vp.compare([run]))["passed"]
+    slow = {k: vp.predictor.Throughput(*(None if v is None else v / 5 for v in rate))
+            for k, rate in vp.predictor.CPU_THROUGHPUT.items()}
+    run = _run(1.0, throughput=dict(vp.predictor.CPU_THROUGHPUT), in_plans=slow)
+    assert vp.summarize(vp.compare([run]))["passed"]
+    for link in run["links"]:
+        link["codec_throughput"] = None
     assert not vp.summarize(vp.compare([run]))["passed"]
 
 
