@@ -36,7 +36,7 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 
 from .core.base import Codec
-from .core.contract import Combine
+from .core.contract import Combine, SideInformation
 from .core.limits import CodecLimitWarning
 from .core.registry import available_codecs, codec_class, get_codec
 from .doors import DEFAULT_FUSION_BYTES, CodecRequest
@@ -418,6 +418,9 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
     if transport_ns is None:
         transport_ns = 0.0 if on_gpu else CPU_TRANSPORT_NS
     elif transport_ns != 0:
+        if isinstance(transport_ns, (int, float)) and transport_ns < 0:
+            raise ValueError(f"transport_ns={transport_ns!r} must be 0 or more (ns of CPU "
+                             "per byte sent)")
         transport_ns = _positive("transport_ns", transport_ns)
         if on_gpu:
             raise ValueError(f"transport_ns={transport_ns:g} is the CPU that CPU ranks give "
@@ -572,7 +575,7 @@ def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 2
         topology: CPU ranks: also time one bucket (``DEFAULT_FUSION_BYTES``) through the
             plan the predictor gives this shape, as one of its ranks runs it
             (:func:`~.exchange.reference.one_rank`: its pieces, frames and the copies and sums
-            of its collectives), and slow the codec's kernels by what that adds to them.
+            of its collectives), and scale the codec's rates by that time over its kernels'.
         fabric, pipeline_elems: the links the plan is chosen for, and its pieces.
 
     Returns:
@@ -616,7 +619,6 @@ def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 2
         rates["fp16"] = Throughput(best(lambda: half.encode(x, seed=1)),
                                    best(lambda: half.decode(payload, out)))
     in_plan = device == "cpu" and topology is not None and topology.size > 1
-    bucket = x[:min(elements, DEFAULT_FUSION_BYTES // 4)]
     for spec in specs:
         name, params = parse_codec(spec)
         if codec_class(name).needs_world_size:
@@ -632,40 +634,49 @@ def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 2
         rate = Throughput(best(lambda: codec.encode(x, seed=1)),
                           best(lambda: codec.decode(payload, out)), combine)
         if in_plan:
-            rate = _as_the_plan_runs(spec, rate, topology, fabric, pipeline_elems, bucket,
+            rate = _as_the_plan_runs(spec, rate, topology, fabric, pipeline_elems, x,
                                      best_seconds)
         rates[key] = rate
     return rates
 
 
 def _as_the_plan_runs(spec: str, rate: Throughput, topology: Topology, fabric: Fabric | None,
-                      pipeline_elems: int | None, bucket, best_seconds) -> Throughput:
-    """``rate`` slowed by the ratio of one rank's measured time in the plan of ``bucket`` to
-    the time the kernels' rates give that plan; unchanged where the plan cannot run with
-    every rank sending one rank's payload (NDQSG's groups) or ``spec`` cannot be built."""
+                      pipeline_elems: int | None, vector, best_seconds) -> Throughput:
+    """``rate`` scaled by the ratio of one rank's measured time in the plan of a full bucket
+    (of ``vector``, its pieces cut to split evenly into the plan's chunks and shards) to the
+    time the kernels' rates give that plan, for every bucket; unchanged where ``spec`` cannot
+    be built for ``topology`` or one rank's payload cannot stand for every rank's (NDQSG)."""
     try:
         codec = build_codec(spec, topology)
     except ValueError:
         return rate
-    kind = _plan_kind(codec, topology, bucket.size, fabric or Fabric.for_ranks(False))
-    try:
-        measured = best_seconds(lambda: reference.one_rank(codec, bucket, kind, topology,
-                                                           pipeline_elems))
-    except ValueError:
+    if isinstance(codec, SideInformation):
         return rate
+    even = topology.size * topology.local_size
+    piece = max(even, (pipeline_elems or vector.size) // even * even)
+    bucket = vector[:max(piece, min(vector.size, DEFAULT_FUSION_BYTES // 4) // piece * piece)]
+    kind = _plan_kind(codec, topology, bucket.size, fabric or Fabric.for_ranks(False))
+    measured = best_seconds(lambda: reference.one_rank(codec, bucket, kind, topology, piece))
     encode, decode = _codec_seconds(kind, topology, bucket.size, rate, 1.0)
     slower = measured / (encode + decode)
     return Throughput(rate.encode / slower, rate.decode / slower,
                       None if rate.combine is None else rate.combine / slower)
 
 
-def measure_transport_ns(nbytes: int = 1 << 30) -> float:
+def measure_transport_ns(nbytes: int = 1 << 30, timeout_s: float = 60.0) -> float:
     """The CPU (ns, every core's busy time: both ends) one byte sent over a TCP stream on
-    loopback costs this machine (Linux: ``/proc/stat``; an otherwise idle machine).
+    loopback costs this machine (an otherwise idle machine).
 
     Args:
         nbytes: bytes streamed to a child process.
+        timeout_s: how long the child may take to connect, and each send.
+
+    Raises:
+        ValueError: no ``/proc/stat`` (not Linux): give the figure (``--transport-ns``).
     """
+    if not os.path.exists("/proc/stat"):
+        raise ValueError("timing the network's CPU reads /proc/stat (Linux): give "
+                         "--transport-ns (ns of CPU per byte sent) instead")
     receiver = ("import socket, sys; s = socket.create_connection(('127.0.0.1', "
                 "int(sys.argv[1]))); b = bytearray(1 << 20)\n"
                 "while s.recv_into(b): pass")
@@ -676,17 +687,24 @@ def measure_transport_ns(nbytes: int = 1 << 30) -> float:
         return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
     with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(timeout_s)
         child = subprocess.Popen([sys.executable, "-c", receiver,
                                   str(server.getsockname()[1])])
-        conn, _ = server.accept()
-        block, sent = bytes(1 << 20), 0
-        start = busy_s()
-        with conn:
-            while sent < nbytes:
-                conn.sendall(block)
-                sent += len(block)
-        child.wait()
-        return (busy_s() - start) / sent * 1e9
+        try:
+            conn, _ = server.accept()
+            conn.settimeout(timeout_s)
+            block, sent = bytes(1 << 20), 0
+            start = busy_s()
+            with conn:
+                while sent < nbytes:
+                    conn.sendall(block)
+                    sent += len(block)
+            child.wait(timeout_s)
+            return (busy_s() - start) / sent * 1e9
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
 
 
 # -- command line -------------------------------------------------------------------------------
@@ -769,9 +787,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     codecs = [c for c in args.codecs.split(",") if c.strip()]
     try:
-        for spec in codecs:
-            parse_codec(spec)
         table, transport_ns = None, args.transport_ns
+        inputs = dict(params=args.params, model=args.model, device=args.device, codecs=codecs,
+                      intra_gbyte=args.intra_gbyte, round_us=args.round_us,
+                      cores_per_host=args.cores_per_host)
+        predict(args.hosts, args.ranks_per_host, args.link_gbit, args.compute_ms,
+                transport_ns=transport_ns, **inputs)  # bad inputs refused before timing
         if args.measure:
             table = measure_throughput(
                 codecs, args.device, topology=Topology.grid(args.hosts, args.ranks_per_host),
@@ -780,10 +801,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.device == "cpu" and transport_ns is None:
                 transport_ns = measure_transport_ns()
         prediction = predict(args.hosts, args.ranks_per_host, args.link_gbit, args.compute_ms,
-                             params=args.params, model=args.model, device=args.device,
-                             codecs=codecs, intra_gbyte=args.intra_gbyte,
-                             round_us=args.round_us, cores_per_host=args.cores_per_host,
-                             throughput=table, transport_ns=transport_ns)
+                             throughput=table, transport_ns=transport_ns, **inputs)
     except ValueError as exc:
         print(f"predict: {exc}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..core.base import Codec, as_vector
-from ..core.contract import GlobalNorm
+from ..core.contract import GlobalNorm, SideInformation
 from . import plans, wire
 from .codec_states import CodecStates
 from .cost import CPU_RANKS, Fabric
@@ -168,6 +168,21 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
     return outs[0], sum(max(piece.payload_bytes) for piece in pieces)
 
 
+def _rank_zero_answer(request: plans.Request, members: int) -> Any:
+    """Rank 0's result of ``request`` when each of ``members`` ranks sent the same: only what
+    that rank receives is built (the allgather's n payloads, the alltoall's n blocks for
+    rank 0), and a sum is one pass over the vector, as a ring's share of it roughly is."""
+    array = request.array
+    if isinstance(request, plans.Allreduce):
+        return array * array.dtype.type(members)  # integers wrap as the sum does
+    if isinstance(request, plans.Allgather):
+        return np.concatenate([array] * members)
+    if isinstance(request, plans.Alltoall):
+        mine = array[:request.splits[0]]
+        return np.concatenate([mine] * members), [mine.size] * members
+    raise RuntimeError(f"{type(request).__name__} has no answer of rank 0")
+
+
 def one_rank(codec: Codec, x: np.ndarray, kind: str, topology: Topology,
              pipeline_elems: int | None = None, seed: int = 0) -> np.ndarray:
     """Rank 0's work in the plan ``kind`` over ``topology``, every other rank taken to send
@@ -178,8 +193,11 @@ def one_rank(codec: Codec, x: np.ndarray, kind: str, topology: Topology,
 
     Args:
         codec: the codec built for the plan's world (``topology.size`` ranks; a hierarchical
-            plan builds its own for the hosts).
-        x: rank 0's float32 vector.
+            plan builds its own for the hosts); not a side-information codec (NDQSG's ranks
+            must send different payloads).
+        x: rank 0's float32 vector; its pieces should split evenly into the plan's chunks
+            and shards (a multiple of ``topology.size * topology.local_size`` elements), as
+            rank 0's chunk stands for every rank's.
         kind: a runnable plan kind (:func:`~.plans.runnable`).
         topology: the ranks and hosts the plan runs over.
         pipeline_elems: piece length (None: the vector whole).
@@ -190,8 +208,11 @@ def one_rank(codec: Codec, x: np.ndarray, kind: str, topology: Topology,
         plans; in the others the chunks and shards of every rank repeat rank 0's.
 
     Raises:
-        ValueError: a codec whose ranks' payloads must differ (NDQSG's groups).
+        ValueError: a side-information codec.
     """
+    if isinstance(codec, SideInformation):
+        raise ValueError(f"{codec.name}: its ranks' payloads must differ (side information); "
+                         "one rank's payload cannot stand for every rank's")
     v = as_vector(x)
     members = {plans.WORLD: topology.size, plans.LOCAL: topology.local_size,
                plans.CROSS: topology.host_count}
@@ -199,8 +220,8 @@ def one_rank(codec: Codec, x: np.ndarray, kind: str, topology: Topology,
     def run(plan: plans.Plan) -> Any:
         try:
             request = next(plan)
-            while True:  # every member's request is rank 0's: rank 0's result
-                request = plan.send(_simulate([request] * members[request.group])[0])
+            while True:
+                request = plan.send(_rank_zero_answer(request, members[request.group]))
         except StopIteration as stop:
             return stop.value
 
