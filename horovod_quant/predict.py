@@ -119,8 +119,8 @@ GPU_THROUGHPUT: dict[str, Throughput] = {
 }
 #: the CPU (ns, both ends) one byte a CPU rank sends through TCP costs the host: the median of
 #: the emulated links' calibrations of docs/results/predictor_runs.json and
-#: predictor_runs_4x2.json (0.7-1.1 ns); ``--measure`` times a stream over loopback instead
-CPU_TRANSPORT_NS = 0.89
+#: predictor_runs_4x2.json (0.2-0.7 ns); ``--measure`` times a stream over loopback instead
+CPU_TRANSPORT_NS = 0.52
 #: where each built-in table comes from, for the printout
 TABLE_SOURCES = {"cpu": "docs/results/predict_throughput_cpu.json (one numba thread)",
                  "cuda": "docs/results/gpu_check_throughput.json (one H100, qsgd), "
