@@ -187,11 +187,12 @@ class Prediction:
 
 
 # -- inputs ------------------------------------------------------------------------------------
-def _positive(name: str, value: float, integer: bool = False) -> float:
+def _positive(name: str, value: float, integer: bool = False, zero: bool = False) -> float:
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value <= 0 or (integer and value != int(value)):
+    if (not ok or not math.isfinite(value) or (value < 0 if zero else value <= 0)
+            or (integer and value != int(value))):
         kind = "a positive integer" if integer else "a positive number"
-        raise ValueError(f"{name}={value!r} must be {kind}")
+        raise ValueError(f"{name}={value!r} must be {'0 or ' if zero else ''}{kind}")
     return int(value) if integer else float(value)
 
 
@@ -417,12 +418,9 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
         _positive("cores_per_host", cores_per_host)  # validated, unused: GPU codecs
     if transport_ns is None:
         transport_ns = 0.0 if on_gpu else CPU_TRANSPORT_NS
-    elif transport_ns != 0:
-        if isinstance(transport_ns, (int, float)) and transport_ns < 0:
-            raise ValueError(f"transport_ns={transport_ns!r} must be 0 or more (ns of CPU "
-                             "per byte sent)")
-        transport_ns = _positive("transport_ns", transport_ns)
-        if on_gpu:
+    else:
+        transport_ns = _positive("transport_ns", transport_ns, zero=True)
+        if on_gpu and transport_ns:
             raise ValueError(f"transport_ns={transport_ns:g} is the CPU that CPU ranks give "
                              "their network; GPU ranks' runs beside the GPU: leave it unset")
     table = dict(throughput) if throughput is not None else (

@@ -251,6 +251,8 @@ def test_the_model_table_matches_the_architectures():
     ({"codecs": ["qsgd-lin:8"]}, "only global_qsgd takes a suffix"),
     ({"intra_gbyte": 0}, "intra_gbyte=0"),
     ({"cores_per_host": 0, "device": "cpu"}, "cores_per_host=0"),
+    ({"transport_ns": -1, "device": "cpu"}, "transport_ns=-1 must be 0 or a positive number"),
+    ({"transport_ns": 0.5, "device": "cuda"}, "GPU ranks"),
 ])
 def test_bad_inputs_are_refused_by_name(kwargs, match):
     args = {"hosts": 2, "ranks_per_host": 2, "link_gbit": 10, "compute_ms": 100,
