@@ -130,8 +130,9 @@ def build_plan(args, rate_bps: float, first_rate: bool) -> list[dict]:
         for size in args.sizes_mb:
             items.append({"kind": "exchange", "id": f"x-{size:g}MB", "size_mb": size,
                           "configs": [config(s) for s in args.exchange_specs], "warmup": 1,
-                          "repeats": (args.repeats_large if size >= 128 else
-                                      args.repeats * 10 if size < 16 else args.repeats),
+                          "repeats": args.exchange_repeats or (
+                              args.repeats_large if size >= 128 else
+                              args.repeats * 10 if size < 16 else args.repeats),
                           "pipeline_elems": args.pipeline_elems, "transport": args.transport,
                           "fallback": args.fallback})
     if not args.no_training:
@@ -301,6 +302,9 @@ def parse_args(argv=None):
                          "round runs every training row once, in the same order, and a row's "
                          "figures are medians over the rounds (default: one round)")
     ap.add_argument("--repeats-large", type=int, default=None, help="repetitions at >= 128 MB")
+    ap.add_argument("--exchange-repeats", type=int, default=None,
+                    help="repetitions of every exchange row, whatever its size (default: "
+                         "--repeats, ten times that below 16 MB, --repeats-large from 128 MB)")
     ap.add_argument("--steps", type=int, default=None,
                     help="measured training steps at least (default 5)")
     ap.add_argument("--min-seconds", type=float, default=None,

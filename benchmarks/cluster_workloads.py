@@ -15,7 +15,9 @@ cluster.py tails for its progress bar and its results. The main kinds of item:
   configurations of one size run interleaved (round r runs each once). Each repetition
   starts after a barrier; its wall time is the slowest
   rank's, its encode / exchange / decode split comes from the exchange's statistics (the same
-  numbers ``StepStats`` sums per step).
+  numbers ``StepStats`` sums per step), its CPU is every thread of a rank's process beyond
+  what the process burns while the ranks sleep (the ranks' mean; the predictor's validation
+  calibrates with it). The codecs' plans are chosen for the link the ranks are told.
 * ``train``: SGD steps of a model on synthetic data through one door (:class:`_Trainer`):
   ``fp32`` and ``fp16`` Horovod's own ``hvd.DistributedOptimizer``, ``compute`` no
   communication at all (the floor), the codecs ``hq.torch.DistributedOptimizer`` or Horovod's
@@ -45,6 +47,7 @@ import torch
 
 from horovod_quant.core.registry import codec_class, get_codec
 from horovod_quant.exchange import Exchange
+from horovod_quant.exchange.cost import Fabric
 from horovod_quant.torch.collectives import (
     HorovodTorchCollectives,
     synchronize,
@@ -134,9 +137,12 @@ class HorovodAllreduce:
 
 
 def make_exchange(cfg: dict, comm, pipeline_elems):
+    """The exchange of one configuration, its plans chosen for the links the ranks are told
+    (``HQ_LINK_GBIT``), as the optimizer chooses them."""
     if cfg["codec"] in ("none", "fp16"):
         return HorovodAllreduce(cfg["codec"])
-    return Exchange(build_codec(cfg), comm, pipeline_elems=pipeline_elems)
+    return Exchange(build_codec(cfg), comm, pipeline_elems=pipeline_elems,
+                    fabric=Fabric.for_ranks(False))
 
 
 def choose_fallbacks(item: dict, state: dict, x: np.ndarray) -> None:
@@ -181,6 +187,7 @@ def run_exchange(item: dict, emit) -> None:
         except Exception as exc:
             state[cfg["id"]] = {"error": f"{type(exc).__name__}: {exc}"}
     rounds = item["warmup"] + item["repeats"]
+    idle = idle_cpu_cores()
     for r in range(rounds):
         if r == item["warmup"] and item.get("fallback") == "auto":
             choose_fallbacks(item, state, x)
@@ -194,21 +201,24 @@ def run_exchange(item: dict, emit) -> None:
                 if isinstance(st["ex"], HorovodAllreduce):
                     st["buf"][:] = x
                 barrier()
+                cpu = process_cpu_s()
                 t = time.perf_counter()
                 # one name per configuration, as the optimizer names a bucket every step
                 pending = st["ex"].start(x, seed=r, name=f"hqcl.x.{cfg['id']}",
                                          out=st["buf"])
                 out = pending.wait()
                 wall = time.perf_counter() - t
+                cpu = process_cpu_s() - cpu - idle * wall
             except Exception as exc:  # codec errors are deterministic: every rank gets them
                 traceback.print_exc()
                 st["error"] = f"{type(exc).__name__}: {exc}"
                 continue
             s = pending.stats
             if r >= item["warmup"]:
-                st["reps"].append({"wall_s": wall, "encode_s": s.encode_s,
+                st["reps"].append({"wall_s": wall, "cpu_s": cpu, "encode_s": s.encode_s,
                                    "exchange_s": s.exchange_s, "decode_s": s.decode_s,
                                    "bytes_sent": s.bytes_sent, "bytes_raw": s.bytes_raw})
+            st["last_stats"] = s
             if r == rounds - 1 and n <= 16 * MB // 4:
                 st["out"] = exact_mean_error(out, n)
             del out, pending
@@ -233,7 +243,9 @@ def run_exchange(item: dict, emit) -> None:
               "fallback_codec_s": decision.codec_s if decision else None,
               "fallback_fp32_s": decision.fp32_s if decision else None,
               "wall_s": statistics.median(walls), "wall_all_s": walls,
-              "wall_min_s": min(walls), "encode_s": med("encode_s"),
+              "wall_min_s": min(walls), "cpu_s": med("cpu_s"), "idle_cpu_cores": idle,
+              "plans": getattr(st.get("last_stats"), "plans", None),
+              "encode_s": med("encode_s"),
               "exchange_s": med("exchange_s"), "decode_s": med("decode_s"),
               "bytes_sent": reps[-1]["bytes_sent"], "bytes_raw": reps[-1]["bytes_raw"],
               "rel_sq_error": st["out"],
@@ -561,14 +573,28 @@ def run_train(item: dict) -> dict:
     return out
 
 
+def process_cpu_s() -> float:
+    """CPU seconds of this process, every thread (Horovod's and the transport's included)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def idle_cpu_cores(seconds: float = 1.0) -> float:
+    """The cores this process keeps busy while every rank sleeps (Horovod's background loop,
+    the transports' threads): what an exchange's CPU is counted beyond (collective)."""
+    barrier()
+    before = process_cpu_s()
+    time.sleep(seconds)
+    return (process_cpu_s() - before) / seconds
+
+
 def cpu_snapshot() -> tuple[float, float, float]:
     """(wall, busy CPU seconds of the whole machine, CPU seconds of this process)."""
     with open("/proc/stat") as f:
         fields = [int(v) for v in f.readline().split()[1:]]
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
     busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter(), busy, ru.ru_utime + ru.ru_stime
+    return time.perf_counter(), busy, process_cpu_s()
 
 
 def ranks_cpu_s(before, after) -> float:

@@ -5,14 +5,19 @@ and compute, told how many cores the ranks share.
     python3 benchmarks/validate_predictor.py docs/results/predictor_runs.json \\
         --out docs/results/predictor_validation
 
-Input: JSON of ``benchmarks/cluster.py`` with training rows (``--no-exchange``; the gloo
-controller; ``--paired-from`` above the link rates so that no row steps a second model). Per
-link (shape and rate) and model the ``compute`` row's median step is the predictor's compute;
-the link rate and the CPU per byte sent (``transport_ns``) are the link's TCP calibration's;
-the cores the ranks of a host share are the machine's cores over the hosts (every emulated
-host runs on the same cores); the codecs' speed is the one cluster.py measured on the machine
-with the link's shape and plans (``--measure``'s, in the link's ``codec_throughput``; older
-runs: the kernels alone, ``machine.codec_throughput``; without either: the built-in table).
+Input: JSON of ``benchmarks/cluster.py`` with training rows (the gloo controller;
+``--paired-from`` above the link rates so that no row steps a second model) and, for the
+calibration, exchange rows of one bucket (``--sizes-mb 32``). Per link (shape and rate) and
+model the ``compute`` row's median step is the predictor's compute; the link rate is the
+link's TCP calibration's; the cores the ranks of a host share are the machine's cores over the
+hosts (every emulated host runs on the same cores). The CPU the ranks' collectives cost per
+byte sent (``transport_ns``) and the codecs' speed come from the link's exchange rows where
+they timed the ranks' CPU (:func:`horovod_quant.predict.calibrate`: Horovod's float32
+allreduce of the bucket gives the CPU per byte, each codec's exchange of it, by the plan the
+ranks chose for that link, its speed). Older runs without them: the link's TCP calibration's
+CPU per byte, and the codec speed measured by one process as one rank runs the link's plans
+(the link's ``codec_throughput``), or the kernels alone (``machine.codec_throughput``), or
+the built-in table.
 Compared: fp32, Horovod's fp16 and every ``hq.DistributedOptimizer`` codec row, each row's
 median step.
 
@@ -42,9 +47,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 predictor = importlib.import_module("horovod_quant.predict")
+Topology = importlib.import_module("horovod_quant.exchange.topology").Topology
+MB = 1 << 20
 
 #: the rows the statistic leaves out, and why (the table says it)
 NOT_MODELLED = {"fp16": "gloo sums float16 on the CPU; the predictor's 16-bit is NCCL's"}
+#: the training rows of Horovod's own optimizer (every other row is a codec's)
+BASELINES = ("fp32", "fp16", "compute")
 #: the limits of the acceptance: median and largest absolute relative error
 MAX_MEDIAN, MAX_ERROR = 0.15, 0.30
 
@@ -53,6 +62,19 @@ def _training_rows(link: dict) -> dict[tuple[str, str], dict]:
     """(model, configuration) -> the link's training row that ran without error."""
     return {(r["model"], r["config_id"]): r for r in link.get("results", [])
             if r.get("kind") == "train" and not r.get("error")}
+
+
+def exchange_cpu(link: dict) -> tuple[int, dict[str, float]] | None:
+    """The link's codec exchange rows closest to a bucket (``DEFAULT_FUSION_BYTES``) that
+    timed the ranks' CPU: (elements, codec spec -> CPU seconds of one exchange), or None."""
+    rows = [r for r in link.get("results", []) if r.get("kind") == "exchange"
+            and not r.get("error") and r.get("cpu_s") and r["config_id"] not in BASELINES]
+    if not rows:
+        return None
+    size = min({r["size_mb"] for r in rows},
+               key=lambda mb: abs(mb * MB - predictor.DEFAULT_FUSION_BYTES))
+    return int(size * MB) // 4, {r["config_id"]: r["cpu_s"] for r in rows
+                                 if r["size_mb"] == size}
 
 
 def rounds_spread(row: dict) -> float | None:
@@ -82,10 +104,20 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
             hosts, per_host = link["hosts"], link["ranks_per_host"]
             calibration = link.get("calibration") or {}
             gbit = calibration.get("tcp_gbit_s") or link["rate_bps"] / 1e9
+            transport_ns = calibration.get("tcp_cpu_ns_per_byte")
             measured_rates = link.get("codec_throughput") or run["machine"].get(
                 "codec_throughput")
             rates = None if measured_rates is None else {
                 spec: predictor.Throughput(*r) for spec, r in measured_rates.items()}
+            exchanges = exchange_cpu(link)
+            if exchanges is not None and run["machine"].get("codec_throughput"):
+                numel, cpu_s = exchanges
+                kernels = {spec: predictor.Throughput(*r)
+                           for spec, r in run["machine"]["codec_throughput"].items()}
+                rates = predictor.calibrate(
+                    kernels, cpu_s, numel, Topology.grid(hosts, per_host),
+                    predictor.cluster_fabric("cpu", gbit),
+                    predictor.CPU_TRANSPORT_NS if transport_ns is None else transport_ns)
             rows = _training_rows(link)
             for model in sorted({m for m, _ in rows}):
                 compute = rows.get((model, "compute"))
@@ -97,8 +129,7 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
                 prediction = predict(hosts, per_host, gbit, compute["step_median_s"] * 1e3,
                                      params=compute["model_params"], device="cpu",
                                      codecs=codecs, cores_per_host=cores / hosts,
-                                     throughput=rates,
-                                     transport_ns=calibration.get("tcp_cpu_ns_per_byte"))
+                                     throughput=rates, transport_ns=transport_ns)
                 for row in prediction.rows:
                     measured = rows.get((model, row.name))
                     if measured is None or row.step_ms <= 0:
@@ -111,6 +142,8 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
                         "measured_ms": ms, "predicted_ms": row.step_ms,
                         "error": row.step_ms / ms - 1, "counted": row.name not in NOT_MODELLED,
                         "compute_ms": compute["step_median_s"] * 1e3,
+                        "calibrated_by": "exchanges" if exchanges else "kernels",
+                        "transport_ns": transport_ns,
                         "cores_per_host": cores / hosts,
                         "other_load_cores": measured.get("other_load_cores"),
                         "rounds_spread": rounds_spread(measured),

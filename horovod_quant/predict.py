@@ -119,8 +119,8 @@ GPU_THROUGHPUT: dict[str, Throughput] = {
 }
 #: the CPU (ns, both ends) one byte a CPU rank sends through TCP costs the host: the median of
 #: the emulated links' calibrations of docs/results/predictor_runs.json and
-#: predictor_runs_4x2.json (0.2-0.7 ns); ``--measure`` times a stream over loopback instead
-CPU_TRANSPORT_NS = 0.52
+#: predictor_runs_4x2.json (0.17-0.96 ns); ``--measure`` times a stream over loopback instead
+CPU_TRANSPORT_NS = 0.50
 #: where each built-in table comes from, for the printout
 TABLE_SOURCES = {"cpu": "docs/results/predict_throughput_cpu.json (one numba thread)",
                  "cuda": "docs/results/gpu_check_throughput.json (one H100, qsgd), "
@@ -655,10 +655,58 @@ def _as_the_plan_runs(spec: str, rate: Throughput, topology: Topology, fabric: F
     bucket = vector[:max(piece, min(vector.size, DEFAULT_FUSION_BYTES // 4) // piece * piece)]
     kind = _plan_kind(codec, topology, bucket.size, fabric or Fabric.for_ranks(False))
     measured = best_seconds(lambda: reference.one_rank(codec, bucket, kind, topology, piece))
-    encode, decode = _codec_seconds(kind, topology, bucket.size, rate, 1.0)
-    slower = measured / (encode + decode)
+    return _scaled(rate, measured, kind, topology, bucket.size)
+
+
+def _scaled(rate: Throughput, seconds: float, kind: str, topology: Topology,
+            numel: int) -> Throughput:
+    """``rate`` scaled so that one exchange of ``numel`` elements by plan ``kind`` takes its
+    codec ``seconds`` at a whole core."""
+    encode, decode = _codec_seconds(kind, topology, numel, rate, 1.0)
+    slower = seconds / (encode + decode)
     return Throughput(rate.encode / slower, rate.decode / slower,
                       None if rate.combine is None else rate.combine / slower)
+
+
+def calibrate(kernels: Mapping[str, Throughput], exchange_cpu_s: Mapping[str, float],
+              numel: int, topology: Topology, fabric: Fabric, transport_ns: float,
+              pipeline_elems: int | None = plans.DEFAULT_PIPELINE_ELEMS
+              ) -> dict[str, Throughput]:
+    """CPU ranks' codec rates from exchanges timed by the ranks of a cluster.
+
+    ``exchange_cpu_s`` holds, per codec spec, the CPU one rank's process spent (every
+    thread, beyond its idle load) in one exchange of ``numel`` elements by the plan
+    :func:`predict` gives it. Each codec's rates are scaled so that its kernels take that
+    CPU less its collectives' (the bytes the rank sends at ``transport_ns``).
+
+    Args:
+        kernels: the codecs' kernels' rates on the machine (:func:`measure_throughput`,
+            without ``topology``); kept for the specs not in ``exchange_cpu_s``.
+        exchange_cpu_s: codec spec -> CPU seconds of one exchange.
+        numel, topology, fabric, pipeline_elems: the exchanges' elements, the cluster's
+            shape, the links the ranks' plans were chosen for, and their pieces.
+        transport_ns: the CPU per byte a rank sends (:func:`predict`'s).
+
+    Returns:
+        The table :func:`predict` takes as ``throughput``.
+
+    Raises:
+        ValueError: a CPU time that is not positive.
+    """
+    rates = dict(kernels)
+    for spec, seconds in exchange_cpu_s.items():
+        _positive(f"exchange_cpu_s[{spec!r}]", seconds)
+        try:
+            codec = build_codec(spec, topology)
+        except ValueError:  # a codec this shape cannot build keeps its kernels' rates
+            continue
+        kind = _plan_kind(codec, topology, numel, fabric)
+        sent = _pieces_cost(kind, topology, numel, codec, pipeline_elems).rank_bytes
+        own = seconds - sent * transport_ns * 1e-9
+        if own > 0:
+            rates[rate_keys(spec, codec)[0]] = _scaled(
+                _rate(kernels, rate_keys(spec, codec), "cpu"), own, kind, topology, numel)
+    return rates
 
 
 def measure_transport_ns(nbytes: int = 1 << 30, timeout_s: float = 60.0) -> float:

@@ -365,6 +365,36 @@ def test_the_rates_scale_by_one_rank_s_time_in_the_plan(hosts, local):
                                 1 << 18, vector, one_second) is rate
 
 
+@pytest.mark.parametrize("hosts, local", [(2, 1), (2, 2), (4, 1), (4, 2)])
+def test_calibrate_recovers_the_rates_of_timed_exchanges(hosts, local):
+    """Exchanges timed as a cluster whose codecs run three times slower than their kernels
+    would take them (their collectives' CPU per byte known): calibrate gives those rates
+    back; a codec not timed, or one the shape cannot build, keeps its kernels' rates; a CPU
+    time below zero is refused."""
+    topology, fabric, numel, ns = Topology.grid(hosts, local), Fabric(10.0), 1 << 23, 1.7
+    kernels = dict(pr.CPU_THROUGHPUT)
+    timed, truth = {}, {}
+    for spec in ("qsgd:8", "global_qsgd-lin:8"):
+        codec = pr.build_codec(spec, topology)
+        key = pr.rate_keys(spec, codec)[0]
+        truth[key] = pr.Throughput(*(None if v is None else v / 3
+                                     for v in pr._rate(kernels, pr.rate_keys(spec, codec),
+                                                       "cpu")))
+        kind = pr._plan_kind(codec, topology, numel, fabric)
+        encode, decode = pr._codec_seconds(kind, topology, numel, truth[key], 1.0)
+        sent = pr._pieces_cost(kind, topology, numel, codec, plans.DEFAULT_PIPELINE_ELEMS)
+        timed[spec] = encode + decode + sent.rank_bytes * ns * 1e-9
+    rates = pr.calibrate(kernels, timed, numel, topology, fabric, ns)
+    for key, rate in truth.items():
+        assert rates[key].encode == pytest.approx(rate.encode)
+        assert rates[key].decode == pytest.approx(rate.decode)
+    assert rates["qsgd:4"] == kernels["qsgd:4"] and rates["copy"] == kernels["copy"]
+    assert pr.calibrate(kernels, {"global_qsgd-lin:4": 1.0}, numel, Topology.grid(32, 1),
+                        fabric, ns) == kernels
+    with pytest.raises(ValueError, match="qsgd:8"):
+        pr.calibrate(kernels, {"qsgd:8": -1.0}, numel, topology, fabric, ns)
+
+
 def test_one_rank_of_a_plan_is_the_mean_of_equal_vectors():
     """reference.one_rank: rank 0's plan, every rank sending rank 0's payload, estimates x
     itself in the allgather and sum plans; the other plans run to the end; NDQSG's groups

@@ -120,6 +120,47 @@ def test_each_link_s_own_measurements_are_used():
     assert not vp.summarize(vp.compare([run]))["passed"]
 
 
+def _exchange_rows(hosts: int, per_host: int, gbit: float, rates: dict,
+                   transport_ns: float, size_mb: float = 32.0) -> list[dict]:
+    """cluster.py's exchange rows of a cluster whose codecs run at ``rates`` in their plans
+    and whose collectives cost ``transport_ns`` of CPU per byte a rank sends (the float32
+    row's CPU, which is not used, at four times that)."""
+    pr, topology = vp.predictor, vp.Topology.grid(hosts, per_host)
+    numel, fabric = int(size_mb * vp.MB) // 4, vp.predictor.cluster_fabric("cpu", gbit)
+    rows = [{"kind": "exchange", "config_id": "fp32", "size_mb": size_mb, "cpu_s":
+             pr.ring_allreduce(topology, numel, 4.0).rank_bytes * 4 * transport_ns * 1e-9}]
+    for spec in CODECS:
+        codec = pr.build_codec(spec, topology)
+        kind = pr._plan_kind(codec, topology, numel, fabric)
+        encode, decode = pr._codec_seconds(kind, topology, numel,
+                                           pr._rate(rates, pr.rate_keys(spec, codec), "cpu"),
+                                           1.0)
+        sent = pr._pieces_cost(kind, topology, numel, codec, pr.plans.DEFAULT_PIPELINE_ELEMS)
+        rows.append({"kind": "exchange", "config_id": spec, "size_mb": size_mb,
+                     "cpu_s": encode + decode + sent.rank_bytes * transport_ns * 1e-9})
+    return rows
+
+
+def test_exchanges_timed_by_the_ranks_calibrate_the_codec_speed():
+    """Where the run's ranks timed one bucket's exchange per codec, the codec rows are
+    predicted with the speed those exchanges give (the link's per-plan speed left out
+    here): they pass; without the exchange rows the same rows fail."""
+    slow = {k: vp.predictor.Throughput(*(None if v is None else v / 5 for v in rate))
+            for k, rate in vp.predictor.CPU_THROUGHPUT.items()}
+    run = _run(1.0, throughput=dict(vp.predictor.CPU_THROUGHPUT), in_plans=slow,
+               transport_ns=4.0)
+    for link in run["links"]:
+        link["codec_throughput"] = None
+        link["results"] += _exchange_rows(link["hosts"], link["ranks_per_host"], 1.0, slow,
+                                          4.0)
+    rows = vp.compare([run])
+    assert vp.summarize(rows)["passed"]
+    assert {r["calibrated_by"] for r in rows} == {"exchanges"}
+    for link in run["links"]:
+        link["results"] = [r for r in link["results"] if r["kind"] != "exchange"]
+    assert not vp.summarize(vp.compare([run]))["passed"]
+
+
 def test_the_command_writes_its_table_and_fails_on_large_errors(tmp_path):
     path = tmp_path / "run.json"
     path.write_text(json.dumps(_run(1.0, wobble=0.5)))
