@@ -364,6 +364,8 @@ def parse_args(argv=None):
         ap.error(f"--doors {','.join(args.doors)}: comma-separated of {','.join(DOORS)}")
     args.out_given = args.out != os.path.join(ROOT, "docs", "results", "cluster")
     args.pipeline_elems = args.pipeline_elems or None
+    if args.exchange_repeats is not None and args.exchange_repeats < 1:
+        ap.error(f"--exchange-repeats {args.exchange_repeats}: at least 1")
     q = args.quick
     try:
         args.rates = [parse_rate(r) for r in (args.rates or ("1gbit" if q else "1gbit,10gbit"))

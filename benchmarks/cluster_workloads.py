@@ -45,7 +45,7 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from horovod_quant.core.registry import codec_class, get_codec
+from horovod_quant.doors import CodecRequest
 from horovod_quant.exchange import Exchange
 from horovod_quant.exchange.cost import Fabric
 from horovod_quant.torch.collectives import (
@@ -61,10 +61,9 @@ MB = 1 << 20
 
 
 def build_codec(cfg: dict):
-    params = dict(cfg.get("params", {}))
-    if codec_class(cfg["codec"]).needs_world_size:
-        params.setdefault("world_size", hvd.size())
-    return get_codec(cfg["codec"], **params)
+    """The configuration's codec as the doors build it: for the world, or for the hosts where
+    only a hierarchical exchange can combine that many ranks' payloads."""
+    return CodecRequest(cfg["codec"], cfg.get("params", {})).build(hvd.size, hvd.cross_size)
 
 
 def barrier() -> None:
@@ -223,6 +222,7 @@ def run_exchange(item: dict, emit) -> None:
                 st["out"] = exact_mean_error(out, n)
             del out, pending
         emit({"type": "progress", "id": item["id"], "round": r})
+    idle = statistics.fmean(gather_rows(idle))  # the ranks' mean, as their CPU per exchange
     for cfg in item["configs"]:
         st = state[cfg["id"]]
         row_id = f"{item['id']}-{cfg['id']}"

@@ -11,13 +11,13 @@ calibration, exchange rows of one bucket (``--sizes-mb 32``). Per link (shape an
 model the ``compute`` row's median step is the predictor's compute; the link rate is the
 link's TCP calibration's; the cores the ranks of a host share are the machine's cores over the
 hosts (every emulated host runs on the same cores). The CPU the ranks' collectives cost per
-byte sent (``transport_ns``) and the codecs' speed come from the link's exchange rows where
-they timed the ranks' CPU (:func:`horovod_quant.predict.calibrate`: Horovod's float32
-allreduce of the bucket gives the CPU per byte, each codec's exchange of it, by the plan the
-ranks chose for that link, its speed). Older runs without them: the link's TCP calibration's
-CPU per byte, and the codec speed measured by one process as one rank runs the link's plans
-(the link's ``codec_throughput``), or the kernels alone (``machine.codec_throughput``), or
-the built-in table.
+byte sent (``transport_ns``) is the link's TCP calibration's. The codecs' speed comes from the
+link's exchange rows where they timed the ranks' CPU (:func:`horovod_quant.predict.calibrate`:
+each codec's exchange of the bucket, by the plan the ranks chose for that link, less its bytes
+at that CPU per byte); for a codec without one, from one process timing it as one rank runs
+the link's plans (the link's ``codec_throughput``), or its kernels alone
+(``machine.codec_throughput``), or the built-in table. Each row says which
+(``codec_speed``).
 Compared: fp32, Horovod's fp16 and every ``hq.DistributedOptimizer`` codec row, each row's
 median step.
 
@@ -52,7 +52,7 @@ MB = 1 << 20
 
 #: the rows the statistic leaves out, and why (the table says it)
 NOT_MODELLED = {"fp16": "gloo sums float16 on the CPU; the predictor's 16-bit is NCCL's"}
-#: the training rows of Horovod's own optimizer (every other row is a codec's)
+#: the configurations that are not a codec: Horovod's own optimizer, and compute alone
 BASELINES = ("fp32", "fp16", "compute")
 #: the limits of the acceptance: median and largest absolute relative error
 MAX_MEDIAN, MAX_ERROR = 0.15, 0.30
@@ -66,9 +66,11 @@ def _training_rows(link: dict) -> dict[tuple[str, str], dict]:
 
 def exchange_cpu(link: dict) -> tuple[int, dict[str, float]] | None:
     """The link's codec exchange rows closest to a bucket (``DEFAULT_FUSION_BYTES``) that
-    timed the ranks' CPU: (elements, codec spec -> CPU seconds of one exchange), or None."""
+    timed the ranks' CPU (not those the fallback handed to Horovod's float32 allreduce):
+    (elements, codec spec -> CPU seconds of one exchange), or None."""
     rows = [r for r in link.get("results", []) if r.get("kind") == "exchange"
-            and not r.get("error") and r.get("cpu_s") and r["config_id"] not in BASELINES]
+            and not r.get("error") and not r.get("fallback") and (r.get("cpu_s") or 0) > 0
+            and r["config_id"] not in BASELINES]
     if not rows:
         return None
     size = min({r["size_mb"] for r in rows},
@@ -105,26 +107,28 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
             calibration = link.get("calibration") or {}
             gbit = calibration.get("tcp_gbit_s") or link["rate_bps"] / 1e9
             transport_ns = calibration.get("tcp_cpu_ns_per_byte")
-            measured_rates = link.get("codec_throughput") or run["machine"].get(
-                "codec_throughput")
-            rates = None if measured_rates is None else {
+            source = ("plans" if link.get("codec_throughput") else
+                      "kernels" if run["machine"].get("codec_throughput") else "table")
+            measured_rates = {**(run["machine"].get("codec_throughput") or {}),
+                              **(link.get("codec_throughput") or {})}
+            rates = None if not measured_rates else {
                 spec: predictor.Throughput(*r) for spec, r in measured_rates.items()}
             exchanges = exchange_cpu(link)
-            if exchanges is not None and run["machine"].get("codec_throughput"):
+            calibrated: set[str] = set()
+            if exchanges is not None and rates is not None:
                 numel, cpu_s = exchanges
-                kernels = {spec: predictor.Throughput(*r)
-                           for spec, r in run["machine"]["codec_throughput"].items()}
+                told = link.get("ranks_link_gbit") or link["rate_bps"] / 1e9
                 rates = predictor.calibrate(
-                    kernels, cpu_s, numel, Topology.grid(hosts, per_host),
-                    predictor.cluster_fabric("cpu", gbit),
+                    rates, cpu_s, numel, Topology.grid(hosts, per_host),
+                    predictor.cluster_fabric("cpu", told),
                     predictor.CPU_TRANSPORT_NS if transport_ns is None else transport_ns)
+                calibrated = set(cpu_s)
             rows = _training_rows(link)
             for model in sorted({m for m, _ in rows}):
                 compute = rows.get((model, "compute"))
                 if compute is None:
                     continue
-                codecs = [c for (m, c) in rows if m == model and c not in ("fp32", "fp16",
-                                                                         "compute")
+                codecs = [c for (m, c) in rows if m == model and c not in BASELINES
                           and rows[m, c].get("door") == "hq"]
                 prediction = predict(hosts, per_host, gbit, compute["step_median_s"] * 1e3,
                                      params=compute["model_params"], device="cpu",
@@ -142,7 +146,8 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
                         "measured_ms": ms, "predicted_ms": row.step_ms,
                         "error": row.step_ms / ms - 1, "counted": row.name not in NOT_MODELLED,
                         "compute_ms": compute["step_median_s"] * 1e3,
-                        "calibrated_by": "exchanges" if exchanges else "kernels",
+                        "codec_speed": ("exchanges" if row.name in calibrated else
+                                        None if row.name in BASELINES else source),
                         "transport_ns": transport_ns,
                         "cores_per_host": cores / hosts,
                         "other_load_cores": measured.get("other_load_cores"),

@@ -677,11 +677,14 @@ def calibrate(kernels: Mapping[str, Throughput], exchange_cpu_s: Mapping[str, fl
     ``exchange_cpu_s`` holds, per codec spec, the CPU one rank's process spent (every
     thread, beyond its idle load) in one exchange of ``numel`` elements by the plan
     :func:`predict` gives it. Each codec's rates are scaled so that its kernels take that
-    CPU less its collectives' (the bytes the rank sends at ``transport_ns``).
+    CPU less its collectives' (the bytes the rank sends at ``transport_ns``). A codec keeps
+    its rates where the shape cannot build it, ``kernels`` has no entry for it, or its
+    collectives alone would take the CPU measured.
 
     Args:
-        kernels: the codecs' kernels' rates on the machine (:func:`measure_throughput`,
-            without ``topology``); kept for the specs not in ``exchange_cpu_s``.
+        kernels: the codecs' rates on the machine (:func:`measure_throughput`; only the
+            ratio of each codec's encode, decode and combine matters for the codecs timed);
+            kept for the specs not in ``exchange_cpu_s``.
         exchange_cpu_s: codec spec -> CPU seconds of one exchange.
         numel, topology, fabric, pipeline_elems: the exchanges' elements, the cluster's
             shape, the links the ranks' plans were chosen for, and their pieces.
@@ -691,21 +694,22 @@ def calibrate(kernels: Mapping[str, Throughput], exchange_cpu_s: Mapping[str, fl
         The table :func:`predict` takes as ``throughput``.
 
     Raises:
-        ValueError: a CPU time that is not positive.
+        ValueError: a misspelt spec, or a CPU time that is not positive.
     """
     rates = dict(kernels)
     for spec, seconds in exchange_cpu_s.items():
+        parse_codec(spec)
         _positive(f"exchange_cpu_s[{spec!r}]", seconds)
         try:
             codec = build_codec(spec, topology)
-        except ValueError:  # a codec this shape cannot build keeps its kernels' rates
+            rate = _rate(kernels, rate_keys(spec, codec), "cpu")
+        except ValueError:
             continue
         kind = _plan_kind(codec, topology, numel, fabric)
         sent = _pieces_cost(kind, topology, numel, codec, pipeline_elems).rank_bytes
         own = seconds - sent * transport_ns * 1e-9
         if own > 0:
-            rates[rate_keys(spec, codec)[0]] = _scaled(
-                _rate(kernels, rate_keys(spec, codec), "cpu"), own, kind, topology, numel)
+            rates[rate_keys(spec, codec)[0]] = _scaled(rate, own, kind, topology, numel)
     return rates
 
 

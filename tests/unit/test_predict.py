@@ -369,8 +369,9 @@ def test_the_rates_scale_by_one_rank_s_time_in_the_plan(hosts, local):
 def test_calibrate_recovers_the_rates_of_timed_exchanges(hosts, local):
     """Exchanges timed as a cluster whose codecs run three times slower than their kernels
     would take them (their collectives' CPU per byte known): calibrate gives those rates
-    back; a codec not timed, or one the shape cannot build, keeps its kernels' rates; a CPU
-    time below zero is refused."""
+    back; a codec not timed, one the shape cannot build, one without kernels' rates, or one
+    whose collectives alone take more than its CPU keeps its rates; a CPU time below zero
+    and a misspelt spec are refused."""
     topology, fabric, numel, ns = Topology.grid(hosts, local), Fabric(10.0), 1 << 23, 1.7
     kernels = dict(pr.CPU_THROUGHPUT)
     timed, truth = {}, {}
@@ -391,8 +392,14 @@ def test_calibrate_recovers_the_rates_of_timed_exchanges(hosts, local):
     assert rates["qsgd:4"] == kernels["qsgd:4"] and rates["copy"] == kernels["copy"]
     assert pr.calibrate(kernels, {"global_qsgd-lin:4": 1.0}, numel, Topology.grid(32, 1),
                         fabric, ns) == kernels
+    # the collectives alone would take more than the CPU measured: the rates stay
+    assert pr.calibrate(kernels, {"qsgd:8": 1e-9}, numel, topology, fabric, ns) == kernels
+    assert pr.calibrate({"copy": kernels["copy"]}, timed, numel, topology, fabric, ns) == {
+        "copy": kernels["copy"]}
     with pytest.raises(ValueError, match="qsgd:8"):
         pr.calibrate(kernels, {"qsgd:8": -1.0}, numel, topology, fabric, ns)
+    with pytest.raises(ValueError, match="unknown codec"):
+        pr.calibrate(kernels, {"qsdg:8": 1.0}, numel, topology, fabric, ns)
 
 
 def test_one_rank_of_a_plan_is_the_mean_of_equal_vectors():

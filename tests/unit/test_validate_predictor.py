@@ -123,12 +123,17 @@ def test_each_link_s_own_measurements_are_used():
 def _exchange_rows(hosts: int, per_host: int, gbit: float, rates: dict,
                    transport_ns: float, size_mb: float = 32.0) -> list[dict]:
     """cluster.py's exchange rows of a cluster whose codecs run at ``rates`` in their plans
-    and whose collectives cost ``transport_ns`` of CPU per byte a rank sends (the float32
-    row's CPU, which is not used, at four times that)."""
+    and whose collectives cost ``transport_ns`` of CPU per byte a rank sends; beside them
+    rows that must not calibrate anything: the baselines', a codec's handed to float32 by
+    the fallback, one whose CPU came out below zero, and another size's."""
     pr, topology = vp.predictor, vp.Topology.grid(hosts, per_host)
     numel, fabric = int(size_mb * vp.MB) // 4, vp.predictor.cluster_fabric("cpu", gbit)
-    rows = [{"kind": "exchange", "config_id": "fp32", "size_mb": size_mb, "cpu_s":
-             pr.ring_allreduce(topology, numel, 4.0).rank_bytes * 4 * transport_ns * 1e-9}]
+    rows = [{"kind": "exchange", "config_id": "fp32", "size_mb": size_mb, "cpu_s": 9.0},
+            {"kind": "exchange", "config_id": "fp16", "size_mb": size_mb, "cpu_s": 9.0},
+            {"kind": "exchange", "config_id": "qsgd:4", "size_mb": size_mb, "cpu_s": 9.0,
+             "fallback": True},
+            {"kind": "exchange", "config_id": "qsgd:4", "size_mb": size_mb, "cpu_s": -0.01},
+            {"kind": "exchange", "config_id": "qsgd:8", "size_mb": 4 * size_mb, "cpu_s": 9.0}]
     for spec in CODECS:
         codec = pr.build_codec(spec, topology)
         kind = pr._plan_kind(codec, topology, numel, fabric)
@@ -155,7 +160,8 @@ def test_exchanges_timed_by_the_ranks_calibrate_the_codec_speed():
                                           4.0)
     rows = vp.compare([run])
     assert vp.summarize(rows)["passed"]
-    assert {r["calibrated_by"] for r in rows} == {"exchanges"}
+    assert {r["codec_speed"] for r in rows if r["config"] not in vp.BASELINES} == {"exchanges"}
+    assert vp.exchange_cpu(run["links"][0])[1].keys() == set(CODECS)
     for link in run["links"]:
         link["results"] = [r for r in link["results"] if r["kind"] != "exchange"]
     assert not vp.summarize(vp.compare([run]))["passed"]
