@@ -520,7 +520,7 @@ def run_train(item: dict) -> dict:
     barrier()
     nic_before = host_nic_bytes()
     barrier()  # every host read its counters before any step's traffic
-    cpu_before = cpu_snapshot()
+    cpu_before, main_before = cpu_snapshot(), time.thread_time()
     for i in range(measured):
         if ref is not None and i % 2 == 0:
             ref_steps.append(ref.step()["step_s"])
@@ -531,7 +531,7 @@ def run_train(item: dict) -> dict:
         row["compute_s"] = row["step_s"] - row["encode_s"] - row["exchange_s"] - row["decode_s"]
         row["ref_step_s"] = ref_steps[-1] if ref_steps else None
         steps.append(row)
-    cpu_after = cpu_snapshot()
+    cpu_after, main_after = cpu_snapshot(), time.thread_time()
     barrier()  # every step's traffic arrived
     nic_after = host_nic_bytes()
     per_rank = gather_rows(steps)
@@ -553,6 +553,9 @@ def run_train(item: dict) -> dict:
     # whether the steps were CPU-bound: the ranks' CPU time per step (all ranks together) and
     # how many cores the whole machine kept busy while they ran
     out["ranks_cpu_s_per_step"] = ranks_cpu_s(cpu_before, cpu_after) / len(steps)
+    # of which the ranks' main threads (forward, backward, the optimizer's codec work)
+    out["ranks_main_thread_cpu_s_per_step"] = sum(gather_rows(main_after - main_before)) / len(
+        steps)
     out["busy_cores"] = (cpu_after[1] - cpu_before[1]) / (cpu_after[0] - cpu_before[0])
     if ref is not None:  # the two models' steps interleave, pair by pair
         out["ref_step_all_s"] = slowest("ref_step_s")
