@@ -48,6 +48,7 @@ import torch
 from horovod_quant.doors import CodecRequest
 from horovod_quant.exchange import Exchange
 from horovod_quant.exchange.cost import Fabric
+from horovod_quant.predict import machine_busy_s
 from horovod_quant.torch.collectives import (
     HorovodTorchCollectives,
     synchronize,
@@ -593,11 +594,7 @@ def idle_cpu_cores(seconds: float = 1.0) -> float:
 
 def cpu_snapshot() -> tuple[float, float, float]:
     """(wall, busy CPU seconds of the whole machine, CPU seconds of this process)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-    return time.perf_counter(), busy, process_cpu_s()
+    return time.perf_counter(), machine_busy_s(), process_cpu_s()
 
 
 def ranks_cpu_s(before, after) -> float:

@@ -106,7 +106,7 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
             hosts, per_host = link["hosts"], link["ranks_per_host"]
             calibration = link.get("calibration") or {}
             gbit = calibration.get("tcp_gbit_s") or link["rate_bps"] / 1e9
-            transport_ns = calibration.get("tcp_cpu_ns_per_byte")
+            transport_ns = calibration.get("tcp_cpu_ns_per_byte", predictor.CPU_TRANSPORT_NS)
             source = ("plans" if link.get("codec_throughput") else
                       "kernels" if run["machine"].get("codec_throughput") else "table")
             measured_rates = {**(run["machine"].get("codec_throughput") or {}),
@@ -120,8 +120,7 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
                 told = link.get("ranks_link_gbit") or link["rate_bps"] / 1e9
                 rates = predictor.calibrate(
                     rates, cpu_s, numel, Topology.grid(hosts, per_host),
-                    predictor.cluster_fabric("cpu", told),
-                    predictor.CPU_TRANSPORT_NS if transport_ns is None else transport_ns)
+                    predictor.cluster_fabric("cpu", told), transport_ns)
                 calibrated = set(cpu_s)
             rows = _training_rows(link)
             for model in sorted({m for m, _ in rows}):

@@ -348,7 +348,7 @@ def _codec_seconds(kind: str, topology: Topology, numel: int, rate: Throughput,
 def _pieces_cost(kind: str, topology: Topology, numel: int, codec: Codec,
                  pipeline_elems: int | None) -> Cost:
     """The plan's cost over every piece of a pipelined bucket (each piece its own plan)."""
-    total = Cost(0.0, 0, 0.0, 0, 0.0)
+    total = Cost(0.0, 0)
     cross = codec.for_world_size(topology.host_count) if topology.hierarchical else None
     for lo, hi in plans.pipeline_bounds(numel, pipeline_elems):
         total = total + plan_cost(kind, topology, hi - lo, codec, cross)
@@ -713,6 +713,14 @@ def calibrate(kernels: Mapping[str, Throughput], exchange_cpu_s: Mapping[str, fl
     return rates
 
 
+def machine_busy_s() -> float:
+    """Seconds every core of this machine has been busy since boot (Linux ``/proc/stat``:
+    user, nice, system, irq and softirq; not idle, iowait or a hypervisor's steal)."""
+    with open("/proc/stat") as f:  # user nice system idle iowait irq softirq
+        ticks = [int(v) for v in f.readline().split()[1:8]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def measure_transport_ns(nbytes: int = 1 << 30, timeout_s: float = 60.0) -> float:
     """The CPU (ns, every core's busy time: both ends) one byte sent over a TCP stream on
     loopback costs this machine (an otherwise idle machine).
@@ -730,12 +738,6 @@ def measure_transport_ns(nbytes: int = 1 << 30, timeout_s: float = 60.0) -> floa
     receiver = ("import socket, sys; s = socket.create_connection(('127.0.0.1', "
                 "int(sys.argv[1]))); b = bytearray(1 << 20)\n"
                 "while s.recv_into(b): pass")
-
-    def busy_s() -> float:
-        with open("/proc/stat") as f:  # user nice system idle iowait irq softirq
-            ticks = [int(v) for v in f.readline().split()[1:8]]
-        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.settimeout(timeout_s)
         child = subprocess.Popen([sys.executable, "-c", receiver,
@@ -744,13 +746,13 @@ def measure_transport_ns(nbytes: int = 1 << 30, timeout_s: float = 60.0) -> floa
             conn, _ = server.accept()
             conn.settimeout(timeout_s)
             block, sent = bytes(1 << 20), 0
-            start = busy_s()
+            start = machine_busy_s()
             with conn:
                 while sent < nbytes:
                     conn.sendall(block)
                     sent += len(block)
             child.wait(timeout_s)
-            return (busy_s() - start) / sent * 1e9
+            return (machine_busy_s() - start) / sent * 1e9
         finally:
             if child.poll() is None:
                 child.kill()
