@@ -19,7 +19,9 @@ the link's plans (the link's ``codec_throughput``), or its kernels alone
 (``machine.codec_throughput``), or the built-in table. Each row says which
 (``codec_speed``).
 Compared: fp32, Horovod's fp16 and every ``hq.DistributedOptimizer`` codec row, each row's
-median step.
+median step. A codec's CPU beyond its exchanges (``step_overhead_ns``) is the predictor's default,
+which other runs fixed (:func:`step_overhead_ns` of them); each row keeps the CPU it measured over
+its compute row and the CPU predicted, and the summary what these runs would give instead.
 
 The statistic (median and largest absolute relative error) covers fp32 and the codecs. The
 fp16 rows are listed apart: gloo sums float16 on the CPU, which the predictor does not model
@@ -86,6 +88,13 @@ def rounds_spread(row: dict) -> float | None:
     return max(steps) / min(steps) - 1 if len(steps) > 1 else None
 
 
+def _cpu_per_rank_ms(row: dict, compute: dict, ranks: int) -> float | None:
+    """A training row's CPU per rank and step over its compute row's, ms (None unrecorded)."""
+    if row.get("ranks_cpu_s_per_step") is None or compute.get("ranks_cpu_s_per_step") is None:
+        return None
+    return (row["ranks_cpu_s_per_step"] - compute["ranks_cpu_s_per_step"]) / ranks * 1e3
+
+
 def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list[dict]:
     """Every fp32, fp16 and hq codec row of ``runs`` (cluster.py JSON) beside its prediction.
 
@@ -140,7 +149,8 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
                     ms = measured["step_median_s"] * 1e3
                     out.append({
                         "shape": f"{hosts}x{per_host}", "link_gbit": round(gbit, 3),
-                        "model": model, "config": row.name, "plan": row.plan,
+                        "model": model, "params": compute["model_params"],
+                        "config": row.name, "plan": row.plan,
                         "plans_measured": measured.get("plans"),
                         "measured_ms": ms, "predicted_ms": row.step_ms,
                         "error": row.step_ms / ms - 1, "counted": row.name not in NOT_MODELLED,
@@ -148,12 +158,32 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
                         "codec_speed": ("exchanges" if row.name in calibrated else
                                         None if row.name in BASELINES else source),
                         "transport_ns": transport_ns,
+                        "step_overhead_ns": prediction.step_overhead_ns,
+                        "cpu_ms": _cpu_per_rank_ms(measured, compute, hosts * per_host),
+                        "predicted_cpu_ms": row.codec_ms * prediction.core_share,
                         "cores_per_host": cores / hosts,
                         "other_load_cores": measured.get("other_load_cores"),
                         "rounds_spread": rounds_spread(measured),
                         "compute_rounds_spread": rounds_spread(compute),
                         "loadavg_before_after": loads})
     return out
+
+
+def step_overhead_ns(runs: Iterable[dict]) -> float | None:
+    """The CPU per gradient element that the codec rows of ``runs`` cost a rank and step
+    beyond what the predictor gives their exchanges (with ``step_overhead_ns=0``): the median over
+    the rows that recorded their CPU (None if none did).
+
+    Args:
+        runs: the parsed JSON of one or more cluster.py runs.
+    """
+    def without_overhead(*args, **kwargs):
+        return predictor.predict(*args, **dict(kwargs, step_overhead_ns=0.0))
+
+    missing = [(r["cpu_ms"] - r["predicted_cpu_ms"]) * 1e6 / r["params"]
+               for r in compare(runs, predict=without_overhead)
+               if r["config"] not in BASELINES and r["cpu_ms"] is not None]
+    return statistics.median(missing) if missing else None
 
 
 def summarize(rows: list[dict], max_median: float = MAX_MEDIAN,

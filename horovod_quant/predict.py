@@ -11,10 +11,11 @@ wire time is :meth:`~.exchange.cost.Cost.seconds`, its codec time
 :func:`~.exchange.cost.codec_work` at measured throughput (built-in tables, or ``--measure``;
 CPU ranks: their share of the host's cores). float32 and 16-bit are ring allreduces. Every
 row copies each bucket into one vector and its mean back at the device's copy rate; CPU ranks
-also pay ``transport_ns`` of CPU per byte they send (TCP, both ends). Overlap, the same for
-every row: the device runs forward, backward (the last :data:`BACKWARD_SHARE` of the compute)
-and the codecs one after the other; the wire carries the buckets one after the other, each
-once backward produced it and it is encoded; the step ends when both are done:
+also pay ``transport_ns`` of CPU per byte they send (TCP, both ends), and a codec's step
+``step_overhead_ns`` per gradient element beyond its exchanges timed alone. Overlap, the same
+for every row: the device runs forward, backward (the last :data:`BACKWARD_SHARE` of the
+compute) and the codecs one after the other; the wire carries the buckets one after the other,
+each once backward produced it and it is encoded; the step ends when both are done:
 ``max(compute + encode + decode, last wire end + its decode)``.
 """
 from __future__ import annotations
@@ -118,9 +119,16 @@ GPU_THROUGHPUT: dict[str, Throughput] = {
     "copy": Throughput(1506.6, 1506.6),
 }
 #: the CPU (ns, both ends) one byte a CPU rank sends through TCP costs the host: the median of
-#: the emulated links' calibrations of docs/results/predictor_runs.json and
-#: predictor_runs_4x2.json (0.17-0.96 ns); ``--measure`` times a stream over loopback instead
+#: the emulated links' calibrations of docs/results/predictor_calibration_runs.json and
+#: predictor_calibration_runs_4x2.json (0.17-0.96 ns); ``--measure`` times a stream over
+#: loopback instead
 CPU_TRANSPORT_NS = 0.50
+#: the CPU (ns per gradient element, per rank and step) a CPU rank's codec step costs beyond
+#: its buckets' exchanges timed alone, where they run beside backward on the same cores.
+#: The median over the codec rows of docs/results/predictor_calibration_runs.json and
+#: predictor_calibration_runs_4x2.json (each row's CPU over its compute row's, less its
+#: exchanges': benchmarks/validate_predictor.py's step_overhead_ns); other runs validate it
+CPU_STEP_OVERHEAD_NS = 2.98
 #: where each built-in table comes from, for the printout
 TABLE_SOURCES = {"cpu": "docs/results/predict_throughput_cpu.json (one numba thread)",
                  "cuda": "docs/results/gpu_check_throughput.json (one H100, qsgd), "
@@ -172,6 +180,7 @@ class Prediction:
     throughput: dict[str, Throughput]
     core_share: float
     transport_ns: float
+    step_overhead_ns: float
     notes: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict:
@@ -183,6 +192,7 @@ class Prediction:
             "throughput": self.throughput_source,
             "throughput_gbps": {k: list(v) for k, v in self.throughput.items()},
             "core_share": self.core_share, "transport_ns": self.transport_ns,
+            "step_overhead_ns": self.step_overhead_ns,
             "backward_share": BACKWARD_SHARE, "notes": self.notes}}
 
 
@@ -194,6 +204,18 @@ def _positive(name: str, value: float, integer: bool = False, zero: bool = False
         kind = "a positive integer" if integer else "a positive number"
         raise ValueError(f"{name}={value!r} must be {'0 or ' if zero else ''}{kind}")
     return int(value) if integer else float(value)
+
+
+def _cpu_ns(name: str, value: float | None, cpu_default: float, on_gpu: bool,
+            gpu_reason: str) -> float:
+    """A CPU ranks' cost in ns (0 allowed): ``cpu_default`` when None; 0 on GPUs, where any
+    other value is refused with ``gpu_reason``."""
+    if value is None:
+        return 0.0 if on_gpu else cpu_default
+    value = _positive(name, value, zero=True)
+    if on_gpu and value:
+        raise ValueError(f"{name}={value:g} is {gpu_reason}: leave it unset")
+    return value
 
 
 def model_params(model: str | None = None, params: int | None = None) -> int:
@@ -369,7 +391,8 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
             throughput: Mapping[str, Throughput] | None = None,
             fusion_bytes: int = DEFAULT_FUSION_BYTES,
             pipeline_elems: int | None = plans.DEFAULT_PIPELINE_ELEMS,
-            transport_ns: float | None = None) -> Prediction:
+            transport_ns: float | None = None,
+            step_overhead_ns: float | None = None) -> Prediction:
     """Predict the step of float32, the 16-bit allreduce and each codec (module docstring).
 
     Args:
@@ -392,6 +415,9 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
         transport_ns: CPU ranks: ns of the host's CPU per byte a rank sends, both ends of the
             TCP stream (default :data:`CPU_TRANSPORT_NS`; 0 allowed). GPU ranks' network
             runs beside their device: None or 0 only.
+        step_overhead_ns: CPU ranks: ns of CPU per gradient element a codec's step costs a rank
+            beyond its exchanges (default :data:`CPU_STEP_OVERHEAD_NS`; 0 allowed). GPU ranks:
+            None or 0 only.
 
     Returns:
         The :class:`Prediction`: fp32, fp16, then the codecs in the order given.
@@ -416,13 +442,12 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
         share = min(1.0, cores / ranks_per_host)
     elif cores_per_host is not None:
         _positive("cores_per_host", cores_per_host)  # validated, unused: GPU codecs
-    if transport_ns is None:
-        transport_ns = 0.0 if on_gpu else CPU_TRANSPORT_NS
-    else:
-        transport_ns = _positive("transport_ns", transport_ns, zero=True)
-        if on_gpu and transport_ns:
-            raise ValueError(f"transport_ns={transport_ns:g} is the CPU that CPU ranks give "
-                             "their network; GPU ranks' runs beside the GPU: leave it unset")
+    transport_ns = _cpu_ns("transport_ns", transport_ns, CPU_TRANSPORT_NS, on_gpu,
+                           "the CPU that CPU ranks give their network; GPU ranks' runs "
+                           "beside the GPU")
+    step_overhead_ns = _cpu_ns("step_overhead_ns", step_overhead_ns, CPU_STEP_OVERHEAD_NS,
+                               on_gpu, "the CPU a CPU rank's codec step costs beyond its "
+                               "exchanges; GPU ranks' codecs run on the GPU")
     table = dict(throughput) if throughput is not None else (
         GPU_THROUGHPUT if on_gpu else CPU_THROUGHPUT)
     source = "measured here (--measure)" if throughput is not None else TABLE_SOURCES[device]
@@ -432,7 +457,7 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
     specs = list(DEFAULT_CODECS if codecs is None else codecs)
     for spec in specs:  # a misspelt spec is the caller's error; a codec the shape cannot
         parse_codec(spec)  # serve is a row that says why
-    work = DeviceWork(_rate(table, "copy", device), share, transport_ns)
+    work = DeviceWork(_rate(table, "copy", device), share, transport_ns, step_overhead_ns)
     rows = [_baseline_row("fp32", 4.0, topology, sizes, compute_s, fabric, None, work),
             _baseline_row("fp16", 2.0, topology, sizes, compute_s, fabric,
                           None if on_gpu else _rate(table, "fp16", device), work)]
@@ -453,7 +478,7 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
         notes.append("16-bit on CPUs: the cast is timed, gloo's float16 sum is taken as fast "
                      "as its float32 sum (it is slower: docs/will-it-pay.md)")
     return Prediction(rows, hosts, ranks_per_host, numel_total, compute_s * 1e3, device, fabric,
-                      sizes, source, table, share, transport_ns, notes)
+                      sizes, source, table, share, transport_ns, step_overhead_ns, notes)
 
 
 def rate_keys(spec: str, codec: Codec) -> list[str]:
@@ -478,11 +503,13 @@ def _rate(table: Mapping[str, Throughput], keys: str | Sequence[str],
 
 class DeviceWork(NamedTuple):
     """The rank's device beside its codec: ``copy``, its copy rate; ``share``, the rank's
-    share of a core (CPU ranks; 1 on GPUs); ``transport_ns``, the CPU per byte it sends."""
+    share of a core (CPU ranks; 1 on GPUs); ``transport_ns``, the CPU per byte it sends;
+    ``step_overhead_ns``, a codec's CPU per gradient element beyond its exchanges."""
 
     copy: Throughput
     share: float
     transport_ns: float
+    step_overhead_ns: float
 
     def bucket(self, encode: float, cost: Cost, fabric: Fabric, decode: float,
                numel: int) -> BucketTime:
@@ -532,6 +559,8 @@ def _codec_row(spec: str, topology: Topology, sizes: list[int], compute_s: float
         kind = _plan_kind(codec, topology, numel, fabric)
         cost = _pieces_cost(kind, topology, numel, codec, pipeline_elems)
         encode, decode = _codec_seconds(kind, topology, numel, rate, work.share)
+        # the step's CPU beyond the exchange delays backward, as an encode does
+        encode += numel * work.step_overhead_ns * 1e-9 / work.share
         times.append(work.bucket(encode, cost, fabric, decode, numel))
         kinds.append(kind)
         host_bytes += cost.host_bytes
@@ -773,7 +802,9 @@ def format_table(prediction: Prediction) -> str:
              + (f", x{p.core_share:.2f} (a rank's share of the cores)"
                 if p.core_share != 1.0 else "")
              + (f"; {p.transport_ns:.2f} ns of CPU per byte a rank sends"
-                if p.transport_ns else ""),
+                if p.transport_ns else "")
+             + (f"; a codec's step {p.step_overhead_ns:.2f} ns of CPU per element beyond its "
+                f"exchanges" if p.step_overhead_ns else ""),
              "", f"{'config':<20} {'host MB/step':>12} {'step ms':>9} {'vs 16-bit':>9} "
                  f"{'vs fp32':>8}  plan"]
     for r in p.rows:
@@ -826,6 +857,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--transport-ns", type=float, default=None,
                     help="CPU ranks: ns of the host's CPU per byte a rank sends, both ends of "
                          f"TCP (default {CPU_TRANSPORT_NS:g}; --measure times it on loopback)")
+    ap.add_argument("--step-overhead-ns", type=float, default=None,
+                    help="CPU ranks: ns of CPU per gradient element a codec's step costs a "
+                         "rank beyond its exchanges (their threads beside backward; default "
+                         f"{CPU_STEP_OVERHEAD_NS:g}, this machine's: docs/will-it-pay.md)")
     ap.add_argument("--measure", action="store_true",
                     help="time the codecs on this machine first (CPU: also through the "
                          "plan of this shape as one rank runs it, and the CPU of a TCP "
@@ -842,7 +877,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table, transport_ns = None, args.transport_ns
         inputs = dict(params=args.params, model=args.model, device=args.device, codecs=codecs,
                       intra_gbyte=args.intra_gbyte, round_us=args.round_us,
-                      cores_per_host=args.cores_per_host)
+                      cores_per_host=args.cores_per_host, step_overhead_ns=args.step_overhead_ns)
         predict(args.hosts, args.ranks_per_host, args.link_gbit, args.compute_ms,
                 transport_ns=transport_ns, **inputs)  # bad inputs refused before timing
         if args.measure:

@@ -152,6 +152,22 @@ def test_cpu_codecs_share_the_cores():
         pr.predict(2, 2, 1, 100, params=8_000_000, device="cuda", transport_ns=0.5)
 
 
+def test_a_cpu_codec_step_costs_its_overhead_beyond_its_exchanges():
+    """``step_overhead_ns`` adds its CPU per gradient element to each codec row (on the rank's
+    share of the cores), not to float32's or 16-bit's."""
+    rows = {ns: _rows(pr.predict(2, 2, 1, 100, params=8_000_000, device="cpu",
+                                 codecs=["qsgd:8"], cores_per_host=1, step_overhead_ns=ns))
+            for ns in (0.0, 3.0)}
+    assert rows[3.0]["qsgd:8"].codec_ms == pytest.approx(
+        rows[0.0]["qsgd:8"].codec_ms + 8_000_000 * 3.0 * 1e-6 / 0.5)
+    for name in ("fp32", "fp16"):
+        assert rows[3.0][name].codec_ms == rows[0.0][name].codec_ms
+    default = _rows(pr.predict(2, 2, 1, 100, params=8_000_000, device="cpu",
+                               codecs=["qsgd:8"], cores_per_host=1))
+    assert default["qsgd:8"].codec_ms == pytest.approx(
+        rows[0.0]["qsgd:8"].codec_ms + 8_000_000 * pr.CPU_STEP_OVERHEAD_NS * 1e-6 / 0.5)
+
+
 def test_the_builtin_throughput_tables_are_the_committed_measurements():
     """CPU: the predictor's own ``--measure`` on the development machine
     (docs/results/predict_throughput_cpu.json); GPU: qsgd's encode and decode and the copy from
@@ -185,9 +201,9 @@ def test_the_builtin_throughput_tables_are_the_committed_measurements():
             assert (rate.combine is None) == (comb is None), key
             if rate.combine is not None:
                 assert rate.combine == pytest.approx(comb, rel=2e-3), key
-    # the CPU per byte sent: the median of the validation runs' link calibrations
+    # the CPU per byte sent: the median of the calibration runs' link calibrations
     ns = [link["calibration"]["tcp_cpu_ns_per_byte"]
-          for name in ("predictor_runs.json", "predictor_runs_4x2.json")
+          for name in ("predictor_calibration_runs.json", "predictor_calibration_runs_4x2.json")
           for link in json.load(open(os.path.join(RESULTS, name)))["links"]]
     assert pr.CPU_TRANSPORT_NS == pytest.approx(statistics.median(ns), abs=0.005)
 
@@ -253,6 +269,9 @@ def test_the_model_table_matches_the_architectures():
     ({"cores_per_host": 0, "device": "cpu"}, "cores_per_host=0"),
     ({"transport_ns": -1, "device": "cpu"}, "transport_ns=-1 must be 0 or a positive number"),
     ({"transport_ns": 0.5, "device": "cuda"}, "GPU ranks"),
+    ({"step_overhead_ns": -1, "device": "cpu"},
+     "step_overhead_ns=-1 must be 0 or a positive number"),
+    ({"step_overhead_ns": 2, "device": "cuda"}, "GPU ranks' codecs run on the GPU"),
 ])
 def test_bad_inputs_are_refused_by_name(kwargs, match):
     args = {"hosts": 2, "ranks_per_host": 2, "link_gbit": 10, "compute_ms": 100,

@@ -19,31 +19,41 @@ CODECS = ["qsgd:8", "qsgd:4", "global_qsgd-lin:8"]
 
 
 def _run(rate_gbit: float, wobble: float = 0.05, throughput: dict | None = None,
-         transport_ns: float | None = None, in_plans: dict | None = None) -> dict:
+         transport_ns: float | None = None, in_plans: dict | None = None,
+         step_overhead_ns: float | None = None) -> dict:
     """A cluster.py JSON whose training rows measured what the predictor says, give or take
     ``wobble`` (alternating signs: a measurement's scatter), on 2 cores; with ``throughput``
     (spec -> :class:`Throughput`), the codec speed the run measured and records; with
     ``transport_ns``, the CPU per byte its links' calibration measured; with ``in_plans``,
-    the codec speed measured per link in its shape's plans (which the steps then follow)."""
+    the codec speed measured per link in its shape's plans (which the steps then follow);
+    with ``step_overhead_ns``, the codecs' CPU beyond their exchanges, which the rows' recorded CPU
+    (the ranks' per step) then holds beside the predicted exchanges'."""
     links = []
     for k, (hosts, per_host) in enumerate(SHAPES):
         results, sign = [], 1
         for model, params, compute_s in (("resnet18", 11_173_962, 0.4),
                                          ("gpt25", 25_239_552, 0.3)):
+            inputs = dict(params=params, device="cpu", codecs=CODECS,
+                          cores_per_host=2 / hosts, throughput=in_plans or throughput,
+                          transport_ns=transport_ns)
             prediction = vp.predictor.predict(hosts, per_host, rate_gbit, compute_s * 1e3,
-                                              params=params, device="cpu", codecs=CODECS,
-                                              cores_per_host=2 / hosts,
-                                              throughput=in_plans or throughput,
-                                              transport_ns=transport_ns)
+                                              step_overhead_ns=step_overhead_ns, **inputs)
+            exchanges = vp.predictor.predict(hosts, per_host, rate_gbit, compute_s * 1e3,
+                                             step_overhead_ns=0.0, **inputs)
             results.append({"kind": "train", "model": model, "config_id": "compute",
                             "door": "compute", "step_median_s": compute_s,
-                            "model_params": params, "other_load_cores": 0.01})
-            for row in prediction.rows:
+                            "model_params": params, "other_load_cores": 0.01,
+                            "ranks_cpu_s_per_step": 2 * compute_s})
+            for row, alone in zip(prediction.rows, exchanges.rows):
                 sign = -sign
+                beyond = 0.0 if row.name in ("fp32", "fp16") else (step_overhead_ns or 0.0)
+                rank_cpu_s = alone.codec_ms * prediction.core_share / 1e3 + params * beyond / 1e9
                 results.append({"kind": "train", "model": model, "config_id": row.name,
                                 "door": "horovod" if row.name in ("fp32", "fp16") else "hq",
                                 "step_median_s": row.step_ms / 1e3 * (1 + sign * wobble),
-                                "model_params": params, "other_load_cores": 0.01})
+                                "model_params": params, "other_load_cores": 0.01,
+                                "ranks_cpu_s_per_step": 2 * compute_s
+                                + hosts * per_host * rank_cpu_s})
         calibration = {"tcp_gbit_s": rate_gbit}
         if transport_ns is not None:
             calibration["tcp_cpu_ns_per_byte"] = transport_ns
@@ -165,6 +175,38 @@ def test_exchanges_timed_by_the_ranks_calibrate_the_codec_speed():
     for link in run["links"]:
         link["results"] = [r for r in link["results"] if r["kind"] != "exchange"]
     assert not vp.summarize(vp.compare([run]))["passed"]
+
+
+def test_the_cpu_beyond_the_exchanges_is_what_the_rows_recorded():
+    """Runs whose codec rows each burned 6 ns per gradient element beyond their exchanges
+    give 6 (:func:`step_overhead_ns`), and pass when predicted with it; predicted without it (a
+    term forgotten) the same rows fail."""
+    runs = [_run(1.0, step_overhead_ns=6.0), _run(10.0, step_overhead_ns=6.0)]
+    assert vp.step_overhead_ns(runs) == pytest.approx(6.0)
+    rows = vp.compare(runs, predict=lambda *a, **k: vp.predictor.predict(
+        *a, **dict(k, step_overhead_ns=6.0)))
+    assert vp.summarize(rows)["passed"]
+    assert all(r["cpu_ms"] is not None for r in rows)
+    forgotten = vp.compare(runs, predict=lambda *a, **k: vp.predictor.predict(
+        *a, **dict(k, step_overhead_ns=0.0)))
+    assert not vp.summarize(forgotten)["passed"]
+    for link in runs[0]["links"]:  # runs without the ranks' CPU give no figure
+        for row in link["results"]:
+            del row["ranks_cpu_s_per_step"]
+    assert vp.step_overhead_ns(runs[:1]) is None
+
+
+def test_the_predictor_s_step_overhead_is_the_calibration_runs_figure():
+    """The predictor's default ``step_overhead_ns`` is what the committed calibration runs give;
+    the validation table is made of other runs."""
+    runs = []
+    for name in ("predictor_calibration_runs.json", "predictor_calibration_runs_4x2.json"):
+        with open(os.path.join(ROOT, "docs", "results", name)) as f:
+            runs.append(json.load(f))
+    assert vp.predictor.CPU_STEP_OVERHEAD_NS == pytest.approx(vp.step_overhead_ns(runs), abs=0.005)
+    with open(os.path.join(ROOT, "docs", "results", "predictor_validation.json")) as f:
+        assert not {os.path.basename(p) for p in json.load(f)["inputs"]} & {
+            "predictor_calibration_runs.json", "predictor_calibration_runs_4x2.json"}
 
 
 def test_the_command_writes_its_table_and_fails_on_large_errors(tmp_path):
