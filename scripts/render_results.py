@@ -62,29 +62,6 @@ def _shared_cores_best_vs_fp32(validation: str) -> list[float]:
             for by_config in steps.values()]
 
 
-def _validation_low() -> tuple[int, int]:
-    """How many of the predictor's validation rows it counts are predicted low, of how many."""
-    counted = [r for r in _load("predictor_validation.json")["rows"] if r["counted"]]
-    return sum(r["error"] < 0 for r in counted), len(counted)
-
-
-def _validation_errors(group: str) -> list[float]:
-    """The counted validation rows' errors (%) of ``group``: "fp32", "hierarchical" (codec
-    rows whose ranks ran a hierarchical plan) or "flat" (the other codec rows)."""
-    def group_of(row: dict) -> str:
-        if row["config"] == "fp32":
-            return "fp32"
-        ran = row.get("plans_measured") or {}
-        return "hierarchical" if any(k.startswith("hierarchical") for k in ran) else "flat"
-
-    return [100 * r["error"] for r in _load("predictor_validation.json")["rows"]
-            if r["counted"] and group_of(r) == group]
-
-
-def _signed_range(values) -> str:
-    return f"{min(values):+.0f}% to {max(values):+.0f}%"
-
-
 def _range(values, fmt: str, unit: str = "") -> str:
     lo, hi = format(min(values), fmt), format(max(values), fmt)
     return (lo if lo == hi else f"{lo}-{hi}") + unit
@@ -388,9 +365,30 @@ def accuracy() -> str:
     return _table(head, rows)
 
 
+def validation() -> str:
+    """The predictor's validation (predictor_validation.json) per shape and link: the counted
+    rows' median and largest absolute error, and how many there are (each link by its
+    nominal rate, a power of ten: the rows keep the calibrated one)."""
+    cells: dict[tuple[str, int], list[float]] = {}
+    for r in _load("predictor_validation.json")["rows"]:
+        if r["counted"]:
+            nominal = 10 ** round(math.log10(r["link_gbit"]))
+            cells.setdefault((r["shape"], nominal), []).append(abs(r["error"]))
+    links = sorted({gbit for _, gbit in cells})
+    shapes = list(dict.fromkeys(shape for shape, _ in cells))
+
+    def cell(errors: list[float] | None) -> str:
+        return "-" if not errors else (f"{100 * statistics.median(errors):.0f}% / "
+                                       f"{100 * max(errors):.0f}% ({len(errors)})")
+
+    return _table(["hosts x ranks"] + [f"{g} Gbit/s" for g in links],
+                  [[shape.replace("x", " x ")] + [cell(cells.get((shape, g))) for g in links]
+                   for shape in shapes])
+
+
 TABLES = {"exchange": exchange, "training": training, "transport": transport, "ddp": ddp,
           "throughput": throughput, "codecs": codecs, "scaling": scaling,
-          "prediction": prediction, "accuracy": accuracy}
+          "prediction": prediction, "accuracy": accuracy, "validation": validation}
 
 
 def _exchange_256mb(name: str, bits: int) -> str:
@@ -489,10 +487,6 @@ FIGURES = {
         100 * _load("predictor_validation.json")["summary"]["median_abs_error"], ".0f") + "%",
     "validation-max": lambda: format(
         100 * _load("predictor_validation.json")["summary"]["max_abs_error"], ".0f") + "%",
-    "validation-low": lambda: "{} of {}".format(*_validation_low()),
-    "validation-fp32": lambda: _signed_range(_validation_errors("fp32")),
-    "validation-hierarchical": lambda: _signed_range(_validation_errors("hierarchical")),
-    "validation-flat": lambda: _signed_range(_validation_errors("flat")),
     "shared-cores-best-vs-fp32": lambda: _range(
         _shared_cores_best_vs_fp32("predictor_validation.json"), ".2f", "x"),
     "shared-cores-best-vs-fp32-epyc": lambda: _range(
