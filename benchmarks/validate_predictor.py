@@ -103,9 +103,12 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
         predict: the predictor (a test passes one with a term broken on purpose).
 
     Returns:
-        One dict per row: shape, link, model, config, measured and predicted ms, the
-        relative error (predicted / measured - 1), whether the statistic counts it, the load,
-        and how far the row's and its compute row's rounds differ (:func:`rounds_spread`).
+        One dict per row: shape, link, model and its ``params``, config, measured and
+        predicted ms, the relative error (predicted / measured - 1), whether the statistic
+        counts it, the load, how far the row's and its compute row's rounds differ
+        (:func:`rounds_spread`), the predictor's ``step_overhead_ns``, and a rank's CPU per
+        step beyond compute, measured (``cpu_over_compute_ms``; None where the run did not
+        record it) and predicted (``predicted_cpu_ms``).
     """
     out = []
     for run in runs:
@@ -159,7 +162,8 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
                                         None if row.name in BASELINES else source),
                         "transport_ns": transport_ns,
                         "step_overhead_ns": prediction.step_overhead_ns,
-                        "cpu_ms": _cpu_per_rank_ms(measured, compute, hosts * per_host),
+                        "cpu_over_compute_ms": _cpu_per_rank_ms(measured, compute,
+                                                                hosts * per_host),
                         "predicted_cpu_ms": row.codec_ms * prediction.core_share,
                         "cores_per_host": cores / hosts,
                         "other_load_cores": measured.get("other_load_cores"),
@@ -171,8 +175,9 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
 
 def step_overhead_ns(runs: Iterable[dict]) -> float | None:
     """The CPU per gradient element that the codec rows of ``runs`` cost a rank and step
-    beyond what the predictor gives their exchanges (with ``step_overhead_ns=0``): the median over
-    the rows that recorded their CPU (None if none did).
+    beyond what the predictor gives their exchanges and copies (with ``step_overhead_ns=0``,
+    at the codec speed :func:`compare` takes for each row): the median over the rows that
+    recorded their CPU (None if none did).
 
     Args:
         runs: the parsed JSON of one or more cluster.py runs.
@@ -180,10 +185,10 @@ def step_overhead_ns(runs: Iterable[dict]) -> float | None:
     def without_overhead(*args, **kwargs):
         return predictor.predict(*args, **dict(kwargs, step_overhead_ns=0.0))
 
-    missing = [(r["cpu_ms"] - r["predicted_cpu_ms"]) * 1e6 / r["params"]
-               for r in compare(runs, predict=without_overhead)
-               if r["config"] not in BASELINES and r["cpu_ms"] is not None]
-    return statistics.median(missing) if missing else None
+    beyond_ns = [(r["cpu_over_compute_ms"] - r["predicted_cpu_ms"]) * 1e6 / r["params"]
+                 for r in compare(runs, predict=without_overhead)
+                 if r["config"] not in BASELINES and r["cpu_over_compute_ms"] is not None]
+    return statistics.median(beyond_ns) if beyond_ns else None
 
 
 def summarize(rows: list[dict], max_median: float = MAX_MEDIAN,
@@ -254,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(json.load(f))
     rows = compare(runs)
     summary = summarize(rows, args.max_median, args.max_error)
+    summary["own_step_overhead_ns"] = step_overhead_ns(runs)
     text = table(rows, summary)
+    if summary["own_step_overhead_ns"] is not None:
+        text += (f"\nThe predictor's step_overhead_ns: {rows[0]['step_overhead_ns']:.2f} ns; "
+                 f"these runs' own: {summary['own_step_overhead_ns']:.2f} ns.")
     print(text)
     if args.out:
         with open(args.out + ".json", "w") as f:

@@ -208,7 +208,7 @@ def _positive(name: str, value: float, integer: bool = False, zero: bool = False
 
 def _cpu_ns(name: str, value: float | None, cpu_default: float, on_gpu: bool,
             gpu_reason: str) -> float:
-    """A CPU ranks' cost in ns (0 allowed): ``cpu_default`` when None; 0 on GPUs, where any
+    """A CPU rank's cost in ns (0 allowed): ``cpu_default`` when None; 0 on GPUs, where any
     other value is refused with ``gpu_reason``."""
     if value is None:
         return 0.0 if on_gpu else cpu_default
@@ -859,8 +859,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          f"TCP (default {CPU_TRANSPORT_NS:g}; --measure times it on loopback)")
     ap.add_argument("--step-overhead-ns", type=float, default=None,
                     help="CPU ranks: ns of CPU per gradient element a codec's step costs a "
-                         "rank beyond its exchanges (their threads beside backward; default "
-                         f"{CPU_STEP_OVERHEAD_NS:g}, this machine's: docs/will-it-pay.md)")
+                         "rank beyond its exchanges (default "
+                         f"{CPU_STEP_OVERHEAD_NS:g}: fitted on the 2-core development machine's "
+                         "emulated cluster, docs/will-it-pay.md; --measure does not time it)")
     ap.add_argument("--measure", action="store_true",
                     help="time the codecs on this machine first (CPU: also through the "
                          "plan of this shape as one rank runs it, and the CPU of a TCP "

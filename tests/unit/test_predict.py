@@ -160,8 +160,10 @@ def test_a_cpu_codec_step_costs_its_overhead_beyond_its_exchanges():
             for ns in (0.0, 3.0)}
     assert rows[3.0]["qsgd:8"].codec_ms == pytest.approx(
         rows[0.0]["qsgd:8"].codec_ms + 8_000_000 * 3.0 * 1e-6 / 0.5)
+    assert rows[3.0]["qsgd:8"].step_ms > rows[0.0]["qsgd:8"].step_ms
     for name in ("fp32", "fp16"):
         assert rows[3.0][name].codec_ms == rows[0.0][name].codec_ms
+        assert rows[3.0][name].step_ms == rows[0.0][name].step_ms
     default = _rows(pr.predict(2, 2, 1, 100, params=8_000_000, device="cpu",
                                codecs=["qsgd:8"], cores_per_host=1))
     assert default["qsgd:8"].codec_ms == pytest.approx(
@@ -280,6 +282,24 @@ def test_bad_inputs_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match.replace("(", r"\(").replace("[", r"\[")):
         pr.predict(args.pop("hosts"), args.pop("ranks_per_host"), args.pop("link_gbit"),
                    args.pop("compute_ms"), **args)
+
+
+def test_the_command_line_takes_the_cpu_ranks_costs():
+    """``--transport-ns`` and ``--step-overhead-ns`` reach the prediction and its JSON."""
+    out = subprocess.run([sys.executable, "-m", "horovod_quant.predict", "--hosts", "2",
+                          "--ranks-per-host", "2", "--link-gbit", "10", "--params", "8000000",
+                          "--compute-ms", "100", "--device", "cpu", "--codecs", "qsgd:8",
+                          "--transport-ns", "0.25", "--step-overhead-ns", "4", "--json"],
+                         capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    printed = json.loads(out.stdout)
+    assert printed["assumptions"]["step_overhead_ns"] == 4.0
+    assert printed["assumptions"]["transport_ns"] == 0.25
+    expected = pr.predict(2, 2, 10, 100, params=8_000_000, device="cpu", codecs=["qsgd:8"],
+                          transport_ns=0.25, step_overhead_ns=4.0)
+    assert [r["step_ms"] for r in printed["rows"]] == pytest.approx(
+        [r.step_ms for r in expected.rows])
 
 
 def test_the_command_line_says_what_is_wrong():
