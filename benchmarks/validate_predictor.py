@@ -103,7 +103,8 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
         predict: the predictor (a test passes one with a term broken on purpose).
 
     Returns:
-        One dict per row: shape, link, model and its ``params``, config, measured and
+        One dict per row: shape, link (its calibrated rate, and ``link_told_gbit`` the rate
+        the ranks were told), model and its ``params``, config, measured and
         predicted ms, the relative error (predicted / measured - 1), whether the statistic
         counts it, the load, how far the row's and its compute row's rounds differ
         (:func:`rounds_spread`), the predictor's ``step_overhead_ns``, and a rank's CPU per
@@ -118,6 +119,7 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
             hosts, per_host = link["hosts"], link["ranks_per_host"]
             calibration = link.get("calibration") or {}
             gbit = calibration.get("tcp_gbit_s") or link["rate_bps"] / 1e9
+            told = link.get("ranks_link_gbit") or link["rate_bps"] / 1e9
             transport_ns = calibration.get("tcp_cpu_ns_per_byte", predictor.CPU_TRANSPORT_NS)
             source = ("plans" if link.get("codec_throughput") else
                       "kernels" if run["machine"].get("codec_throughput") else "table")
@@ -129,7 +131,6 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
             calibrated: set[str] = set()
             if exchanges is not None and rates is not None:
                 numel, cpu_s = exchanges
-                told = link.get("ranks_link_gbit") or link["rate_bps"] / 1e9
                 rates = predictor.calibrate(
                     rates, cpu_s, numel, Topology.grid(hosts, per_host),
                     predictor.cluster_fabric("cpu", told), transport_ns)
@@ -152,6 +153,7 @@ def compare(runs: Iterable[dict], predict: Callable = predictor.predict) -> list
                     ms = measured["step_median_s"] * 1e3
                     out.append({
                         "shape": f"{hosts}x{per_host}", "link_gbit": round(gbit, 3),
+                        "link_told_gbit": told,
                         "model": model, "params": compute["model_params"],
                         "config": row.name, "plan": row.plan,
                         "plans_measured": measured.get("plans"),

@@ -367,13 +367,12 @@ def accuracy() -> str:
 
 def validation() -> str:
     """The predictor's validation (predictor_validation.json) per shape and link: the counted
-    rows' median and largest absolute error, and how many there are (each link by its
-    nominal rate, a power of ten: the rows keep the calibrated one)."""
-    cells: dict[tuple[str, int], list[float]] = {}
+    rows' median and largest absolute error, and how many there are (each link by the rate
+    the ranks were told)."""
+    cells: dict[tuple[str, float], list[float]] = {}
     for r in _load("predictor_validation.json")["rows"]:
         if r["counted"]:
-            nominal = 10 ** round(math.log10(r["link_gbit"]))
-            cells.setdefault((r["shape"], nominal), []).append(abs(r["error"]))
+            cells.setdefault((r["shape"], r["link_told_gbit"]), []).append(abs(r["error"]))
     links = sorted({gbit for _, gbit in cells})
     shapes = list(dict.fromkeys(shape for shape, _ in cells))
 
@@ -381,7 +380,7 @@ def validation() -> str:
         return "-" if not errors else (f"{100 * statistics.median(errors):.0f}% / "
                                        f"{100 * max(errors):.0f}% ({len(errors)})")
 
-    return _table(["hosts x ranks"] + [f"{g} Gbit/s" for g in links],
+    return _table(["hosts x ranks"] + [f"{g:g} Gbit/s" for g in links],
                   [[shape.replace("x", " x ")] + [cell(cells.get((shape, g))) for g in links]
                    for shape in shapes])
 
