@@ -20,7 +20,7 @@ from .core.registry import codec_class
 from .env import env_seconds
 from .exchange.collectives import Collectives, Handle, growing_pauses
 from .exchange.plans import DEFAULT_PIPELINE_ELEMS, check_gather, check_pipeline_elems
-from .fallback import check_fallback
+from .fallback import check_baseline, check_fallback
 from .policy import LayerPolicy, describe
 from .process_sets import mpi_exchange_enabled
 from .stats import StepStats
@@ -66,6 +66,30 @@ class ExchangeSettings:
         check_pipeline_elems(self.pipeline_elems)
 
 
+#: the names of :class:`ExchangeSettings`: what every door takes
+SHARED_NAMES = tuple(f.name for f in dataclasses.fields(ExchangeSettings))
+
+
+@dataclasses.dataclass(frozen=True)
+class FallbackSettings:
+    """The settings of the fallback (:mod:`horovod_quant.fallback`), which
+    ``hq.torch.DistributedOptimizer`` and the DDP hook take.
+
+    Args:
+        fallback: "auto" (the baseline's allreduce carries the buckets whose codec does not
+            pay) or "never".
+        baseline: the uncompressed allreduce a codec must beat: "fp32", "fp16", "bf16", or
+            "auto" (the faster of float32 and the door's 16-bit allreduce in the trial).
+    """
+
+    fallback: str = "auto"
+    baseline: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_fallback(self.fallback)
+        check_baseline(self.baseline)
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerSettings:
     """The settings ``hq.torch.DistributedOptimizer`` alone uses.
@@ -74,14 +98,11 @@ class OptimizerSettings:
         fusion_bytes: float32 bytes per fused bucket.
         transport: what carries the payloads, "auto", "horovod" or "gloo"; None: the
             ``HQ_TRANSPORT`` environment variable, else "auto".
-        fallback: "auto" (Horovod's float32 allreduce carries the buckets whose codec does not
-            pay, :mod:`horovod_quant.fallback`) or "never".
         on_step: called with each step's :class:`~horovod_quant.stats.StepStats`.
     """
 
     fusion_bytes: int = DEFAULT_FUSION_BYTES
     transport: str | None = None
-    fallback: str = "auto"
     on_step: Callable[[StepStats], None] | None = None
 
     def __post_init__(self) -> None:
@@ -90,15 +111,15 @@ class OptimizerSettings:
             raise ValueError(f"transport={self.transport!r} is not valid: choose one of "
                              f"{list(TRANSPORTS)} ('auto': a gloo group beside Horovod for CPU "
                              "gradients) or None (the HQ_TRANSPORT environment variable)")
-        check_fallback(self.fallback)
         if self.on_step is not None and not callable(self.on_step):
             raise ValueError(f"on_step={self.on_step!r} must be callable or None")
 
 
 @dataclasses.dataclass(frozen=True)
-class DoorOptions(OptimizerSettings, ExchangeSettings):
+class DoorOptions(OptimizerSettings, FallbackSettings, ExchangeSettings):
     """Every setting of the framework doors in one value, one default each: the
-    :class:`ExchangeSettings` every door takes and the :class:`OptimizerSettings` of
+    :class:`ExchangeSettings` every door takes, the :class:`FallbackSettings` of the
+    optimizer and the DDP hook, and the :class:`OptimizerSettings` of
     ``hq.torch.DistributedOptimizer``.
 
     Every door takes its settings one way: ``options=DoorOptions(...)``, or each setting as a
@@ -110,25 +131,30 @@ class DoorOptions(OptimizerSettings, ExchangeSettings):
 
     def __post_init__(self) -> None:
         ExchangeSettings.__post_init__(self)
+        FallbackSettings.__post_init__(self)
         OptimizerSettings.__post_init__(self)
 
-    def check_door(self, door: str) -> "DoorOptions":
-        """``self``, for a door that does not use the optimizer's settings; ValueError
-        naming each one not at its default."""
-        set_here = [f"{name}={getattr(self, name)!r}" for name in OPTIMIZER_ONLY
-                    if getattr(self, name) != getattr(_OPTIMIZER_DEFAULTS, name)]
+    def check_door(self, door: str, takes: tuple[str, ...] = SHARED_NAMES) -> "DoorOptions":
+        """``self``, for a door that takes only the settings ``takes``; ValueError naming each
+        other one not at its default, and the doors that take it."""
+        defaults = DoorOptions()
+        set_here = [f"{name}={getattr(self, name)!r}" for name in DOOR_SETTINGS
+                    if name not in takes and getattr(self, name) != getattr(defaults, name)]
         if set_here:
             raise ValueError(f"{', '.join(set_here)}: the {door} does not take these settings "
-                             "(hq.torch.DistributedOptimizer alone does); leave them at their "
+                             f"(the fallback's, {', '.join(FALLBACK)}: "
+                             "hq.torch.DistributedOptimizer and the DDP hook; the others: "
+                             "hq.torch.DistributedOptimizer alone); leave them at their "
                              "defaults")
         return self
 
 
-_OPTIMIZER_DEFAULTS = OptimizerSettings()
-#: the settings every door takes, and those only ``hq.torch.DistributedOptimizer`` uses
-SHARED = tuple(f.name for f in dataclasses.fields(ExchangeSettings))
+#: the settings every door takes, the fallback's (the optimizer and the DDP hook), and those
+#: only ``hq.torch.DistributedOptimizer`` uses
+SHARED = SHARED_NAMES
+FALLBACK = tuple(f.name for f in dataclasses.fields(FallbackSettings))
 OPTIMIZER_ONLY = tuple(f.name for f in dataclasses.fields(OptimizerSettings))
-DOOR_SETTINGS = SHARED + OPTIMIZER_ONLY
+DOOR_SETTINGS = SHARED + FALLBACK + OPTIMIZER_ONLY
 
 
 def door_options(given: dict[str, Any], options: DoorOptions | None = None,

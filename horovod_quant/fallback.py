@@ -1,20 +1,25 @@
-"""The fallback controller: the float32 allreduce carries the buckets whose codec does not pay.
+"""The fallback controller: the user's best uncompressed allreduce carries the buckets whose
+codec does not pay.
 
 A codec's own cost (encode, decode, extra collectives) can exceed the wire time it saves on a
-fast link, so a door decides once, in two stages (measurements: docs/dev/benchmarks.md, "The
-fallback's thresholds"):
+fast link, and what a user would run without it is a tuned allreduce: float32, or a 16-bit
+allreduce (Horovod's ``Compression.fp16``, DDP's bf16 hook) that sends half the bytes. The
+door's ``baseline`` names it (:data:`BASELINES`; "auto": the faster of float32 and the door's
+16-bit allreduce in the trial, ties to float32). A door decides once, in stages
+(measurements: docs/dev/benchmarks.md, "The fallback's thresholds"):
 
-1. The isolated trial (end of step :data:`FALLBACK_STEP`): each bucket's codec exchange and
-   the float32 allreduce of the same vector are timed alone; a bucket whose codec was slower
-   leaves it (:func:`measure_and_decide`).
-2. The step check, when a kept codec won the trial by less than :data:`FALLBACK_CLEAR_WIN`:
-   the next steps alternate between the trial's layout and the float32 allreduce carrying
-   every bucket (:class:`StepChecker`); when the float32 steps were the faster, every bucket
-   falls back.
+1. The baseline trial (end of step :data:`FALLBACK_STEP`): each bucket's candidate baselines
+   are timed alone (:func:`measure_baselines`): "auto" keeps the faster, and the door fits the
+   links' rates to those timings and chooses its plans again (:class:`BaselineChoice`).
+2. The bucket trial: each bucket's codec exchange and the baseline's allreduce of the same
+   vector, alternating; a bucket whose codec was slower leaves it (:func:`measure_and_decide`).
+3. The step check, when a kept codec won the trial by less than :data:`FALLBACK_CLEAR_WIN`:
+   the next steps alternate between the trial's layout and the baseline carrying every bucket
+   (:class:`StepChecker`); when the baseline's steps were the faster, every bucket falls back.
 
-:class:`FallbackController` runs both for a door, which supplies the bucket trials and moves
-the fallen-back tensors onto its allreduce path. Tests force an outcome by replacing
-:func:`measure_bucket` and :func:`clock` (looked up at call time).
+:class:`FallbackController` runs them for a door, which supplies the bucket trials and moves
+the fallen-back tensors onto its baseline's allreduce. Tests force an outcome by replacing
+:func:`measure_runs` and :func:`clock` (looked up at call time).
 """
 from __future__ import annotations
 
@@ -35,6 +40,13 @@ log = logging.getLogger("horovod_quant")
 #: values of a door's ``fallback`` argument: "auto" measures and decides, "never" always
 #: keeps the codec
 FALLBACK_MODES = ("auto", "never")
+
+#: values of a door's ``baseline`` argument: the uncompressed allreduce a codec must beat and
+#: a fallen-back bucket takes; "auto" times float32 and the door's 16-bit format and keeps the
+#: faster (ties to float32, the exact one)
+BASELINES = ("auto", "fp32", "fp16", "bf16")
+#: bytes per element each baseline puts on the wire
+BASELINE_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 #: the step (counted from 0) at whose end the buckets are measured: step 0 compiles kernels,
 #: allocates buffers and fills Horovod's response cache, which would count against whichever
@@ -86,23 +98,78 @@ def check_fallback(mode: Any) -> str:
     return check_choice("fallback", mode, FALLBACK_MODES)
 
 
+def check_baseline(baseline: Any) -> str:
+    """``baseline`` if it is one of :data:`BASELINES`, else ValueError naming them."""
+    return check_choice("baseline", baseline, BASELINES)
+
+
+def baseline_candidates(baseline: str, sixteen_bit: str) -> tuple[str, ...]:
+    """The baselines a trial times: both float32 and the door's ``sixteen_bit`` format for
+    "auto", else ``baseline`` alone."""
+    return ("fp32", sixteen_bit) if check_baseline(baseline) == "auto" else (baseline,)
+
+
 @dataclass(frozen=True)
 class BucketTrial:
-    """What a door hands :func:`measure_and_decide` about one bucket.
+    """What a door hands the trial about one bucket.
 
     Attributes:
         bucket: the bucket's index.
         codec: how the log names the bucket's codec.
         nbytes: the bucket's float32 size in bytes.
         run_codec: runs the bucket's codec exchange once, blocking until its mean is ready.
-        run_fp32: runs the float32 allreduce of the same vector once, blocking.
+        baselines: each candidate baseline's allreduce of the same vector (name -> one
+            blocking run), in :func:`baseline_candidates`' order.
+        run_local: runs the float32 allreduce of the same vector among the ranks of this
+            rank's host once, blocking (what the rate inside a host is measured by); None
+            where the door has no host groups.
     """
 
     bucket: int
     codec: str
     nbytes: int
     run_codec: Callable[[], Any]
-    run_fp32: Callable[[], Any]
+    baselines: Mapping[str, Callable[[], Any]]
+    run_local: Callable[[], Any] | None = None
+
+
+@dataclass(frozen=True)
+class BaselineChoice:
+    """The baseline trial's outcome (the same on every rank).
+
+    Attributes:
+        baseline: the baseline the buckets are compared with and fall back to.
+        plan: how the door's allreduce runs it, in words (the log's and the stats').
+        seconds: each candidate's seconds summed over the buckets (slowest rank's medians).
+        bucket_seconds: per bucket, each candidate's seconds.
+        local_seconds: per bucket, the float32 allreduce inside a host (empty without host
+            groups).
+        fabric: the links' rates the door fitted to these timings, in words ("" when the door
+            fits none).
+    """
+
+    baseline: str
+    plan: str
+    seconds: dict
+    bucket_seconds: list
+    local_seconds: list = dataclasses.field(default_factory=list)
+    fabric: str = ""
+
+    def message(self) -> str:
+        """The log line of the choice."""
+        times = ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in self.seconds.items())
+        rates = f"; links measured: {self.fabric}" if self.fabric else ""
+        return (f"horovod_quant: baseline {self.baseline} ({self.plan}): the buckets' "
+                f"uncompressed allreduces took {times}{rates}")
+
+
+def choose_baseline(seconds: Mapping[str, float]) -> str:
+    """The faster of the timed baselines; float32 wins a tie (and any candidate left alone)."""
+    best = "fp32" if "fp32" in seconds else next(iter(seconds))
+    for name, s in seconds.items():
+        if s < seconds[best]:
+            best = name
+    return best
 
 
 @dataclass(frozen=True)
@@ -114,10 +181,11 @@ class FallbackDecision:
         codec: the bucket's codec, as the log names it.
         nbytes: the bucket's float32 size in bytes.
         codec_s: seconds of the codec exchange (slowest rank's median run).
-        fp32_s: seconds of the float32 allreduce (slowest rank's median run).
+        baseline_s: seconds of the baseline's allreduce (slowest rank's median run).
         step: the step it was measured at.
-        fallback: True when the float32 allreduce carries the bucket's tensors from the next
-            step on.
+        fallback: True when the baseline's allreduce carries the bucket's tensors from the
+            next step on.
+        baseline: the baseline it was compared with (:data:`BASELINES`).
         margin: the rule's margin (:data:`FALLBACK_MARGIN`).
         min_saving_s: the rule's least saving (:data:`FALLBACK_MIN_SAVING_S`).
     """
@@ -126,138 +194,172 @@ class FallbackDecision:
     codec: str
     nbytes: int
     codec_s: float
-    fp32_s: float
+    baseline_s: float
     step: int
     fallback: bool
+    baseline: str = "fp32"
     margin: float = FALLBACK_MARGIN
     min_saving_s: float = FALLBACK_MIN_SAVING_S
 
     def message(self) -> str:
         """The log line of a fallback (or of a kept codec)."""
         return (f"horovod_quant: bucket {self.bucket} ({self.codec}, {self.nbytes / 1e6:.1f} MB): "
-                f"codec exchange {self.codec_s * 1e3:.1f} ms, float32 allreduce "
-                f"{self.fp32_s * 1e3:.1f} ms (measured at step {self.step}): "
-                + _verdict(self.fallback, self.margin, "it", self.min_saving_s))
+                f"codec exchange {self.codec_s * 1e3:.1f} ms, {self.baseline} allreduce "
+                f"{self.baseline_s * 1e3:.1f} ms (measured at step {self.step}): "
+                + _verdict(self.fallback, self.margin, "it", self.min_saving_s, self.baseline))
 
 
-def _falls_back(codec_s: float, fp32_s: float, margin: float = FALLBACK_MARGIN,
+def _falls_back(codec_s: float, baseline_s: float, margin: float = FALLBACK_MARGIN,
                min_saving_s: float = 0.0) -> bool:
-    """The rule of the trial and of the step check: the float32 allreduce wins unless the
-    codec took at most ``margin`` times its time and, when ``min_saving_s`` is set (> 0),
-    saved at least that many seconds."""
-    return bool(codec_s > margin * fp32_s
-                or (min_saving_s > 0 and fp32_s - codec_s < min_saving_s))
+    """The rule of the trial and of the step check: the baseline wins unless the codec took
+    at most ``margin`` times its time and, when ``min_saving_s`` is set (> 0), saved at least
+    that many seconds."""
+    return bool(codec_s > margin * baseline_s
+                or (min_saving_s > 0 and baseline_s - codec_s < min_saving_s))
 
 
-def _verdict(fallback: bool, margin: float, what: str, min_saving_s: float = 0.0) -> str:
+def _verdict(fallback: bool, margin: float, what: str, min_saving_s: float = 0.0,
+             baseline: str = "fp32") -> str:
     if fallback:
         least = f" and {min_saving_s * 1e3:g} ms" if min_saving_s else ""
-        return (f"the codec does not save {(1 - margin) * 100:.0f}%{least}; the float32 "
+        return (f"the codec does not save {(1 - margin) * 100:.0f}%{least}; the {baseline} "
                 f"allreduce carries {what} from now on")
     return f"the codec keeps {what}"
 
 
-def measure_bucket(trial: BucketTrial, sync: Callable[[float], float] | None = None,
-                   min_runs: int = FALLBACK_TRIALS, max_runs: int = FALLBACK_MAX_TRIALS,
-                   budget_s: float = FALLBACK_TRIAL_SECONDS) -> tuple[float, float]:
-    """This rank's (codec seconds, float32 seconds) of one bucket: the median of blocking runs
-    of each, alternating, the codec's first; ``min_runs`` pairs, then more while the trial has
-    taken less than ``budget_s`` (on the slowest rank), up to ``max_runs``. Every rank must call
-    it for the same buckets in the same order (the runs are collectives).
+def measure_runs(runs: Sequence[Callable[[], Any]], sync: Callable[[float], float] | None = None,
+                 min_runs: int = FALLBACK_TRIALS, max_runs: int = FALLBACK_MAX_TRIALS,
+                 budget_s: float = FALLBACK_TRIAL_SECONDS) -> list[float]:
+    """This rank's median seconds of each of ``runs`` (one bucket's codec exchange, its
+    baselines' allreduces): blocking runs taken in turn, the first's first; ``min_runs``
+    rounds, then more while the trial has taken less than ``budget_s`` (on the slowest rank),
+    up to ``max_runs``. Every rank must call it for the same buckets in the same order (the
+    runs are collectives).
 
     Args:
-        trial: the bucket's two runs.
+        runs: the runs compared, each a blocking collective.
         sync: called, untimed, before each run with this rank's seconds spent so far; returns
             the largest over the ranks. A barrier: without it a run's time includes waiting for
             a peer still finishing the run before (a codec run returns on each rank once its
             own decode is done), which charges one side with the other's cost. Its answer,
             the same on every rank, decides whether another pair runs, so every rank runs as
             many. None (one process): no barrier, this rank's own seconds.
-        min_runs: pairs of runs at least.
-        max_runs: pairs of runs at most.
-        budget_s: seconds after which no further pair starts (beyond ``min_runs``).
+        min_runs: rounds at least.
+        max_runs: rounds at most.
+        budget_s: seconds after which no further round starts (beyond ``min_runs``).
     """
-    times: tuple[list[float], list[float]] = ([], [])
+    times: list[list[float]] = [[] for _ in runs]
     spent = 0.0
 
     def barrier() -> float:
         return spent if sync is None else sync(spent)
 
     for run in range(max_runs):
-        # the barrier before the codec's run comes first: every rank calls it, pair or not
+        # the barrier before a round's first run comes first: every rank calls it, round or not
         if barrier() >= budget_s and run >= min_runs:
             break
-        for side, fn in enumerate((trial.run_codec, trial.run_fp32)):
+        for side, fn in enumerate(runs):
             if side:
                 barrier()
             start = time.perf_counter()
             fn()
             times[side].append(time.perf_counter() - start)
             spent += times[side][-1]
-    return float(np.median(times[0])), float(np.median(times[1]))
+    return [float(np.median(t)) for t in times]
 
 
 def decide(trials: Sequence[BucketTrial], seconds: np.ndarray, step: int,
-           margin: float = FALLBACK_MARGIN,
+           baseline: str = "fp32", margin: float = FALLBACK_MARGIN,
            min_saving_s: float = FALLBACK_MIN_SAVING_S) -> list[FallbackDecision]:
     """The rule: a bucket falls back when its codec exchange took longer than ``margin`` times
-    its float32 allreduce (it does not save ``1 - margin`` of the time) or saved less than
+    the baseline's allreduce (it does not save ``1 - margin`` of the time) or saved less than
     ``min_saving_s`` (:func:`_falls_back`).
 
     Args:
         trials: the measured buckets.
-        seconds: one row (codec seconds, float32 seconds) per bucket, agreed by every rank.
+        seconds: one row (codec seconds, baseline seconds) per bucket, agreed by every rank.
         step: the step they were measured at.
+        baseline: the baseline's name.
         margin: see :data:`FALLBACK_MARGIN`.
         min_saving_s: see :data:`FALLBACK_MIN_SAVING_S`.
 
     Returns:
         One decision per bucket, in order.
     """
-    return [FallbackDecision(t.bucket, t.codec, t.nbytes, float(codec_s), float(fp32_s), step,
-                             _falls_back(codec_s, fp32_s, margin, min_saving_s), margin,
-                             min_saving_s)
-            for t, (codec_s, fp32_s) in zip(trials, seconds)]
+    return [FallbackDecision(t.bucket, t.codec, t.nbytes, float(codec_s), float(baseline_s),
+                             step, _falls_back(codec_s, baseline_s, margin, min_saving_s),
+                             baseline, margin, min_saving_s)
+            for t, (codec_s, baseline_s) in zip(trials, seconds)]
 
 
-def measure_and_decide(comm: Collectives, trials: Sequence[BucketTrial], step: int,
-                       name: str) -> list[FallbackDecision]:
-    """Measure every bucket on this rank, agree on the numbers, decide. Collective: every rank
-    calls it at the same point with the same buckets.
-
-    Each rank's timings differ (its own encode and decode, when it entered a collective), so
-    the ranks first take the elementwise maximum of them over ranks (one allreduce): every rank
-    then decides from the same numbers, hence identically, which keeps the weights identical.
-    The maximum is what a step waits for: the slowest rank.
-
-    Args:
-        comm: the collectives of the ranks.
-        trials: the buckets, in the same order on every rank.
-        step: the step being measured (for the records).
-        name: collective name of the agreement.
-
-    Returns:
-        One decision per bucket, the same on every rank.
-    """
-    if not trials:
-        return []
+def _agreed_medians(comm: Collectives, name: str,
+                    runs_per_trial: Sequence[Sequence[Callable[[], Any]]]) -> np.ndarray:
+    """Every trial's runs measured on this rank (:func:`measure_runs`, a barrier before each
+    run), then the elementwise maximum over the ranks (one allreduce): the rows every rank
+    decides from. Each rank's timings differ (its own encode and decode, when it entered a
+    collective); the maximum is what a step waits for, the slowest rank. Collective."""
     barriers = itertools.count()
 
     def barrier(spent: float) -> float:
         return float(np.asarray(comm.allreduce_async(
             np.array([spent], np.float64), f"{name}.sync{next(barriers)}", "max").wait())[0])
 
-    local = np.array([measure_bucket(t, sync=barrier) for t in trials],
-                     dtype=np.float64).reshape(-1, 2)
-    agreed = comm.allreduce_async(local, name, "max").wait()
-    return decide(trials, np.asarray(agreed).reshape(-1, 2), step)
+    local = np.array([measure_runs(runs, sync=barrier) for runs in runs_per_trial],
+                     dtype=np.float64)
+    return np.asarray(comm.allreduce_async(local, name, "max").wait()).reshape(local.shape)
+
+
+def measure_baselines(comm: Collectives, trials: Sequence[BucketTrial], name: str,
+                      plan: str) -> BaselineChoice:
+    """The baseline trial: every bucket's candidate baselines (and its allreduce inside a
+    host, where the door gives one) timed in turn, agreed over the ranks, the faster
+    candidate over all buckets kept (:func:`choose_baseline`). Collective: every rank calls it
+    at the same point with the same buckets.
+
+    Args:
+        comm: the collectives of the ranks.
+        trials: the buckets, in the same order on every rank (non-empty).
+        name: collective name of the agreement.
+        plan: how the door's allreduce runs a baseline, in words.
+    """
+    names = list(trials[0].baselines)
+    local = trials[0].run_local is not None
+    agreed = _agreed_medians(comm, name, [
+        [*t.baselines.values(), *([t.run_local] if local else [])] for t in trials])
+    totals = {n: float(agreed[:, i].sum()) for i, n in enumerate(names)}
+    return BaselineChoice(choose_baseline(totals), plan, totals,
+                          [dict(zip(names, map(float, row[:len(names)]))) for row in agreed],
+                          [float(row[-1]) for row in agreed] if local else [])
+
+
+def measure_and_decide(comm: Collectives, trials: Sequence[BucketTrial], step: int,
+                       name: str, baseline: str = "fp32") -> list[FallbackDecision]:
+    """Measure every bucket's codec exchange against ``baseline``'s allreduce on this rank
+    (alternating), agree on the numbers, decide. Collective: every rank calls it at the same
+    point with the same buckets; every rank decides from the same numbers, hence identically,
+    which keeps the weights identical.
+
+    Args:
+        comm: the collectives of the ranks.
+        trials: the buckets, in the same order on every rank.
+        step: the step being measured (for the records).
+        name: collective name of the agreement.
+        baseline: the baseline the codecs are compared with (one of each trial's baselines).
+
+    Returns:
+        One decision per bucket, the same on every rank.
+    """
+    if not trials:
+        return []
+    agreed = _agreed_medians(comm, name, [(t.run_codec, t.baselines[baseline]) for t in trials])
+    return decide(trials, agreed, step, baseline)
 
 
 def needs_step_check(decisions: Sequence[FallbackDecision],
                      clear_win: float = FALLBACK_CLEAR_WIN) -> bool:
     """Whether a kept bucket won its isolated trial by too little to skip the step check: its
-    codec exchange took more than ``clear_win`` times the float32 allreduce."""
-    return any(not d.fallback and d.codec_s > clear_win * d.fp32_s for d in decisions)
+    codec exchange took more than ``clear_win`` times the baseline's allreduce."""
+    return any(not d.fallback and d.codec_s > clear_win * d.baseline_s for d in decisions)
 
 
 @dataclass(frozen=True)
@@ -268,27 +370,30 @@ class StepCheck:
         first_step: the first step of the check.
         codec_step_s: seconds of the median step's exchange with the kept codecs (the rank
             that started it last, :meth:`StepChecker.decide`).
-        fp32_step_s: the same with the float32 allreduce carrying every bucket.
+        baseline_step_s: the same with the baseline's allreduce carrying every bucket.
         steps: steps of each layout.
-        fallback: True when the float32 allreduce carries every bucket from the next step on.
+        fallback: True when the baseline carries every bucket from the next step on.
+        baseline: the baseline (:data:`BASELINES`).
         margin: the rule's margin (:data:`FALLBACK_MARGIN`).
     """
 
     first_step: int
     codec_step_s: float
-    fp32_step_s: float
+    baseline_step_s: float
     steps: int
     fallback: bool
+    baseline: str = "fp32"
     margin: float = FALLBACK_MARGIN
 
     def message(self) -> str:
         """The log line of the decision."""
         return (f"horovod_quant: the exchanges of training steps took "
                 f"{self.codec_step_s * 1e3:.1f} ms with the codec, "
-                f"{self.fp32_step_s * 1e3:.1f} ms with the float32 allreduce (median "
-                f"of each, steps {self.first_step}-{self.first_step + 2 * self.steps - 1}): "
+                f"{self.baseline_step_s * 1e3:.1f} ms with the {self.baseline} allreduce "
+                f"(median of each, steps {self.first_step}-"
+                f"{self.first_step + 2 * self.steps - 1}): "
                 + _verdict(self.fallback, self.margin, "every bucket" if self.fallback
-                           else "its buckets"))
+                           else "its buckets", baseline=self.baseline))
 
 
 class StepChecker:
@@ -296,7 +401,7 @@ class StepChecker:
     exchanges.
 
     A door creates it at the end of the trial's step with the two layouts (whatever the door
-    names a layout by: here the set of tensors the float32 allreduce carries), asks
+    names a layout by: here the set of tensors the baseline's allreduce carries), asks
     :meth:`next_layout` for the layout of each following step, brackets each step's exchange
     with :meth:`start` (when the step's first gradient is ready to be sent: forward, data
     loading and the wait for them stay out) and :meth:`stop` (once the step's exchanges have
@@ -306,27 +411,27 @@ class StepChecker:
     Args:
         first_step: the step the check starts at.
         codec_layout: the trial's decisions (the kept codecs).
-        fp32_layout: every bucket on the float32 allreduce.
+        baseline_layout: every bucket on the baseline's allreduce.
         rounds: steps of each layout.
     """
 
-    def __init__(self, first_step: int, codec_layout: Any, fp32_layout: Any,
+    def __init__(self, first_step: int, codec_layout: Any, baseline_layout: Any,
                  rounds: int = STEP_CHECK_ROUNDS) -> None:
         self.first_step = first_step
         self.rounds = rounds
-        self.layouts = {False: codec_layout, True: fp32_layout}
-        self._fp32_steps = [False, True] * rounds  # True: that step runs the float32 layout
+        self.layouts = {False: codec_layout, True: baseline_layout}
+        self._baseline_steps = [False, True] * rounds  # True: that step runs the baseline
         self.seconds: list[float] = []
         self._started: float | None = None
 
     @property
     def complete(self) -> bool:
         """Every step of the check was timed."""
-        return len(self.seconds) == len(self._fp32_steps)
+        return len(self.seconds) == len(self._baseline_steps)
 
     def next_layout(self) -> Any:
         """The layout the next untimed step runs."""
-        return self.layouts[self._fp32_steps[len(self.seconds)]]
+        return self.layouts[self._baseline_steps[len(self.seconds)]]
 
     def start(self) -> None:
         """The step's exchange begins now; later calls before :meth:`stop` change nothing."""
@@ -343,23 +448,24 @@ class StepChecker:
     def state_dict(self, name_of: Callable[[Any], str]) -> dict[str, Any]:
         """The check so far, its layouts' keys named by ``name_of`` (a checkpoint)."""
         return {"first_step": self.first_step, "rounds": self.rounds,
-                "layouts": [sorted(map(name_of, self.layouts[fp32])) for fp32 in (False, True)],
+                "layouts": [sorted(map(name_of, self.layouts[side])) for side in (False, True)],
                 "seconds": list(self.seconds)}
 
     @classmethod
     def from_state_dict(cls, saved: Mapping[str, Any],
                         key_of: Callable[[str], Any]) -> "StepChecker":
         """The check :meth:`state_dict` saved, its layouts' names mapped back by ``key_of``."""
-        codec_layout, fp32_layout = ([key_of(n) for n in names] for names in saved["layouts"])
-        checker = cls(int(saved["first_step"]), frozenset(codec_layout), frozenset(fp32_layout),
+        codec_layout, baseline_layout = ([key_of(n) for n in names]
+                                         for names in saved["layouts"])
+        checker = cls(int(saved["first_step"]), frozenset(codec_layout), frozenset(baseline_layout),
                       int(saved["rounds"]))
         checker.seconds = [float(t) for t in saved["seconds"]]
         return checker
 
-    def decide(self, comm: Collectives, name: str,
+    def decide(self, comm: Collectives, name: str, baseline: str = "fp32",
                margin: float = FALLBACK_MARGIN) -> StepCheck:
-        """Agree on the steps' times and decide: the float32 layout wins unless the codec
-        layout's median step took at most ``margin`` times the float32 layout's. Collective.
+        """Agree on the steps' times and decide: the baseline's layout wins unless the codec
+        layout's median step took at most ``margin`` times the baseline layout's. Collective.
 
         A step's time is the shortest exchange over the ranks: the ranks finish an exchange
         together, so the rank that started it last (the slowest to reach backward) waited
@@ -373,42 +479,55 @@ class StepChecker:
         """
         if not self.complete:
             raise RuntimeError(f"the step check has timed {len(self.seconds)} of "
-                               f"{len(self._fp32_steps)} steps")
+                               f"{len(self._baseline_steps)} steps")
         # the minimum over ranks, as the maximum of the negated times
         agreed = -np.asarray(comm.allreduce_async(-np.array(self.seconds, np.float64), name,
                                                   "max").wait()).reshape(-1)
-        codec_s = float(np.median([s for s, fp32 in zip(agreed, self._fp32_steps) if not fp32]))
-        fp32_s = float(np.median([s for s, fp32 in zip(agreed, self._fp32_steps) if fp32]))
-        return StepCheck(self.first_step, codec_s, fp32_s, self.rounds,
-                         _falls_back(codec_s, fp32_s, margin), margin)
+        codec_s, baseline_s = (
+            float(np.median([s for s, on_baseline in zip(agreed, self._baseline_steps)
+                             if on_baseline is side])) for side in (False, True))
+        return StepCheck(self.first_step, codec_s, baseline_s, self.rounds,
+                         _falls_back(codec_s, baseline_s, margin), baseline, margin)
 
 
 class FallbackController:
-    """The fallback of one door: the trial at the end of step :data:`FALLBACK_STEP`, then the
-    step check where a kept codec won narrowly.
+    """The fallback of one door: the baseline and bucket trials at the end of step
+    :data:`FALLBACK_STEP`, then the step check where a kept codec won narrowly.
 
     The door names its tensors by keys of its choice (the torch optimizer: ``id`` of each
-    parameter) and keeps the tensors of :attr:`fallen_back` on its float32 allreduce path. It
-    calls :meth:`exchange_started` when a step's first gradient is ready and
-    :meth:`end_step` at the end of every step; :meth:`end_step` returns whether the door must
-    form its buckets again (:attr:`fallen_back` changed). The decisions are the same on every
-    rank.
+    parameter) and keeps the tensors of :attr:`fallen_back` on its allreduce of
+    :attr:`baseline`. It calls :meth:`exchange_started` when a step's first gradient is ready
+    and :meth:`end_step` at the end of every step; :meth:`end_step` returns whether the door
+    must form its buckets again (:attr:`fallen_back` changed). The decisions are the same on
+    every rank.
 
     Args:
         mode: "auto" (measure and decide) or "never" (always the codec).
+        baseline: the door's ``baseline`` setting (:data:`BASELINES`).
+        sixteen_bit: the door's 16-bit allreduce, timed against float32 by "auto" ("fp16" for
+            Horovod's ``Compression.fp16``, "bf16" for DDP's bf16 hook).
 
     Attributes:
         decisions: the :class:`FallbackDecision` of every bucket once measured, else empty.
         step_check: the :class:`StepCheck` once one ran, else None.
-        fallen_back: the keys of the tensors the float32 allreduce carries now.
+        choice: the baseline trial's :class:`BaselineChoice` once it ran, else None.
+        fallen_back: the keys of the tensors the baseline's allreduce carries now.
     """
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, baseline: str = "auto", sixteen_bit: str = "fp16") -> None:
         self.mode = check_fallback(mode)
+        self.candidates = baseline_candidates(baseline, check_baseline(sixteen_bit))
         self.decisions: list[FallbackDecision] = []
         self.step_check: StepCheck | None = None
+        self.choice: BaselineChoice | None = None
         self.fallen_back: set = set()
         self._checker: StepChecker | None = None
+
+    @property
+    def baseline(self) -> str:
+        """The baseline a fallen-back tensor takes: the one chosen by the trial, or the
+        setting's (float32 for "auto" before the trial, when nothing has fallen back)."""
+        return self.choice.baseline if self.choice is not None else self.candidates[0]
 
     @property
     def checking(self) -> bool:
@@ -423,7 +542,8 @@ class FallbackController:
     def state_dict(self, name_of: Callable[[Any], str]) -> dict[str, Any]:
         """What the controller decided and measured so far, the door's keys named by
         ``name_of`` (a checkpoint: names outlive the objects a door keys by)."""
-        return {"mode": self.mode,
+        return {"mode": self.mode, "candidates": list(self.candidates),
+                "choice": None if self.choice is None else dataclasses.asdict(self.choice),
                 "decisions": [dataclasses.asdict(d) for d in self.decisions],
                 "step_check": (None if self.step_check is None
                                else dataclasses.asdict(self.step_check)),
@@ -436,13 +556,18 @@ class FallbackController:
         door's key.
 
         Raises:
-            ValueError: the state was saved with another ``mode``, or does not fit this door
-                (``key_of``'s own error for an unknown name).
+            ValueError: the state was saved with another ``mode`` or ``baseline``, or does not
+                fit this door (``key_of``'s own error for an unknown name).
         """
         if saved.get("mode") != self.mode:
             raise ValueError(f"the checkpoint's fallback state was saved with fallback="
                              f"{saved.get('mode')!r}, this optimizer has fallback="
                              f"{self.mode!r}: build it with the saved setting")
+        if list(saved.get("candidates", ())) != list(self.candidates):
+            raise ValueError(f"the checkpoint's fallback state compared the codecs with "
+                             f"{saved.get('candidates')}, this door with "
+                             f"{list(self.candidates)}: build it with the saved baseline")
+        self.choice = None if saved["choice"] is None else BaselineChoice(**saved["choice"])
         self.decisions = [FallbackDecision(**d) for d in saved["decisions"]]
         self.step_check = None if saved["step_check"] is None else StepCheck(
             **saved["step_check"])
@@ -457,8 +582,10 @@ class FallbackController:
             self._checker.start()
 
     def end_step(self, comm: Collectives, name: str, step: int,
-                 buckets: Sequence[Collection], trials: Callable[[], list[BucketTrial]]) -> bool:
-        """The fallback's work at the end of ``step``: the trial at :data:`FALLBACK_STEP`,
+                 buckets: Sequence[Collection], trials: Callable[[], list[BucketTrial]],
+                 plan: str = "", on_choice: Callable[[BaselineChoice], str] | None = None
+                 ) -> bool:
+        """The fallback's work at the end of ``step``: the trials at :data:`FALLBACK_STEP`,
         then each step of the step check, and its decision once every step ran. Collective
         where it measures or decides.
 
@@ -469,6 +596,10 @@ class FallbackController:
             buckets: the keys of each bucket's tensors, in bucket order.
             trials: builds one :class:`BucketTrial` per bucket, in the same order (called at
                 the trial only).
+            plan: how the door's allreduce runs a baseline, in words (the log's).
+            on_choice: called with the baseline trial's outcome before the codecs are timed
+                (the door fits its links' rates and chooses its plans again); returns the
+                fitted rates in words, for the log.
 
         Returns:
             Whether :attr:`fallen_back` changed (the door forms its buckets again).
@@ -482,19 +613,28 @@ class FallbackController:
                 self.fallen_back = set(checker.next_layout())
                 return True
             self._checker = None
-            self.step_check = checker.decide(comm, f"{name}.steps")
+            self.step_check = checker.decide(comm, f"{name}.steps", self.baseline)
             self.fallen_back = set(checker.layouts[self.step_check.fallback])
             if comm.rank == 0:
                 (log.warning if self.step_check.fallback else log.info)(self.step_check.message())
             return True
         if step != FALLBACK_STEP:
             return False
-        self.decisions = measure_and_decide(comm, trials(), step, name)
+        built = trials()
+        if not built:
+            return False
+        choice = measure_baselines(comm, built, f"{name}.baselines", plan)
+        if on_choice is not None:
+            choice = dataclasses.replace(choice, fabric=on_choice(choice))
+        self.choice = choice
+        if comm.rank == 0:
+            log.info(choice.message())
+        self.decisions = measure_and_decide(comm, built, step, name, self.baseline)
         for members, decision in zip(buckets, self.decisions):
             if decision.fallback:
                 self.fallen_back.update(members)
-                if comm.rank == 0:
-                    log.warning(decision.message())
+            if comm.rank == 0:
+                (log.warning if decision.fallback else log.info)(decision.message())
         relayout = any(d.fallback for d in self.decisions)
         if needs_step_check(self.decisions):
             kept = frozenset(self.fallen_back)

@@ -14,7 +14,8 @@ inner plan between the hosts on each rank's shard (1/K of the vector for K ranks
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+import os
+from typing import Callable, Collection, NamedTuple, Sequence
 
 from ..core.base import Codec
 from ..env import env_positive
@@ -54,6 +55,13 @@ class Fabric(NamedTuple):
         return cls(env_positive(LINK_ENV, base.link_gbit, "Gbit/s"),
                    env_positive(INTRA_ENV, base.intra_gbyte, "GB/s"),
                    env_positive(ROUND_ENV, base.round_us, "microseconds"))
+
+    @staticmethod
+    def overridden() -> frozenset[str]:
+        """The fields whose environment variable is set: a measurement leaves them as set."""
+        return frozenset(field for field, name in zip(Fabric._fields, (LINK_ENV, INTRA_ENV,
+                                                                       ROUND_ENV))
+                         if os.environ.get(name, "").strip())
 
     def describe(self) -> str:
         """The fabric in words, for log lines."""
@@ -229,6 +237,57 @@ def float32_ring(topology: Topology, numel: int) -> Cost:
     """What a float32 ring allreduce of ``numel`` elements (NCCL's, Horovod's) moves: the
     reference the plans' bytes are compared with."""
     return ring_allreduce(topology, numel, 4.0)
+
+
+#: the range a measured rate is fitted in (Gbit/s between hosts, GB/s inside), wide enough
+#: for any link: a measurement at a bound says the timings carried no information on it
+FIT_LINK_GBIT = (1e-3, 1e5)
+FIT_INTRA_GBYTE = (1e-3, 1e4)
+
+
+def _fit_rate(samples: Sequence[tuple[Cost, float]], fabric_at: Callable[[float], Fabric],
+              bounds: tuple[float, float], current: float) -> float:
+    """The rate (a :class:`Fabric` field, ``fabric_at(rate)``) at which the samples' predicted
+    seconds (:meth:`Cost.seconds`) add up to their measured seconds, by bisection on its
+    logarithm (the prediction falls as the rate grows); ``current`` where the samples do not
+    depend on it."""
+    measured = sum(seconds for _, seconds in samples)
+
+    def predicted(rate: float) -> float:
+        return sum(cost.seconds(fabric_at(rate)) for cost, _ in samples)
+
+    lo, hi = (math.log(b) for b in bounds)
+    if not samples or predicted(bounds[0]) - predicted(bounds[1]) <= 1e-12 * max(measured, 1e-9):
+        return current
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted(math.exp(mid)) > measured else (lo, mid)
+    return float(math.exp((lo + hi) / 2))
+
+
+def fitted_fabric(base: Fabric, across: Sequence[tuple[Cost, float]],
+                  inside: Sequence[tuple[Cost, float]] = (),
+                  fixed: Collection[str] = ()) -> Fabric:
+    """The fabric whose model (:meth:`Cost.seconds`) gives measured collectives their measured
+    time: ``link_gbit`` from collectives over every rank (``across``: (cost, seconds) pairs),
+    ``intra_gbyte`` from collectives among the ranks of one host (``inside``; without them,
+    from those of ``across`` that cross no host: a one-host group), each so that the summed
+    prediction equals the summed measurement (large buckets weigh most);
+    ``round_us`` and the fields in ``fixed`` (:meth:`Fabric.overridden`) stay as in ``base``.
+    The two fits alternate twice: each subtracts the other rate's share of a collective.
+    Every rank fitting the same agreed timings gets the same fabric."""
+    fabric = base
+    inside = list(inside) or [(cost, s) for cost, s in across if cost.host_bytes == 0]
+    for _ in range(2):
+        if "intra_gbyte" not in fixed:
+            fabric = fabric._replace(intra_gbyte=_fit_rate(
+                inside, lambda r: fabric._replace(intra_gbyte=r), FIT_INTRA_GBYTE,
+                fabric.intra_gbyte))
+        if "link_gbit" not in fixed:
+            fabric = fabric._replace(link_gbit=_fit_rate(
+                across, lambda r: fabric._replace(link_gbit=r), FIT_LINK_GBIT,
+                fabric.link_gbit))
+    return fabric
 
 
 class CodecWork(NamedTuple):
