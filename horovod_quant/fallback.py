@@ -1,25 +1,22 @@
 """The fallback controller: the user's best uncompressed allreduce carries the buckets whose
 codec does not pay.
 
-A codec's own cost (encode, decode, extra collectives) can exceed the wire time it saves on a
-fast link, and what a user would run without it is a tuned allreduce: float32, or a 16-bit
-allreduce (Horovod's ``Compression.fp16``, DDP's bf16 hook) that sends half the bytes. The
-door's ``baseline`` names it (:data:`BASELINES`; "auto": the faster of float32 and the door's
-16-bit allreduce in the trial, ties to float32). A door decides once, in stages
-(measurements: docs/dev/benchmarks.md, "The fallback's thresholds"):
+What a user would run without a codec is a tuned allreduce: float32, or a 16-bit one (Horovod's
+``Compression.fp16``, DDP's bf16 hook). The door's ``baseline`` names it (:data:`BASELINES`;
+"auto": the faster of float32 and the door's 16-bit allreduce, ties to float32). A door decides
+once, in stages (measurements: docs/dev/benchmarks.md, "The fallback's thresholds"):
 
 1. The baseline trial (end of step :data:`FALLBACK_STEP`): each bucket's candidate baselines
-   are timed alone (:func:`measure_baselines`): "auto" keeps the faster, and the door fits the
-   links' rates to those timings and chooses its plans again (:class:`BaselineChoice`).
-2. The bucket trial: each bucket's codec exchange and the baseline's allreduce of the same
+   timed alone (:func:`measure_baselines`); the door fits its links' rates to those timings
+   and chooses its plans again (:func:`measured_fabric`).
+2. The bucket trial: each bucket's codec exchange against the baseline's allreduce of the same
    vector, alternating; a bucket whose codec was slower leaves it (:func:`measure_and_decide`).
-3. The step check, when a kept codec won the trial by less than :data:`FALLBACK_CLEAR_WIN`:
-   the next steps alternate between the trial's layout and the baseline carrying every bucket
-   (:class:`StepChecker`); when the baseline's steps were the faster, every bucket falls back.
+3. The step check, where a kept codec won narrowly (:data:`FALLBACK_CLEAR_WIN`): steps
+   alternate between the trial's layout and the baseline carrying every bucket
+   (:class:`StepChecker`); when the baseline's were faster, every bucket falls back.
 
-:class:`FallbackController` runs them for a door, which supplies the bucket trials and moves
-the fallen-back tensors onto its baseline's allreduce. Tests force an outcome by replacing
-:func:`measure_runs` and :func:`clock` (looked up at call time).
+Tests force an outcome by replacing :func:`measure_runs` and :func:`clock` (looked up at call
+time).
 """
 from __future__ import annotations
 
@@ -33,7 +30,10 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import numpy as np
 
 from .core.base import check_choice
+from .core.baselines import BASELINE_CODECS, HOROVOD_SIXTEEN_BIT, baseline_element_bytes
 from .exchange.collectives import Collectives
+from .exchange.cost import Fabric, fitted_fabric, ring_allreduce
+from .exchange.topology import Topology
 
 log = logging.getLogger("horovod_quant")
 
@@ -44,9 +44,7 @@ FALLBACK_MODES = ("auto", "never")
 #: values of a door's ``baseline`` argument: the uncompressed allreduce a codec must beat and
 #: a fallen-back bucket takes; "auto" times float32 and the door's 16-bit format and keeps the
 #: faster (ties to float32, the exact one)
-BASELINES = ("auto", "fp32", "fp16", "bf16")
-#: bytes per element each baseline puts on the wire
-BASELINE_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+BASELINES = ("auto", *BASELINE_CODECS)
 
 #: the step (counted from 0) at whose end the buckets are measured: step 0 compiles kernels,
 #: allocates buffers and fills Horovod's response cache, which would count against whichever
@@ -161,6 +159,21 @@ class BaselineChoice:
         rates = f"; links measured: {self.fabric}" if self.fabric else ""
         return (f"horovod_quant: baseline {self.baseline} ({self.plan}): the buckets' "
                 f"uncompressed allreduces took {times}{rates}")
+
+
+def measured_fabric(choice: BaselineChoice, fabric: Fabric, topology: Topology,
+                    numels: Sequence[int]) -> Fabric:
+    """The links' rates fitted to the baseline trial's timings (:func:`.cost.fitted_fabric`):
+    each bucket's baselines as ring allreduces over ``topology`` (its ``numels``, the
+    candidates' element sizes), its float32 allreduce inside a host as a ring over one host's
+    ranks; the fields the environment sets (:meth:`Fabric.overridden`) kept."""
+    across = [(ring_allreduce(topology, numel, baseline_element_bytes(name)), seconds)
+              for numel, times in zip(numels, choice.bucket_seconds)
+              for name, seconds in times.items()]
+    one_host = Topology.grid(1, topology.local_size)
+    inside = [(ring_allreduce(one_host, numel, 4), seconds)
+              for numel, seconds in zip(numels, choice.local_seconds)]
+    return fitted_fabric(fabric, across, inside, Fabric.overridden())
 
 
 def choose_baseline(seconds: Mapping[str, float]) -> str:
@@ -514,7 +527,8 @@ class FallbackController:
         fallen_back: the keys of the tensors the baseline's allreduce carries now.
     """
 
-    def __init__(self, mode: str, baseline: str = "auto", sixteen_bit: str = "fp16") -> None:
+    def __init__(self, mode: str, baseline: str = "auto",
+                 sixteen_bit: str = HOROVOD_SIXTEEN_BIT) -> None:
         self.mode = check_fallback(mode)
         self.candidates = baseline_candidates(baseline, check_baseline(sixteen_bit))
         self.decisions: list[FallbackDecision] = []
@@ -642,3 +656,37 @@ class FallbackController:
             self._checker = StepChecker(step + 1, kept, everything)
             self.fallen_back = set(self._checker.next_layout())
         return relayout
+
+
+class FallbackAttributes:
+    """The fallback's settings and records as a door's attributes (``door.baseline``,
+    ``door.fallback_decisions``, ...), written once for the doors that have a fallback: the
+    door holds ``options`` (with the fallback's settings) and ``_fallback``, its
+    :class:`FallbackController`."""
+
+    options: Any
+    _fallback: FallbackController
+
+    @property
+    def fallback(self) -> str:
+        return self.options.fallback
+
+    @property
+    def baseline(self) -> str:
+        return self.options.baseline
+
+    @property
+    def fallback_baseline(self) -> BaselineChoice | None:
+        """The baseline trial's outcome (the baseline chosen, its plan, the candidates' times,
+        the links' rates measured) once it ran, else None."""
+        return self._fallback.choice
+
+    @property
+    def fallback_decisions(self) -> list[FallbackDecision]:
+        """Every bucket's trial (empty before it, and with ``fallback="never"``)."""
+        return self._fallback.decisions
+
+    @property
+    def fallback_step_check(self) -> StepCheck | None:
+        """The step check once one ran, else None."""
+        return self._fallback.step_check

@@ -120,3 +120,19 @@ class BF16(Codec):
         if out is None:
             return vals
         return _store(vals, out)
+
+
+#: the uncompressed allreduces a door's fallback can compare a codec with and move a bucket to
+#: (its ``baseline`` setting, :mod:`horovod_quant.fallback`), each by the codec that describes
+#: what it sends, and the torch dtype it travels in
+BASELINE_CODECS: dict[str, type[Codec]] = {"fp32": NoCompression, "fp16": FP16, "bf16": BF16}
+BASELINE_TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+#: the 16-bit allreduce each framework's users run today: Horovod's ``Compression.fp16``, and
+#: PyTorch DDP's ``bf16_compress_hook``
+HOROVOD_SIXTEEN_BIT = "fp16"
+DDP_SIXTEEN_BIT = "bf16"
+
+
+def baseline_element_bytes(baseline: str) -> float:
+    """Bytes per element a baseline's allreduce sends (4 for float32, 2 for a 16-bit one)."""
+    return BASELINE_CODECS[baseline]().expected_nbytes(1 << 20) / (1 << 20)

@@ -137,10 +137,13 @@ class BucketLayout:
         self._cache: dict[tuple, Bucket] = {}
         self.form(set(), keep_buffers=False)
 
-    def form(self, fallen_back: Collection[int], keep_buffers: bool) -> None:
+    def form(self, fallen_back: Collection[int], keep_buffers: bool,
+             fallback_dtype: torch.dtype = torch.float32) -> None:
         """Form the layout again, with the sparse and the ``fallen_back`` parameters on
-        Horovod's allreduce. A bucket formed again keeps its buffers; ``keep_buffers`` keeps
-        those of buckets that leave the layout too (it comes back within the step check)."""
+        Horovod's allreduce (the fallen-back ones cast to ``fallback_dtype``, the fallback's
+        baseline, where it is a 16-bit one). A bucket formed again keeps its buffers;
+        ``keep_buffers`` keeps those of buckets that leave the layout too (it comes back
+        within the step check)."""
         self.raw: list[torch.nn.Parameter] = []
         self.cast: dict[int, torch.dtype] = {}
         by_codec: dict[tuple, tuple[Codec, list]] = {}
@@ -148,6 +151,8 @@ class BucketLayout:
             codec = (None if id(p) in self.sparse or id(p) in fallen_back else
                      self._policy.codec_for(self._codec, p.shape, self.names[id(p)]))
             wire = horovod_dtype(codec, p)
+            if id(p) in fallen_back and fallback_dtype != torch.float32:
+                wire = fallback_dtype
             if wire is not None:
                 self.raw.append(p)
                 self.cast[id(p)] = wire

@@ -29,6 +29,7 @@ import horovod.torch as hvd
 import torch
 
 from ..core.base import Codec
+from ..core.baselines import HOROVOD_SIXTEEN_BIT
 from ..core.registry import get_codec, horovod_equivalent
 from ..doors import (
     DOOR_SETTINGS,
@@ -41,16 +42,28 @@ from ..doors import (
 from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
-from ..fallback import BucketTrial, FallbackController, FallbackDecision, StepCheck
+from ..fallback import (
+    BaselineChoice,
+    BucketTrial,
+    FallbackAttributes,
+    FallbackController,
+    measured_fabric,
+)
 from ..policy import describe
 from ..stats import StepStats
 from .buckets import Bucket, BucketLayout
-from .collectives import HorovodTorchCollectives, synchronize
+from .collectives import HorovodTorchCollectives
 from .compression import QuantizedCompressor
 from .horovod_path import HorovodPath
 from .schedule import ExchangeSchedule
-from .tensors import as_tensor, on_gpu, parameter_names, stream_of
-from .transport import resolve_transport, transport_collectives, transport_of
+from .tensors import BASELINE_DTYPES, on_gpu, parameter_names
+from .transport import (
+    horovod_topology,
+    resolve_transport,
+    transport_collectives,
+    transport_of,
+)
+from .trials import bucket_trials, horovod_plan
 
 #: the key of the optimizer's own state in its ``state_dict()``, beside torch's "state" and
 #: "param_groups"
@@ -102,29 +115,6 @@ def _key_by_name(names: dict[int, str]) -> Callable[[str], int]:
     return key_of
 
 
-def _bucket_trial(bucket: Bucket, out: Any, exchange: Exchange, seed: int, name: str,
-                  fp32_allreduce: Callable[[torch.Tensor, str], Any]) -> BucketTrial:
-    """The two blocking runs that measure ``bucket``, both writing into ``out``: its codec
-    exchange with ``seed`` (the estimate is discarded) and ``fp32_allreduce``, Horovod's."""
-    first = bucket.params[0]
-
-    def settle() -> None:  # device work is queued: the time must include it
-        if on_gpu(first):
-            torch.cuda.synchronize(first.device)
-
-    def run_codec() -> None:
-        with stream_of(first):
-            exchange.start(bucket.mean, seed, name, out=out).wait()
-            settle()
-
-    def run_fp32() -> None:
-        with stream_of(first):
-            synchronize(fp32_allreduce(as_tensor(out), f"{name}.fp32"))
-            settle()
-
-    return BucketTrial(bucket.index, repr(bucket.codec), bucket.numel * 4, run_codec, run_fp32)
-
-
 class _QuantDistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, codec: Codec, backward_passes_per_step: int,
                  op, gradient_predivide_factor: float, groups, sparse_as_dense: bool,
@@ -142,8 +132,13 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self.stats = StepStats()
         self.last_stats: StepStats | None = None
         self._step = 0
-        self._fallback = FallbackController(options.fallback)
+        self._fallback = FallbackController(options.fallback, options.baseline,
+                                            HOROVOD_SIXTEEN_BIT)
         all_params = self._trainable()
+        if (BASELINE_DTYPES.get(options.baseline) == torch.bfloat16
+                and any(not on_gpu(p) for p in all_params)):
+            raise ValueError(f"baseline={options.baseline!r}: Horovod's CPU allreduce takes no "
+                             "bfloat16; choose another baseline (or 'auto') for CPU gradients")
         self._named_by_user = named_parameters is not None
         self._layout = BucketLayout(all_params, _names_of(named_parameters, all_params),
                                     codec, options.policy, groups, options.fusion_bytes)
@@ -173,11 +168,11 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         #: which ranks share hosts, where the transport runs hierarchical exchanges (else None):
         #: what :func:`~horovod_quant.mean_estimate` needs to reproduce a bucket
         self.topology = getattr(self._comm.hierarchy, "topology", None)
-        exchanges = {c.config_key(): Exchange(c, self._comm, gather=options.gather,
-                                              pipeline_elems=options.pipeline_elems,
-                                              fabric=self.fabric, states=self.codec_states)
-                     for c in options.policy.codecs(codec)}
-        self._schedule = ExchangeSchedule(self._comm, exchanges, options.seed, self._prefix)
+        self._exchanges = {c.config_key(): Exchange(c, self._comm, gather=options.gather,
+                                                    pipeline_elems=options.pipeline_elems,
+                                                    fabric=self.fabric, states=self.codec_states)
+                           for c in options.policy.codecs(codec)}
+        self._schedule = ExchangeSchedule(self._comm, self._exchanges, options.seed, self._prefix)
         self._schedule.use(self._layout.buckets)
         self._horovod = HorovodPath(op, gradient_predivide_factor, process_set, self._prefix)
         self._grad_accs: list[Any] = []
@@ -189,20 +184,6 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
     @property
     def on_step(self) -> Callable[[StepStats], None] | None:
         return self.options.on_step
-
-    @property
-    def fallback(self) -> str:
-        return self.options.fallback
-
-    @property
-    def fallback_decisions(self) -> list[FallbackDecision]:
-        """Every bucket's trial (empty before it, and with ``fallback="never"``)."""
-        return self._fallback.decisions
-
-    @property
-    def fallback_step_check(self) -> StepCheck | None:
-        """The step check once one ran, else None."""
-        return self._fallback.step_check
 
     @property
     def fallback_settled(self) -> bool:
@@ -226,13 +207,15 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             "sparse_as_dense": self.sparse_as_dense, "gather": options.gather,
             "fabric": list(self.fabric),
             "policy": describe(options.policy),
-            "fallback": [options.fallback, sorted(names[k] for k in self._fallback.fallen_back)],
+            "fallback": [options.fallback, options.baseline, self._fallback.baseline,
+                         sorted(names[k] for k in self._fallback.fallen_back)],
             **self._layout.describe()})
 
     def _relayout(self) -> None:
         """Form the buckets again (sparse and fallen-back parameters leave theirs); the ranks
         check the new layout."""
-        self._layout.form(self._fallback.fallen_back, keep_buffers=self._fallback.checking)
+        self._layout.form(self._fallback.fallen_back, keep_buffers=self._fallback.checking,
+                          fallback_dtype=BASELINE_DTYPES[self._fallback.baseline])
         self._schedule.use(self._layout.buckets)
         self._check_layout()
 
@@ -330,23 +313,31 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         relayout |= any(k in self._layout.bucket_of for k in self._layout.sparse)
         relayout |= self._fallback.end_step(
             self._comm, f"{self._prefix}.fallback", self._step,
-            [[id(p) for p in b.params] for b in self._layout.buckets], self._trials)
+            [[id(p) for p in b.params] for b in self._layout.buckets], self._trials,
+            horovod_plan(self._comm.size), self._measured_links)
         if relayout:
             self._relayout()
         self._finish_step()
 
     def _trials(self) -> list[BucketTrial]:
-        """The fallback's trial of every bucket: two blocking runs each, the codec exchange
-        and Horovod's float32 allreduce of the same vector, reading the step's means and
-        writing into a scratch buffer per device (no gradient changes)."""
-        scratch = self._layout.scratch()
-        return [_bucket_trial(b, scratch[b], self._schedule.exchange_of(b),
-                              self._schedule.seed_of(self._step, b),
-                              f"{self._prefix}.fallback.b{b.index}",
-                              self._horovod.allreduce_async_)
-                for b in self._layout.buckets]
+        """The fallback's trial of every bucket (:func:`.trials.bucket_trials`)."""
+        return bucket_trials(self._layout, self._schedule, self._step, self._prefix,
+                             self._horovod, self._fallback.candidates, self._comm.hierarchy)
+
+    def _measured_links(self, choice: BaselineChoice) -> str:
+        """The links' rates fitted to the baseline trial (:func:`~horovod_quant.fallback.
+        measured_fabric`); the exchanges choose their plans again for them. In words."""
+        self.fabric = measured_fabric(choice, self.fabric,
+                                      self.topology or horovod_topology(self._comm),
+                                      [b.numel for b in self._layout.buckets])
+        for exchange in self._exchanges.values():
+            exchange.use_fabric(self.fabric)
+        return self.fabric.describe()
 
     def _finish_step(self) -> None:
+        if self._fallback.choice is not None:
+            self.stats.baseline = f"{self._fallback.baseline} ({self._fallback.choice.plan})"
+            self.stats.fallen_back = len(self._fallback.fallen_back)
         self._hooked.clear()
         for key in self._delay:
             self._delay[key] = self.backward_passes_per_step
@@ -464,7 +455,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     chosen = door_options(settings, options, inherited, takes=DOOR_SETTINGS)
     if num_groups and groups is None:
         groups = num_groups
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__, SettingsAttributes),
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__, SettingsAttributes,
+                                                   FallbackAttributes),
                dict(_QuantDistributedOptimizer.__dict__))
     opt = cls(optimizer.param_groups, named_parameters, codec, backward_passes_per_step, op,
               gradient_predivide_factor, groups, sparse_as_dense, process_set, chosen)

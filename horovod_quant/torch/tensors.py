@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..core.base import Codec
+from ..core.baselines import BASELINE_TORCH_DTYPES
 
 
 def as_tensor(arr: Any) -> torch.Tensor:
@@ -75,6 +76,10 @@ def stream_of(tensor: torch.Tensor) -> ContextManager[None]:
     from .. import gpu
 
     return gpu.device_scope(tensor)
+
+
+#: the wire dtype of each uncompressed baseline (:data:`horovod_quant.fallback.BASELINES`)
+BASELINE_DTYPES = {name: getattr(torch, dtype) for name, dtype in BASELINE_TORCH_DTYPES.items()}
 
 
 def horovod_dtype(codec: Codec | None, tensor: torch.Tensor) -> torch.dtype | None:

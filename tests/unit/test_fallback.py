@@ -28,13 +28,18 @@ from threaded_comm import run_ranks
 def _trials(count, seconds=None):
     """``count`` buckets; with ``seconds`` (codec, fp32) per bucket, runs that return them."""
     seconds = seconds or [(0.0, 0.0)] * count
-    return [BucketTrial(i, "Codec(bits=8)", 4 << 20, lambda s=s: s[0], lambda s=s: s[1])
+    return [BucketTrial(i, "Codec(bits=8)", 4 << 20, lambda s=s: s[0], {"fp32": lambda s=s: s[1]})
             for i, s in enumerate(seconds)]
 
 
-def _injected(trial, **_):
-    """measure_bucket for tests: the trial's runs return the seconds they stand for."""
-    return trial.run_codec(), trial.run_fp32()
+def _trial(run_codec, run_fp32):
+    """One bucket whose codec and float32 runs are the given functions."""
+    return BucketTrial(0, "c", 4, run_codec, {"fp32": run_fp32})
+
+
+def _injected(runs, **_):
+    """measure_runs for tests: the trial's runs return the seconds they stand for."""
+    return [run() for run in runs]
 
 
 @pytest.mark.parametrize("codec_s,fp32_s,falls_back", [
@@ -49,7 +54,7 @@ def _injected(trial, **_):
 def test_rule(codec_s, fp32_s, falls_back):
     (d,) = decide(_trials(1), np.array([[codec_s, fp32_s]]), step=1)
     assert d.fallback is falls_back
-    assert (d.codec_s, d.fp32_s, d.step, d.bucket) == (codec_s, fp32_s, 1, 0)
+    assert (d.codec_s, d.baseline_s, d.step, d.bucket) == (codec_s, fp32_s, 1, 0)
     assert FALLBACK_MARGIN == 0.95 and FALLBACK_MIN_SAVING_S == 0.002
 
 
@@ -63,14 +68,14 @@ def test_margin_scales_the_allreduce_time():
 def test_log_line_names_the_bucket_and_both_times():
     slow, fast = decide(_trials(2), np.array([[0.0451, 0.0392], [0.01, 0.02]]), step=1)
     assert slow.message() == (
-        "horovod_quant: bucket 0 (Codec(bits=8), 4.2 MB): codec exchange 45.1 ms, float32 "
+        "horovod_quant: bucket 0 (Codec(bits=8), 4.2 MB): codec exchange 45.1 ms, fp32 "
         "allreduce 39.2 ms (measured at step 1): the codec does not save 5% and 2 ms; the "
-        "float32 allreduce carries it from now on")
+        "fp32 allreduce carries it from now on")
     assert fast.message().endswith("(measured at step 1): the codec keeps it")
 
 
 def test_ranks_decide_the_same_from_different_timings(monkeypatch):
-    monkeypatch.setattr(fallback, "measure_bucket", _injected)
+    monkeypatch.setattr(fallback, "measure_runs", _injected)
     # rank 0 alone would keep bucket 0 and drop bucket 1, rank 1 the opposite; the slowest
     # rank's times (codec 50 vs fp32 40, codec 30 vs fp32 35) decide for both
     per_rank = [[(0.020, 0.040), (0.030, 0.010)],
@@ -79,14 +84,14 @@ def test_ranks_decide_the_same_from_different_timings(monkeypatch):
         comm, _trials(2, per_rank[comm.rank]), step=1, name="fb"))
     assert decisions[0] == decisions[1]
     assert [d.fallback for d in decisions[0]] == [True, False]
-    assert [(d.codec_s, d.fp32_s) for d in decisions[0]] == [(0.050, 0.040), (0.030, 0.035)]
+    assert [(d.codec_s, d.baseline_s) for d in decisions[0]] == [(0.050, 0.040), (0.030, 0.035)]
 
 
 def test_no_buckets_no_collective():
     assert measure_and_decide(None, [], step=1, name="fb") == []
 
 
-def test_measure_bucket_takes_the_median_run():
+def test_measure_runs_takes_the_median_run():
     calls = []
     durations = iter([0.2, 0.0, 0.0])
 
@@ -94,8 +99,7 @@ def test_measure_bucket_takes_the_median_run():
         calls.append(1)
         time.sleep(next(durations))
 
-    trial = BucketTrial(0, "c", 4, run, lambda: None)
-    codec_s, _ = fallback.measure_bucket(trial, min_runs=3, max_runs=3)
+    codec_s, _ = fallback.measure_runs([run, lambda: None], min_runs=3, max_runs=3)
     assert len(calls) == 3 and codec_s < 0.1
 
 
@@ -103,11 +107,10 @@ def test_measure_bucket_takes_the_median_run():
     (0.0, 7),  # under budget: pairs up to max_runs
     (0.6, 3),  # over budget (on the slowest rank): min_runs pairs only
 ])
-def test_measure_bucket_adds_pairs_while_under_budget(agreed_spent, pairs):
+def test_measure_runs_adds_pairs_while_under_budget(agreed_spent, pairs):
     order = []
-    trial = BucketTrial(0, "c", 4, lambda: order.append("codec"), lambda: order.append("fp32"))
-    fallback.measure_bucket(trial, sync=lambda spent: agreed_spent, min_runs=3, max_runs=7,
-                            budget_s=0.5)
+    fallback.measure_runs([lambda: order.append("codec"), lambda: order.append("fp32")],
+                          sync=lambda spent: agreed_spent, min_runs=3, max_runs=7, budget_s=0.5)
     assert order == ["codec", "fp32"] * pairs
 
 
@@ -122,7 +125,7 @@ def test_ranks_run_as_many_pairs():
             if comm.rank == 0:
                 time.sleep(0.7)  # rank 0 is over the 2 s budget after 3 pairs
 
-        trial = BucketTrial(0, "c", 4, run_codec, lambda: comm.allreduce_async(
+        trial = _trial(run_codec, lambda: comm.allreduce_async(
             np.zeros(1), f"fp32.{len(runs)}", "sum").wait())
         measure_and_decide(comm, [trial], step=1, name="fb")
         return len(runs)
@@ -141,10 +144,10 @@ def test_other_modes_rejected(mode):
         check_fallback(mode)
 
 
-def test_measure_bucket_alternates_the_two_sides():
+def test_measure_runs_alternates_the_two_sides():
     order = []
-    trial = BucketTrial(0, "c", 4, lambda: order.append("codec"), lambda: order.append("fp32"))
-    fallback.measure_bucket(trial, min_runs=3, max_runs=3)
+    fallback.measure_runs([lambda: order.append("codec"), lambda: order.append("fp32")],
+                          min_runs=3, max_runs=3)
     assert order == ["codec", "fp32"] * 3
 
 
@@ -204,9 +207,9 @@ def test_step_check_decides_on_the_median_steps(monkeypatch, durations, falls_ba
     checker, _ = _run_check(monkeypatch, durations)
     check = checker.decide(_Local(), "fb.steps")
     assert (check.fallback, check.first_step, check.steps) == (falls_back, 2, 3)
-    assert (check.codec_step_s, check.fp32_step_s) == pytest.approx((codec_s, fp32_s))
+    assert (check.codec_step_s, check.baseline_step_s) == pytest.approx((codec_s, fp32_s))
     assert checker.layouts[check.fallback] == ("fp32 layout" if falls_back else "codec layout")
-    assert ("the float32 allreduce carries every bucket from now on" in check.message()) is \
+    assert ("the fp32 allreduce carries every bucket from now on" in check.message()) is \
         falls_back
     assert ("the codec keeps its buckets" in check.message()) is not falls_back
     assert "steps 2-7" in check.message()
@@ -240,7 +243,7 @@ def test_step_check_ranks_agree_on_the_rank_that_started_last(monkeypatch):
     checks = run_ranks(2, rank)
     assert checks[0] == checks[1]
     assert not checks[0].fallback
-    assert (checks[0].codec_step_s, checks[0].fp32_step_s) == (0.3, 0.5)
+    assert (checks[0].codec_step_s, checks[0].baseline_step_s) == (0.3, 0.5)
 
 
 def test_step_checker_times_from_the_first_start(monkeypatch):
@@ -265,11 +268,11 @@ def test_step_checker_misuse_is_an_error():
         checker.decide(_Local(), "x")
 
 
-def test_measure_bucket_syncs_before_every_timed_run():
+def test_measure_runs_syncs_before_every_timed_run():
     events = []
-    trial = BucketTrial(0, "c", 4, lambda: events.append("codec"), lambda: events.append("fp32"))
-    fallback.measure_bucket(trial, sync=lambda spent: events.append("sync") or spent,
-                            min_runs=2, max_runs=2)
+    fallback.measure_runs([lambda: events.append("codec"), lambda: events.append("fp32")],
+                          sync=lambda spent: events.append("sync") or spent, min_runs=2,
+                          max_runs=2)
     assert events == ["sync", "codec", "sync", "fp32"] * 2
 
 
@@ -284,13 +287,13 @@ def test_measure_and_decide_syncs_through_the_collectives():
                 time.sleep(0.05)  # rank 0's decode is slower: rank 1 waits in the barrier
 
         runs = iter(range(100))  # the threaded world pairs collectives by name: one per run
-        trial = BucketTrial(0, "c", 4, run_codec, lambda: comm.allreduce_async(
+        trial = _trial(run_codec, lambda: comm.allreduce_async(
             np.zeros(1), f"fp32.{next(runs)}", "sum").wait())
         return measure_and_decide(comm, [trial], step=1, name="fb")[0]
     decisions = run_ranks(2, rank)
     assert decisions[0] == decisions[1]
     # without the barrier rank 1's float32 run would include rank 0's 50 ms
-    assert decisions[0].fp32_s < 0.04 and decisions[0].codec_s >= 0.05
+    assert decisions[0].baseline_s < 0.04 and decisions[0].codec_s >= 0.05
 
 
 # -- the controller: the trial, then the step check, as a door drives them ------------------------
@@ -302,9 +305,9 @@ def _drive(monkeypatch, trial_seconds, step_seconds=(), resume_at=None):
     {3}): returns the controller and, per step, (relayout, fallen_back) after its end.
     ``resume_at``: before that step the controller is replaced by a new one loaded from its
     state_dict (through JSON, as a checkpoint)."""
-    monkeypatch.setattr(fallback, "measure_bucket", _injected)
+    monkeypatch.setattr(fallback, "measure_runs", _injected)
     monkeypatch.setattr(fallback, "clock", _FakeClock(step_seconds))
-    controller = FallbackController("auto")
+    controller = FallbackController("auto", "fp32")
     buckets = [{1, 2}, {3}]
     built = []
     history = []
@@ -312,7 +315,7 @@ def _drive(monkeypatch, trial_seconds, step_seconds=(), resume_at=None):
     for step in range(FALLBACK_STEP + 1 + (2 * STEP_CHECK_ROUNDS if step_seconds else 0)):
         if step == resume_at:
             saved = json.loads(json.dumps(controller.state_dict(NAMES.__getitem__)))
-            controller = FallbackController("auto")
+            controller = FallbackController("auto", "fp32")
             controller.load_state_dict(saved, keys.__getitem__)
         controller.exchange_started()
         controller.exchange_started()  # a later hook of the step: changes nothing
@@ -360,10 +363,118 @@ def test_controller_resumes_from_its_state_dict(monkeypatch, resume_at):
 
 
 def test_controller_never_measures(monkeypatch):
-    monkeypatch.setattr(fallback, "measure_bucket", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(fallback, "measure_runs", lambda *a, **k: pytest.fail("measured"))
     controller = FallbackController("never")
     for step in range(4):
         assert controller.end_step(None, "fb", step, [{1}], lambda: pytest.fail("trials")) is False
     assert controller.settled(0) and controller.decisions == [] and controller.fallen_back == set()
     with pytest.raises(ValueError, match="fallback='sometimes'"):
         FallbackController("sometimes")
+
+
+# -- the baseline: the user's best uncompressed allreduce -------------------------------------------
+@pytest.mark.parametrize("seconds,chosen", [
+    ({"fp32": 0.040, "fp16": 0.025}, "fp16"),  # the 16-bit allreduce is faster
+    ({"fp32": 0.030, "fp16": 0.045}, "fp32"),  # gloo's 16-bit sum on CPU ranks can lose
+    ({"fp32": 0.030, "fp16": 0.030}, "fp32"),  # a tie: the exact one
+    ({"fp32": 0.030, "bf16": 0.0299}, "bf16"),
+    ({"bf16": 0.5}, "bf16"),  # a fixed baseline, timed alone
+])
+def test_auto_picks_the_faster_baseline_ties_to_float32(seconds, chosen):
+    assert fallback.choose_baseline(seconds) == chosen
+
+
+@pytest.mark.parametrize("baseline,sixteen,candidates", [
+    ("auto", "fp16", ("fp32", "fp16")), ("auto", "bf16", ("fp32", "bf16")),
+    ("fp32", "fp16", ("fp32",)), ("fp16", "bf16", ("fp16",)), ("bf16", "fp16", ("bf16",)),
+])
+def test_baseline_candidates(baseline, sixteen, candidates):
+    assert fallback.baseline_candidates(baseline, sixteen) == candidates
+    assert FallbackController("auto", baseline, sixteen).candidates == candidates
+
+
+@pytest.mark.parametrize("bad", ["float16", "FP16", None, 16, "none"])
+def test_other_baselines_rejected(bad):
+    with pytest.raises(ValueError, match=r"baseline=.*choose one of \['auto', 'fp32', 'fp16', "
+                                         r"'bf16'\]"):
+        fallback.check_baseline(bad)
+
+
+def _baseline_trials(per_bucket):
+    """Buckets whose runs return the seconds given: (codec, {baseline: seconds}, local)."""
+    return [BucketTrial(i, "Codec(bits=8)", 4 << 20, lambda c=c: c,
+                        {name: (lambda t=t: t) for name, t in times.items()},
+                        None if local is None else (lambda v=local: v))
+            for i, (c, times, local) in enumerate(per_bucket)]
+
+
+def _drive_baseline(monkeypatch, baseline, per_bucket, on_choice=None):
+    monkeypatch.setattr(fallback, "measure_runs", _injected)
+    controller = FallbackController("auto", baseline, "fp16")
+    built = [t for t in _baseline_trials(per_bucket)
+             if set(t.baselines) == set(controller.candidates)]
+    assert len(built) == len(per_bucket)
+    controller.end_step(_Local(), "fb", FALLBACK_STEP, [{1, 2}, {3}], lambda: built,
+                        "Horovod's ring allreduce, 2 ranks", on_choice)
+    return controller
+
+
+@pytest.mark.parametrize("baseline,codec_kept", [
+    # bucket 0's codec (30 ms) beats float32 (40 ms) but not fp16 (20 ms); bucket 1's beats both
+    ("fp32", [True, True]), ("fp16", [False, True]), ("auto", [False, True]),
+])
+def test_buckets_are_compared_with_the_chosen_baseline(monkeypatch, baseline, codec_kept):
+    times = [(0.030, {"fp32": 0.040, "fp16": 0.020}, None),
+             (0.004, {"fp32": 0.040, "fp16": 0.021}, None)]
+    per_bucket = [(c, {k: v for k, v in t.items() if k in fallback.baseline_candidates(
+        baseline, "fp16")}, local) for c, t, local in times]
+    controller = _drive_baseline(monkeypatch, baseline, per_bucket)
+    want = "fp32" if baseline == "fp32" else "fp16"
+    assert controller.baseline == want == controller.choice.baseline
+    assert [not d.fallback for d in controller.decisions] == codec_kept
+    assert [d.baseline_s for d in controller.decisions] == [t[want] for _, t, _ in times]
+    assert {d.baseline for d in controller.decisions} == {want}
+    assert controller.fallen_back == ({1, 2} if not codec_kept[0] else set())
+    assert controller.choice.message().startswith(
+        f"horovod_quant: baseline {want} (Horovod's ring allreduce, 2 ranks): the buckets' "
+        f"uncompressed allreduces took {'fp16' if baseline == 'fp16' else 'fp32'} ")
+
+
+def test_the_door_fits_its_links_before_the_codecs_are_timed(monkeypatch):
+    order = []
+
+    def on_choice(choice):
+        order.append(("choice", choice.bucket_seconds, choice.local_seconds))
+        return "3 Gbit/s between hosts"
+
+    monkeypatch.setattr(fallback, "measure_runs",
+                        lambda runs, **_: order.append(len(runs)) or [r() for r in runs])
+    controller = FallbackController("auto", "auto", "fp16")
+    trials = _baseline_trials([(0.01, {"fp32": 0.04, "fp16": 0.03}, 0.002)])
+    controller.end_step(_Local(), "fb", FALLBACK_STEP, [{1}], lambda: trials, "ring", on_choice)
+    # three runs (both baselines, the local allreduce), the fit, then codec against fp16
+    assert order == [3, ("choice", [{"fp32": 0.04, "fp16": 0.03}], [0.002]), 2]
+    assert controller.choice.fabric == "3 Gbit/s between hosts"
+    assert "links measured: 3 Gbit/s between hosts" in controller.choice.message()
+
+
+def test_the_baseline_choice_survives_a_checkpoint(monkeypatch):
+    times = [(0.030, {"fp32": 0.040, "fp16": 0.020}, None), (0.004, {"fp32": 0.04,
+                                                                     "fp16": 0.021}, None)]
+    controller = _drive_baseline(monkeypatch, "auto", times)
+    saved = json.loads(json.dumps(controller.state_dict(NAMES.__getitem__)))
+    resumed = FallbackController("auto", "auto", "fp16")
+    keys = {name: key for key, name in NAMES.items()}
+    resumed.load_state_dict(saved, keys.__getitem__)
+    assert resumed.choice == controller.choice and resumed.baseline == "fp16"
+    assert resumed.decisions == controller.decisions
+    with pytest.raises(ValueError, match="build it with the saved baseline"):
+        FallbackController("auto", "fp32").load_state_dict(saved, keys.__getitem__)
+
+
+def test_the_step_check_names_its_baseline(monkeypatch):
+    checker, _ = _run_check(monkeypatch, [0.6, 0.5] * 3)
+    check = checker.decide(_Local(), "x", "fp16")
+    assert check.baseline == "fp16" and check.fallback
+    assert "with the fp16 allreduce" in check.message()
+    assert check.message().endswith("the fp16 allreduce carries every bucket from now on")
