@@ -15,7 +15,7 @@ once, in stages (measurements: docs/dev/benchmarks.md, "The fallback's threshold
    alternate between the trial's layout and the baseline carrying every bucket
    (:class:`StepChecker`); when the baseline's were faster, every bucket falls back.
 
-Tests force an outcome by replacing :func:`measure_runs` and :func:`clock` (looked up at call
+Tests force an outcome by replacing :func:`measure_bucket` and :func:`clock` (looked up at call
 time).
 """
 from __future__ import annotations
@@ -130,6 +130,14 @@ class BucketTrial:
     baselines: Mapping[str, Callable[[], Any]]
     run_local: Callable[[], Any] | None = None
 
+    def run(self, side: str) -> Callable[[], Any]:
+        """The run of one side: "codec", "local", or a baseline's name."""
+        if side == "codec":
+            return self.run_codec
+        if side == "local" and self.run_local is not None:
+            return self.run_local
+        return self.baselines[side]
+
 
 @dataclass(frozen=True)
 class BaselineChoice:
@@ -240,27 +248,30 @@ def _verdict(fallback: bool, margin: float, what: str, min_saving_s: float = 0.0
     return f"the codec keeps {what}"
 
 
-def measure_runs(runs: Sequence[Callable[[], Any]], sync: Callable[[float], float] | None = None,
-                 min_runs: int = FALLBACK_TRIALS, max_runs: int = FALLBACK_MAX_TRIALS,
-                 budget_s: float = FALLBACK_TRIAL_SECONDS) -> list[float]:
-    """This rank's median seconds of each of ``runs`` (one bucket's codec exchange, its
-    baselines' allreduces): blocking runs taken in turn, the first's first; ``min_runs``
-    rounds, then more while the trial has taken less than ``budget_s`` (on the slowest rank),
-    up to ``max_runs``. Every rank must call it for the same buckets in the same order (the
-    runs are collectives).
+def measure_bucket(trial: BucketTrial, sides: Sequence[str],
+                   sync: Callable[[float], float] | None = None,
+                   min_runs: int = FALLBACK_TRIALS, max_runs: int = FALLBACK_MAX_TRIALS,
+                   budget_s: float = FALLBACK_TRIAL_SECONDS) -> list[float]:
+    """This rank's median seconds of each of ``trial``'s ``sides`` (:meth:`BucketTrial.run`:
+    its codec exchange, its baselines' allreduces, the allreduce inside the host): blocking
+    runs taken in turn, the first side's first; ``min_runs`` rounds, then more while the trial
+    has taken less than ``budget_s`` (on the slowest rank), up to ``max_runs``. Every rank must
+    call it for the same buckets in the same order (the runs are collectives).
 
     Args:
-        runs: the runs compared, each a blocking collective.
+        trial: the bucket.
+        sides: the runs compared, in order.
         sync: called, untimed, before each run with this rank's seconds spent so far; returns
             the largest over the ranks. A barrier: without it a run's time includes waiting for
             a peer still finishing the run before (a codec run returns on each rank once its
             own decode is done), which charges one side with the other's cost. Its answer,
-            the same on every rank, decides whether another pair runs, so every rank runs as
+            the same on every rank, decides whether another round runs, so every rank runs as
             many. None (one process): no barrier, this rank's own seconds.
         min_runs: rounds at least.
         max_runs: rounds at most.
         budget_s: seconds after which no further round starts (beyond ``min_runs``).
     """
+    runs = [trial.run(side) for side in sides]
     times: list[list[float]] = [[] for _ in runs]
     spent = 0.0
 
@@ -305,10 +316,10 @@ def decide(trials: Sequence[BucketTrial], seconds: np.ndarray, step: int,
             for t, (codec_s, baseline_s) in zip(trials, seconds)]
 
 
-def _agreed_medians(comm: Collectives, name: str,
-                    runs_per_trial: Sequence[Sequence[Callable[[], Any]]]) -> np.ndarray:
-    """Every trial's runs measured on this rank (:func:`measure_runs`, a barrier before each
-    run), then the elementwise maximum over the ranks (one allreduce): the rows every rank
+def _agreed_medians(comm: Collectives, name: str, trials: Sequence[BucketTrial],
+                    sides: Sequence[str]) -> np.ndarray:
+    """Every trial's ``sides`` measured on this rank (:func:`measure_bucket`, a barrier before
+    each run), then the elementwise maximum over the ranks (one allreduce): the rows every rank
     decides from. Each rank's timings differ (its own encode and decode, when it entered a
     collective); the maximum is what a step waits for, the slowest rank. Collective."""
     barriers = itertools.count()
@@ -317,7 +328,7 @@ def _agreed_medians(comm: Collectives, name: str,
         return float(np.asarray(comm.allreduce_async(
             np.array([spent], np.float64), f"{name}.sync{next(barriers)}", "max").wait())[0])
 
-    local = np.array([measure_runs(runs, sync=barrier) for runs in runs_per_trial],
+    local = np.array([measure_bucket(t, sides, sync=barrier) for t in trials],
                      dtype=np.float64)
     return np.asarray(comm.allreduce_async(local, name, "max").wait()).reshape(local.shape)
 
@@ -337,8 +348,7 @@ def measure_baselines(comm: Collectives, trials: Sequence[BucketTrial], name: st
     """
     names = list(trials[0].baselines)
     local = trials[0].run_local is not None
-    agreed = _agreed_medians(comm, name, [
-        [*t.baselines.values(), *([t.run_local] if local else [])] for t in trials])
+    agreed = _agreed_medians(comm, name, trials, names + (["local"] if local else []))
     totals = {n: float(agreed[:, i].sum()) for i, n in enumerate(names)}
     return BaselineChoice(choose_baseline(totals), plan, totals,
                           [dict(zip(names, map(float, row[:len(names)]))) for row in agreed],
@@ -364,7 +374,7 @@ def measure_and_decide(comm: Collectives, trials: Sequence[BucketTrial], step: i
     """
     if not trials:
         return []
-    agreed = _agreed_medians(comm, name, [(t.run_codec, t.baselines[baseline]) for t in trials])
+    agreed = _agreed_medians(comm, name, trials, ["codec", baseline])
     return decide(trials, agreed, step, baseline)
 
 

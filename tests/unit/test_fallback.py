@@ -37,9 +37,9 @@ def _trial(run_codec, run_fp32):
     return BucketTrial(0, "c", 4, run_codec, {"fp32": run_fp32})
 
 
-def _injected(runs, **_):
-    """measure_runs for tests: the trial's runs return the seconds they stand for."""
-    return [run() for run in runs]
+def _injected(trial, sides, **_):
+    """measure_bucket for tests: the trial's runs return the seconds they stand for."""
+    return [trial.run(side)() for side in sides]
 
 
 @pytest.mark.parametrize("codec_s,fp32_s,falls_back", [
@@ -75,7 +75,7 @@ def test_log_line_names_the_bucket_and_both_times():
 
 
 def test_ranks_decide_the_same_from_different_timings(monkeypatch):
-    monkeypatch.setattr(fallback, "measure_runs", _injected)
+    monkeypatch.setattr(fallback, "measure_bucket", _injected)
     # rank 0 alone would keep bucket 0 and drop bucket 1, rank 1 the opposite; the slowest
     # rank's times (codec 50 vs fp32 40, codec 30 vs fp32 35) decide for both
     per_rank = [[(0.020, 0.040), (0.030, 0.010)],
@@ -91,7 +91,7 @@ def test_no_buckets_no_collective():
     assert measure_and_decide(None, [], step=1, name="fb") == []
 
 
-def test_measure_runs_takes_the_median_run():
+def test_measure_bucket_takes_the_median_run():
     calls = []
     durations = iter([0.2, 0.0, 0.0])
 
@@ -99,7 +99,8 @@ def test_measure_runs_takes_the_median_run():
         calls.append(1)
         time.sleep(next(durations))
 
-    codec_s, _ = fallback.measure_runs([run, lambda: None], min_runs=3, max_runs=3)
+    codec_s, _ = fallback.measure_bucket(_trial(run, lambda: None), ["codec", "fp32"],
+                                         min_runs=3, max_runs=3)
     assert len(calls) == 3 and codec_s < 0.1
 
 
@@ -107,10 +108,11 @@ def test_measure_runs_takes_the_median_run():
     (0.0, 7),  # under budget: pairs up to max_runs
     (0.6, 3),  # over budget (on the slowest rank): min_runs pairs only
 ])
-def test_measure_runs_adds_pairs_while_under_budget(agreed_spent, pairs):
+def test_measure_bucket_adds_pairs_while_under_budget(agreed_spent, pairs):
     order = []
-    fallback.measure_runs([lambda: order.append("codec"), lambda: order.append("fp32")],
-                          sync=lambda spent: agreed_spent, min_runs=3, max_runs=7, budget_s=0.5)
+    fallback.measure_bucket(_trial(lambda: order.append("codec"), lambda: order.append("fp32")),
+                            ["codec", "fp32"], sync=lambda spent: agreed_spent, min_runs=3,
+                            max_runs=7, budget_s=0.5)
     assert order == ["codec", "fp32"] * pairs
 
 
@@ -144,10 +146,10 @@ def test_other_modes_rejected(mode):
         check_fallback(mode)
 
 
-def test_measure_runs_alternates_the_two_sides():
+def test_measure_bucket_alternates_the_two_sides():
     order = []
-    fallback.measure_runs([lambda: order.append("codec"), lambda: order.append("fp32")],
-                          min_runs=3, max_runs=3)
+    fallback.measure_bucket(_trial(lambda: order.append("codec"), lambda: order.append("fp32")),
+                            ["codec", "fp32"], min_runs=3, max_runs=3)
     assert order == ["codec", "fp32"] * 3
 
 
@@ -268,11 +270,12 @@ def test_step_checker_misuse_is_an_error():
         checker.decide(_Local(), "x")
 
 
-def test_measure_runs_syncs_before_every_timed_run():
+def test_measure_bucket_syncs_before_every_timed_run():
     events = []
-    fallback.measure_runs([lambda: events.append("codec"), lambda: events.append("fp32")],
-                          sync=lambda spent: events.append("sync") or spent, min_runs=2,
-                          max_runs=2)
+    fallback.measure_bucket(_trial(lambda: events.append("codec"),
+                                   lambda: events.append("fp32")), ["codec", "fp32"],
+                            sync=lambda spent: events.append("sync") or spent, min_runs=2,
+                            max_runs=2)
     assert events == ["sync", "codec", "sync", "fp32"] * 2
 
 
@@ -305,7 +308,7 @@ def _drive(monkeypatch, trial_seconds, step_seconds=(), resume_at=None):
     {3}): returns the controller and, per step, (relayout, fallen_back) after its end.
     ``resume_at``: before that step the controller is replaced by a new one loaded from its
     state_dict (through JSON, as a checkpoint)."""
-    monkeypatch.setattr(fallback, "measure_runs", _injected)
+    monkeypatch.setattr(fallback, "measure_bucket", _injected)
     monkeypatch.setattr(fallback, "clock", _FakeClock(step_seconds))
     controller = FallbackController("auto", "fp32")
     buckets = [{1, 2}, {3}]
@@ -363,7 +366,7 @@ def test_controller_resumes_from_its_state_dict(monkeypatch, resume_at):
 
 
 def test_controller_never_measures(monkeypatch):
-    monkeypatch.setattr(fallback, "measure_runs", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(fallback, "measure_bucket", lambda *a, **k: pytest.fail("measured"))
     controller = FallbackController("never")
     for step in range(4):
         assert controller.end_step(None, "fb", step, [{1}], lambda: pytest.fail("trials")) is False
@@ -372,7 +375,7 @@ def test_controller_never_measures(monkeypatch):
         FallbackController("sometimes")
 
 
-# -- the baseline: the user's best uncompressed allreduce -------------------------------------------
+# -- the baseline: the user's best uncompressed allreduce ----------------------------------------
 @pytest.mark.parametrize("seconds,chosen", [
     ({"fp32": 0.040, "fp16": 0.025}, "fp16"),  # the 16-bit allreduce is faster
     ({"fp32": 0.030, "fp16": 0.045}, "fp32"),  # gloo's 16-bit sum on CPU ranks can lose
@@ -409,7 +412,7 @@ def _baseline_trials(per_bucket):
 
 
 def _drive_baseline(monkeypatch, baseline, per_bucket, on_choice=None):
-    monkeypatch.setattr(fallback, "measure_runs", _injected)
+    monkeypatch.setattr(fallback, "measure_bucket", _injected)
     controller = FallbackController("auto", baseline, "fp16")
     built = [t for t in _baseline_trials(per_bucket)
              if set(t.baselines) == set(controller.candidates)]
@@ -447,13 +450,14 @@ def test_the_door_fits_its_links_before_the_codecs_are_timed(monkeypatch):
         order.append(("choice", choice.bucket_seconds, choice.local_seconds))
         return "3 Gbit/s between hosts"
 
-    monkeypatch.setattr(fallback, "measure_runs",
-                        lambda runs, **_: order.append(len(runs)) or [r() for r in runs])
+    monkeypatch.setattr(fallback, "measure_bucket", lambda trial, sides, **_: order.append(
+        list(sides)) or [trial.run(side)() for side in sides])
     controller = FallbackController("auto", "auto", "fp16")
     trials = _baseline_trials([(0.01, {"fp32": 0.04, "fp16": 0.03}, 0.002)])
     controller.end_step(_Local(), "fb", FALLBACK_STEP, [{1}], lambda: trials, "ring", on_choice)
     # three runs (both baselines, the local allreduce), the fit, then codec against fp16
-    assert order == [3, ("choice", [{"fp32": 0.04, "fp16": 0.03}], [0.002]), 2]
+    assert order == [["fp32", "fp16", "local"],
+                     ("choice", [{"fp32": 0.04, "fp16": 0.03}], [0.002]), ["codec", "fp16"]]
     assert controller.choice.fabric == "3 Gbit/s between hosts"
     assert "links measured: 3 Gbit/s between hosts" in controller.choice.message()
 
