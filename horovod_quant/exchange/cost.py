@@ -265,29 +265,47 @@ def _fit_rate(samples: Sequence[tuple[Cost, float]], fabric_at: Callable[[float]
     return float(math.exp((lo + hi) / 2))
 
 
+def _misfit(samples: Sequence[tuple[Cost, float]], fabric: Fabric) -> float:
+    """How far the model's times on ``fabric`` are from the measured ones: the sum of squared
+    relative errors (every bucket counts alike, whatever its size)."""
+    return sum((cost.seconds(fabric) / seconds - 1.0) ** 2 for cost, seconds in samples
+               if seconds > 0)
+
+
 def fitted_fabric(base: Fabric, across: Sequence[tuple[Cost, float]],
                   inside: Sequence[tuple[Cost, float]] = (),
                   fixed: Collection[str] = ()) -> Fabric:
     """The fabric whose model (:meth:`Cost.seconds`) gives measured collectives their measured
-    time: ``link_gbit`` from collectives over every rank (``across``: (cost, seconds) pairs),
-    ``intra_gbyte`` from collectives among the ranks of one host (``inside``; without them,
-    from those of ``across`` that cross no host: a one-host group), each so that the summed
-    prediction equals the summed measurement (large buckets weigh most);
-    ``round_us`` and the fields in ``fixed`` (:meth:`Fabric.overridden`) stay as in ``base``.
-    The two fits alternate twice: each subtracts the other rate's share of a collective.
-    Every rank fitting the same agreed timings gets the same fabric."""
-    fabric = base
+    time: ``intra_gbyte`` from collectives among the ranks of one host (``inside``; without
+    them, from those of ``across`` that cross no host: a one-host group), so that their summed
+    prediction equals their summed measurement; ``link_gbit`` from collectives over every rank
+    (``across``: (cost, seconds) pairs), the rate whose times (with the rate inside fitted for
+    it: a round inside a host is costed in bytes of the link) are nearest the measured ones,
+    by golden-section search on its logarithm. Where no collective crossed a host the link is
+    not measured. ``round_us`` and the fields in ``fixed`` (:meth:`Fabric.overridden`) stay
+    as in ``base``. Every rank fitting the same agreed timings gets the same fabric."""
     inside = list(inside) or [(cost, s) for cost, s in across if cost.host_bytes == 0]
-    for _ in range(2):
-        if "intra_gbyte" not in fixed:
-            fabric = fabric._replace(intra_gbyte=_fit_rate(
-                inside, lambda r: fabric._replace(intra_gbyte=r), FIT_INTRA_GBYTE,
-                fabric.intra_gbyte))
-        if "link_gbit" not in fixed:
-            fabric = fabric._replace(link_gbit=_fit_rate(
-                across, lambda r: fabric._replace(link_gbit=r), FIT_LINK_GBIT,
-                fabric.link_gbit))
-    return fabric
+
+    def at_link(link: float) -> Fabric:
+        fabric = base._replace(link_gbit=link)
+        if "intra_gbyte" in fixed:
+            return fabric
+        return fabric._replace(intra_gbyte=_fit_rate(
+            inside, lambda r: fabric._replace(intra_gbyte=r), FIT_INTRA_GBYTE,
+            fabric.intra_gbyte))
+
+    if "link_gbit" in fixed or not any(cost.host_bytes for cost, _ in across):
+        return at_link(base.link_gbit)
+    samples = [*across, *inside]
+    lo, hi = (math.log(b) for b in FIT_LINK_GBIT)
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(80):
+        left, right = hi - golden * (hi - lo), lo + golden * (hi - lo)
+        if _misfit(samples, at_link(math.exp(left))) <= _misfit(samples, at_link(math.exp(right))):
+            hi = right
+        else:
+            lo = left
+    return at_link(float(math.exp((lo + hi) / 2)))
 
 
 class CodecWork(NamedTuple):

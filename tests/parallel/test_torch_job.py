@@ -144,8 +144,8 @@ def test_optimizer_resumes_bit_for_bit(name, params, mode, monkeypatch):
     parameters, bit for bit, on every rank (the step, NDQSG's adaptive state and the
     fallback's decisions travel in the optimizer's state_dict)."""
     if mode == "auto":  # bucket 0 is slower with its codec, bucket 1 clearly faster
-        monkeypatch.setattr(fallback, "measure_bucket",
-                            lambda trial, **_: (0.05, 0.04) if trial.bucket == 0 else (0.01, 0.04))
+        monkeypatch.setattr(fallback, "measure_bucket", lambda trial, sides, **_: [
+            {"codec": 0.05 if trial.bucket == 0 else 0.01}.get(side, 0.04) for side in sides])
     n, half = 6, 3
 
     def fresh():

@@ -1,0 +1,82 @@
+"""The links measured, not assumed: the fallback's baseline timings give the rates between hosts
+and inside a host (:func:`horovod_quant.exchange.cost.fitted_fabric`,
+:func:`horovod_quant.fallback.measured_fabric`), and the plans are chosen again from them."""
+import pytest
+
+import horovod_quant as hq
+from horovod_quant.exchange import plans
+from horovod_quant.exchange.cost import LINK_ENV, Fabric, fitted_fabric, ring_allreduce
+from horovod_quant.exchange.topology import Topology
+from horovod_quant.fallback import BaselineChoice, measured_fabric
+
+SIZES = [1 << 18, 1 << 20, 1 << 22]
+
+
+def _timed(topology, fabric, element_bytes=4.0):
+    """Ring allreduces of SIZES over ``topology`` with the seconds ``fabric`` gives them."""
+    return [(ring_allreduce(topology, n, element_bytes),
+             ring_allreduce(topology, n, element_bytes).seconds(fabric)) for n in SIZES]
+
+
+@pytest.mark.parametrize("link,intra", [(3.0, 7.0), (0.5, 20.0), (40.0, 2.0)])
+def test_both_rates_are_recovered_from_their_collectives(link, intra):
+    true = Fabric(link_gbit=link, intra_gbyte=intra)
+    got = fitted_fabric(Fabric(), _timed(Topology.grid(2, 2), true),
+                        _timed(Topology.grid(1, 2), true))
+    assert got.link_gbit == pytest.approx(link, rel=1e-3)
+    assert got.intra_gbyte == pytest.approx(intra, rel=1e-3)
+    assert got.round_us == Fabric().round_us
+
+
+def test_one_host_measures_only_its_inside_rate():
+    true = Fabric(intra_gbyte=3.0)
+    got = fitted_fabric(Fabric(), _timed(Topology.grid(1, 4), true))
+    assert got.link_gbit == Fabric().link_gbit  # no byte crossed a host
+    assert got.intra_gbyte == pytest.approx(3.0, rel=1e-3)
+
+
+def test_one_rank_per_host_measures_only_the_link():
+    true = Fabric(link_gbit=2.5, intra_gbyte=99.0)
+    got = fitted_fabric(Fabric(), _timed(Topology.grid(3, 1), true))
+    assert got.link_gbit == pytest.approx(2.5, rel=1e-3)
+    assert got.intra_gbyte == Fabric().intra_gbyte
+
+
+def test_a_time_below_the_latency_floor_says_the_link_is_at_least_that_fast():
+    """Timings faster than the rounds' latency alone: the rate goes to the top of its range
+    (the latency, not the bytes, costs the time) rather than to a nonsense value."""
+    cost = ring_allreduce(Topology.grid(2, 1), 1 << 10, 4.0)
+    got = fitted_fabric(Fabric(), [(cost, 1e-9)])
+    assert got.link_gbit == pytest.approx(1e5, rel=1e-6)
+
+
+def test_the_environment_overrides_a_measurement(monkeypatch):
+    monkeypatch.setenv(LINK_ENV, "7")
+    fixed = Fabric.overridden()
+    assert fixed == {"link_gbit"}
+    base = Fabric.for_ranks(False)
+    got = fitted_fabric(base, _timed(Topology.grid(2, 2), Fabric(0.2, 5.0)),
+                        _timed(Topology.grid(1, 2), Fabric(7.0, 5.0)), fixed)
+    assert got.link_gbit == 7.0 and got.intra_gbyte == pytest.approx(5.0, rel=1e-3)
+
+
+def test_measured_fabric_reads_the_baseline_trial_and_changes_the_plan():
+    """A 16-bit and a float32 allreduce per bucket and the allreduce inside the host, as the
+    trial times them: the fitted links are the ones that produced the times, and where the
+    link is fast the plan is no longer the hierarchical one the defaults chose."""
+    topology = Topology.grid(2, 2)
+    codec = hq.get_codec("global_qsgd", bits=8, world_size=4)
+    numel = 1 << 22
+    default = plans.plan_kind(codec, topology, numel, "auto", True, Fabric())
+    assert default == "hierarchical-custom"
+    fast = Fabric(link_gbit=100.0, intra_gbyte=1.0)
+    one_host = Topology.grid(1, 2)
+    choice = BaselineChoice(
+        "fp16", "ring", {}, [{"fp32": ring_allreduce(topology, n, 4).seconds(fast),
+                              "fp16": ring_allreduce(topology, n, 2).seconds(fast)}
+                             for n in SIZES],
+        [ring_allreduce(one_host, n, 4).seconds(fast) for n in SIZES])
+    got = measured_fabric(choice, Fabric(), topology, SIZES)
+    assert got.link_gbit == pytest.approx(100.0, rel=1e-3)
+    assert got.intra_gbyte == pytest.approx(1.0, rel=1e-3)
+    assert plans.plan_kind(codec, topology, numel, "auto", True, got) == "custom"
