@@ -172,12 +172,14 @@ class BaselineChoice:
 def measured_fabric(choice: BaselineChoice, fabric: Fabric, topology: Topology,
                     numels: Sequence[int]) -> Fabric:
     """The links' rates fitted to the baseline trial's timings (:func:`.cost.fitted_fabric`):
-    each bucket's baselines as ring allreduces over ``topology`` (its ``numels``, the
-    candidates' element sizes), its float32 allreduce inside a host as a ring over one host's
-    ranks; the fields the environment sets (:meth:`Fabric.overridden`) kept."""
-    across = [(ring_allreduce(topology, numel, baseline_element_bytes(name)), seconds)
-              for numel, times in zip(numels, choice.bucket_seconds)
-              for name, seconds in times.items()]
+    each bucket's float32 allreduce (else its 16-bit one: a 16-bit sum adds CPU work of its own
+    on CPU ranks) as a ring allreduce over ``topology`` (its ``numels``), its float32 allreduce
+    inside a host as a ring over one host's ranks; the fields the environment sets
+    (:meth:`Fabric.overridden`) kept."""
+    timed = [name for name in choice.bucket_seconds[0] if name == "fp32"] or list(
+        choice.bucket_seconds[0])
+    across = [(ring_allreduce(topology, numel, baseline_element_bytes(name)), times[name])
+              for numel, times in zip(numels, choice.bucket_seconds) for name in timed]
     one_host = Topology.grid(1, topology.local_size)
     inside = [(ring_allreduce(one_host, numel, 4), seconds)
               for numel, seconds in zip(numels, choice.local_seconds)]

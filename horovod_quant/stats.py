@@ -32,7 +32,8 @@ class StepStats:
         baseline: the uncompressed allreduce the fallback compares the codecs with and moves
             buckets to, and its plan (``"fp16 (Horovod ring allreduce)"``); empty before the
             trial chose it, and without a fallback.
-        fallen_back: buckets the baseline carried (the fallback's, and the step check's).
+        fallen_back: what the baseline carried (the fallback's, and the step check's): tensors
+            in ``hq.DistributedOptimizer``, buckets in the DDP hook.
     """
 
     bytes_sent: int = 0
@@ -74,7 +75,7 @@ class StepStats:
                 f"{self.exchange_s * 1e3:.1f} ms, decode {self.decode_s * 1e3:.1f} ms"
                 + (f"; {self.bytes_local / _MB:.1f} MB inside the host" if self.bytes_local
                    else "") + (f"; plans: {plans}" if plans else "")
-                + (f"; baseline {self.baseline}, {self.fallen_back} buckets on it"
+                + (f"; {self.fallen_back} on the baseline, {self.baseline}"
                    if self.baseline else ""))
 
     def __iadd__(self, other: "StepStats") -> "StepStats":

@@ -80,3 +80,21 @@ def test_measured_fabric_reads_the_baseline_trial_and_changes_the_plan():
     assert got.link_gbit == pytest.approx(100.0, rel=1e-3)
     assert got.intra_gbyte == pytest.approx(1.0, rel=1e-3)
     assert plans.plan_kind(codec, topology, numel, "auto", True, got) == "custom"
+
+
+@pytest.mark.parametrize("timed,low,high", [
+    (("fp32", "fp16"), 1.99, 2.01),
+    (("fp16",), 0.9, 1.0),  # its doubled time read as a slower link (its latency doubled too)
+])
+def test_the_float32_allreduce_measures_the_link_where_it_was_timed(timed, low, high):
+    """A 16-bit sum on CPU ranks costs CPU work of its own (here it takes twice its bytes'
+    time): the link is fitted to the float32 allreduce where the trial timed one, else to the
+    16-bit one (a user who fixed ``baseline="fp16"``)."""
+    topology = Topology.grid(2, 1)
+    link = Fabric(link_gbit=2.0)
+    seconds = {"fp32": lambda n: ring_allreduce(topology, n, 4).seconds(link),
+               "fp16": lambda n: 2 * ring_allreduce(topology, n, 2).seconds(link)}
+    choice = BaselineChoice("fp32", "ring", {}, [{name: seconds[name](n) for name in timed}
+                                                 for n in SIZES])
+    got = measured_fabric(choice, Fabric(), topology, SIZES)
+    assert low < got.link_gbit < high
