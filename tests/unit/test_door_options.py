@@ -12,6 +12,7 @@ from horovod_quant import doors
 from horovod_quant.doors import (
     DEFAULT_FUSION_BYTES,
     DOOR_SETTINGS,
+    FALLBACK,
     OPTIMIZER_ONLY,
     SHARED,
     DoorOptions,
@@ -85,24 +86,35 @@ def test_no_sentinel_and_each_setting_attribute_written_once():
                 names = [ast.unparse(t) for t in node.targets]
                 assert not set(names) & set(DOOR_SETTINGS), (path, names)
     twice = {name: where for name, where in defined.items() if len(where) > 1}
-    assert not twice and set(defined) == set(SHARED) | {"on_step", "fallback"}, defined
+    assert not twice and set(defined) == set(SHARED) | {"on_step", "fallback", "baseline"}, \
+        defined
 
 
 @pytest.mark.parametrize("setting,value,message", [
     ("seed", 7.9, "seed"), ("gather", "ring", "gather='ring'"),
     ("pipeline_elems", 0, "pipeline_elems=0"), ("fusion_bytes", 0, "fusion_bytes"),
     ("transport", "mpi", "transport='mpi'"), ("fallback", "sometimes", "fallback='sometimes'"),
+    ("baseline", "fp8", "baseline='fp8'"),
     ("policy", "everything", "LayerPolicy"), ("on_step", 3, "on_step=3")])
 def test_invalid_settings_say_what_to_change(setting, value, message):
     with pytest.raises(ValueError, match=message):
         DoorOptions(**{setting: value})
 
 
-def test_optimizer_only_settings_raise_in_the_other_doors():
-    assert DoorOptions(seed=2).check_door("DDP hook").seed == 2
-    with pytest.raises(ValueError, match=r"fusion_bytes=1024, fallback='never': the DDP hook"):
-        DoorOptions(fusion_bytes=1024, fallback="never").check_door("DDP hook")
-    assert set(OPTIMIZER_ONLY) == {"fusion_bytes", "transport", "fallback", "on_step"}
+def test_settings_a_door_does_not_take_raise_there():
+    assert DoorOptions(seed=2).check_door("TensorFlow door").seed == 2
+    with pytest.raises(ValueError, match=r"fallback='never', fusion_bytes=1024: the TensorFlow "
+                                         r"door does not take these settings \(the fallback's, "
+                                         r"fallback, baseline: hq.torch.DistributedOptimizer and "
+                                         r"the DDP hook"):
+        DoorOptions(fusion_bytes=1024, fallback="never").check_door("TensorFlow door")
+    ddp = SHARED + FALLBACK
+    assert DoorOptions(baseline="bf16", fallback="never").check_door("DDP hook", ddp).baseline \
+        == "bf16"
+    with pytest.raises(ValueError, match=r"^transport='gloo': the DDP hook"):
+        DoorOptions(transport="gloo", baseline="fp32").check_door("DDP hook", ddp)
+    assert set(OPTIMIZER_ONLY) == {"fusion_bytes", "transport", "on_step"}
+    assert set(FALLBACK) == {"fallback", "baseline"}
 
 
 def test_every_door_takes_the_settings_as_keywords_or_options():
