@@ -197,13 +197,15 @@ def flat_cost(kind: str, topology: Topology, payload: float) -> Cost:
     raise ValueError(f"no cost for plan kind {kind!r}")
 
 
-def hierarchical_cost(inner: str, topology: Topology, numel: int, payload: float) -> Cost:
-    """The cost of the hierarchical plan with ``inner`` between the hosts: a float32
-    reduce-scatter and allgather inside each host, and on each host ``local_size`` inner
-    exchanges of a shard (``payload / local_size`` bytes each) over one rank per host."""
+def hierarchical_cost(inner: str, topology: Topology, numel: int, payload: float,
+                      inside_element_bytes: float = 4.0) -> Cost:
+    """The cost of the hierarchical plan with ``inner`` between the hosts: a reduce-scatter
+    and allgather inside each host (float32: ``inside_element_bytes`` per element), and on each
+    host ``local_size`` inner exchanges of a shard (``payload / local_size`` bytes each) over
+    one rank per host."""
     k = topology.local_size
     between = flat_cost(inner, Topology.grid(topology.host_count, 1), payload / k)
-    inside = 2 * (k - 1) * 4.0 * numel / k
+    inside = 2 * (k - 1) * inside_element_bytes * numel / k
     return Cost(k * between.host_bytes, between.rounds, inside + between.local_bytes,
                 2 + between.local_rounds, inside + between.rank_bytes)
 
@@ -231,6 +233,13 @@ def ring_allreduce(topology: Topology, numel: int, element_bytes: float) -> Cost
     """What a ring allreduce of ``numel`` elements of ``element_bytes`` bytes each moves
     (NCCL's, Horovod's: 4 for float32, 2 for a 16-bit allreduce)."""
     return flat_cost("sum", topology, element_bytes * numel)
+
+
+def hierarchical_allreduce(topology: Topology, numel: int, element_bytes: float) -> Cost:
+    """What a hierarchical allreduce of ``numel`` elements of ``element_bytes`` bytes moves, as
+    NCCL's and Horovod's hierarchical allreduce run it: a reduce-scatter inside each host, a
+    ring allreduce of each shard across the hosts, an allgather inside each host."""
+    return hierarchical_cost("sum", topology, numel, element_bytes * numel, element_bytes)
 
 
 def float32_ring(topology: Topology, numel: int) -> Cost:

@@ -18,7 +18,7 @@ import horovod_quant as hq
 from horovod_quant.core.limits import CodecLimitWarning
 from horovod_quant.doors import CodecRequest
 from horovod_quant.exchange import plans, reference
-from horovod_quant.exchange.cost import Fabric, float32_ring, plan_cost
+from horovod_quant.exchange.cost import Fabric, float32_ring, hierarchical_allreduce, plan_cost
 from horovod_quant.exchange.topology import Topology
 
 # the module (``horovod_quant.predict`` as an attribute is the function it exports)
@@ -91,7 +91,9 @@ def test_the_plans_and_bytes_are_the_optimizers():
     pieces = plans.pipeline_bounds(numel, plans.DEFAULT_PIPELINE_ELEMS)
     want = sum(plan_cost(choice.kind, topology, hi - lo, codec).host_bytes for lo, hi in pieces)
     assert rows["qsgd:8"].host_bytes == pytest.approx(want)
-    assert rows["fp32"].host_bytes == pytest.approx(float32_ring(topology, numel).host_bytes)
+    fp32 = {pr.RING: float32_ring(topology, numel),
+            pr.HIERARCHICAL_ALLREDUCE: hierarchical_allreduce(topology, numel, 4.0)}
+    assert rows["fp32"].host_bytes == pytest.approx(fp32[rows["fp32"].plan].host_bytes)
 
 
 def test_a_different_plan_choice_changes_the_prediction(monkeypatch):
