@@ -135,9 +135,8 @@ CPU_STEP_OVERHEAD_NS = 2.98
 #: buckets) counts 14 us per step over the network and 5.7 us per step over PCIe
 NCCL_NET_STEP_US, NCCL_PCI_STEP_US = 14.0, 5.7
 #: the share of a network's line rate that NCCL's allreduce reaches (nccl-tests' bus bandwidth
-#: of large messages): 192 GB/s on a DGX A100's eight 200 Gbit/s adapters
-#: (github.com/NVIDIA/nccl/issues/1576, NVIDIA's figure) and 12.2 GB/s on one 100 Gbit/s
-#: adapter, "as good as you can get" (github.com/NVIDIA/nccl-tests/issues/29): 0.96 and 0.98
+#: of large messages, as NCCL's maintainers report it: 192 GB/s on a DGX A100's eight 200
+#: Gbit/s adapters, 12.2 GB/s on one 100 Gbit/s adapter; docs/dev/benchmarks.md cites both)
 NET_EFFICIENCY = 0.96
 #: the baselines a measured step (``--measured-ms``) can name
 BASELINES = ("fp32", "fp16")
@@ -1027,8 +1026,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="GB/s a rank moves inside its host (default 16 for GPUs: PCIe; 1.25 "
                          "for CPU ranks; NVLink: 100 or more)")
     ap.add_argument("--round-us", type=float, default=None,
-                    help="latency of one round of a collective across hosts, microseconds "
-                         "(default: the optimizer's, HQ_ROUND_US)")
+                    help="latency of one round of a collective across hosts, microseconds, "
+                         "for the plans and their time (default: GPUs are timed at "
+                         f"{NCCL_NET_STEP_US:g}, NCCL's step, and their plans chosen at the "
+                         "optimizer's HQ_ROUND_US; CPU ranks the optimizer's for both)")
     ap.add_argument("--cores-per-host", type=float, default=None,
                     help="CPU cores the ranks of a host share (--device cpu; default one per "
                          "rank)")

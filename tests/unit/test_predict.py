@@ -631,3 +631,21 @@ def test_the_command_line_prints_what_it_scaled():
     assert printed["calibration"]["measured_ms"] == 400.0
     fp32 = next(r for r in printed["rows"] if r["name"] == "fp32")
     assert fp32["step_ms"] == pytest.approx(400.0, rel=1e-6)
+
+
+def test_the_command_line_needs_no_link_on_one_host():
+    """One host: --link-gbit may be left out, and given changes nothing; several: required."""
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "horovod_quant.predict", "--hosts", "1",
+                               "--ranks-per-host", "4", "--model", "gpt2", "--compute-ms",
+                               "100", "--codecs", "qsgd:8", "--json", *extra],
+                              capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    alone, linked = run(), run("--link-gbit", "400")
+    assert alone.returncode == 0 and linked.returncode == 0, alone.stderr + linked.stderr
+    assert json.loads(alone.stdout)["rows"] == json.loads(linked.stdout)["rows"]
+    several = subprocess.run([sys.executable, "-m", "horovod_quant.predict", "--hosts", "2",
+                              "--ranks-per-host", "4", "--model", "gpt2", "--compute-ms", "100"],
+                             capture_output=True, text=True, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert several.returncode == 2 and "--link-gbit" in several.stderr
