@@ -7,9 +7,10 @@ full, and its error against measurements).
 
 One cost model: each bucket (``fusion_bytes``, pipelined pieces) takes the plan
 :func:`~.exchange.plans.plan_choice` picks on the same :class:`~.exchange.cost.Fabric`, its
-wire time is :meth:`~.exchange.cost.Cost.seconds`, its codec time
-:func:`~.exchange.cost.codec_work` at measured throughput (built-in tables, or ``--measure``;
-CPU ranks: their share of the host's cores). float32 and 16-bit are ring allreduces. Every
+wire time is its :class:`~.exchange.cost.Cost` at :class:`LinkTimes` (NCCL's or gloo's rates
+and latencies), its codec time :func:`~.exchange.cost.codec_work` at measured throughput
+(built-in tables, or ``--measure``; CPU ranks: their share of the host's cores). float32 and
+16-bit take the faster of a flat ring and the hierarchical allreduce. Every
 row copies each bucket into one vector and its mean back at the device's copy rate; CPU ranks
 also pay ``transport_ns`` of CPU per byte they send (TCP, both ends), and a codec's step
 ``step_overhead_ns`` per gradient element beyond its exchanges timed alone. Overlap, the same
@@ -37,6 +38,7 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 
 from .core.base import Codec
+from .core.baselines import baseline_element_bytes
 from .core.contract import Combine, SideInformation
 from .core.limits import CodecLimitWarning
 from .core.registry import available_codecs, codec_class, get_codec
@@ -545,9 +547,10 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float | None, compute_ms
     for spec in specs:  # a misspelt spec is the caller's error; a codec the shape cannot
         parse_codec(spec)  # serve is a row that says why
     work = DeviceWork(_rate(table, "copy", device), share, transport_ns, step_overhead_ns)
-    baselines = {name: Baseline(name, element_bytes, topology, sizes, compute_s, work,
+    baselines = {name: Baseline(name, baseline_element_bytes(name), topology, sizes, compute_s,
+                                work,
                                 None if on_gpu or name == "fp32" else _rate(table, name, device))
-                 for name, element_bytes in zip(BASELINES, (4.0, 2.0))}
+                 for name in BASELINES}
     calibration = None
     if measured_ms is not None:
         times, calibration = _calibrated(measured_ms, baselines, times, compute_s, fabric)

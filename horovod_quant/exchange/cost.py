@@ -90,9 +90,7 @@ CPU_RANKS = Fabric()
 #: payloads staged through pinned host memory; NVLink moves 10-30x that: HQ_INTRA_GBYTE), and
 #: 50 us per round across hosts: a step of NCCL's ring over Ethernet is tens of microseconds
 #: (NCCL's own tuning model counts about 14 us per network hop), where the CPU ranks' 0.5 ms
-#: is a round of gloo collectives issued from Python. The predictor
-#: (:mod:`horovod_quant.predict`) costs NCCL's float32 ring with it too: 2 (n - 1) rounds of
-#: 0.5 ms would make a 64-GPU ring spend 66 ms per bucket waiting, which NCCL does not.
+#: is a round of gloo collectives issued from Python.
 GPU_RANKS = Fabric(link_gbit=10.0, intra_gbyte=16.0, round_us=50.0)
 
 
@@ -117,7 +115,8 @@ class Cost(NamedTuple):
         """The plan's time on ``fabric``: :meth:`score` over the link's rate, that is the bytes
         across hosts at the link's rate, a round's latency per round across hosts, and the
         bytes (and rounds) inside a host at the fabric's rate inside the host. The plan
-        choice and :mod:`horovod_quant.predict` weigh the same quantity."""
+        choice and :func:`fitted_fabric` weigh the same quantity (:mod:`horovod_quant.predict`
+        times a plan's bytes and rounds with NCCL's or gloo's rates and latencies)."""
         return self.score(fabric) / fabric.link_bytes_per_s
 
     def __add__(self, other: "Cost") -> "Cost":  # type: ignore[override]
