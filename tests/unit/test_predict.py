@@ -523,6 +523,10 @@ def test_each_baseline_takes_the_faster_of_its_plans():
         assert row.host_bytes == pytest.approx(sum(c.host_bytes for c in costs[row.plan]))
         ring, nested = (sum(c.host_bytes for c in costs[k]) for k in costs)
         assert ring / nested == pytest.approx((31 / 32) / (3 / 4))
+        # inside the host the baseline's own elements: reduce-scatter and allgather of 7/8
+        inside = costs[pr.HIERARCHICAL_ALLREDUCE][0]
+        assert inside.local_bytes == pytest.approx(2 * 7 / 8 * element_bytes
+                                                   * prediction.buckets[0])
     assert _rows(prediction)["fp16"].plan == pr.HIERARCHICAL_ALLREDUCE
     flat = pr.predict(4, 1, 25, 150, params=numel, codecs=[])
     assert [(r.plan, list(r.plans_ms)) for r in flat.rows] == [(pr.RING, [pr.RING])] * 2
