@@ -7,9 +7,10 @@ full, and its error against measurements).
 
 One cost model: each bucket (``fusion_bytes``, pipelined pieces) takes the plan
 :func:`~.exchange.plans.plan_choice` picks on the same :class:`~.exchange.cost.Fabric`, its
-wire time is :meth:`~.exchange.cost.Cost.seconds`, its codec time
-:func:`~.exchange.cost.codec_work` at measured throughput (built-in tables, or ``--measure``;
-CPU ranks: their share of the host's cores). float32 and 16-bit are ring allreduces. Every
+wire time is its :class:`~.exchange.cost.Cost` at :class:`LinkTimes` (NCCL's or gloo's rates
+and latencies), its codec time :func:`~.exchange.cost.codec_work` at measured throughput
+(built-in tables, or ``--measure``; CPU ranks: their share of the host's cores). float32 and
+16-bit take the faster of a flat ring and the hierarchical allreduce. Every
 row copies each bucket into one vector and its mean back at the device's copy rate; CPU ranks
 also pay ``transport_ns`` of CPU per byte they send (TCP, both ends), and a codec's step
 ``step_overhead_ns`` per gradient element beyond its exchanges timed alone. Overlap, the same
@@ -37,6 +38,7 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 
 from .core.base import Codec
+from .core.baselines import baseline_element_bytes
 from .core.contract import Combine, SideInformation
 from .core.limits import CodecLimitWarning
 from .core.registry import available_codecs, codec_class, get_codec
@@ -49,6 +51,7 @@ from .exchange.cost import (
     Cost,
     Fabric,
     codec_work,
+    hierarchical_allreduce,
     plan_cost,
     ring_allreduce,
 )
@@ -129,10 +132,61 @@ CPU_TRANSPORT_NS = 0.50
 #: predictor_calibration_runs_4x2.json (each row's CPU over its compute row's, less its
 #: exchanges': benchmarks/validate_predictor.py's step_overhead_ns); other runs validate it
 CPU_STEP_OVERHEAD_NS = 2.98
+#: GPU ranks' latency of one round, microseconds: NCCL's own tuning model (src/graph/tuning.cc
+#: of github.com/NVIDIA/nccl, ``hwLat``, ring algorithm, Simple protocol, which carries large
+#: buckets) counts 14 us per step over the network and 5.7 us per step over PCIe
+NCCL_NET_STEP_US, NCCL_PCI_STEP_US = 14.0, 5.7
+#: the share of a network's line rate that NCCL's allreduce reaches (nccl-tests' bus bandwidth
+#: of large messages, as NCCL's maintainers report it: 192 GB/s on a DGX A100's eight 200
+#: Gbit/s adapters, 12.2 GB/s on one 100 Gbit/s adapter; docs/dev/benchmarks.md cites both)
+NET_EFFICIENCY = 0.96
+#: the baselines a measured step (``--measured-ms``) can name
+BASELINES = ("fp32", "fp16")
+#: the baselines' plans: a flat ring over every rank (Horovod's and NCCL's default), or
+#: reduce-scatter inside the host, allreduce across the hosts, allgather inside
+RING, HIERARCHICAL_ALLREDUCE = "ring allreduce", "hierarchical allreduce"
+#: the range of the factor ``--measured-ms`` scales the links' rates by
+SCALE_RANGE = (1e-6, 1e6)
 #: where each built-in table comes from, for the printout
 TABLE_SOURCES = {"cpu": "docs/results/predict_throughput_cpu.json (one numba thread)",
                  "cuda": "docs/results/gpu_check_throughput.json (one H100, qsgd), "
                          "gpu_h100_256m.json and gpu_h100_throughput.json (the others)"}
+
+
+class LinkTimes(NamedTuple):
+    """What the predictor times a plan's :class:`~.exchange.cost.Cost` with: the rates reached
+    (bytes/s) across hosts and inside a host, and the latency (s) of a round across hosts and
+    of a round inside a host."""
+
+    link_bytes_per_s: float
+    intra_bytes_per_s: float
+    round_s: float
+    local_round_s: float
+
+    @classmethod
+    def of(cls, fabric: Fabric, on_gpu: bool, round_us: float | None = None) -> "LinkTimes":
+        """GPU ranks: NCCL's share of the line rate (:data:`NET_EFFICIENCY`) and its steps'
+        latency (:data:`NCCL_NET_STEP_US`, :data:`NCCL_PCI_STEP_US`; ``round_us`` given: that
+        across hosts). CPU ranks: the fabric's rates (TCP as measured) and its round, in or out
+        of a host alike (a gloo collective issued from Python)."""
+        if on_gpu:
+            across = NCCL_NET_STEP_US if round_us is None else round_us
+            return cls(fabric.link_bytes_per_s * NET_EFFICIENCY, fabric.intra_gbyte * 1e9,
+                       across * 1e-6, NCCL_PCI_STEP_US * 1e-6)
+        return cls(fabric.link_bytes_per_s, fabric.intra_gbyte * 1e9, fabric.round_us * 1e-6,
+                   fabric.round_us * 1e-6)
+
+    def seconds(self, cost: Cost) -> float:
+        """The plan's time: its bytes across hosts and inside a host at their rates, and the
+        latency of its rounds across hosts and inside a host."""
+        return (cost.host_bytes / self.link_bytes_per_s + cost.rounds * self.round_s
+                + cost.local_bytes / self.intra_bytes_per_s
+                + cost.local_rounds * self.local_round_s)
+
+    def scaled(self, factor: float) -> "LinkTimes":
+        """Both rates times ``factor``, the latencies as they are."""
+        return self._replace(link_bytes_per_s=self.link_bytes_per_s * factor,
+                             intra_bytes_per_s=self.intra_bytes_per_s * factor)
 
 
 @dataclass
@@ -141,10 +195,13 @@ class Row:
 
     Attributes:
         name: "fp32", "fp16" (the 16-bit allreduce) or the codec spec ("qsgd:8").
-        plan: the plan of its buckets (several: each with its bucket count).
+        plan: the plan of its buckets (several: each with its bucket count); a baseline's is
+            the faster of "ring allreduce" and "hierarchical allreduce".
         host_bytes: bytes out of the busiest host's interface per step.
         step_ms: the predicted step.
         vs_fp32, vs_fp16: float32's (16-bit's) step over this one (> 1: faster).
+        vs_best: the faster baseline's step over this one.
+        plans_ms: a baseline's step by each plan it could take (the row takes the least).
         wire_ms: the buckets' wire time, all together.
         codec_ms: the device's work per step beside compute: the buckets' copies in and out,
             the codec's encode and decode (the CPU's float16 cast).
@@ -158,10 +215,12 @@ class Row:
     step_ms: float
     vs_fp32: float = 1.0
     vs_fp16: float = 1.0
+    vs_best: float = 1.0
     wire_ms: float = 0.0
     codec_ms: float = 0.0
     exposed_ms: float = 0.0
     note: str = ""
+    plans_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -181,14 +240,28 @@ class Prediction:
     core_share: float
     transport_ns: float
     step_overhead_ns: float
+    times: LinkTimes
     notes: list[str] = field(default_factory=list)
+    calibration: dict | None = None
+
+    @property
+    def best_baseline(self) -> Row:
+        """The faster of the fp32 and fp16 rows (the first on a tie)."""
+        return min((r for r in self.rows if r.name in BASELINES), key=lambda r: r.step_ms)
 
     def as_json(self) -> dict:
-        """``{"rows": [...], "assumptions": {...}}`` (every row's fields, the inputs)."""
-        return {"rows": [asdict(r) for r in self.rows], "assumptions": {
+        """``{"rows": [...], "best_baseline": {...}, "calibration": {...} or None,
+        "assumptions": {...}}`` (every row's fields, the faster baseline, what
+        ``measured_ms`` scaled, the inputs)."""
+        best = self.best_baseline
+        return {"rows": [asdict(r) for r in self.rows],
+                "best_baseline": {"name": best.name, "plan": best.plan,
+                                  "step_ms": best.step_ms},
+                "calibration": self.calibration, "assumptions": {
             "hosts": self.hosts, "ranks_per_host": self.ranks_per_host, "params": self.params,
             "compute_ms": self.compute_ms, "device": self.device,
-            "fabric": self.fabric._asdict(), "buckets": self.buckets,
+            "fabric": self.fabric._asdict(), "link_times": self.times._asdict(),
+            "buckets": self.buckets,
             "throughput": self.throughput_source,
             "throughput_gbps": {k: list(v) for k, v in self.throughput.items()},
             "core_share": self.core_share, "transport_ns": self.transport_ns,
@@ -295,13 +368,13 @@ def limit_note(codec: Codec, kind: str, topology: Topology) -> str:
             f"payload per host ({topology.host_count}): {used.params.get('num_levels')} levels.")
 
 
-def cluster_fabric(device: str, link_gbit: float, intra_gbyte: float | None = None,
+def cluster_fabric(device: str, link_gbit: float | None, intra_gbyte: float | None = None,
                    round_us: float | None = None) -> Fabric:
     """The links the optimizer weighs on this cluster: ``link_gbit`` between hosts, the
-    device's defaults (:meth:`Fabric.for_ranks`) where ``intra_gbyte`` or ``round_us`` is
-    None."""
+    device's defaults (:meth:`Fabric.for_ranks`) where ``link_gbit``, ``intra_gbyte`` or
+    ``round_us`` is None."""
     base = Fabric.for_ranks(device == "cuda")
-    return Fabric(_positive("link_gbit", link_gbit),
+    return Fabric(base.link_gbit if link_gbit is None else _positive("link_gbit", link_gbit),
                   base.intra_gbyte if intra_gbyte is None
                   else _positive("intra_gbyte", intra_gbyte),
                   base.round_us if round_us is None else _positive("round_us", round_us))
@@ -384,7 +457,7 @@ def _plan_label(kinds: list[str]) -> str:
     return ", ".join(f"{k} ({c} bucket{'s' if c > 1 else ''})" for k, c in counts.items())
 
 
-def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float, *,
+def predict(hosts: int, ranks_per_host: int, link_gbit: float | None, compute_ms: float, *,
             params: int | None = None, model: str | None = None, device: str = "cuda",
             codecs: Sequence[str] | None = None, intra_gbyte: float | None = None,
             round_us: float | None = None, cores_per_host: float | None = None,
@@ -392,20 +465,24 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
             fusion_bytes: int = DEFAULT_FUSION_BYTES,
             pipeline_elems: int | None = plans.DEFAULT_PIPELINE_ELEMS,
             transport_ns: float | None = None,
-            step_overhead_ns: float | None = None) -> Prediction:
+            step_overhead_ns: float | None = None,
+            measured_ms: tuple[str, float] | None = None) -> Prediction:
     """Predict the step of float32, the 16-bit allreduce and each codec (module docstring).
 
     Args:
         hosts: hosts (at least 1).
         ranks_per_host: ranks on each host (GPUs, or CPU processes).
-        link_gbit: the network between hosts, Gbit/s per host interface.
+        link_gbit: the network between hosts, Gbit/s per host interface (its line rate; GPU
+            ranks reach :data:`NET_EFFICIENCY` of it). One host: None allowed; without effect.
         compute_ms: the step without communication (forward, backward, update), ms.
         params: the model's parameter count; or ``model``, a name of :data:`MODELS`.
         device: "cuda" (GPU ranks, NCCL baselines) or "cpu" (CPU ranks, numba codecs).
         codecs: codec specs ("qsgd:8", "global_qsgd-lin:8"); default :data:`DEFAULT_CODECS`.
         intra_gbyte: GB/s a rank moves inside its host (default: the ranks' fabric default,
             :meth:`Fabric.for_ranks`, which ``HQ_INTRA_GBYTE`` overrides).
-        round_us: a round's latency across hosts, microseconds (default as ``intra_gbyte``).
+        round_us: a round's latency across hosts, microseconds (default: GPU ranks
+            :data:`NCCL_NET_STEP_US`; CPU ranks the fabric's, ``HQ_ROUND_US``). The plans are
+            chosen on the optimizer's fabric (:func:`cluster_fabric`).
         cores_per_host: CPU cores the ranks of a host share (device "cpu"; default one per
             rank; fractions allowed: hosts emulated on fewer cores).
         throughput: codec spec -> :class:`Throughput` (``"fp16"``: the CPU cast; ``"copy"``:
@@ -418,16 +495,27 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
         step_overhead_ns: CPU ranks: ns of CPU per gradient element a codec's step costs a rank
             beyond its exchanges (default :data:`CPU_STEP_OVERHEAD_NS`; 0 allowed). GPU ranks:
             None or 0 only.
+        measured_ms: ``(baseline, ms)``: the step measured with that baseline ("fp32" or
+            "fp16") on this cluster. Both link rates are scaled by one factor so that the
+            baseline's predicted step equals it (:attr:`Prediction.calibration` says by how
+            much); the codecs are predicted on the scaled links.
 
     Returns:
         The :class:`Prediction`: fp32, fp16, then the codecs in the order given.
 
     Raises:
-        ValueError: an input out of range, an unknown model, device or codec.
+        ValueError: an input out of range, an unknown model, device or codec, a link rate
+            missing for several hosts, a measured step that no link rate explains.
     """
     hosts = int(_positive("hosts", hosts, integer=True))
     ranks_per_host = int(_positive("ranks_per_host", ranks_per_host, integer=True))
-    link_gbit = _positive("link_gbit", link_gbit)
+    if link_gbit is not None:
+        _positive("link_gbit", link_gbit)
+    elif hosts > 1:
+        raise ValueError(f"link_gbit: give the network's rate between the {hosts} hosts "
+                         "(Gbit/s per host interface, --link-gbit)")
+    if hosts == 1:  # no byte crosses a host: the link neither times nor chooses a plan
+        link_gbit = None
     compute_s = _positive("compute_ms", compute_ms) / 1e3
     if device not in DEVICES:
         raise ValueError(f"device={device!r}: choose one of {', '.join(DEVICES)}")
@@ -435,6 +523,7 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
     on_gpu = device == "cuda"
     base = Fabric.for_ranks(on_gpu)
     fabric = cluster_fabric(device, link_gbit, intra_gbyte, round_us)
+    times = LinkTimes.of(fabric, on_gpu, round_us)
     share = 1.0
     if not on_gpu:
         cores = ranks_per_host if cores_per_host is None else _positive("cores_per_host",
@@ -458,17 +547,26 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
     for spec in specs:  # a misspelt spec is the caller's error; a codec the shape cannot
         parse_codec(spec)  # serve is a row that says why
     work = DeviceWork(_rate(table, "copy", device), share, transport_ns, step_overhead_ns)
-    rows = [_baseline_row("fp32", 4.0, topology, sizes, compute_s, fabric, None, work),
-            _baseline_row("fp16", 2.0, topology, sizes, compute_s, fabric,
-                          None if on_gpu else _rate(table, "fp16", device), work)]
+    baselines = {name: Baseline(name, baseline_element_bytes(name), topology, sizes, compute_s,
+                                work,
+                                None if on_gpu or name == "fp32" else _rate(table, name, device))
+                 for name in BASELINES}
+    calibration = None
+    if measured_ms is not None:
+        times, calibration = _calibrated(measured_ms, baselines, times, compute_s, fabric)
+    rows = [baseline.row(times) for baseline in baselines.values()]
     for spec in specs:
-        rows.append(_codec_row(spec, topology, sizes, compute_s, fabric, table, device, work,
-                               pipeline_elems))
+        rows.append(_codec_row(spec, topology, sizes, compute_s, fabric, times, table, device,
+                               work, pipeline_elems))
     fp32, fp16 = rows[0].step_ms, rows[1].step_ms
+    best = min(fp32, fp16)
     for row in rows:
         if row.step_ms > 0:
             row.vs_fp32, row.vs_fp16 = fp32 / row.step_ms, fp16 / row.step_ms
+            row.vs_best = best / row.step_ms
     notes = []
+    if calibration is not None:
+        notes.append(calibration["note"])
     settings = [f"{env}={mine:g}" for env, mine, default in zip(
         (LINK_ENV, INTRA_ENV, ROUND_ENV), fabric, base) if mine != default]
     if settings:
@@ -478,7 +576,8 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float, compute_ms: float
         notes.append("16-bit on CPUs: the cast is timed, gloo's float16 sum is taken as fast "
                      "as its float32 sum (it is slower: docs/will-it-pay.md)")
     return Prediction(rows, hosts, ranks_per_host, numel_total, compute_s * 1e3, device, fabric,
-                      sizes, source, table, share, transport_ns, step_overhead_ns, notes)
+                      sizes, source, table, share, transport_ns, step_overhead_ns, times, notes,
+                      calibration)
 
 
 def rate_keys(spec: str, codec: Codec) -> list[str]:
@@ -511,60 +610,144 @@ class DeviceWork(NamedTuple):
     transport_ns: float
     step_overhead_ns: float
 
-    def bucket(self, encode: float, cost: Cost, fabric: Fabric, decode: float,
+    def bucket(self, encode: float, cost: Cost, times: LinkTimes, decode: float,
                numel: int) -> BucketTime:
         """A bucket's times with its copies added (its gradients into one vector before the
         encode, the mean back into them after the decode) and, after the decode, the CPU of
         the bytes the rank sends (:attr:`Cost.rank_bytes`)."""
         return BucketTime(encode + _gbps_seconds(numel, self.copy.encode * self.share),
-                          cost.seconds(fabric),
+                          times.seconds(cost),
                           decode + _gbps_seconds(numel, self.copy.decode * self.share)
                           + cost.rank_bytes * self.transport_ns * 1e-9 / self.share)
 
 
-def _baseline_row(name: str, element_bytes: float, topology: Topology, sizes: list[int],
-                  compute_s: float, fabric: Fabric, cast: Throughput | None,
-                  work: DeviceWork) -> Row:
-    """A ring allreduce of ``element_bytes`` per element (``cast``: the CPU's float16 cast)."""
-    times, host_bytes = [], 0.0
-    for numel in sizes:
-        if topology.size == 1:
-            times.append(BucketTime(0.0, 0.0, 0.0))
-            continue
-        cost = ring_allreduce(topology, numel, element_bytes)
+class Baseline:
+    """An allreduce of ``element_bytes`` per element (``cast``: the CPU's float16 cast) on
+    every bucket, by a flat ring or, where the ranks share hosts, hierarchically; its row
+    takes the faster on the links it is timed on."""
+
+    def __init__(self, name: str, element_bytes: float, topology: Topology, sizes: list[int],
+                 compute_s: float, work: DeviceWork, cast: Throughput | None):
+        self.name, self.sizes, self.compute_s, self.work = name, sizes, compute_s, work
+        self.cast = cast
+        self.plans: dict[str, list[Cost]] = {"none": [Cost(0.0, 0)] * len(sizes)}
+        if topology.size > 1:
+            self.plans = {RING: [ring_allreduce(topology, n, element_bytes) for n in sizes]}
+            if topology.hierarchical:
+                self.plans[HIERARCHICAL_ALLREDUCE] = [
+                    hierarchical_allreduce(topology, n, element_bytes) for n in sizes]
+
+    def row(self, times: LinkTimes) -> Row:
+        """The row of the faster plan on ``times`` (the flat ring on a tie)."""
+        best, steps = None, {}
+        for plan, costs in self.plans.items():
+            buckets = [self._bucket(numel, cost, times, plan)
+                       for numel, cost in zip(self.sizes, costs)]
+            row = _row(self.name, plan, sum(c.host_bytes for c in costs), buckets, self.sizes,
+                       self.compute_s)
+            steps[plan] = row.step_ms
+            if best is None or row.step_ms < best.step_ms:
+                best = row
+        best.plans_ms = steps
+        return best
+
+    def _bucket(self, numel: int, cost: Cost, times: LinkTimes, plan: str) -> BucketTime:
+        if plan == "none":
+            return BucketTime(0.0, 0.0, 0.0)
         encode = decode = 0.0
-        if cast is not None:
-            encode = _gbps_seconds(numel, cast.encode * work.share)
-            decode = _gbps_seconds(numel, cast.decode * work.share)
-        times.append(work.bucket(encode, cost, fabric, decode, numel))
-        host_bytes += cost.host_bytes
-    return _row(name, "ring allreduce" if topology.size > 1 else "none", host_bytes, times,
-                sizes, compute_s)
+        if self.cast is not None:
+            encode = _gbps_seconds(numel, self.cast.encode * self.work.share)
+            decode = _gbps_seconds(numel, self.cast.decode * self.work.share)
+        return self.work.bucket(encode, cost, times, decode, numel)
+
+
+def _calibrated(measured_ms: tuple[str, float], baselines: Mapping[str, Baseline],
+                times: LinkTimes, compute_s: float, fabric: Fabric) -> tuple[LinkTimes, dict]:
+    """``times`` with both rates scaled by the factor that makes the named baseline's step
+    the measured one (the least such factor: a step the compute hides is reached by every
+    faster link), and what was scaled.
+
+    Raises:
+        ValueError: an unknown baseline, a step that is not a positive number, one below the
+            compute or below what the baseline takes on links a million times faster, one
+            rank (nothing crosses a link), or a step no slower link reaches.
+    """
+    try:
+        name, ms = measured_ms
+    except (TypeError, ValueError):
+        raise ValueError(f"measured_ms={measured_ms!r}: give (baseline, ms), e.g. "
+                         "('fp32', 180.0); on the command line --measured-ms fp32=180") from None
+    if name not in baselines:
+        raise ValueError(f"measured_ms: unknown baseline {name!r}; name one of "
+                         f"{', '.join(baselines)} (--measured-ms fp32=MS)")
+    ms = _positive(f"measured_ms[{name!r}]", ms)
+    baseline = baselines[name]
+    if "none" in baseline.plans:
+        raise ValueError("measured_ms: one rank exchanges nothing, so its step says nothing "
+                         "of the links; leave it out")
+    if ms < compute_s * 1e3:
+        raise ValueError(f"measured_ms: the measured {name} step {ms:g} ms is below the "
+                         f"compute time {compute_s * 1e3:g} ms; a step includes its compute: "
+                         "check --compute-ms and the measured step")
+
+    def step(factor: float) -> float:
+        return baseline.row(times.scaled(factor)).step_ms
+
+    low, high = SCALE_RANGE
+    if ms < step(high):
+        raise ValueError(f"measured_ms: the measured {name} step {ms:g} ms is below what "
+                         f"{name} takes on links a million times faster ({step(high):.4g} ms: "
+                         "compute, copies, rounds' latency); check --compute-ms, --round-us "
+                         "and the baseline's name")
+    if ms > step(low):
+        raise ValueError(f"measured_ms: the measured {name} step {ms:g} ms needs links more "
+                         f"than a million times slower than those given; check --link-gbit, "
+                         "--intra-gbyte and the measured step")
+    for _ in range(200):  # bisection on log(factor): step() does not grow with the factor
+        middle = math.sqrt(low * high)
+        if step(middle) <= ms:
+            high = middle
+        else:
+            low = middle
+        if high / low < 1 + 1e-9:
+            break
+    scaled, before = times.scaled(high), baseline.row(times).step_ms
+    plan = baseline.row(scaled).plan
+    note = (f"--measured-ms {name}={ms:g}: the links' rates scaled by {high:.3g} so that "
+            f"{name}'s step ({plan}) is the measured one (predicted {before:.1f} ms on the "
+            f"rates given): {scaled.link_bytes_per_s * 8 / 1e9:.3g} Gbit/s reached between "
+            f"hosts, {scaled.intra_bytes_per_s / 1e9:.3g} GB/s inside a host; the rounds' "
+            "latency unchanged")
+    return scaled, {"baseline": name, "measured_ms": ms, "predicted_ms": before,
+                    "rate_scale": high, "plan": plan,
+                    "link_gbit_reached": scaled.link_bytes_per_s * 8 / 1e9,
+                    "intra_gbyte_reached": scaled.intra_bytes_per_s / 1e9,
+                    "link_gbit_given": fabric.link_gbit, "note": note}
 
 
 def _codec_row(spec: str, topology: Topology, sizes: list[int], compute_s: float,
-               fabric: Fabric, table: Mapping[str, Throughput], device: str,
+               fabric: Fabric, times: LinkTimes, table: Mapping[str, Throughput], device: str,
                work: DeviceWork, pipeline_elems: int | None) -> Row:
     try:
         codec = build_codec(spec, topology)
     except ValueError as exc:
         return Row(spec.strip(), "cannot be built", 0.0, 0.0, 0.0, 0.0, note=str(exc))
     rate = _rate(table, rate_keys(spec, codec), device)
-    times, kinds, host_bytes = [], [], 0.0
+    buckets, kinds, host_bytes = [], [], 0.0
     for numel in sizes:
         if topology.size == 1:
             kinds.append("none")
-            times.append(BucketTime(0.0, 0.0, 0.0))
+            buckets.append(BucketTime(0.0, 0.0, 0.0))
             continue
         kind = _plan_kind(codec, topology, numel, fabric)
         cost = _pieces_cost(kind, topology, numel, codec, pipeline_elems)
         encode, decode = _codec_seconds(kind, topology, numel, rate, work.share)
         # the step's CPU beyond the exchange delays backward, as an encode does
         encode += numel * work.step_overhead_ns * 1e-9 / work.share
-        times.append(work.bucket(encode, cost, fabric, decode, numel))
+        buckets.append(work.bucket(encode, cost, times, decode, numel))
         kinds.append(kind)
         host_bytes += cost.host_bytes
-    row = _row(spec.strip(), _plan_label(kinds), host_bytes, times, sizes, compute_s)
+    row = _row(spec.strip(), _plan_label(kinds), host_bytes, buckets, sizes, compute_s)
     row.note = " ".join(dict.fromkeys(limit_note(codec, k, topology) for k in kinds if k))
     return row
 
@@ -791,11 +974,14 @@ def measure_transport_ns(nbytes: int = 1 << 30, timeout_s: float = 60.0) -> floa
 # -- command line -------------------------------------------------------------------------------
 def format_table(prediction: Prediction) -> str:
     """The prediction as text: what was assumed, then one line per row."""
-    p, f = prediction, prediction.fabric
+    p, f, t = prediction, prediction.fabric, prediction.times
     mb = p.params * 4 / 1e6
-    lines = [f"{p.hosts} hosts x {p.ranks_per_host} ranks ({p.device}); {f.link_gbit:g} Gbit/s "
-             f"between hosts, {f.intra_gbyte:g} GB/s inside a host, {f.round_us:g} us per "
-             f"round",
+    between = (f"{f.link_gbit:g} Gbit/s between hosts ({t.link_bytes_per_s * 8e-9:.3g} "
+               f"reached), {t.round_s * 1e6:.3g} us per round across hosts, "
+               if p.hosts > 1 else "")
+    lines = [f"{p.hosts} host(s) x {p.ranks_per_host} ranks ({p.device}); {between}"
+             f"{t.intra_bytes_per_s / 1e9:.3g} GB/s inside a host, "
+             f"{t.local_round_s * 1e6:.3g} us per round inside",
              f"{p.params / 1e6:.1f}M parameters = {mb:.1f} MB of float32 gradients in "
              f"{len(p.buckets)} bucket(s); compute {p.compute_ms:g} ms per step",
              f"codec throughput: {p.throughput_source}"
@@ -805,16 +991,20 @@ def format_table(prediction: Prediction) -> str:
                 if p.transport_ns else "")
              + (f"; a codec's step {p.step_overhead_ns:.2f} ns of CPU per element beyond its "
                 f"exchanges" if p.step_overhead_ns else ""),
-             "", f"{'config':<20} {'host MB/step':>12} {'step ms':>9} {'vs 16-bit':>9} "
-                 f"{'vs fp32':>8}  plan"]
+             "", f"{'config':<20} {'host MB/step':>12} {'step ms':>9} {'vs best':>8} "
+                 f"{'vs 16-bit':>9} {'vs fp32':>8}  plan"]
     for r in p.rows:
         if r.plan == "cannot be built":
-            lines.append(f"{r.name:<20} {'-':>12} {'-':>9} {'-':>9} {'-':>8}  cannot be built")
+            lines.append(f"{r.name:<20} {'-':>12} {'-':>9} {'-':>8} {'-':>9} {'-':>8}  "
+                         "cannot be built")
             continue
         name = {"fp16": "16-bit allreduce"}.get(r.name, r.name)
         lines.append(f"{name:<20} {r.host_bytes / 1e6:>12.1f} {r.step_ms:>9.1f} "
-                     f"{r.vs_fp16:>8.2f}x {r.vs_fp32:>7.2f}x  {r.plan}")
+                     f"{r.vs_best:>7.2f}x {r.vs_fp16:>8.2f}x {r.vs_fp32:>7.2f}x  {r.plan}")
+    best = p.best_baseline
     lines.append("")
+    lines.append(f"best baseline: {best.name} by {best.plan}, {best.step_ms:.1f} ms ('vs best' "
+                 "is its step over each row's; each baseline takes the faster of its plans)")
     lines.append("step = max(compute + encode + decode, the last bucket's wire end + its "
                  "decode); communication overlaps backward (the last 2/3 of compute).")
     for r in p.rows:
@@ -832,14 +1022,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hosts", type=int, required=True, help="hosts")
     ap.add_argument("--ranks-per-host", type=int, required=True,
                     help="ranks per host (GPUs per host)")
-    ap.add_argument("--link-gbit", type=float, required=True,
-                    help="network between hosts, Gbit/s per host interface")
+    ap.add_argument("--link-gbit", type=float, default=None,
+                    help="network between hosts, Gbit/s per host interface (its line rate; "
+                         "required with several hosts, without effect on one)")
     ap.add_argument("--intra-gbyte", type=float, default=None,
                     help="GB/s a rank moves inside its host (default 16 for GPUs: PCIe; 1.25 "
                          "for CPU ranks; NVLink: 100 or more)")
     ap.add_argument("--round-us", type=float, default=None,
-                    help="latency of one round of a collective across hosts, microseconds "
-                         "(default: the optimizer's, HQ_ROUND_US)")
+                    help="latency of one round of a collective across hosts, microseconds, "
+                         "for the plans and their time (default: GPUs are timed at "
+                         f"{NCCL_NET_STEP_US:g}, NCCL's step, and their plans chosen at the "
+                         "optimizer's HQ_ROUND_US; CPU ranks the optimizer's for both)")
     ap.add_argument("--cores-per-host", type=float, default=None,
                     help="CPU cores the ranks of a host share (--device cpu; default one per "
                          "rank)")
@@ -866,8 +1059,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="time the codecs on this machine first (CPU: also through the "
                          "plan of this shape as one rank runs it, and the CPU of a TCP "
                          "stream; the GPU with --device cuda) instead of the built-in tables")
+    ap.add_argument("--measured-ms", default=None, metavar="BASELINE=MS",
+                    help="your measured step with a baseline, fp32=MS or fp16=MS: the links' "
+                         "rates are scaled so that its predicted step is this one, then the "
+                         "codecs are predicted on them (the output says by how much)")
     ap.add_argument("--json", action="store_true", help="print JSON: {\"rows\": [...]}")
     return ap.parse_args(argv)
+
+
+def parse_measured(text: str | None) -> tuple[str, float] | None:
+    """``"fp32=180"`` -> ``("fp32", 180.0)``; None stays None.
+
+    Raises:
+        ValueError: not of the form BASELINE=MS, or MS not a number.
+    """
+    if text is None:
+        return None
+    name, sep, ms = text.partition("=")
+    try:
+        value = float(ms)
+    except ValueError:
+        value = None
+    if not sep or value is None:
+        raise ValueError(f"--measured-ms {text!r}: give BASELINE=MS, e.g. fp32=180 (the step "
+                         f"you measured with {' or '.join(BASELINES)}, milliseconds)")
+    return name.strip(), value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -878,7 +1094,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         table, transport_ns = None, args.transport_ns
         inputs = dict(params=args.params, model=args.model, device=args.device, codecs=codecs,
                       intra_gbyte=args.intra_gbyte, round_us=args.round_us,
-                      cores_per_host=args.cores_per_host, step_overhead_ns=args.step_overhead_ns)
+                      cores_per_host=args.cores_per_host, step_overhead_ns=args.step_overhead_ns,
+                      measured_ms=parse_measured(args.measured_ms))
         predict(args.hosts, args.ranks_per_host, args.link_gbit, args.compute_ms,
                 transport_ns=transport_ns, **inputs)  # bad inputs refused before timing
         if args.measure:

@@ -90,9 +90,7 @@ CPU_RANKS = Fabric()
 #: payloads staged through pinned host memory; NVLink moves 10-30x that: HQ_INTRA_GBYTE), and
 #: 50 us per round across hosts: a step of NCCL's ring over Ethernet is tens of microseconds
 #: (NCCL's own tuning model counts about 14 us per network hop), where the CPU ranks' 0.5 ms
-#: is a round of gloo collectives issued from Python. The predictor
-#: (:mod:`horovod_quant.predict`) costs NCCL's float32 ring with it too: 2 (n - 1) rounds of
-#: 0.5 ms would make a 64-GPU ring spend 66 ms per bucket waiting, which NCCL does not.
+#: is a round of gloo collectives issued from Python.
 GPU_RANKS = Fabric(link_gbit=10.0, intra_gbyte=16.0, round_us=50.0)
 
 
@@ -117,7 +115,8 @@ class Cost(NamedTuple):
         """The plan's time on ``fabric``: :meth:`score` over the link's rate, that is the bytes
         across hosts at the link's rate, a round's latency per round across hosts, and the
         bytes (and rounds) inside a host at the fabric's rate inside the host. The plan
-        choice and :mod:`horovod_quant.predict` weigh the same quantity."""
+        choice and :func:`fitted_fabric` weigh the same quantity (:mod:`horovod_quant.predict`
+        times a plan's bytes and rounds with NCCL's or gloo's rates and latencies)."""
         return self.score(fabric) / fabric.link_bytes_per_s
 
     def __add__(self, other: "Cost") -> "Cost":  # type: ignore[override]
@@ -197,13 +196,15 @@ def flat_cost(kind: str, topology: Topology, payload: float) -> Cost:
     raise ValueError(f"no cost for plan kind {kind!r}")
 
 
-def hierarchical_cost(inner: str, topology: Topology, numel: int, payload: float) -> Cost:
-    """The cost of the hierarchical plan with ``inner`` between the hosts: a float32
-    reduce-scatter and allgather inside each host, and on each host ``local_size`` inner
-    exchanges of a shard (``payload / local_size`` bytes each) over one rank per host."""
+def hierarchical_cost(inner: str, topology: Topology, numel: int, payload: float,
+                      inside_element_bytes: float = 4.0) -> Cost:
+    """The cost of the hierarchical plan with ``inner`` between the hosts: a reduce-scatter
+    and allgather inside each host (float32: ``inside_element_bytes`` per element), and on each
+    host ``local_size`` inner exchanges of a shard (``payload / local_size`` bytes each) over
+    one rank per host."""
     k = topology.local_size
     between = flat_cost(inner, Topology.grid(topology.host_count, 1), payload / k)
-    inside = 2 * (k - 1) * 4.0 * numel / k
+    inside = 2 * (k - 1) * inside_element_bytes * numel / k
     return Cost(k * between.host_bytes, between.rounds, inside + between.local_bytes,
                 2 + between.local_rounds, inside + between.rank_bytes)
 
@@ -231,6 +232,13 @@ def ring_allreduce(topology: Topology, numel: int, element_bytes: float) -> Cost
     """What a ring allreduce of ``numel`` elements of ``element_bytes`` bytes each moves
     (NCCL's, Horovod's: 4 for float32, 2 for a 16-bit allreduce)."""
     return flat_cost("sum", topology, element_bytes * numel)
+
+
+def hierarchical_allreduce(topology: Topology, numel: int, element_bytes: float) -> Cost:
+    """What a hierarchical allreduce of ``numel`` elements of ``element_bytes`` bytes moves, as
+    NCCL's and Horovod's hierarchical allreduce run it: a reduce-scatter inside each host, a
+    ring allreduce of each shard across the hosts, an allgather inside each host."""
+    return hierarchical_cost("sum", topology, numel, element_bytes * numel, element_bytes)
 
 
 def float32_ring(topology: Topology, numel: int) -> Cost:

@@ -18,7 +18,13 @@ import horovod_quant as hq
 from horovod_quant.core.limits import CodecLimitWarning
 from horovod_quant.doors import CodecRequest
 from horovod_quant.exchange import plans, reference
-from horovod_quant.exchange.cost import Fabric, float32_ring, plan_cost
+from horovod_quant.exchange.cost import (
+    Fabric,
+    float32_ring,
+    hierarchical_allreduce,
+    plan_cost,
+    ring_allreduce,
+)
 from horovod_quant.exchange.topology import Topology
 
 # the module (``horovod_quant.predict`` as an attribute is the function it exports)
@@ -91,7 +97,9 @@ def test_the_plans_and_bytes_are_the_optimizers():
     pieces = plans.pipeline_bounds(numel, plans.DEFAULT_PIPELINE_ELEMS)
     want = sum(plan_cost(choice.kind, topology, hi - lo, codec).host_bytes for lo, hi in pieces)
     assert rows["qsgd:8"].host_bytes == pytest.approx(want)
-    assert rows["fp32"].host_bytes == pytest.approx(float32_ring(topology, numel).host_bytes)
+    fp32 = {pr.RING: float32_ring(topology, numel),
+            pr.HIERARCHICAL_ALLREDUCE: hierarchical_allreduce(topology, numel, 4.0)}
+    assert rows["fp32"].host_bytes == pytest.approx(fp32[rows["fp32"].plan].host_bytes)
 
 
 def test_a_different_plan_choice_changes_the_prediction(monkeypatch):
@@ -494,3 +502,154 @@ def test_the_committed_example_is_what_the_code_predicts():
         assert got["plan"] == want["plan"]
         for key in ("host_bytes", "step_ms", "vs_fp32", "vs_fp16"):
             assert got[key] == pytest.approx(want[key], rel=1e-9), (got["name"], key)
+
+
+# -- the baselines' plans and --measured-ms ----------------------------------------------------
+def test_each_baseline_takes_the_faster_of_its_plans():
+    """4 hosts x 8 GPUs: the flat ring puts 2 x 31/32 of the gradients on each host link, the
+    hierarchical allreduce 2 x 3/4; each baseline's row is its faster plan, named, and keeps
+    both plans' steps. One rank per host has no hierarchy: the ring."""
+    numel = 50_000_000
+    prediction = pr.predict(4, 8, 25, 150, params=numel, codecs=[])
+    topology = Topology.grid(4, 8)
+    for row, element_bytes in zip(prediction.rows, (4.0, 2.0)):
+        assert set(row.plans_ms) == {pr.RING, pr.HIERARCHICAL_ALLREDUCE}
+        assert row.step_ms == min(row.plans_ms.values())
+        assert row.plan == min(row.plans_ms, key=row.plans_ms.get)
+        costs = {pr.RING: [ring_allreduce(topology, n, element_bytes)
+                           for n in prediction.buckets],
+                 pr.HIERARCHICAL_ALLREDUCE: [hierarchical_allreduce(topology, n, element_bytes)
+                                             for n in prediction.buckets]}
+        assert row.host_bytes == pytest.approx(sum(c.host_bytes for c in costs[row.plan]))
+        ring, nested = (sum(c.host_bytes for c in costs[k]) for k in costs)
+        assert ring / nested == pytest.approx((31 / 32) / (3 / 4))
+        # inside the host the baseline's own elements: reduce-scatter and allgather of 7/8
+        inside = costs[pr.HIERARCHICAL_ALLREDUCE][0]
+        assert inside.local_bytes == pytest.approx(2 * 7 / 8 * element_bytes
+                                                   * prediction.buckets[0])
+    assert _rows(prediction)["fp16"].plan == pr.HIERARCHICAL_ALLREDUCE
+    flat = pr.predict(4, 1, 25, 150, params=numel, codecs=[])
+    assert [(r.plan, list(r.plans_ms)) for r in flat.rows] == [(pr.RING, [pr.RING])] * 2
+
+
+def test_the_best_baseline_and_each_rows_gain_over_it():
+    prediction = pr.predict(4, 8, 25, 150, model="gpt2-medium", codecs=["qsgd:8", "qsgd:4"])
+    out = prediction.as_json()
+    rows = _rows(prediction)
+    best = min(("fp32", "fp16"), key=lambda n: rows[n].step_ms)
+    assert out["best_baseline"] == {"name": best, "plan": rows[best].plan,
+                                    "step_ms": rows[best].step_ms}
+    for row in out["rows"]:
+        assert row["vs_best"] == pytest.approx(rows[best].step_ms / row["step_ms"])
+    assert rows[best].vs_best == 1.0 and out["calibration"] is None
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_one_host_does_not_depend_on_the_link(device):
+    """No byte crosses a host: the link rate, given or not, changes nothing."""
+    def rows(link):
+        out = pr.predict(1, 4, link, 100, model="gpt2", device=device,
+                         codecs=["global_qsgd-lin:8", "qsgd:8"]).as_json()
+        return out["rows"], out["best_baseline"]
+
+    alone = rows(None)
+    assert all(rows(link) == alone for link in (1, 25, 400))
+    assert pr.predict(2, 2, 1, 100, model="gpt2", device=device).rows[0].step_ms != \
+        pr.predict(2, 2, 400, 100, model="gpt2", device=device).rows[0].step_ms
+
+
+def test_several_hosts_need_the_link():
+    with pytest.raises(ValueError, match="link_gbit: give the network's rate between the 2"):
+        pr.predict(2, 2, None, 100, model="gpt2")
+
+
+@pytest.mark.parametrize("baseline", ["fp32", "fp16"])
+@pytest.mark.parametrize("shape", [(4, 8), (1, 8), (8, 1)])
+def test_a_measured_baseline_step_scales_the_links(baseline, shape):
+    """The named baseline's row is the step measured; the other rows are those of links scaled
+    by the factor reported: the a priori prediction at that factor's link rate."""
+    hosts, local = shape
+    prior = pr.predict(hosts, local, 25, 150, model="gpt2-medium", codecs=["qsgd:8"])
+    measured = 1.3 * _rows(prior)[baseline].step_ms
+    fitted = pr.predict(hosts, local, 25, 150, model="gpt2-medium", codecs=["qsgd:8"],
+                        measured_ms=(baseline, measured))
+    assert _rows(fitted)[baseline].step_ms == pytest.approx(measured, rel=1e-6)
+    calibration = fitted.as_json()["calibration"]
+    scale = calibration["rate_scale"]
+    assert calibration["baseline"] == baseline and 0 < scale < 1
+    assert calibration["predicted_ms"] == pytest.approx(_rows(prior)[baseline].step_ms)
+    assert fitted.times == prior.times.scaled(scale)
+    assert any(f"--measured-ms {baseline}=" in note for note in fitted.notes)
+    slower = {r.name: r.step_ms for r in fitted.rows}
+    assert all(slower[r.name] >= r.step_ms for r in prior.rows)
+    if hosts > 1:  # the same links given a priori: the fitted rate, NCCL's share undone
+        gbit = calibration["link_gbit_reached"] / pr.NET_EFFICIENCY
+        again = pr.predict(hosts, local, gbit, 150, model="gpt2-medium", codecs=["qsgd:8"],
+                           intra_gbyte=calibration["intra_gbyte_reached"])
+        assert _rows(again)["qsgd:8"].step_ms == pytest.approx(slower["qsgd:8"], rel=1e-6)
+
+
+@pytest.mark.parametrize("measured,match", [
+    (("fp64", 300.0), "unknown baseline 'fp64'"),
+    (("fp32", 0.0), r"measured_ms\['fp32'\]=0.0 must be a positive number"),
+    (("fp32", -5.0), "must be a positive number"),
+    (("fp32", float("nan")), "must be a positive number"),
+    (("fp32", float("inf")), "must be a positive number"),
+    (("fp32", 149.0), "below the compute time 150 ms"),
+    (("fp16", 150.0), "below what fp16 takes on links a million times faster"),
+    (("fp32", 1e12), "more than a million times slower"),
+    ("fp32=300", r"give \(baseline, ms\)"),
+])
+def test_measured_steps_out_of_range_are_refused(measured, match):
+    with pytest.raises(ValueError, match=match):
+        pr.predict(4, 8, 25, 150, model="gpt2-medium", codecs=[], measured_ms=measured)
+
+
+def test_one_rank_has_no_links_to_scale():
+    with pytest.raises(ValueError, match="one rank exchanges nothing"):
+        pr.predict(1, 1, None, 150, model="gpt2", codecs=[], measured_ms=("fp32", 200.0))
+
+
+@pytest.mark.parametrize("flag,match", [("fp32", "give BASELINE=MS"),
+                                        ("fp32=fast", "give BASELINE=MS"),
+                                        ("bf16=200", "unknown baseline 'bf16'"),
+                                        ("fp32=100", "below the compute time")])
+def test_the_command_line_refuses_bad_measured_steps(flag, match):
+    out = subprocess.run([sys.executable, "-m", "horovod_quant.predict", "--hosts", "2",
+                          "--ranks-per-host", "2", "--link-gbit", "10", "--model", "gpt2",
+                          "--compute-ms", "150", "--codecs", "qsgd:8", "--measured-ms", flag],
+                         capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert out.returncode == 2 and match in out.stderr, out.stderr
+
+
+def test_the_command_line_prints_what_it_scaled():
+    out = subprocess.run([sys.executable, "-m", "horovod_quant.predict", "--hosts", "2",
+                          "--ranks-per-host", "2", "--link-gbit", "10", "--model", "gpt2",
+                          "--compute-ms", "150", "--codecs", "qsgd:8", "--measured-ms",
+                          "fp32=400", "--json"],
+                         capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    printed = json.loads(out.stdout)
+    assert printed["calibration"]["measured_ms"] == 400.0
+    fp32 = next(r for r in printed["rows"] if r["name"] == "fp32")
+    assert fp32["step_ms"] == pytest.approx(400.0, rel=1e-6)
+
+
+def test_the_command_line_needs_no_link_on_one_host():
+    """One host: --link-gbit may be left out, and given changes nothing; several: required."""
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "horovod_quant.predict", "--hosts", "1",
+                               "--ranks-per-host", "4", "--model", "gpt2", "--compute-ms",
+                               "100", "--codecs", "qsgd:8", "--json", *extra],
+                              capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    alone, linked = run(), run("--link-gbit", "400")
+    assert alone.returncode == 0 and linked.returncode == 0, alone.stderr + linked.stderr
+    assert json.loads(alone.stdout)["rows"] == json.loads(linked.stdout)["rows"]
+    several = subprocess.run([sys.executable, "-m", "horovod_quant.predict", "--hosts", "2",
+                              "--ranks-per-host", "4", "--model", "gpt2", "--compute-ms", "100"],
+                             capture_output=True, text=True, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert several.returncode == 2 and "--link-gbit" in several.stderr

@@ -21,7 +21,8 @@ CODECS = ["qsgd:8", "qsgd:4", "global_qsgd-lin:8"]
 def _run(rate_gbit: float, wobble: float = 0.05, throughput: dict | None = None,
          transport_ns: float | None = None, in_plans: dict | None = None,
          step_overhead_ns: float | None = None) -> dict:
-    """A cluster.py JSON whose training rows measured what the predictor says, give or take
+    """A cluster.py JSON whose training rows measured what the predictor says (Horovod's rows:
+    its default plan, the flat ring), give or take
     ``wobble`` (alternating signs: a measurement's scatter), on 2 cores; with ``throughput``
     (spec -> :class:`Throughput`), the codec speed the run measured and records; with
     ``transport_ns``, the CPU per byte its links' calibration measured; with ``in_plans``,
@@ -52,7 +53,9 @@ def _run(rate_gbit: float, wobble: float = 0.05, throughput: dict | None = None,
                 rank_cpu_s = alone.codec_ms * prediction.core_share / 1e3 + params * beyond / 1e9
                 results.append({"kind": "train", "model": model, "config_id": row.name,
                                 "door": "horovod" if row.name in ("fp32", "fp16") else "hq",
-                                "step_median_s": row.step_ms / 1e3 * (1 + sign * wobble),
+                                "step_median_s": row.plans_ms.get(vp.predictor.RING,
+                                                                  row.step_ms)
+                                / 1e3 * (1 + sign * wobble),
                                 "model_params": params, "other_load_cores": 0.01,
                                 "ranks_cpu_s_per_step": 2 * compute_s
                                 + hosts * per_host * rank_cpu_s})
