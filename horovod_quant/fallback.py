@@ -34,6 +34,8 @@ import numpy as np
 
 from .core.base import check_choice
 from .exchange.collectives import Collectives
+from .exchange.cost import Fabric, fitted_fabric, ring_allreduce
+from .exchange.topology import Topology
 
 log = logging.getLogger("horovod_quant")
 
@@ -161,6 +163,21 @@ class BaselineChoice:
         rates = f"; links measured: {self.fabric}" if self.fabric else ""
         return (f"horovod_quant: baseline {self.baseline} ({self.plan}): the buckets' "
                 f"uncompressed allreduces took {times}{rates}")
+
+
+def measured_fabric(choice: BaselineChoice, fabric: Fabric, topology: Topology,
+                    numels: Sequence[int]) -> Fabric:
+    """The links' rates fitted to the baseline trial's timings (:func:`.cost.fitted_fabric`):
+    each bucket's baselines as ring allreduces over ``topology`` (its ``numels``, the
+    candidates' element sizes), its float32 allreduce inside a host as a ring over one host's
+    ranks; the fields the environment sets (:meth:`Fabric.overridden`) kept."""
+    across = [(ring_allreduce(topology, numel, BASELINE_ELEMENT_BYTES[name]), seconds)
+              for numel, times in zip(numels, choice.bucket_seconds)
+              for name, seconds in times.items()]
+    one_host = Topology.grid(1, topology.local_size)
+    inside = [(ring_allreduce(one_host, numel, 4), seconds)
+              for numel, seconds in zip(numels, choice.local_seconds)]
+    return fitted_fabric(fabric, across, inside, Fabric.overridden())
 
 
 def choose_baseline(seconds: Mapping[str, float]) -> str:

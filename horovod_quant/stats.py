@@ -29,6 +29,10 @@ class StepStats:
         tensors: tensors (or fused buckets) exchanged.
         plans: how many exchange pieces took each plan (``"allgather"``, ``"sra"``, ``"sum"``,
             ``"custom"``, ``"hierarchical-<one of those>"``).
+        baseline: the uncompressed allreduce the fallback compares the codecs with and moves
+            buckets to, and its plan (``"fp16 (Horovod ring allreduce)"``); empty before the
+            trial chose it, and without a fallback.
+        fallen_back: buckets the baseline carried (the fallback's, and the step check's).
     """
 
     bytes_sent: int = 0
@@ -39,6 +43,8 @@ class StepStats:
     decode_s: float = 0.0
     tensors: int = 0
     plans: dict = field(default_factory=dict)
+    baseline: str = ""
+    fallen_back: int = 0
 
     @property
     def compression_ratio(self) -> float:
@@ -67,12 +73,15 @@ class StepStats:
                 f"tensors; encode {self.encode_s * 1e3:.1f} ms, exchange "
                 f"{self.exchange_s * 1e3:.1f} ms, decode {self.decode_s * 1e3:.1f} ms"
                 + (f"; {self.bytes_local / _MB:.1f} MB inside the host" if self.bytes_local
-                   else "") + (f"; plans: {plans}" if plans else ""))
+                   else "") + (f"; plans: {plans}" if plans else "")
+                + (f"; baseline {self.baseline}, {self.fallen_back} buckets on it"
+                   if self.baseline else ""))
 
     def __iadd__(self, other: "StepStats") -> "StepStats":
         for k in self.__dataclass_fields__:
-            if k != "plans":
+            if k not in ("plans", "baseline"):
                 setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.baseline = other.baseline or self.baseline
         for kind, count in other.plans.items():
             self.plans[kind] = self.plans.get(kind, 0) + count
         return self

@@ -306,6 +306,11 @@ class Exchange:
         self._kinds: dict[int, str] = {}
         self.states = states if states is not None else CodecStates()
 
+    def use_fabric(self, fabric: Fabric) -> None:
+        """Choose the plans again for ``fabric`` (a measured one)."""
+        self.fabric = fabric
+        self._kinds.clear()
+
     def kind_for(self, numel: int) -> str:
         """The plan every piece of a vector of ``numel`` elements takes (the same on every
         rank); the first time a kind is chosen it is logged (rank 0)."""

@@ -77,6 +77,10 @@ def stream_of(tensor: torch.Tensor) -> ContextManager[None]:
     return gpu.device_scope(tensor)
 
 
+#: the wire dtype of each uncompressed baseline (:data:`horovod_quant.fallback.BASELINES`)
+BASELINE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 def horovod_dtype(codec: Codec | None, tensor: torch.Tensor) -> torch.dtype | None:
     """The dtype in which Horovod's own allreduce carries ``tensor`` (no codec, or a codec that
     declares ``horovod_allreduce``), or None when the codec's exchange carries it. Horovod's CPU
