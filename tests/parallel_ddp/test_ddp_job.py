@@ -3,6 +3,8 @@ state) it continues bit for bit; bf16 and fp16 parameters, GradScaler's skipped 
 compiled model keep every rank identical; the hook returns before the bucket's exchange is done
 (backward goes on meanwhile)."""
 import io
+import itertools
+import logging
 import pickle
 import threading
 
@@ -13,7 +15,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import horovod_quant as hq
+from horovod_quant import fallback
+from horovod_quant.fallback import FALLBACK_STEP
 from horovod_quant.torch import ddp
+from horovod_quant.torch.tensors import BASELINE_DTYPES
 
 from conftest import codec_params, same_everywhere
 from test_ddp_exact import Net, Recorder, _batch, _model
@@ -215,3 +220,108 @@ def test_compiled_model_trains_identically():
     assert torch.allclose(results[0], results[1], rtol=0, atol=1e-2)
     assert same_everywhere(results[1])
     assert np.isfinite(results[1].numpy()).all()
+
+
+
+def _force_fallback(monkeypatch, baseline_s):
+    """Replace the fallback's timing (fallback.measure_runs, which still runs each run once):
+    the baseline trial reports ``baseline_s`` (name -> seconds) per bucket; the bucket trial
+    reports bucket 0's codec slower than the baseline on the last rank only (the ranks agree
+    on the slowest rank's times, so it falls back everywhere) and every other bucket's codec a
+    clear win (no step check)."""
+    seen, buckets = set(), itertools.count()
+    last = dist.get_world_size() - 1
+
+    def measure(runs, sync=None, **_):
+        for run in runs:
+            run()
+        if not seen.intersection(runs):  # the baseline trial: runs not seen before
+            seen.update(runs)
+            times = list(baseline_s.values())
+            return times + [0.001] * (len(runs) - len(times))  # the allreduce inside a host
+        slow = next(buckets) == 0 and dist.get_rank() == last
+        return [0.5 if slow else 0.001, 0.1]
+
+    monkeypatch.setattr(fallback, "measure_runs", measure)
+
+
+def _hooked(model, state, poison):
+    """Registers a hook on ``model`` that records each bucket's input and mean of the current
+    step, calling ``poison(step, buffer)`` on bucket 0's buffer first; returns the record."""
+    record = {}
+
+    def hook(state, bucket):
+        buf = bucket.buffer()
+        if bucket.index() == 0:
+            poison(state.step, buf.view(-1))
+        inp = buf.detach().clone()
+
+        def done(fut):
+            record[bucket.index()] = (inp, fut.value().detach().clone())
+            return fut.value()
+
+        return ddp.quantization_hook(state, bucket).then(done)
+
+    model.register_comm_hook(state, hook)
+    return record
+
+
+@pytest.mark.parametrize("baseline,times,chosen", [
+    ("fp32", {"fp32": 0.1}, "fp32"),
+    ("bf16", {"bf16": 0.1}, "bf16"),
+    ("auto", {"fp32": 0.1, "bf16": 0.2}, "fp32"),
+    ("auto", {"fp32": 0.2, "bf16": 0.1}, "bf16"),
+])
+def test_fallback_moves_a_slow_bucket_to_the_baseline(baseline, times, chosen, monkeypatch,
+                                                       caplog):
+    """The bucket whose codec lost the trial (on one rank) is averaged by the chosen baseline
+    from the next step on, on every rank, as DDP's own hooks average it (the whole bucket cast
+    to the baseline's dtype, divided, allreduced; a NaN or inf stays one); the others keep the
+    codec; the parameters stay identical; the log and the stats name the baseline, its plan
+    and the measured links; the decisions travel in state_dict()."""
+    _force_fallback(monkeypatch, times)
+    caplog.set_level(logging.INFO, logger="horovod_quant")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    poisoned = FALLBACK_STEP + 2
+
+    def poison(step, flat):
+        if step == poisoned:
+            flat[3] = float("nan") if rank == 0 else 1.0
+            flat[5] = float("inf") if rank == n - 1 else 1.0
+
+    model = _model()
+    state = ddp.QuantizationState(hq.get_codec("qsgd", bits=4), seed=SEED, baseline=baseline,
+                                  named_parameters=model.module.named_parameters())
+    record = _hooked(model, state, poison)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(poisoned + 1):
+        record.clear()
+        state.stats.reset()
+        opt.zero_grad()
+        model(_batch(step)).square().mean().backward()
+        if step > FALLBACK_STEP:
+            inp, mean = record[0]
+            want = inp.to(BASELINE_DTYPES[chosen]).div_(n)
+            dist.all_reduce(want)
+            assert torch.equal(mean, want.to(mean.dtype)) or (
+                step == poisoned and torch.allclose(mean, want.to(mean.dtype), equal_nan=True))
+            assert state.stats.fallen_back == 1
+        if step == poisoned:
+            assert torch.isnan(mean[3]) and torch.isinf(mean[5])
+        else:
+            opt.step()
+            assert same_everywhere(_params(model))
+    decisions = state.fallback_decisions
+    assert [d.fallback for d in decisions] == [True] + [False] * (len(decisions) - 1)
+    assert {d.baseline for d in decisions} == {chosen}
+    assert state.fallback_baseline.baseline == chosen
+    assert state.fallback_settled and state.fallback_step_check is None
+    assert state.stats.baseline == f"{chosen} (torch.distributed gloo allreduce, {n} ranks)"
+    if rank == 0:
+        assert f"baseline {chosen} (torch.distributed gloo allreduce" in caplog.text
+        assert "links measured:" in caplog.text
+    resumed = ddp.QuantizationState(hq.get_codec("qsgd", bits=4), seed=SEED, baseline=baseline,
+                                    named_parameters=model.module.named_parameters())
+    resumed.load_state_dict(_round_trip(state.state_dict()))
+    assert resumed.fallback_decisions == decisions
+    assert resumed.fallback_baseline == state.fallback_baseline
