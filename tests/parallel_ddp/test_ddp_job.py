@@ -80,7 +80,7 @@ def test_resumed_job_continues_bit_for_bit(name, params, how):
 
     def fresh(state=None):
         model = DDP(BackwardOrderNet(), bucket_cap_mb=0.25)
-        state = state or ddp.QuantizationState(codec, seed=SEED)
+        state = state or ddp.QuantizationState(codec, seed=SEED, fallback="never")
         model.register_comm_hook(state, ddp.quantization_hook)
         return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), state
 
@@ -207,7 +207,8 @@ def test_compiled_model_trains_identically():
     results = []
     for compiled in (False, True):
         model = _model(bucket_cap_mb=25)  # compiled DDP: buckets of at least the first's 1 MB
-        state = ddp.QuantizationState(hq.get_codec("qsgd", bits=8), seed=SEED)
+        state = ddp.QuantizationState(hq.get_codec("qsgd", bits=8), seed=SEED,
+                                      fallback="never")
         model.register_comm_hook(state, ddp.quantization_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         run = torch.compile(model, backend="aot_eager") if compiled else model
