@@ -560,7 +560,11 @@ class QuantizationState(CompressorSettings):
             work = HANDED.add(dist.all_reduce(wire, group=self._group, async_op=True), wire)
 
             def finish() -> torch.Tensor:
+                nonlocal work
                 work.wait()
+                # torch holds the wire while the work lives (HANDED waits for that at exit),
+                # and the worker keeps its last job (this closure) until the next
+                work = None
                 if wire is not flat:
                     flat.copy_(wire)
                 return buffer
