@@ -16,17 +16,8 @@ codecs in the order of ``state.codecs``. The exchange of codec ``k`` in bucket `
 ``t`` uses seed ``state.seed_of(t, i, k)``, so ``mean_estimate(codec, [that vector on each
 rank], state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems,
 topology=state.topology, fabric=state.fabric)`` reproduces it exactly. The first hook runs the
-cross-rank configuration check. ``state_dict()`` (and pickling, as PyTorch's ``PowerSGDState``)
-carries the step, the adaptive codecs' states and the fallback's decisions across a checkpoint
-(docs/ddp.md).
-
-The fallback (:mod:`horovod_quant.fallback`, ``fallback=``/``baseline=``): at the end of step
-:data:`~horovod_quant.fallback.FALLBACK_STEP`, on the worker after the step's last bucket, the
-baseline trial times each bucket's float32 and bfloat16 allreduce (DDP's own hooks), fits the
-links' rates to those timings and chooses the exchanges' plans again; the bucket trial then
-times each bucket's codec exchange against the baseline. A bucket that falls back is averaged
-as DDP's hooks do: the whole bucket cast to the baseline's dtype, divided by the group's size,
-allreduced, cast back.
+cross-rank check. ``state_dict()`` (and pickling, as ``PowerSGDState``) carries the step, the
+codecs' states and the fallback's (:mod:`horovod_quant.torch.ddp_fallback`) across a checkpoint.
 """
 from __future__ import annotations
 
@@ -53,25 +44,10 @@ from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
 from ..exchange.topology import SerialWorker, Topology
-from ..fallback import (
-    BaselineChoice,
-    BucketTrial,
-    FallbackController,
-    FallbackDecision,
-    StepCheck,
-    measured_fabric,
-)
 from ..stats import StepStats
-from .distributed import HANDED, own_group, process_group_collectives
-from .tensors import (
-    BASELINE_DTYPES,
-    as_array,
-    as_tensor,
-    flat_array,
-    on_gpu,
-    parameter_names,
-    stream_of,
-)
+from .ddp_fallback import FallbackRecords, HookFallback
+from .distributed import own_group, process_group_collectives
+from .tensors import as_array, as_tensor, flat_array, on_gpu, parameter_names, stream_of
 
 __all__ = ["QuantizationState", "quantization_hook"]
 
@@ -197,7 +173,7 @@ def _parts(codec_indices: list[int | None], ranges: list[tuple[int, int]]) -> li
     return [_Part(k, runs[k]) for k in order]
 
 
-class QuantizationState(CompressorSettings):
+class QuantizationState(CompressorSettings, FallbackRecords):
     """The state of :func:`quantization_hook` for one DDP model.
 
     Args:
@@ -230,12 +206,8 @@ class QuantizationState(CompressorSettings):
             ``HQ_LINK_GBIT`` / ``HQ_INTRA_GBYTE`` / ``HQ_ROUND_US`` variables); None before the
             first step; the rates the fallback's baseline trial measured after it. With
             ``topology``, what ``mean_estimate`` needs to reproduce a bucket.
-        fallback_baseline: the baseline trial's :class:`~horovod_quant.fallback.
-            BaselineChoice` once it ran, else None.
-        fallback_decisions: each bucket's :class:`~horovod_quant.fallback.FallbackDecision`
-            once measured, else empty.
-        fallback_step_check: the :class:`~horovod_quant.fallback.StepCheck` once one ran.
-        fallback_settled: whether the fallback has decided for good.
+        fallback_baseline, fallback_decisions, fallback_step_check, fallback_settled: the
+            fallback's records (:class:`~horovod_quant.torch.ddp_fallback.FallbackRecords`).
     """
 
     def __init__(self, codec: Codec | str | CompressorSettings, process_group: Any = None,
@@ -303,13 +275,18 @@ class QuantizationState(CompressorSettings):
         self._layouts: dict[int, tuple[tuple[int, ...], list[_Part]]] = {}
         self._means: dict[tuple[int, int], Any] = {}  # (bucket, codec) -> reused output
         self._pipeline = BucketPipeline(f"hq.ddp.{comm.group_id}")
-        self._start_fallback(comm)
+        self._fallback = HookFallback(
+            self.options, comm, self.stats, self.codecs,
+            lambda index, parts, copy, step: self._start_parts(index, parts, copy, step,
+                                                               StepStats()),
+            lambda: (self.fabric, self.topology or Topology.grid(comm.size, 1)), self._use_fabric)
+        self._fallback_controller = self._fallback.controller
 
     def shared_config(self) -> dict:
         config = {**super().shared_config(), "door": "ddp", "step": self.step,
                   "fabric": None if self.fabric is None else list(self.fabric),
                   "fallback": [self.options.fallback, self.options.baseline,
-                               sorted(self._fallback.fallen_back)]}
+                               sorted(self._fallback.controller.fallen_back)]}
         if self._parameters is not None:
             config["parameters"] = self._parameters
         return config
@@ -319,7 +296,7 @@ class QuantizationState(CompressorSettings):
         """What a resumed job needs to continue bit for bit: the step (the seeds), the
         adaptive codecs' states and the fallback's decisions, as plain Python values."""
         return {"step": self.step, "codec_states": self.codec_states.state_dict(),
-                "fallback": self._fallback.state_dict(str)}
+                "fallback": self._fallback.state_dict()}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s state, on every rank, before the first step
@@ -335,7 +312,8 @@ class QuantizationState(CompressorSettings):
             raise ValueError("not a QuantizationState state: pass what state_dict() returned")
         self.step = int(saved["step"])
         self.codec_states.load_state_dict(saved["codec_states"])
-        self._load_fallback(saved)
+        if "fallback" in saved:  # (a state saved before the hook had a fallback: none)
+            self._fallback.load_state_dict(saved["fallback"])
 
     def __getstate__(self) -> dict[str, Any]:
         """As PyTorch's ``PowerSGDState``: everything but the process group and what lives
@@ -410,29 +388,28 @@ class QuantizationState(CompressorSettings):
         grad = bucket.buffer()
         if self._exchanges is None:  # the first bucket: nothing is combined before the check
             if self._check is None:
-                self.fabric = Fabric.for_ranks(on_gpu(grad))
+                self.fabric = self._fallback.fabric or Fabric.for_ranks(on_gpu(grad))
                 self._check = ConfigCheck(self._comm, self.shared_config())
             self._check.wait()  # a mismatch raises here, at this and every later call
             self._exchanges = [Exchange(c, self._comm, gather=self.gather,
                                         pipeline_elems=self.pipeline_elems, fabric=self.fabric,
                                         states=self.codec_states)
                                for c in self.codecs]
-        if not self._in_step:  # the step's first bucket: its exchange starts now
-            self._fallback.exchange_started()
-            self._in_step = True
+        last = bucket.is_last()
+        self._fallback.bucket_arrived(last)
         if grad.is_sparse:
             start = self._average_sparse(grad)
         else:
-            start = self._start_dense(bucket, grad)
+            parts = self._layout(bucket)
+            start = (self._fallback.start(bucket, grad, parts, self._names)
+                     or self._start_parts(bucket.index(), parts, grad, self.step))
         stream = None
         if on_gpu(grad):
             with stream_of(grad):
                 stream = gpu.capture_stream()
-        last = bucket.is_last()
         if last:
-            start = self._then_end_step(start, self.step)
+            start = self._fallback.then_end_step(start, self.step, self._check.prefix)
             self.step += 1
-            self._in_step = False
         return self._pipeline.submit(start, last, stream)
 
     def _start_parts(self, index: int, parts: list[_Part], grad: torch.Tensor, step: int,
@@ -487,170 +464,11 @@ class QuantizationState(CompressorSettings):
         return start
 
 
-    # -- the fallback (module doc) -------------------------------------------------------------
-    def _start_fallback(self, comm: Any) -> None:
-        """The fallback's controller and this step's buckets (what its trial measures)."""
-        # the group's own torch.distributed group, unwrapped where device arrays are staged
-        self._group = getattr(comm, "inner", comm).group
-        # the 16-bit allreduce a DDP user runs: DDP's bf16_compress_hook (gloo sums bfloat16
-        # as NCCL does)
-        self._fallback = FallbackController(self.options.fallback, self.options.baseline, "bf16")
-        #: this step's buckets with a codec so far: (index, key, buffer, parts)
-        self._step_buckets: list[tuple[int, str, torch.Tensor, list[_Part]]] = []
-        self._in_step = False  # a bucket of the step arrived
-
-    def _load_fallback(self, saved: dict[str, Any]) -> None:
-        """The fallback's state of :meth:`state_dict` (none in a state saved before the hook
-        had a fallback: it then decides anew)."""
-        if "fallback" in saved:
-            self._fallback.load_state_dict(saved["fallback"], str)
-
-    @property
-    def fallback_baseline(self) -> BaselineChoice | None:
-        return self._fallback.choice
-
-    @property
-    def fallback_decisions(self) -> list[FallbackDecision]:
-        return self._fallback.decisions
-
-    @property
-    def fallback_step_check(self) -> StepCheck | None:
-        return self._fallback.step_check
-
-    @property
-    def fallback_settled(self) -> bool:
-        return self._fallback.settled(self.step)
-
-    def _bucket_key(self, bucket: dist.GradBucket) -> str:
-        """How the fallback names ``bucket``: its parameters' names where the state has them
-        (they outlive a checkpoint and a change of bucket order), else its index."""
-        if self._names is None:
-            return str(bucket.index())
-        return ",".join(self._names[id(p)][0] for p in bucket.parameters())
-
-    def _start_dense(self, bucket: dist.GradBucket, grad: torch.Tensor) -> Callable[[], Finish]:
-        """The start of a dense bucket's mean: the baseline's allreduce where the fallback
-        moved the bucket there, else its parts' exchanges. A bucket with a codec is recorded
-        for the fallback's trial."""
-        index, parts = bucket.index(), self._layout(bucket)
-        if all(part.codec_index is None for part in parts):  # exact already: no codec to judge
-            return self._start_parts(index, parts, grad, self.step)
-        key = self._bucket_key(bucket)
-        self._step_buckets.append((index, key, grad, parts))
-        if key not in self._fallback.fallen_back:
-            return self._start_parts(index, parts, grad, self.step)
-        start = self._start_baseline(self._fallback.baseline, grad)
-
-        def counted() -> Finish:
-            wire_bytes = grad.numel() * BASELINE_DTYPES[self._fallback.baseline].itemsize
-            self.stats.add_raw(wire_bytes, grad.numel() * 4)
-            self.stats.fallen_back += 1
-            return start()
-
-        return counted
-
-    def _start_baseline(self, baseline: str, buffer: torch.Tensor) -> Callable[[], Finish]:
-        """The start of ``buffer``'s mean as DDP's own hooks take it (``allreduce_hook``,
-        ``fp16_compress_hook``, ``bf16_compress_hook``): the whole bucket cast to
-        ``baseline``'s dtype (in place where it has it), divided by the group's size,
-        allreduced; the finish casts it back into ``buffer``. A NaN or inf stays one."""
-        def start() -> Finish:
-            flat = buffer.detach().reshape(-1)
-            wire = flat.to(BASELINE_DTYPES[baseline]).div_(self._comm.size)
-            work = HANDED.add(dist.all_reduce(wire, group=self._group, async_op=True), wire)
-
-            def finish() -> torch.Tensor:
-                nonlocal work
-                work.wait()
-                # torch holds the wire while the work lives (HANDED waits for that at exit),
-                # and the worker keeps its last job (this closure) until the next
-                work = None
-                if wire is not flat:
-                    flat.copy_(wire)
-                return buffer
-
-            return finish
-
-        return start
-
-    def _then_end_step(self, start: Callable[[], Finish], step: int) -> Callable[[], Finish]:
-        """``start`` (the step's last bucket) whose finish then ends ``step`` for the
-        fallback, on the worker before the bucket's future completes: every collective of
-        the trial comes from the worker, after the step's exchanges, in the same order on
-        every rank, and the next step's buckets see the decisions."""
-        def started() -> Finish:
-            finish = start()
-
-            def finished() -> torch.Tensor:
-                value = finish()
-                self._end_step(step)
-                return value
-
-            return finished
-
-        return started
-
-    def _end_step(self, step: int) -> None:
-        """The fallback's end of ``step`` (:meth:`FallbackController.end_step`), the
-        baseline's name in :attr:`stats`."""
-        buckets, self._step_buckets = self._step_buckets, []
-        numels = [grad.numel() for _, _, grad, _ in buckets]
-        self._fallback.end_step(
-            self._comm, f"{self._check.prefix}.fallback", step, [[key] for _, key, _, _ in buckets],
-            lambda: self._trials(buckets, step), self._baseline_plan(),
-            lambda choice: self._measured_links(choice, numels))
-        if self._fallback.choice is not None:
-            self.stats.baseline = f"{self._fallback.baseline} ({self._fallback.choice.plan})"
-
-    def _baseline_plan(self) -> str:
-        """How the baselines' allreduce runs, in words (the fallback's log and stats)."""
-        return (f"torch.distributed {dist.get_backend(self._group)} allreduce, "
-                f"{self._comm.size} ranks")
-
-    def _trials(self, buckets: list[tuple[int, str, torch.Tensor, list[_Part]]], step: int
-                ) -> list[BucketTrial]:
-        """The fallback's trial of ``buckets`` (this step's, their means in place): blocking
-        runs of each bucket's exchanges, of each candidate baseline's allreduce and, where the
-        group has host groups, of the float32 allreduce among this host's ranks, each on a
-        copy of the bucket (the gradients stay as they are; the trial's exchanges count in no
-        stats)."""
-        hierarchy = self._comm.hierarchy
-        trials = []
-        for index, _, grad, parts in buckets:
-            scratch = grad.detach().reshape(-1).clone()
-            name = f"{self._check.prefix}.fallback.b{index}"
-
-            def blocking(start: Callable[[], Finish], on: torch.Tensor = scratch
-                         ) -> Callable[[], None]:
-                def run() -> None:
-                    with stream_of(on):
-                        start()()
-                        if on_gpu(on):  # device work is queued: the time must include it
-                            torch.cuda.synchronize(on.device)
-                return run
-
-            def run_local(on: torch.Tensor = scratch, name: str = name) -> None:
-                hierarchy.local.allreduce_async(flat_array(on), f"{name}.local").wait()
-
-            codecs = ", ".join(repr(self.codecs[part.codec_index]) for part in parts
-                               if part.codec_index is not None)
-            trials.append(BucketTrial(
-                index, codecs, grad.numel() * 4,
-                blocking(self._start_parts(index, parts, scratch, step, StepStats())),
-                {b: blocking(self._start_baseline(b, scratch)) for b in self._fallback.candidates},
-                None if hierarchy is None else run_local))
-        return trials
-
-    def _measured_links(self, choice: BaselineChoice, numels: list[int]) -> str:
-        """The links' rates fitted to the baseline trial's timings (buckets of ``numels``
-        elements; a group whose hosts are unknown counts one rank per host), the environment's
-        overrides kept; the exchanges choose their plans again for them. Returns them in
-        words."""
-        self.fabric = measured_fabric(choice, self.fabric,
-                                      self.topology or Topology.grid(self._comm.size, 1), numels)
+    def _use_fabric(self, fabric: Fabric) -> None:
+        """Choose the plans again for ``fabric`` (the fallback's measured one)."""
+        self.fabric = fabric
         for exchange in self._exchanges:
-            exchange.use_fabric(self.fabric)
-        return self.fabric.describe()
+            exchange.use_fabric(fabric)
 
 
 def quantization_hook(state: QuantizationState, bucket: dist.GradBucket
