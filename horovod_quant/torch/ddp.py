@@ -190,8 +190,8 @@ class QuantizationState(CompressorSettings, FallbackRecords):
         settings: seed, gather, pipeline_elems, policy, fallback, baseline as keywords, over
             the compressor's, else DoorOptions' defaults (``LayerPolicy.everything()``
             compresses every parameter; ``fallback="auto"``, ``baseline="auto"``: the faster
-            of float32 and DDP's bfloat16 allreduce, module doc). The optimizer-only settings
-            raise ValueError here.
+            of float32 and DDP's bfloat16 allreduce, :mod:`~horovod_quant.torch.ddp_fallback`).
+            The optimizer-only settings raise ValueError here.
 
     Attributes:
         codecs: the codecs the policy can give a parameter, each with an exchange of its own:
@@ -462,7 +462,6 @@ class QuantizationState(CompressorSettings, FallbackRecords):
             return lambda: work.get_future().wait()[0].div_(self._comm.size)
 
         return start
-
 
     def _use_fabric(self, fabric: Fabric) -> None:
         """Choose the plans again for ``fabric`` (the fallback's measured one)."""
