@@ -141,7 +141,7 @@ def test_first_buckets_then_rebuilt_ones():
     on the buckets DDP rebuilt by readiness with the 0.1 MB cap; the hook sees them in index
     order and both match the reference."""
     model = _model(bucket_cap_mb=0.1)
-    state = ddp.QuantizationState(hq.get_codec("qsgd", bits=4))
+    state = ddp.QuantizationState(hq.get_codec("qsgd", bits=4), fallback="never")
     rec = Recorder(state)
     model.register_comm_hook(state, rec.hook)
     counts = []
@@ -159,7 +159,7 @@ def test_first_buckets_then_rebuilt_ones():
 def test_gather_schedules(gather):
     codec = hq.get_codec("natural")
     model = _model()
-    state = ddp.QuantizationState(codec, gather=gather, seed=3)
+    state = ddp.QuantizationState(codec, gather=gather, seed=3, fallback="never")
     rec = Recorder(state)
     model.register_comm_hook(state, rec.hook)
     for step in range(2):

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import horovod_quant as hq
 from horovod_quant import fallback
-from horovod_quant.fallback import FALLBACK_STEP
+from horovod_quant.fallback import FALLBACK_STEP, STEP_CHECK_ROUNDS
 from horovod_quant.torch import ddp
 from horovod_quant.torch.tensors import BASELINE_DTYPES
 
@@ -224,14 +224,18 @@ def test_compiled_model_trains_identically():
 
 
 
-def _force_fallback(monkeypatch, baseline_s):
+def _slow_bucket_0_on_the_last_rank(bucket):
+    """Bucket 0's codec slower than the baseline's 0.1 s on the last rank only (the ranks
+    agree on the slowest rank's times, so it falls back everywhere), every other bucket's a
+    clear win (no step check)."""
+    return 0.5 if bucket == 0 and dist.get_rank() == dist.get_world_size() - 1 else 0.001
+
+
+def _force_fallback(monkeypatch, baseline_s, codec_s=_slow_bucket_0_on_the_last_rank):
     """Replace the fallback's timing (fallback.measure_runs, which still runs each run once):
     the baseline trial reports ``baseline_s`` (name -> seconds) per bucket; the bucket trial
-    reports bucket 0's codec slower than the baseline on the last rank only (the ranks agree
-    on the slowest rank's times, so it falls back everywhere) and every other bucket's codec a
-    clear win (no step check)."""
+    reports ``codec_s(bucket)`` for the codec, 0.1 s for the baseline."""
     seen, buckets = set(), itertools.count()
-    last = dist.get_world_size() - 1
 
     def measure(runs, sync=None, **_):
         for run in runs:
@@ -240,8 +244,7 @@ def _force_fallback(monkeypatch, baseline_s):
             seen.update(runs)
             times = list(baseline_s.values())
             return times + [0.001] * (len(runs) - len(times))  # the allreduce inside a host
-        slow = next(buckets) == 0 and dist.get_rank() == last
-        return [0.5 if slow else 0.001, 0.1]
+        return [codec_s(next(buckets)), 0.1]
 
     monkeypatch.setattr(fallback, "measure_runs", measure)
 
@@ -326,3 +329,47 @@ def test_fallback_moves_a_slow_bucket_to_the_baseline(baseline, times, chosen, m
     resumed.load_state_dict(_round_trip(state.state_dict()))
     assert resumed.fallback_decisions == decisions
     assert resumed.fallback_baseline == state.fallback_baseline
+
+
+def test_a_narrow_win_is_checked_in_training_steps(monkeypatch):
+    """Codecs that won the trial by less than 2x: the next steps alternate the codec layout
+    and every bucket on the baseline (the stats count them); the baseline's steps were the
+    faster (fallback.clock forced), so every bucket falls back from then on, on every rank."""
+    _force_fallback(monkeypatch, {"fp32": 0.1}, lambda bucket: 0.08)
+    calls = itertools.count()
+
+    def clock():  # (start, stop) pairs: the codec layout's steps 0.2 s, the baseline's 0.1 s
+        pair, stop = divmod(next(calls), 2)
+        return 10.0 * pair + stop * (0.2 if pair % 2 == 0 else 0.1)
+
+    monkeypatch.setattr(fallback, "clock", clock)
+    model = _model()
+    state = ddp.QuantizationState(hq.get_codec("qsgd", bits=4), seed=SEED, baseline="fp32")
+    model.register_comm_hook(state, ddp.quantization_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    on_baseline = []
+    for step in range(FALLBACK_STEP + 2 * STEP_CHECK_ROUNDS + 3):
+        state.stats.reset()
+        opt.zero_grad()
+        model(_batch(step)).square().mean().backward()
+        opt.step()
+        on_baseline.append(state.stats.fallen_back)
+        assert same_everywhere(_params(model))
+    buckets = len(state.fallback_decisions)
+    assert buckets and not any(d.fallback for d in state.fallback_decisions)
+    check = on_baseline[FALLBACK_STEP + 1:FALLBACK_STEP + 1 + 2 * STEP_CHECK_ROUNDS]
+    assert check == [0, buckets] * STEP_CHECK_ROUNDS, on_baseline
+    assert on_baseline[-2:] == [buckets, buckets]
+    assert state.fallback_step_check.fallback and state.fallback_settled
+
+
+def test_fallback_settings_are_checked():
+    with pytest.raises(ValueError, match="baseline"):
+        ddp.QuantizationState(hq.get_codec("qsgd"), baseline="fp8")
+    with pytest.raises(ValueError, match="fallback"):
+        ddp.QuantizationState(hq.get_codec("qsgd"), fallback="sometimes")
+    with pytest.raises(ValueError, match="fusion_bytes"):
+        ddp.QuantizationState(hq.get_codec("qsgd"), fusion_bytes=1)
+    state = ddp.QuantizationState(hq.get_codec("qsgd"), fallback="never", baseline="fp16")
+    assert state.options.baseline == "fp16" and state.fallback_settled
+    assert state.fallback_decisions == [] and state.fallback_baseline is None
