@@ -329,6 +329,7 @@ def test_fallback_moves_a_slow_bucket_to_the_baseline(baseline, times, chosen, m
     resumed.load_state_dict(_round_trip(state.state_dict()))
     assert resumed.fallback_decisions == decisions
     assert resumed.fallback_baseline == state.fallback_baseline
+    assert resumed.state_dict() == state.state_dict()  # the measured fabric too
 
 
 def test_a_narrow_win_is_checked_in_training_steps(monkeypatch):
