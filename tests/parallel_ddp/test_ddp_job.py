@@ -130,7 +130,7 @@ def test_hook_returns_before_its_exchange_is_done():
     """The hook hands the bucket to the worker: its future is not complete when it returns
     (every bucket's but possibly the last's), and every future completes with the mean."""
     model = _model(bucket_cap_mb=0.05)
-    state = ddp.QuantizationState(hq.get_codec("qsgd"), seed=SEED)
+    state = ddp.QuantizationState(hq.get_codec("qsgd"), seed=SEED, fallback="never")
     rec = Recorder(state)
     pending_at_return = []
 
