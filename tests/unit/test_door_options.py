@@ -12,6 +12,7 @@ from horovod_quant import doors
 from horovod_quant.doors import (
     DEFAULT_FUSION_BYTES,
     DOOR_SETTINGS,
+    FALLBACK,
     OPTIMIZER_ONLY,
     SHARED,
     DoorOptions,
@@ -99,10 +100,17 @@ def test_invalid_settings_say_what_to_change(setting, value, message):
 
 
 def test_optimizer_only_settings_raise_in_the_other_doors():
-    assert DoorOptions(seed=2).check_door("DDP hook").seed == 2
-    with pytest.raises(ValueError, match=r"fusion_bytes=1024, fallback='never': the DDP hook"):
-        DoorOptions(fusion_bytes=1024, fallback="never").check_door("DDP hook")
-    assert set(OPTIMIZER_ONLY) == {"fusion_bytes", "transport", "fallback", "on_step"}
+    """The TensorFlow door takes the shared settings alone; the DDP hook the fallback's too."""
+    assert DoorOptions(seed=2).check_door("TensorFlow door").seed == 2
+    with pytest.raises(ValueError, match=r"fallback='never', fusion_bytes=1024: the TensorFlow"):
+        DoorOptions(fusion_bytes=1024, fallback="never").check_door("TensorFlow door")
+    ddp_takes = SHARED + FALLBACK
+    hook = DoorOptions(fallback="never", baseline="bf16").check_door("DDP hook", ddp_takes)
+    assert hook.baseline == "bf16"
+    with pytest.raises(ValueError, match=r"^fusion_bytes=1024: the DDP hook"):
+        DoorOptions(fusion_bytes=1024, fallback="never").check_door("DDP hook", ddp_takes)
+    assert set(OPTIMIZER_ONLY) == {"fusion_bytes", "transport", "on_step"}
+    assert set(FALLBACK) == {"fallback", "baseline"}
 
 
 def test_every_door_takes_the_settings_as_keywords_or_options():
