@@ -89,8 +89,9 @@ def _hook(spec: str, model):
     from horovod_quant.torch import ddp
 
     name, _, bits = spec.partition(":")
+    # the codec's own step times: no fallback to DDP's allreduce in the middle of a run
     state = ddp.QuantizationState(getattr(hqt.Compression, name)(
-        **({"bits": int(bits)} if bits else {})))
+        **({"bits": int(bits)} if bits else {})), fallback="never")
     model.register_comm_hook(state, ddp.quantization_hook)
     return state
 

@@ -186,6 +186,11 @@ def measured_fabric(choice: BaselineChoice, fabric: Fabric, topology: Topology,
     return fitted_fabric(fabric, across, inside, Fabric.overridden())
 
 
+def ranks(count: int) -> str:
+    """``"1 rank"``, ``"2 ranks"``: a baseline's plan in words."""
+    return f"{count} rank{'s' if count != 1 else ''}"
+
+
 def choose_baseline(seconds: Mapping[str, float]) -> str:
     """The faster of the timed baselines; float32 wins a tie (and any candidate left alone)."""
     best = "fp32" if "fp32" in seconds else next(iter(seconds))

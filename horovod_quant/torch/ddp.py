@@ -16,8 +16,8 @@ codecs in the order of ``state.codecs``. The exchange of codec ``k`` in bucket `
 ``t`` uses seed ``state.seed_of(t, i, k)``, so ``mean_estimate(codec, [that vector on each
 rank], state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems,
 topology=state.topology, fabric=state.fabric)`` reproduces it exactly. The first hook runs the
-cross-rank configuration check. ``state_dict()`` (and pickling, as PyTorch's ``PowerSGDState``)
-carries the step and the adaptive codecs' states across a checkpoint (docs/ddp.md).
+cross-rank check. ``state_dict()`` (and pickling, as ``PowerSGDState``) carries the step, the
+codecs' states and the fallback's (:mod:`horovod_quant.torch.ddp_fallback`) across a checkpoint.
 """
 from __future__ import annotations
 
@@ -31,11 +31,22 @@ import torch.distributed as dist
 from .. import gpu
 from ..core.base import Codec
 from ..core.rng import derive_key
-from ..doors import CodecRequest, CompressorSettings, ConfigCheck, DoorOptions, door_options
+from ..doors import (
+    FALLBACK,
+    SHARED,
+    CodecRequest,
+    CompressorSettings,
+    ConfigCheck,
+    DoorOptions,
+    door_options,
+)
 from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
-from ..exchange.topology import SerialWorker
+from ..exchange.topology import SerialWorker, Topology
+from ..fallback import FallbackAttributes
+from ..stats import StepStats
+from .ddp_fallback import HookFallback
 from .distributed import own_group, process_group_collectives
 from .tensors import as_array, as_tensor, flat_array, on_gpu, parameter_names, stream_of
 
@@ -163,7 +174,7 @@ def _parts(codec_indices: list[int | None], ranges: list[tuple[int, int]]) -> li
     return [_Part(k, runs[k]) for k in order]
 
 
-class QuantizationState(CompressorSettings):
+class QuantizationState(CompressorSettings, FallbackAttributes):
     """The state of :func:`quantization_hook` for one DDP model.
 
     Args:
@@ -177,9 +188,11 @@ class QuantizationState(CompressorSettings):
             needed by a policy with name rules (ValueError without them); the names are part
             of the cross-rank check.
         options: the settings as :class:`~horovod_quant.doors.DoorOptions`, or
-        settings: seed, gather, pipeline_elems, policy as keywords, over the compressor's,
-            else DoorOptions' defaults (``LayerPolicy.everything()`` compresses every
-            parameter). The optimizer-only settings raise ValueError here.
+        settings: seed, gather, pipeline_elems, policy, fallback, baseline as keywords, over
+            the compressor's, else DoorOptions' defaults (``LayerPolicy.everything()``
+            compresses every parameter; ``fallback="auto"``, ``baseline="auto"``: the faster
+            of float32 and DDP's bfloat16 allreduce, :mod:`~horovod_quant.torch.ddp_fallback`).
+            The optimizer-only settings raise ValueError here.
 
     Attributes:
         codecs: the codecs the policy can give a parameter, each with an exchange of its own:
@@ -192,7 +205,10 @@ class QuantizationState(CompressorSettings):
         fabric: the links' speeds the plan choice weighs (:class:`~horovod_quant.exchange.
             cost.Fabric`: GPU or CPU ranks' defaults by where the first bucket lives, and the
             ``HQ_LINK_GBIT`` / ``HQ_INTRA_GBYTE`` / ``HQ_ROUND_US`` variables); None before the
-            first step. With ``topology``, what ``mean_estimate`` needs to reproduce a bucket.
+            first step; the rates the fallback's baseline trial measured after it. With
+            ``topology``, what ``mean_estimate`` needs to reproduce a bucket.
+        fallback_baseline, fallback_decisions, fallback_step_check, fallback_settled: the
+            fallback's records (:class:`~horovod_quant.fallback.FallbackAttributes`).
     """
 
     def __init__(self, codec: Codec | str | CompressorSettings, process_group: Any = None,
@@ -226,7 +242,8 @@ class QuantizationState(CompressorSettings):
                              f"pass world_size={comm.size}"
                              + (f" (or {topology.host_count}, its nodes: the hierarchical "
                                 f"exchange alone then runs it)" if topology is not None else ""))
-        super().__init__(codec, door_options(settings, options, inherited).check_door("DDP hook"))
+        super().__init__(codec, door_options(settings, options, inherited, SHARED + FALLBACK)
+                         .check_door("DDP hook", SHARED + FALLBACK))
         self._names = parameter_names(named_parameters)
         if self.policy.rules and self._names is None:
             raise ValueError(
@@ -259,19 +276,33 @@ class QuantizationState(CompressorSettings):
         self._layouts: dict[int, tuple[tuple[int, ...], list[_Part]]] = {}
         self._means: dict[tuple[int, int], Any] = {}  # (bucket, codec) -> reused output
         self._pipeline = BucketPipeline(f"hq.ddp.{comm.group_id}")
+        self._hook_fallback = HookFallback(
+            self.options, comm, self.stats, self.codecs,
+            lambda index, parts, copy, step: self._start_parts(index, parts, copy, step,
+                                                               StepStats()),
+            lambda: (self.fabric, self.topology or Topology.grid(comm.size, 1)), self._use_fabric)
+        self._fallback = self._hook_fallback.controller
+
+    @property
+    def fallback_settled(self) -> bool:
+        """Whether the fallback has decided for good (always with ``fallback="never"``)."""
+        return self._fallback.settled(self.step)
 
     def shared_config(self) -> dict:
         config = {**super().shared_config(), "door": "ddp", "step": self.step,
-                  "fabric": None if self.fabric is None else list(self.fabric)}
+                  "fabric": None if self.fabric is None else list(self.fabric),
+                  "fallback": [self.options.fallback, self.options.baseline,
+                               sorted(self._fallback.fallen_back)]}
         if self._parameters is not None:
             config["parameters"] = self._parameters
         return config
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed job needs to continue bit for bit: the step (the seeds) and the
-        adaptive codecs' states, as plain Python values."""
-        return {"step": self.step, "codec_states": self.codec_states.state_dict()}
+        """What a resumed job needs to continue bit for bit: the step (the seeds), the
+        adaptive codecs' states and the fallback's decisions, as plain Python values."""
+        return {"step": self.step, "codec_states": self.codec_states.state_dict(),
+                "fallback": self._hook_fallback.state_dict()}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s state, on every rank, before the first step
@@ -287,6 +318,8 @@ class QuantizationState(CompressorSettings):
             raise ValueError("not a QuantizationState state: pass what state_dict() returned")
         self.step = int(saved["step"])
         self.codec_states.load_state_dict(saved["codec_states"])
+        if "fallback" in saved:  # (a state saved before the hook had a fallback: none)
+            self._hook_fallback.load_state_dict(saved["fallback"])
 
     def __getstate__(self) -> dict[str, Any]:
         """As PyTorch's ``PowerSGDState``: everything but the process group and what lives
@@ -361,39 +394,44 @@ class QuantizationState(CompressorSettings):
         grad = bucket.buffer()
         if self._exchanges is None:  # the first bucket: nothing is combined before the check
             if self._check is None:
-                self.fabric = Fabric.for_ranks(on_gpu(grad))
+                self.fabric = self._hook_fallback.fabric or Fabric.for_ranks(on_gpu(grad))
                 self._check = ConfigCheck(self._comm, self.shared_config())
             self._check.wait()  # a mismatch raises here, at this and every later call
             self._exchanges = [Exchange(c, self._comm, gather=self.gather,
                                         pipeline_elems=self.pipeline_elems, fabric=self.fabric,
                                         states=self.codec_states)
                                for c in self.codecs]
+        last = bucket.is_last()
+        self._hook_fallback.bucket_arrived(last)
         if grad.is_sparse:
             start = self._average_sparse(grad)
         else:
-            start = self._start_parts(bucket.index(), self._layout(bucket), grad, self.step)
+            parts = self._layout(bucket)
+            start = (self._hook_fallback.start(bucket, grad, parts, self._names)
+                     or self._start_parts(bucket.index(), parts, grad, self.step))
         stream = None
         if on_gpu(grad):
             with stream_of(grad):
                 stream = gpu.capture_stream()
-        last = bucket.is_last()
         if last:
+            start = self._hook_fallback.then_end_step(start, self.step, self._check.prefix)
             self.step += 1
         return self._pipeline.submit(start, last, stream)
 
-    def _start_parts(self, index: int, parts: list[_Part], grad: torch.Tensor, step: int
-                     ) -> Callable[[], Finish]:
+    def _start_parts(self, index: int, parts: list[_Part], grad: torch.Tensor, step: int,
+                     stats: StepStats | None = None) -> Callable[[], Finish]:
         """The start of bucket ``index``'s exact allreduce and codec exchanges of ``step``
         (its ``parts`` of buffer ``grad``): it returns the function that finishes them and
-        writes the means into ``grad``."""
+        writes the means into ``grad``; they count in ``stats`` (None: :attr:`stats`)."""
         name = f"{self._check.prefix}.b{index}"
+        stats = self.stats if stats is None else stats
 
         def start() -> Finish:
             flat, started = grad.detach().reshape(-1), []
             for part in parts:
                 vector = flat_array(part.gather(flat))
                 if part.codec_index is None:
-                    self.stats.add_raw(vector.nbytes)
+                    stats.add_raw(vector.nbytes)
                     started.append((part, self._comm.allreduce_async(vector, f"{name}.exact")))
                     continue
                 k = part.codec_index
@@ -409,7 +447,7 @@ class QuantizationState(CompressorSettings):
                         mean = as_tensor(handle.wait()).div_(self._comm.size)
                     else:
                         mean = as_tensor(handle.wait())
-                        self.stats.add(handle.stats)
+                        stats.add(handle.stats)
                     part.scatter(flat, mean)
                 return grad
 
@@ -430,6 +468,12 @@ class QuantizationState(CompressorSettings):
             return lambda: work.get_future().wait()[0].div_(self._comm.size)
 
         return start
+
+    def _use_fabric(self, fabric: Fabric) -> None:
+        """Choose the plans again for ``fabric`` (the fallback's measured one)."""
+        self.fabric = fabric
+        for exchange in self._exchanges:
+            exchange.use_fabric(fabric)
 
 
 def quantization_hook(state: QuantizationState, bucket: dist.GradBucket

@@ -12,7 +12,7 @@ import torch
 from ..exchange.collectives import Collectives
 from ..exchange.driver import Exchange
 from ..exchange.topology import Hierarchy
-from ..fallback import BucketTrial
+from ..fallback import BucketTrial, ranks
 from .buckets import Bucket, BucketLayout
 from .collectives import synchronize
 from .horovod_path import HorovodPath
@@ -55,10 +55,10 @@ def _bucket_trial(bucket: Bucket, out: Any, exchange: Exchange, seed: int, name:
                        None if local is None else run_local)
 
 
-def horovod_plan(ranks: int) -> str:
-    """How Horovod's allreduce runs over ``ranks`` ranks, in words (the fallback's log)."""
+def horovod_plan(count: int) -> str:
+    """How Horovod's allreduce runs over ``count`` ranks, in words (the fallback's log)."""
     hierarchical = os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "0") not in ("", "0")
-    return f"Horovod's {'hierarchical' if hierarchical else 'ring'} allreduce, {ranks} ranks"
+    return f"Horovod's {'hierarchical' if hierarchical else 'ring'} allreduce, {ranks(count)}"
 
 
 def bucket_trials(layout: BucketLayout, schedule: ExchangeSchedule, step: int, prefix: str,

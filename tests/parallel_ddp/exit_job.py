@@ -28,7 +28,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
                                     torch.nn.Linear(64, 4)))
-    state = ddp.QuantizationState(hq.get_codec("qsgd", bits=4))
+    # the codec at every step: the plans checked below are its exchanges'
+    state = ddp.QuantizationState(hq.get_codec("qsgd", bits=4), fallback="never")
     model.register_comm_hook(state, ddp.quantization_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(dist.get_rank())

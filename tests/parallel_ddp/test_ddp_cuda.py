@@ -47,7 +47,7 @@ def test_cuda_buckets_match_cpu_reference(cuda, name):
     codec = hq.get_codec(name, **codec_params(name))
     torch.manual_seed(0)
     model = DDP(Net().to(cuda), device_ids=[cuda.index], bucket_cap_mb=0.25)
-    state = ddp.QuantizationState(codec, seed=5)
+    state = ddp.QuantizationState(codec, seed=5, fallback="never")
     rec = Recorder(state)
     model.register_comm_hook(state, rec.hook)
     for step in range(2):
@@ -67,7 +67,7 @@ def test_cuda_buckets_take_the_hierarchy_on_nodes_of_several_ranks(cuda, name):
     torch.manual_seed(0)
     model = DDP(Net().to(cuda), device_ids=[cuda.index], bucket_cap_mb=0.25)
     state = ddp.QuantizationState(hq.get_codec(name, **codec_params(name)), seed=9,
-                                  policy=LayerPolicy.everything())
+                                  policy=LayerPolicy.everything(), fallback="never")
     rec = Recorder(state)
     model.register_comm_hook(state, rec.hook)
     for step in range(2):

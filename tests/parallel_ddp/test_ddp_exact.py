@@ -121,7 +121,7 @@ def test_every_codec_matches_reference(spec):
     name, params = spec
     codec = hq.get_codec(name, **params, **codec_params(name))
     model = _model()
-    state = ddp.QuantizationState(codec, seed=7)
+    state = ddp.QuantizationState(codec, seed=7, fallback="never")  # the codec at every step
     rec = Recorder(state)
     model.register_comm_hook(state, rec.hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -141,7 +141,7 @@ def test_first_buckets_then_rebuilt_ones():
     on the buckets DDP rebuilt by readiness with the 0.1 MB cap; the hook sees them in index
     order and both match the reference."""
     model = _model(bucket_cap_mb=0.1)
-    state = ddp.QuantizationState(hq.get_codec("qsgd", bits=4))
+    state = ddp.QuantizationState(hq.get_codec("qsgd", bits=4), fallback="never")
     rec = Recorder(state)
     model.register_comm_hook(state, rec.hook)
     counts = []
@@ -159,7 +159,7 @@ def test_first_buckets_then_rebuilt_ones():
 def test_gather_schedules(gather):
     codec = hq.get_codec("natural")
     model = _model()
-    state = ddp.QuantizationState(codec, gather=gather, seed=3)
+    state = ddp.QuantizationState(codec, gather=gather, seed=3, fallback="never")
     rec = Recorder(state)
     model.register_comm_hook(state, rec.hook)
     for step in range(2):
@@ -205,7 +205,7 @@ def test_unused_parameters_keep_ranks_identical(static_graph):
     codec = hq.get_codec("qsgd", bits=4)
     kw = {"static_graph": True} if static_graph else {"find_unused_parameters": True}
     model = _model(**kw)
-    state = ddp.QuantizationState(codec, seed=11)
+    state = ddp.QuantizationState(codec, seed=11, fallback="never")
     rec = Recorder(state)
     model.register_comm_hook(state, rec.hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -226,7 +226,7 @@ def test_unused_parameters_keep_ranks_identical(static_graph):
 def test_gradients_as_bucket_views():
     codec = hq.get_codec("natural", bits=4)
     model = _model(gradient_as_bucket_view=True)
-    state = ddp.QuantizationState(codec, seed=2)
+    state = ddp.QuantizationState(codec, seed=2, fallback="never")
     rec = Recorder(state)
     model.register_comm_hook(state, rec.hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

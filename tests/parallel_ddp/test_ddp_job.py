@@ -3,6 +3,8 @@ state) it continues bit for bit; bf16 and fp16 parameters, GradScaler's skipped 
 compiled model keep every rank identical; the hook returns before the bucket's exchange is done
 (backward goes on meanwhile)."""
 import io
+import itertools
+import logging
 import pickle
 import threading
 
@@ -13,7 +15,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import horovod_quant as hq
+from horovod_quant import fallback
+from horovod_quant.fallback import FALLBACK_STEP, STEP_CHECK_ROUNDS
 from horovod_quant.torch import ddp
+from horovod_quant.torch.tensors import BASELINE_DTYPES
 
 from conftest import codec_params, same_everywhere
 from test_ddp_exact import Net, Recorder, _batch, _model
@@ -75,7 +80,7 @@ def test_resumed_job_continues_bit_for_bit(name, params, how):
 
     def fresh(state=None):
         model = DDP(BackwardOrderNet(), bucket_cap_mb=0.25)
-        state = state or ddp.QuantizationState(codec, seed=SEED)
+        state = state or ddp.QuantizationState(codec, seed=SEED, fallback="never")
         model.register_comm_hook(state, ddp.quantization_hook)
         return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), state
 
@@ -125,7 +130,7 @@ def test_hook_returns_before_its_exchange_is_done():
     """The hook hands the bucket to the worker: its future is not complete when it returns
     (every bucket's but possibly the last's), and every future completes with the mean."""
     model = _model(bucket_cap_mb=0.05)
-    state = ddp.QuantizationState(hq.get_codec("qsgd"), seed=SEED)
+    state = ddp.QuantizationState(hq.get_codec("qsgd"), seed=SEED, fallback="never")
     rec = Recorder(state)
     pending_at_return = []
 
@@ -202,7 +207,8 @@ def test_compiled_model_trains_identically():
     results = []
     for compiled in (False, True):
         model = _model(bucket_cap_mb=25)  # compiled DDP: buckets of at least the first's 1 MB
-        state = ddp.QuantizationState(hq.get_codec("qsgd", bits=8), seed=SEED)
+        state = ddp.QuantizationState(hq.get_codec("qsgd", bits=8), seed=SEED,
+                                      fallback="never")
         model.register_comm_hook(state, ddp.quantization_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         run = torch.compile(model, backend="aot_eager") if compiled else model
@@ -215,3 +221,153 @@ def test_compiled_model_trains_identically():
     assert torch.allclose(results[0], results[1], rtol=0, atol=1e-2)
     assert same_everywhere(results[1])
     assert np.isfinite(results[1].numpy()).all()
+
+
+
+def _slow_bucket_0_on_the_last_rank(bucket):
+    """Bucket 0's codec slower than the baseline's 0.1 s on the last rank only (the ranks
+    agree on the slowest rank's times, so it falls back everywhere), every other bucket's a
+    clear win (no step check)."""
+    return 0.5 if bucket == 0 and dist.get_rank() == dist.get_world_size() - 1 else 0.001
+
+
+def _force_fallback(monkeypatch, baseline_s, codec_s=_slow_bucket_0_on_the_last_rank):
+    """Replace the fallback's timing (fallback.measure_bucket, which still runs each side once):
+    the baseline trial reports ``baseline_s`` (name -> seconds) per bucket (1 ms the allreduce
+    inside a host); the bucket trial reports ``codec_s(bucket)`` for the codec, 0.1 s for the
+    baseline."""
+    def measure(trial, sides, sync=None, **_):
+        for side in sides:
+            trial.run(side)()
+        if "codec" not in sides:  # the baseline trial
+            return [baseline_s.get(side, 0.001) for side in sides]
+        return [codec_s(trial.bucket), 0.1]
+
+    monkeypatch.setattr(fallback, "measure_bucket", measure)
+
+
+def _hooked(model, state, poison):
+    """Registers a hook on ``model`` that records each bucket's input and mean of the current
+    step, calling ``poison(step, buffer)`` on bucket 0's buffer first; returns the record."""
+    record = {}
+
+    def hook(state, bucket):
+        buf = bucket.buffer()
+        if bucket.index() == 0:
+            poison(state.step, buf.view(-1))
+        inp = buf.detach().clone()
+
+        def done(fut):
+            record[bucket.index()] = (inp, fut.value().detach().clone())
+            return fut.value()
+
+        return ddp.quantization_hook(state, bucket).then(done)
+
+    model.register_comm_hook(state, hook)
+    return record
+
+
+@pytest.mark.parametrize("baseline,times,chosen", [
+    ("fp32", {"fp32": 0.1}, "fp32"),
+    ("bf16", {"bf16": 0.1}, "bf16"),
+    ("auto", {"fp32": 0.1, "bf16": 0.2}, "fp32"),
+    ("auto", {"fp32": 0.2, "bf16": 0.1}, "bf16"),
+])
+def test_fallback_moves_a_slow_bucket_to_the_baseline(baseline, times, chosen, monkeypatch,
+                                                       caplog):
+    """The bucket whose codec lost the trial (on one rank) is averaged by the chosen baseline
+    from the next step on, on every rank, as DDP's own hooks average it (the whole bucket cast
+    to the baseline's dtype, divided, allreduced; a NaN or inf stays one); the others keep the
+    codec; the parameters stay identical; the log and the stats name the baseline, its plan
+    and the measured links; the decisions travel in state_dict()."""
+    _force_fallback(monkeypatch, times)
+    caplog.set_level(logging.INFO, logger="horovod_quant")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    poisoned = FALLBACK_STEP + 2
+
+    def poison(step, flat):
+        if step == poisoned:
+            flat[3] = float("nan") if rank == 0 else 1.0
+            flat[5] = float("inf") if rank == n - 1 else 1.0
+
+    model = _model()
+    state = ddp.QuantizationState(hq.get_codec("qsgd", bits=4), seed=SEED, baseline=baseline,
+                                  named_parameters=model.module.named_parameters())
+    record = _hooked(model, state, poison)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(poisoned + 1):
+        record.clear()
+        state.stats.reset()
+        opt.zero_grad()
+        model(_batch(step)).square().mean().backward()
+        if step > FALLBACK_STEP:
+            inp, mean = record[0]
+            want = inp.to(BASELINE_DTYPES[chosen]).div_(n)
+            dist.all_reduce(want)
+            assert torch.equal(mean, want.to(mean.dtype)) or (
+                step == poisoned and torch.allclose(mean, want.to(mean.dtype), equal_nan=True))
+            assert state.stats.fallen_back == 1
+        if step == poisoned:
+            assert torch.isnan(mean[3]) and torch.isinf(mean[5])
+        else:
+            opt.step()
+            assert same_everywhere(_params(model))
+    decisions = state.fallback_decisions
+    assert [d.fallback for d in decisions] == [True] + [False] * (len(decisions) - 1)
+    assert {d.baseline for d in decisions} == {chosen}
+    assert state.fallback_baseline.baseline == chosen
+    assert state.fallback_settled and state.fallback_step_check is None
+    assert state.stats.baseline == f"{chosen} (torch.distributed gloo allreduce, {n} ranks)"
+    if rank == 0:
+        assert f"baseline {chosen} (torch.distributed gloo allreduce" in caplog.text
+        assert "links measured:" in caplog.text
+    resumed = ddp.QuantizationState(hq.get_codec("qsgd", bits=4), seed=SEED, baseline=baseline,
+                                    named_parameters=model.module.named_parameters())
+    resumed.load_state_dict(_round_trip(state.state_dict()))
+    assert resumed.fallback_decisions == decisions
+    assert resumed.fallback_baseline == state.fallback_baseline
+    assert resumed.state_dict() == state.state_dict()  # the measured fabric too
+
+
+def test_a_narrow_win_is_checked_in_training_steps(monkeypatch):
+    """Codecs that won the trial by less than 2x: the next steps alternate the codec layout
+    and every bucket on the baseline (the stats count them); the baseline's steps were the
+    faster (fallback.clock forced), so every bucket falls back from then on, on every rank."""
+    _force_fallback(monkeypatch, {"fp32": 0.1}, lambda bucket: 0.08)
+    calls = itertools.count()
+
+    def clock():  # (start, stop) pairs: the codec layout's steps 0.2 s, the baseline's 0.1 s
+        pair, stop = divmod(next(calls), 2)
+        return 10.0 * pair + stop * (0.2 if pair % 2 == 0 else 0.1)
+
+    monkeypatch.setattr(fallback, "clock", clock)
+    model = _model()
+    state = ddp.QuantizationState(hq.get_codec("qsgd", bits=4), seed=SEED, baseline="fp32")
+    model.register_comm_hook(state, ddp.quantization_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    on_baseline = []
+    for step in range(FALLBACK_STEP + 2 * STEP_CHECK_ROUNDS + 3):
+        state.stats.reset()
+        opt.zero_grad()
+        model(_batch(step)).square().mean().backward()
+        opt.step()
+        on_baseline.append(state.stats.fallen_back)
+        assert same_everywhere(_params(model))
+    buckets = len(state.fallback_decisions)
+    assert buckets and not any(d.fallback for d in state.fallback_decisions)
+    check = on_baseline[FALLBACK_STEP + 1:FALLBACK_STEP + 1 + 2 * STEP_CHECK_ROUNDS]
+    assert check == [0, buckets] * STEP_CHECK_ROUNDS, on_baseline
+    assert on_baseline[-2:] == [buckets, buckets]
+    assert state.fallback_step_check.fallback and state.fallback_settled
+
+
+def test_fallback_settings_are_checked():
+    with pytest.raises(ValueError, match="baseline"):
+        ddp.QuantizationState(hq.get_codec("qsgd"), baseline="fp8")
+    with pytest.raises(ValueError, match="fallback"):
+        ddp.QuantizationState(hq.get_codec("qsgd"), fallback="sometimes")
+    with pytest.raises(ValueError, match="fusion_bytes"):
+        ddp.QuantizationState(hq.get_codec("qsgd"), fusion_bytes=1)
+    state = ddp.QuantizationState(hq.get_codec("qsgd"), fallback="never", baseline="fp16")
+    assert state.options.baseline == "fp16" and state.fallback_settled
+    assert state.fallback_decisions == [] and state.fallback_baseline is None

@@ -65,6 +65,7 @@ def test_name_rules_pick_a_codec_per_parameter(rule_codec):
     named = list(model.named_parameters())
     policy = LayerPolicy(rules=[(r"\.b\.", other), (r"branch", None)])
     state = ddp.QuantizationState(hq.get_codec("qsgd", bits=4), seed=9, policy=policy,
+                                  fallback="never",
                                   named_parameters=named)
     assert [c.name for c in state.codecs] == ["qsgd", rule_codec]
     rec = Recorder(state, named_parameters=named)
