@@ -335,9 +335,9 @@ def _best_baseline(name: str) -> str:
 
 def external() -> str:
     """The predictor against published measurements (predictor_external.json), per source:
-    codec rows, whether counted, median / largest absolute error told the baseline's
-    measured step, and a priori (the range over the compute times where the batch is not
-    stated)."""
+    codec rows, how many count (a counted source's rows but those measured below their link's
+    floor), median / largest absolute error told the baseline's measured step, and a priori
+    (the range over the compute times where the batch is not stated)."""
     data = _load("predictor_external.json")
     sources = _load("external_measurements.json")["sources"]
     rows = []
@@ -346,8 +346,8 @@ def external() -> str:
         fitted = [abs(r["error"]) for r in mine]
         prior = [abs(v) for r in mine for v in (r["a_priori_range"] if r["compute_ms"] is None
                                                 else [r["a_priori_error"]])]
-        rows.append([sources[source]["title"].split(":")[0], str(len(mine)),
-                     "yes" if mine[0]["counted"] else "no",
+        counted = sum(r["counted"] and not r["below_floor"] for r in mine)
+        rows.append([sources[source]["title"].split(":")[0], str(len(mine)), str(counted),
                      f"{100 * statistics.median(fitted):.0f}% / {100 * max(fitted):.0f}%",
                      f"{100 * min(prior):.0f}-{100 * max(prior):.0f}%"])
     return _table(["source", "codec rows", "counted", "measured fp32 given: median / max",

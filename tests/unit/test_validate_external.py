@@ -73,6 +73,19 @@ def test_setups_that_measured_the_model_pass_and_a_slower_codec_fails(tmp_path):
     assert "failed" in (tmp_path / "v.md").read_text()
 
 
+def test_a_row_below_its_floor_stays_out_of_the_limits():
+    """A counted source's row measured faster than its link can carry its bytes: reported,
+    and the statistic with it, but not held to the limits."""
+    setup = _setup("multi", 4, 2, 10.0, 120.0)
+    fast = copy.deepcopy(setup)
+    fast["id"] = "fast"
+    fast["codecs"][0]["throughput"] *= 10
+    summary = ve.summarize(ve.compare(_inputs(setup, fast)))
+    assert summary["passed"] and summary["counted"]["rows"] == 1
+    assert summary["with_below_floor"]["rows"] == 2
+    assert summary["with_below_floor"]["max_abs_error"] > 0.35
+
+
 def test_rows_not_counted_stay_out_of_the_limits():
     inputs = _inputs(_setup("multi", 4, 2, 10.0, 120.0))
     inputs["sources"]["t"] = {"title": "T: another", "counted": False}
