@@ -1,6 +1,7 @@
 """One rank of tests/emulated/test_baseline_on_hosts.py: ``hq.torch.DistributedOptimizer`` with
-qsgd 4 bits and its default fallback (``baseline="auto"``) on one 16 MB layer, trained past the
-fallback's trial and step check, timed for real on the emulated link.
+qsgd of the bits given as the first argument and its default fallback (``baseline="auto"``) on
+one 16 MB layer, trained past the fallback's trial and step check, timed for real on the
+emulated link.
 
 Prints one line ``RESULT <json>``: the baseline trial (the baseline chosen, each candidate's
 seconds, the links' rates measured), each bucket's decision with both times, the step check,
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 
 import horovod.torch as hvd
 import torch
@@ -30,7 +32,7 @@ def main() -> None:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters(),
-                                   compression=hqt.Compression.qsgd(bits=4))
+                                   compression=hqt.Compression.qsgd(bits=int(sys.argv[1])))
     gen = torch.Generator().manual_seed(hvd.rank())
     for _ in range(STEPS):
         opt.zero_grad()
