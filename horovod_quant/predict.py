@@ -570,8 +570,9 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float | None, compute_ms
     settings = [f"{env}={mine:g}" for env, mine, default in zip(
         (LINK_ENV, INTRA_ENV, ROUND_ENV), fabric, base) if mine != default]
     if settings:
-        notes.append(f"the optimizer chooses these plans when every rank has "
-                     f"{' '.join(settings)} (its defaults: {base.describe()})")
+        notes.append(f"the optimizer and the DDP hook choose these plans for the links their "
+                     f"fallback's trial measures, or with {' '.join(settings)} on every rank "
+                     f"(their defaults until the trial: {base.describe()})")
     if not on_gpu:
         notes.append("16-bit on CPUs: the cast is timed, gloo's float16 sum is taken as fast "
                      "as its float32 sum (it is slower: docs/will-it-pay.md)")
