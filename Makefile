@@ -4,7 +4,7 @@ PYTHON ?= python3
 export PYTHON
 
 .PHONY: all install test lint unit parallel emulated kernels demo bench clean clean-cache \
-	images image-test image-test-gpu image-two-hosts gpu-check
+	images image-test image-test-gpu image-two-hosts gpu-check wheel
 
 all: test
 
@@ -23,6 +23,7 @@ test: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q -n auto tests/unit
 	$(PYTHON) scripts/check_docs.py
+	bash scripts/check_wheel.sh
 	bash tests/parallel/run.sh
 	bash tests/parallel_tf/run.sh
 	bash tests/parallel_ddp/run.sh
@@ -34,6 +35,11 @@ test: install
 # The linter over the whole tree (pyproject.toml's [tool.ruff]), the first step of `test`.
 lint:
 	$(PYTHON) -m ruff check .
+
+# The release as a user installs it: sdist and wheel built, the wheel alone in a fresh virtual
+# environment (scripts/check_wheel.sh; part of `test`).
+wheel:
+	bash scripts/check_wheel.sh
 
 # The pieces of `test` on their own, without the install step.
 unit:
