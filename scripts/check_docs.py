@@ -29,7 +29,11 @@ plus inline code spans that run one of this repository's scripts, and:
 5. **API signatures.** Each ``### `module.object(parameters)` `` heading of docs/api.md must
    match ``inspect.signature`` of that object (names, kinds, order, defaults), and every
    public callable of the package's modules (their ``__all__``) must have such a heading.
-6. **Length.** The user docs (README.md and docs/*.md, counted as ``wc -w`` does) stay within
+6. **GPU claims.** A paragraph or table row that names a GPU model or says that something ran on
+   a GPU (``GPU_CLAIM``) links the list of docs/dev/gpu.md, "What has run on a GPU", and names
+   only GPU models and ``gpu_*`` results files that the list holds; each row of the list has a
+   date, a commit git knows and an existing results file (docs/dev/gpu.md states the rule).
+7. **Length.** The user docs (README.md and docs/*.md, counted as ``wc -w`` does) stay within
    ``MAX_USER_WORDS``: what does not fit belongs in docs/dev/.
 
 Usage:
@@ -384,6 +388,121 @@ def rendered_tables(path: str) -> list[str]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.check_page(path, ROOT)
+
+
+# ------------------------------------------------------------------------------ GPU claims ---
+GPU_PAGE = "docs/dev/gpu.md"
+GPU_ANCHOR = "what-has-run-on-a-gpu"
+GPU_LIST = re.compile(r"<!-- gpu-runs -->\n(.*?)<!-- /gpu-runs -->", re.S)
+#: the list's section of docs/dev/gpu.md, which the claim check leaves out
+GPU_SECTION = re.compile(r"^## What has run on a GPU\n.*?(?=^## )", re.S | re.M)
+#: a GPU model named as a word (NVIDIA's data-centre names; case-sensitive)
+GPU_MODEL = re.compile(r"\b(?:[ABH]100|[AH]800|H200|A10G?|A30|A40|L4|L40S?|V100|T4|B200|GH200|"
+                       r"GB200)\b(?![-\w])")
+#: a GPU claim: a model, or a run on a GPU / with CUDA data in the past tense
+GPU_CLAIM = re.compile(
+    GPU_MODEL.pattern + r"|(?i:\b(?:ran|(?:has|have|had|been|never|not) (?:yet )?run|passed|"
+    r"tested|measured|timed|verified)\b"
+    r"[^.;:()]{0,25}?\b(?:on|with) (?:a |an |one |the |two |\w+ )?"
+    r"(?:GPUs?|CUDA (?:parameters|tensors|gradients|buckets))\b)")
+GPU_CLAIM_PAGES = ["README.md", "DEVELOPERS.md", "docker/README.md", "docs/*.md", "docs/dev/*.md"]
+
+
+def _git_ok(root: str, *args: str) -> bool:
+    try:
+        return subprocess.run(["git", "-C", root, *args], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def gpu_runs(root: str) -> tuple[list[dict], list[str]]:
+    """The rows of the list in docs/dev/gpu.md (what ran, result, GPU, date, commit, file) and
+    the problems of the rows themselves."""
+    path = os.path.join(root, GPU_PAGE)
+    found = GPU_LIST.search(open(path, encoding="utf-8").read()) if os.path.exists(path) else None
+    if not found:
+        return [], [f"{GPU_PAGE}: no list of GPU runs (<!-- gpu-runs --> ... <!-- /gpu-runs -->)"]
+    rows, problems = [], []
+    for line in found.group(1).strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 6:
+            problems.append(f"{GPU_PAGE}: a row of the GPU list without 6 cells: {line}")
+            continue
+        what, result, gpu, date, commit, link = cells
+        target = re.fullmatch(r"\[([\w.-]+)\]\(\.\./results/\1\)", link)
+        row = dict(what=what, gpu=gpu, date=date, commit=commit,
+                   file=target.group(1) if target else link)
+        rows.append(row)
+        where = f"{GPU_PAGE}: GPU list row '{what[:40]}'"
+        if not GPU_MODEL.fullmatch(gpu):
+            problems.append(f"{where}: '{gpu}' is not a GPU model")
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", date):
+            problems.append(f"{where}: date '{date}' is not YYYY-MM-DD")
+        if not target or not os.path.isfile(os.path.join(root, RESULTS, row["file"])):
+            problems.append(f"{where}: '{link}' is not a link to a file of {RESULTS}")
+            continue
+        text = open(os.path.join(root, RESULTS, row["file"]), encoding="utf-8",
+                    errors="replace").read(4000)
+        recorded = re.search(r"^- date: (\d{4}-\d{2}-\d{2})", text, re.M)
+        if recorded and recorded.group(1) != date:
+            problems.append(f"{where}: date {date}, the file says {recorded.group(1)}")
+        if not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+            problems.append(f"{where}: commit '{commit}' is not a commit hash")
+        elif _git_ok(root, "rev-parse", "--git-dir") and \
+                not _git_ok(root, "cat-file", "-e", commit + "^{commit}"):
+            problems.append(f"{where}: git knows no commit {commit}")  # without git: unchecked
+    return rows, problems
+
+
+def _paragraphs(path: str):
+    """(first line, text) of each paragraph and each table row of a Markdown file, outside
+    fenced blocks; the GPU list's own section left out."""
+    with open(path, encoding="utf-8") as fh:
+        text = GPU_SECTION.sub(lambda m: "\n" * m.group(0).count("\n"), fh.read())
+    para, start, fence = [], 0, None
+    for n, line in enumerate(text.split("\n") + [""], 1):
+        m = FENCE.match(line)
+        if m and (fence is None or m.group(2).startswith(fence)):
+            fence = m.group(2) if fence is None else None
+            continue
+        if fence is not None:
+            continue
+        if not line.strip() or line.lstrip().startswith(("|", "#")):
+            if para:
+                yield start, " ".join(para)
+            para = []
+            if line.lstrip().startswith("|"):
+                yield n, line
+            continue
+        if not para:
+            start = n
+        para.append(line.strip())
+
+
+def check_gpu_claims(root: str | None = None) -> list[str]:
+    """Problems of the GPU claims of the pages against the list in docs/dev/gpu.md."""
+    root = ROOT if root is None else root
+    rows, problems = gpu_runs(root)
+    models = {r["gpu"] for r in rows}
+    stems = {os.path.splitext(r["file"])[0] for r in rows}  # a run's file or its renditions
+    pages = sorted({os.path.relpath(p, root) for pattern in GPU_CLAIM_PAGES
+                    for p in glob.glob(os.path.join(root, pattern))})
+    for page in pages:
+        for line, text in _paragraphs(os.path.join(root, page)):
+            claims = GPU_CLAIM.findall(text)
+            if not claims:
+                continue
+            where = f"{page}:{line}: GPU claim '{claims[0]}'"
+            own = page == GPU_PAGE
+            if f"{'' if own else 'gpu.md'}#{GPU_ANCHOR}" not in text:
+                problems.append(f"{where}: link the list ({GPU_PAGE}#{GPU_ANCHOR}) instead "
+                                "of restating it")
+            problems += [f"{where}: no run on a {m} in the list of {GPU_PAGE}"
+                         for m in sorted(set(GPU_MODEL.findall(text)) - models)]
+            problems += [f"{where}: {f} is no file of the list of {GPU_PAGE}"
+                         for f in sorted(set(re.findall(r"\bgpu_[\w-]+\.\w+", text)))
+                         if os.path.splitext(f)[0] not in stems]
+    return problems
 
 
 # ---------------------------------------------------------------------------------- length ---
@@ -763,6 +882,7 @@ def main(argv=None) -> int:
         problems, checked_flags = check_flags(invs, helps, make_targets(), args.verbose)
         problems += [p for f in files for p in check_links(f)]
         problems += check_results()
+        problems += check_gpu_claims()
         problems += check_length()
         problems += [p for f in files for p in rendered_tables(f)]
         api_problems, api_skipped = check_api()
