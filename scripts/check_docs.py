@@ -22,8 +22,9 @@ plus inline code spans that run one of this repository's scripts, and:
    well under 20 s on a 2-core machine and change no tracked file.
 3. **Links.** Every relative Markdown link (and its ``#anchor``), every repository path quoted
    in a code span and every ``docs/...`` file named in prose (outside fenced blocks) must exist.
-4. **Results.** Every file of docs/results is named by a page (or by a results file a page
-   names) and by docs/results/README.md; a table after ``<!-- results: NAME -->`` and a figure
+4. **Results.** Every file of docs/results is named by a page or read by a test or script
+   (or is an image a kept results page shows, or the JSON beside a kept file of its stem), and
+   docs/results/README.md says which command makes it; a table after ``<!-- results: NAME -->`` and a figure
    written ``<!-- figure: NAME -->VALUE<!-- /figure -->`` must equal what
    scripts/render_results.py renders from the JSON.
 5. **API signatures.** Each ``### `module.object(parameters)` `` heading of docs/api.md must
@@ -338,12 +339,19 @@ def check_links(path: str) -> list[str]:
 RESULTS = "docs/results"
 
 
+#: where the code that reads results files lives (a file it names is read by a test or script)
+RESULT_READERS = ["scripts/*.py", "scripts/*.sh", "tests/**/*.py", "benchmarks/*.py",
+                  "horovod_quant/**/*.py", "Makefile"]
+
+
 def check_results(root: str | None = None) -> list[str]:
-    """Problems with docs/results: a file that no page names (README.md, DEVELOPERS.md,
-    docs/**/*.md outside docs/results; also through a named results file that names it, or
-    one of the same stem: ``x.json`` beside a named ``x.md``), and a file that
-    docs/results/README.md (which maps each file to its command) does not name, by its name or
-    by a quoted pattern such as ``scaling_*``."""
+    """Problems with docs/results. A file stays when a page names it (README.md,
+    DEVELOPERS.md, docs/**/*.md outside docs/results), when a test or script reads it (named
+    in ``RESULT_READERS``), when a kept ``.md`` shows it as an image, or as the JSON beside a
+    kept file of its stem (``x.json`` of a named ``x.md``: the data its table is made from); a file
+    that only the index or another results file names is a problem (the index says how to
+    regenerate it). So is a file that docs/results/README.md (which maps each file to its
+    command) does not name, by its name or by a quoted pattern such as ``scaling_*``."""
     root = ROOT if root is None else root
     folder = os.path.join(root, RESULTS)
     files = sorted(f for f in os.listdir(folder) if f != "README.md"
@@ -351,7 +359,10 @@ def check_results(root: str | None = None) -> list[str]:
     pages = [os.path.join(root, "README.md"), os.path.join(root, "DEVELOPERS.md")]
     pages += [p for p in glob.glob(os.path.join(root, "docs", "**", "*.md"), recursive=True)
               if not os.path.abspath(p).startswith(os.path.abspath(folder) + os.sep)]
-    text = "\n".join(open(p, encoding="utf-8").read() for p in pages if os.path.exists(p))
+    readers = [p for pattern in RESULT_READERS
+               for p in glob.glob(os.path.join(root, pattern), recursive=True)]
+    text = "\n".join(open(p, encoding="utf-8").read() for p in pages + readers
+                     if os.path.isfile(p))
 
     def named_in(body: str) -> set:
         return {f for f in files if re.search(r"(?<![\w-])" + re.escape(f) + r"(?![\w-])", body)}
@@ -361,11 +372,13 @@ def check_results(root: str | None = None) -> list[str]:
         f = todo.pop()
         used.add(f)
         stem = os.path.splitext(f)[0]
-        todo |= {g for g in files if os.path.splitext(g)[0] == stem} - used
+        todo |= {g for g in files if g == stem + ".json"} - used
         if f.endswith(".md"):
             with open(os.path.join(folder, f), encoding="utf-8") as fh:
-                todo |= named_in(fh.read()) - used
-    problems = [f"{RESULTS}/{f}: no page names it (delete it: git keeps it)"
+                shown = " ".join(re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", fh.read()))
+            todo |= named_in(shown) - used
+    problems = [f"{RESULTS}/{f}: no page names it and no test or script reads it (delete it "
+                "and say in docs/results/README.md how to make it again)"
                 for f in files if f not in used]
     readme = os.path.join(folder, "README.md")
     listing = open(readme, encoding="utf-8").read() if os.path.exists(readme) else ""

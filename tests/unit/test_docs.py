@@ -167,22 +167,29 @@ def test_api_defaults_compare_by_value_or_repr():
     assert not cd._default_matches("None", 0, {})
 
 
-def test_check_results_reports_unnamed_and_unlisted_files(tmp_path):
+def test_check_results_keeps_what_a_page_or_a_test_reads(tmp_path):
     results = tmp_path / "docs" / "results"
     results.mkdir(parents=True)
+    (tmp_path / "tests").mkdir()
     (tmp_path / "README.md").write_text("see docs/results/run.md\n")
-    (results / "run.md").write_text("from run_a.json\n")
-    for name in ("run.json", "run_a.json", "old.json"):
+    (tmp_path / "tests" / "test_x.py").write_text("open('docs/results/raw_read.json')\n")
+    # run.md names its raw run and a plot, and shows another plot
+    (results / "run.md").write_text("from run_a.json; plot `run_a.png`; ![shown](shown.png)\n")
+    for name in ("run.json", "run_a.json", "old.json", "raw_read.json", "raw_read.md",
+                 "run_a.png", "shown.png"):
         (results / name).write_text("{}")
-    (results / "README.md").write_text("| `run.md`, `run.json`, `old.json` | cmd |\n")
+    (results / "README.md").write_text("| `run.md`, `run.json`, `old.json`, `run_a.png` | cmd |\n"
+                                       "| `raw_*`, `shown.png` | cmd |\n")
+    unread = "no page names it and no test or script reads it (delete it and say in " \
+        "docs/results/README.md how to make it again)"
     problems = cd.check_results(str(tmp_path))
+    # kept: run.md (a page), run.json (its data), raw_read.json (a test), shown.png (shown)
     assert problems == [
-        "docs/results/old.json: no page names it (delete it: git keeps it)",
-        "docs/results/README.md does not say which command made run_a.json"]
-    (results / "README.md").write_text("| `run.md`, `run.json`, `old.json` | cmd |\n"
-                                       "| `run_*` | cmd |\n")
-    assert cd.check_results(str(tmp_path)) == [
-        "docs/results/old.json: no page names it (delete it: git keeps it)"]
+        f"docs/results/old.json: {unread}",
+        f"docs/results/raw_read.md: {unread}",  # the rendition of a read run: not kept
+        f"docs/results/run_a.json: {unread}",  # named by a results page only
+        f"docs/results/run_a.png: {unread}",
+        "docs/results/README.md does not say which command made run_a.json"], problems
 
 
 def test_rendered_tables_fail_when_the_page_and_its_json_disagree(tmp_path):
