@@ -24,8 +24,9 @@ plus inline code spans that run one of this repository's scripts, and:
    in a code span and every ``docs/...`` file named in prose (outside fenced blocks) must exist.
 4. **Results.** Every file of docs/results is named by a page or read by a test or script
    (or is an image a kept results page shows, or the JSON beside a kept file of its stem), and
-   docs/results/README.md says which command makes it; a table after ``<!-- results: NAME -->`` and a figure
-   written ``<!-- figure: NAME -->VALUE<!-- /figure -->`` must equal what
+   docs/results/README.md says which command makes it; a table after
+   ``<!-- results: NAME -->`` and a figure written ``<!-- figure: NAME -->VALUE<!-- /figure -->``
+   must equal what
    scripts/render_results.py renders from the JSON.
 5. **API signatures.** Each ``### `module.object(parameters)` `` heading of docs/api.md must
    match ``inspect.signature`` of that object (names, kinds, order, defaults), and every
@@ -302,20 +303,25 @@ def heading_anchors(path: str) -> set:
     return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
 
 
+def prose_lines(text: str):
+    """(line number, line) of each line of Markdown ``text`` outside fenced blocks."""
+    fence = None
+    for n, line in enumerate(text.split("\n"), 1):
+        m = FENCE.match(line)
+        if m and (fence is None or m.group(2).startswith(fence)):
+            fence = m.group(2) if fence is None else None
+        elif fence is None:
+            yield n, line
+
+
 def check_links(path: str) -> list[str]:
     """Problems with the relative Markdown links of ``path`` (resolved from its folder), the
     repository paths it quotes in code spans and the ``docs/...`` files it names (resolved
     from the root), outside fenced blocks: each must exist."""
     with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
-        lines = fh.read().split("\n")
-    problems, fence = [], None
-    for n, line in enumerate(lines, 1):
-        m = FENCE.match(line)
-        if m and (fence is None or m.group(2).startswith(fence)):
-            fence = m.group(2) if fence is None else None
-            continue
-        if fence is not None:
-            continue
+        text = fh.read()
+    problems = []
+    for n, line in prose_lines(text):
         for m in LINK.finditer(line):
             target = m.group(1).split("#", 1)[0]
             if not target or re.match(r"^[a-z]+:", target):
@@ -472,14 +478,8 @@ def _paragraphs(path: str):
     fenced blocks; the GPU list's own section left out."""
     with open(path, encoding="utf-8") as fh:
         text = GPU_SECTION.sub(lambda m: "\n" * m.group(0).count("\n"), fh.read())
-    para, start, fence = [], 0, None
-    for n, line in enumerate(text.split("\n") + [""], 1):
-        m = FENCE.match(line)
-        if m and (fence is None or m.group(2).startswith(fence)):
-            fence = m.group(2) if fence is None else None
-            continue
-        if fence is not None:
-            continue
+    para, start = [], 0
+    for n, line in prose_lines(text + "\n"):
         if not line.strip() or line.lstrip().startswith(("|", "#")):
             if para:
                 yield start, " ".join(para)
