@@ -56,7 +56,7 @@ APT_PACKAGES=(openmpi-bin libopenmpi-dev cmake g++ make)
 # `ip` and `tc` for the emulated hosts of tests/emulated and benchmarks/cluster.py
 command -v ip >/dev/null || APT_PACKAGES+=(iproute2)
 PY_PACKAGES=(
-  "setuptools>=77" wheel build packaging cloudpickle psutil pyyaml   # build + Horovod runtime deps
+  "setuptools>=64" wheel build packaging cloudpickle psutil pyyaml   # build + Horovod runtime deps
   numpy "numba==${NUMBA_VERSION}" mpi4py
   pytest pytest-xdist hypothesis scikit-learn matplotlib tqdm "ruff==${RUFF_VERSION}"
 )
