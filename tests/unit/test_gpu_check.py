@@ -194,8 +194,9 @@ def test_every_step_runs_and_the_folder_holds_its_eight_files(stubs, tmp_path):
     # last, after all of those have ended
     events = _events(res.stdout)
     starts = [step for step, kind in events if kind == "start"]
-    assert starts[:2] == ["preflight", "horovod"] and starts.index("kernels") < starts.index(
-        "ddp") < starts.index("tests"), starts
+    # (Horovod's build starts in the background as the kernels compile: either prints first)
+    assert starts[0] == "preflight" and set(starts[1:3]) == {"horovod", "kernels"}, starts
+    assert starts.index("kernels") < starts.index("ddp") < starts.index("tests"), starts
     assert starts.index("doors2x2") < starts.index("doors2"), starts
     last_correctness_end = max(events.index((s, "end")) for s in ("ddp", "tests", "doors2"))
     assert [s for s in starts if events.index((s, "start")) > last_correctness_end] == [
