@@ -4,7 +4,7 @@ PYTHON ?= python3
 export PYTHON
 
 .PHONY: all install test lint unit parallel emulated kernels demo bench clean clean-cache \
-	images image-test image-test-gpu image-two-hosts gpu-check
+	images image-test image-test-gpu image-two-hosts gpu-check gpu-check-inputs wheel
 
 all: test
 
@@ -23,6 +23,7 @@ test: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q -n auto tests/unit
 	$(PYTHON) scripts/check_docs.py
+	bash scripts/check_wheel.sh
 	bash tests/parallel/run.sh
 	bash tests/parallel_tf/run.sh
 	bash tests/parallel_ddp/run.sh
@@ -34,6 +35,11 @@ test: install
 # The linter over the whole tree (pyproject.toml's [tool.ruff]), the first step of `test`.
 lint:
 	$(PYTHON) -m ruff check .
+
+# The release as a user installs it: sdist and wheel built, the wheel alone in a fresh virtual
+# environment (scripts/check_wheel.sh; part of `test`).
+wheel:
+	bash scripts/check_wheel.sh
 
 # The pieces of `test` on their own, without the install step.
 unit:
@@ -97,10 +103,21 @@ image-two-hosts:
 bench:
 	$(PYTHON) benchmarks/codec_throughput.py
 
-# Every check that needs a GPU, on a machine with one GPU and no network (no install step: it
-# builds the Horovod it needs from the cached sdist). GPU_CHECK_OUT: the output folder.
+# Every check that needs a GPU, on a machine with one GPU and no network, from a copy of the
+# working tree (no install step: it builds the Horovod it needs from vendor/'s sdist).
+# GPU_CHECK_OUT: the output folder. Before copying, with network: make gpu-check-inputs.
 gpu-check:
 	bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+
+# The Horovod sdist into vendor/ (ignored by git; the copy for the GPU machine carries it):
+# from scripts/install.sh's cache, else from PyPI.
+HOROVOD_VERSION ?= 0.28.1
+gpu-check-inputs:
+	mkdir -p vendor
+	cp "$${HQ_CACHE:-$$HOME/.cache/horovod_quant}/src/horovod-$(HOROVOD_VERSION).tar.gz" vendor/ \
+	  2>/dev/null || $(PYTHON) -m pip download -q --no-binary :all: --no-deps -d vendor \
+	  horovod==$(HOROVOD_VERSION)
+	ls -l vendor/horovod-$(HOROVOD_VERSION).tar.gz
 
 clean:
 	rm -rf build dist .eggs *.egg-info bench_out .pytest_cache .ruff_cache

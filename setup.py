@@ -27,7 +27,7 @@ def read_version():
         for line in f:
             if line.startswith("__version__"):
                 return line.split("=", 1)[1].strip().strip("\"'")
-    return "0.1.0"
+    raise RuntimeError("no __version__ line in horovod_quant/__init__.py")
 
 
 def read_long_description():
@@ -38,6 +38,8 @@ def read_long_description():
     return ""
 
 
+# what the examples import beyond the package: torch, and scikit-learn for the digits data set
+EXAMPLES = ["torch>=2.0", "scikit-learn"]
 TEST = ["pytest", "scikit-learn", "hypothesis"]
 
 setup(
@@ -47,6 +49,8 @@ setup(
                 "as a Horovod compression plugin",
     long_description=read_long_description(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     # 3.11: the Python tested (DEVELOPERS.md, "Versions tested"; numpy 2.4 needs it). No upper
     # bound: numba, torch and TensorFlow ship wheels for 3.12+, and what 3.12 changed (inlined
     # comprehensions) was checked on 3.13; Horovod is built by scripts/install.sh, not required
@@ -65,6 +69,7 @@ setup(
         #   python -c "import torch; print(torch.version.cuda)"
         "gpu-cuda12": ["cupy-cuda12x"],
         "gpu-cuda13": ["cupy-cuda13x"],
+        "examples": EXAMPLES,
         "test": TEST,
         "dev": TEST + ["ruff", "matplotlib", "tqdm"],
     },

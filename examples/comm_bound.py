@@ -4,6 +4,7 @@
     horovodrun -np 2 python examples/comm_bound.py --hidden 4096 --steps 30 \\
         --codecs "none fp16 qsgd:4 nuqsgd:4 global_qsgd:8"
     mpirun -np 2 --allow-run-as-root python examples/comm_bound.py
+    horovodrun -np 2 python examples/comm_bound.py --device cuda    # a GPU per local rank
 
 The model is an MLP ``--inputs`` -> ``--hidden`` -> ``--hidden`` -> 10 (default 1024-2048-2048-10,
 6.3M parameters, 25 MB of float32 gradient per step) trained on a deterministic synthetic
@@ -21,7 +22,8 @@ time on a slower network, to show where the bytes start to dominate; it is not m
 
 Progress: rank 0 shows a progress bar on stderr when that is a terminal. Under ``horovodrun`` or
 ``mpirun`` the ranks' output goes through a pipe, so pass ``--progress`` to see it there;
-``--no-progress`` turns it off everywhere.
+``--no-progress`` turns it off everywhere. Needs Horovod and torch (``pip install
+".[examples]"``).
 """
 import argparse
 import time
@@ -47,11 +49,11 @@ def build_compression(spec):
     return getattr(hq.Compression, name)(**params)  # horovod_quant: pick a codec
 
 
-def run(spec, args, x, y, bar):
+def run(spec, args, x, y, bar, device):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(args.inputs, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
-                                torch.nn.Linear(args.hidden, 10))
+                                torch.nn.Linear(args.hidden, 10)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
     opt = hq.DistributedOptimizer(opt, named_parameters=model.named_parameters(),  # horovod_quant
                                   compression=build_compression(spec),            # horovod_quant
@@ -61,12 +63,14 @@ def run(spec, args, x, y, bar):
     xs, ys = x[hvd.rank()::hvd.size()], y[hvd.rank()::hvd.size()]
     tot = {"sent": 0, "raw": 0, "enc": 0.0, "xch": 0.0, "dec": 0.0, "wall": 0.0}
     for step in range(args.warmup + args.steps):
-        idx = torch.randint(0, xs.shape[0], (args.batch,), generator=gen)
+        idx = torch.randint(0, xs.shape[0], (args.batch,), generator=gen).to(device)
         t = time.perf_counter()
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(xs[idx]), ys[idx])
         loss.backward()
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         wall = time.perf_counter() - t
         bar.update()
         if step >= args.warmup:  # the first steps compile kernels and set up collectives
@@ -109,16 +113,24 @@ def main():
                     help="bandwidth for the estimated payload transfer time column")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                     help="progress bar on rank 0's stderr; unset: only if stderr is a terminal")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: each rank on the GPU of its local rank")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: this torch sees no GPU (a CPU build, or no device)")
     hvd.init()
     torch.set_num_threads(1)
-    x, y = synthetic(args.samples, args.inputs)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    x, y = (t.to(device) for t in synthetic(args.samples, args.inputs))
     specs = args.codecs.split()
     bar = progress_bar(len(specs) * (args.warmup + args.steps), hvd.rank(), args.progress)
     rows = []
     for spec in specs:
         bar.set_postfix_str(spec, refresh=False)
-        rows.append(run(spec, args, x, y, bar))
+        rows.append(run(spec, args, x, y, bar, device))
     bar.close()
     if hvd.rank() == 0:
         params = args.inputs * args.hidden + args.hidden * args.hidden + args.hidden * 10

@@ -5,11 +5,13 @@
     horovodrun -np 2 python examples/pytorch_mnist_style.py --codec global_qsgd --bits 8 \\
         --hq-optimizer            # horovod_quant's DistributedOptimizer (fusion, global norm)
     mpirun -np 2 --allow-run-as-root python examples/pytorch_mnist_style.py
+    horovodrun -np 2 python examples/pytorch_mnist_style.py --device cuda   # a GPU per local rank
 
 Same structure as horovod/examples/pytorch/pytorch_mnist.py (conv-conv-pool-dropout-fc-fc,
 DistributedSampler, lr scaled by the world size, parameter and optimizer-state broadcast,
 metric averaging), on the digits that ship with scikit-learn, so nothing is downloaded. Every
-line that differs from a plain Horovod script is marked ``# horovod_quant:``.
+line that differs from a plain Horovod script is marked ``# horovod_quant:``. Needs Horovod,
+torch and scikit-learn (``pip install ".[examples]"``).
 """
 import argparse
 import logging
@@ -74,11 +76,19 @@ def main():
                     help="elements per scale, for codecs that take one")
     ap.add_argument("--hq-optimizer", action="store_true",
                     help="use hq.DistributedOptimizer instead of hvd.DistributedOptimizer")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: each rank on the GPU of its local rank (default: %(default)s)")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: this torch sees no GPU (a CPU build, or no device)")
 
     hvd.init()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
 
     train_ds, test_ds = datasets()
     train_sampler = torch.utils.data.distributed.DistributedSampler(
@@ -89,7 +99,7 @@ def main():
         test_ds, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=False)
     test_loader = torch.utils.data.DataLoader(test_ds, batch_size=256, sampler=test_sampler)
 
-    model = Net()
+    model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(),
                                 momentum=args.momentum)
 
@@ -126,6 +136,7 @@ def main():
         train_sampler.set_epoch(epoch)
         t0 = time.perf_counter()
         for data, target in train_loader:
+            data, target = data.to(device), target.to(device)
             optimizer.zero_grad()
             loss = F.nll_loss(model(data), target)
             loss.backward()
@@ -138,6 +149,7 @@ def main():
         test_loss = correct = 0.0
         with torch.no_grad():
             for data, target in test_loader:
+                data, target = data.to(device), target.to(device)
                 out = model(data)
                 test_loss += F.nll_loss(out, target, reduction="sum").item()
                 correct += (out.argmax(1) == target).sum().item()

@@ -2,11 +2,14 @@
 
     TF_USE_LEGACY_KERAS=1 horovodrun -np 2 python examples/tensorflow2_keras.py
     TF_USE_LEGACY_KERAS=1 horovodrun -np 2 python examples/tensorflow2_keras.py --codec natural:8
+    TF_USE_LEGACY_KERAS=1 horovodrun -np 2 python examples/tensorflow2_keras.py --device cuda
 
 Horovod's Keras optimizer wrapper needs Keras 2 (the tf-keras package, selected by
 ``TF_USE_LEGACY_KERAS=1``; see docs/tensorflow.md). The lines that integrate horovod_quant are
 marked ``# horovod_quant:``; everything else is a plain Horovod Keras script. ``--codec none``
-trains without compression for comparison.
+trains without compression for comparison. ``--device cuda`` gives each rank the GPU of its local
+rank (a TensorFlow with CUDA); ``cpu`` hides the GPUs. Needs Horovod built with TensorFlow,
+tf-keras and scikit-learn.
 """
 import argparse
 import logging
@@ -38,9 +41,16 @@ def main():
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: each rank on the GPU of its local rank; cpu: GPUs hidden")
     args = ap.parse_args()
 
     hvd.init()
+    gpus = tf.config.list_physical_devices("GPU")
+    if args.device == "cuda" and not gpus:
+        ap.error("--device cuda: this TensorFlow sees no GPU")
+    tf.config.set_visible_devices(
+        [gpus[hvd.local_rank() % len(gpus)]] if args.device == "cuda" else [], "GPU")
     tf.config.threading.set_intra_op_parallelism_threads(1)
     keras = tf.keras
     if not keras.__name__.startswith("tf_keras"):

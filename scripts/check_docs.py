@@ -22,14 +22,20 @@ plus inline code spans that run one of this repository's scripts, and:
    well under 20 s on a 2-core machine and change no tracked file.
 3. **Links.** Every relative Markdown link (and its ``#anchor``), every repository path quoted
    in a code span and every ``docs/...`` file named in prose (outside fenced blocks) must exist.
-4. **Results.** Every file of docs/results is named by a page (or by a results file a page
-   names) and by docs/results/README.md; a table after ``<!-- results: NAME -->`` and a figure
-   written ``<!-- figure: NAME -->VALUE<!-- /figure -->`` must equal what
+4. **Results.** Every file of docs/results is named by a page or read by a test or script
+   (or is an image a kept results page shows, or the JSON beside a kept file of its stem), and
+   docs/results/README.md says which command makes it; a table after
+   ``<!-- results: NAME -->`` and a figure written ``<!-- figure: NAME -->VALUE<!-- /figure -->``
+   must equal what
    scripts/render_results.py renders from the JSON.
 5. **API signatures.** Each ``### `module.object(parameters)` `` heading of docs/api.md must
    match ``inspect.signature`` of that object (names, kinds, order, defaults), and every
    public callable of the package's modules (their ``__all__``) must have such a heading.
-6. **Length.** The user docs (README.md and docs/*.md, counted as ``wc -w`` does) stay within
+6. **GPU claims.** A paragraph or table row that names a GPU model or says that something ran on
+   a GPU (``GPU_CLAIM``) links the list of docs/dev/gpu.md, "What has run on a GPU", and names
+   only GPU models and ``gpu_*`` results files that the list holds; each row of the list has a
+   date, a commit git knows and an existing results file (docs/dev/gpu.md states the rule).
+7. **Length.** The user docs (README.md and docs/*.md, counted as ``wc -w`` does) stay within
    ``MAX_USER_WORDS``: what does not fit belongs in docs/dev/.
 
 Usage:
@@ -297,20 +303,25 @@ def heading_anchors(path: str) -> set:
     return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
 
 
+def prose_lines(text: str):
+    """(line number, line) of each line of Markdown ``text`` outside fenced blocks."""
+    fence = None
+    for n, line in enumerate(text.split("\n"), 1):
+        m = FENCE.match(line)
+        if m and (fence is None or m.group(2).startswith(fence)):
+            fence = m.group(2) if fence is None else None
+        elif fence is None:
+            yield n, line
+
+
 def check_links(path: str) -> list[str]:
     """Problems with the relative Markdown links of ``path`` (resolved from its folder), the
     repository paths it quotes in code spans and the ``docs/...`` files it names (resolved
     from the root), outside fenced blocks: each must exist."""
     with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
-        lines = fh.read().split("\n")
-    problems, fence = [], None
-    for n, line in enumerate(lines, 1):
-        m = FENCE.match(line)
-        if m and (fence is None or m.group(2).startswith(fence)):
-            fence = m.group(2) if fence is None else None
-            continue
-        if fence is not None:
-            continue
+        text = fh.read()
+    problems = []
+    for n, line in prose_lines(text):
         for m in LINK.finditer(line):
             target = m.group(1).split("#", 1)[0]
             if not target or re.match(r"^[a-z]+:", target):
@@ -334,12 +345,19 @@ def check_links(path: str) -> list[str]:
 RESULTS = "docs/results"
 
 
+#: where the code that reads results files lives (a file it names is read by a test or script)
+RESULT_READERS = ["scripts/*.py", "scripts/*.sh", "tests/**/*.py", "benchmarks/*.py",
+                  "horovod_quant/**/*.py", "Makefile"]
+
+
 def check_results(root: str | None = None) -> list[str]:
-    """Problems with docs/results: a file that no page names (README.md, DEVELOPERS.md,
-    docs/**/*.md outside docs/results; also through a named results file that names it, or
-    one of the same stem: ``x.json`` beside a named ``x.md``), and a file that
-    docs/results/README.md (which maps each file to its command) does not name, by its name or
-    by a quoted pattern such as ``scaling_*``."""
+    """Problems with docs/results. A file stays when a page names it (README.md,
+    DEVELOPERS.md, docs/**/*.md outside docs/results), when a test or script reads it (named
+    in ``RESULT_READERS``), when a kept ``.md`` shows it as an image, or as the JSON beside a
+    kept file of its stem (``x.json`` of a named ``x.md``: the data its table is made from); a file
+    that only the index or another results file names is a problem (the index says how to
+    regenerate it). So is a file that docs/results/README.md (which maps each file to its
+    command) does not name, by its name or by a quoted pattern such as ``scaling_*``."""
     root = ROOT if root is None else root
     folder = os.path.join(root, RESULTS)
     files = sorted(f for f in os.listdir(folder) if f != "README.md"
@@ -347,7 +365,10 @@ def check_results(root: str | None = None) -> list[str]:
     pages = [os.path.join(root, "README.md"), os.path.join(root, "DEVELOPERS.md")]
     pages += [p for p in glob.glob(os.path.join(root, "docs", "**", "*.md"), recursive=True)
               if not os.path.abspath(p).startswith(os.path.abspath(folder) + os.sep)]
-    text = "\n".join(open(p, encoding="utf-8").read() for p in pages if os.path.exists(p))
+    readers = [p for pattern in RESULT_READERS
+               for p in glob.glob(os.path.join(root, pattern), recursive=True)]
+    text = "\n".join(open(p, encoding="utf-8").read() for p in pages + readers
+                     if os.path.isfile(p))
 
     def named_in(body: str) -> set:
         return {f for f in files if re.search(r"(?<![\w-])" + re.escape(f) + r"(?![\w-])", body)}
@@ -357,11 +378,13 @@ def check_results(root: str | None = None) -> list[str]:
         f = todo.pop()
         used.add(f)
         stem = os.path.splitext(f)[0]
-        todo |= {g for g in files if os.path.splitext(g)[0] == stem} - used
+        todo |= {g for g in files if g == stem + ".json"} - used
         if f.endswith(".md"):
             with open(os.path.join(folder, f), encoding="utf-8") as fh:
-                todo |= named_in(fh.read()) - used
-    problems = [f"{RESULTS}/{f}: no page names it (delete it: git keeps it)"
+                shown = " ".join(re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", fh.read()))
+            todo |= named_in(shown) - used
+    problems = [f"{RESULTS}/{f}: no page names it and no test or script reads it (delete it "
+                "and say in docs/results/README.md how to make it again)"
                 for f in files if f not in used]
     readme = os.path.join(folder, "README.md")
     listing = open(readme, encoding="utf-8").read() if os.path.exists(readme) else ""
@@ -384,6 +407,115 @@ def rendered_tables(path: str) -> list[str]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.check_page(path, ROOT)
+
+
+# ------------------------------------------------------------------------------ GPU claims ---
+GPU_PAGE = "docs/dev/gpu.md"
+GPU_ANCHOR = "what-has-run-on-a-gpu"
+GPU_LIST = re.compile(r"<!-- gpu-runs -->\n(.*?)<!-- /gpu-runs -->", re.S)
+#: the list's section of docs/dev/gpu.md, which the claim check leaves out
+GPU_SECTION = re.compile(r"^## What has run on a GPU\n.*?(?=^## )", re.S | re.M)
+#: a GPU model named as a word (NVIDIA's data-centre names; case-sensitive)
+GPU_MODEL = re.compile(r"\b(?:[ABH]100|[AH]800|H200|A10G?|A30|A40|L4|L40S?|V100|T4|B200|GH200|"
+                       r"GB200)\b(?![-\w])")
+#: a GPU claim: a model, or a run on a GPU / with CUDA data in the past tense
+GPU_CLAIM = re.compile(
+    GPU_MODEL.pattern + r"|(?i:\b(?:ran|(?:has|have|had|been|never|not) (?:yet )?run|passed|"
+    r"tested|measured|timed|verified)\b"
+    r"[^.;:()]{0,25}?\b(?:on|with) (?:a |an |one |the |two |\w+ )?"
+    r"(?:GPUs?|CUDA (?:parameters|tensors|gradients|buckets))\b)")
+GPU_CLAIM_PAGES = ["README.md", "DEVELOPERS.md", "docker/README.md", "docs/*.md", "docs/dev/*.md"]
+
+
+def _git_ok(root: str, *args: str) -> bool:
+    try:
+        return subprocess.run(["git", "-C", root, *args], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def gpu_runs(root: str) -> tuple[list[dict], list[str]]:
+    """The rows of the list in docs/dev/gpu.md (what ran, result, GPU, date, commit, file) and
+    the problems of the rows themselves."""
+    path = os.path.join(root, GPU_PAGE)
+    found = GPU_LIST.search(open(path, encoding="utf-8").read()) if os.path.exists(path) else None
+    if not found:
+        return [], [f"{GPU_PAGE}: no list of GPU runs (<!-- gpu-runs --> ... <!-- /gpu-runs -->)"]
+    rows, problems = [], []
+    for line in found.group(1).strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 6:
+            problems.append(f"{GPU_PAGE}: a row of the GPU list without 6 cells: {line}")
+            continue
+        what, result, gpu, date, commit, link = cells
+        target = re.fullmatch(r"\[([\w.-]+)\]\(\.\./results/\1\)", link)
+        row = dict(what=what, gpu=gpu, date=date, commit=commit,
+                   file=target.group(1) if target else link)
+        rows.append(row)
+        where = f"{GPU_PAGE}: GPU list row '{what[:40]}'"
+        if not GPU_MODEL.fullmatch(gpu):
+            problems.append(f"{where}: '{gpu}' is not a GPU model")
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", date):
+            problems.append(f"{where}: date '{date}' is not YYYY-MM-DD")
+        if not target or not os.path.isfile(os.path.join(root, RESULTS, row["file"])):
+            problems.append(f"{where}: '{link}' is not a link to a file of {RESULTS}")
+            continue
+        text = open(os.path.join(root, RESULTS, row["file"]), encoding="utf-8",
+                    errors="replace").read(4000)
+        recorded = re.search(r"^- date: (\d{4}-\d{2}-\d{2})", text, re.M)
+        if recorded and recorded.group(1) != date:
+            problems.append(f"{where}: date {date}, the file says {recorded.group(1)}")
+        if not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+            problems.append(f"{where}: commit '{commit}' is not a commit hash")
+        elif _git_ok(root, "rev-parse", "--git-dir") and \
+                not _git_ok(root, "cat-file", "-e", commit + "^{commit}"):
+            problems.append(f"{where}: git knows no commit {commit}")  # without git: unchecked
+    return rows, problems
+
+
+def _paragraphs(path: str):
+    """(first line, text) of each paragraph and each table row of a Markdown file, outside
+    fenced blocks; the GPU list's own section left out."""
+    with open(path, encoding="utf-8") as fh:
+        text = GPU_SECTION.sub(lambda m: "\n" * m.group(0).count("\n"), fh.read())
+    para, start = [], 0
+    for n, line in prose_lines(text + "\n"):
+        if not line.strip() or line.lstrip().startswith(("|", "#")):
+            if para:
+                yield start, " ".join(para)
+            para = []
+            if line.lstrip().startswith("|"):
+                yield n, line
+            continue
+        if not para:
+            start = n
+        para.append(line.strip())
+
+
+def check_gpu_claims(root: str | None = None) -> list[str]:
+    """Problems of the GPU claims of the pages against the list in docs/dev/gpu.md."""
+    root = ROOT if root is None else root
+    rows, problems = gpu_runs(root)
+    models = {r["gpu"] for r in rows}
+    stems = {os.path.splitext(r["file"])[0] for r in rows}  # a run's file or its renditions
+    pages = sorted({os.path.relpath(p, root) for pattern in GPU_CLAIM_PAGES
+                    for p in glob.glob(os.path.join(root, pattern))})
+    for page in pages:
+        for line, text in _paragraphs(os.path.join(root, page)):
+            claims = GPU_CLAIM.findall(text)
+            if not claims:
+                continue
+            where = f"{page}:{line}: GPU claim '{claims[0]}'"
+            own = page == GPU_PAGE
+            if f"{'' if own else 'gpu.md'}#{GPU_ANCHOR}" not in text:
+                problems.append(f"{where}: link the list ({GPU_PAGE}#{GPU_ANCHOR}) instead "
+                                "of restating it")
+            problems += [f"{where}: no run on a {m} in the list of {GPU_PAGE}"
+                         for m in sorted(set(GPU_MODEL.findall(text)) - models)]
+            problems += [f"{where}: {f} is no file of the list of {GPU_PAGE}"
+                         for f in sorted(set(re.findall(r"\bgpu_[\w-]+\.\w+", text)))
+                         if os.path.splitext(f)[0] not in stems]
+    return problems
 
 
 # ---------------------------------------------------------------------------------- length ---
@@ -763,6 +895,7 @@ def main(argv=None) -> int:
         problems, checked_flags = check_flags(invs, helps, make_targets(), args.verbose)
         problems += [p for f in files for p in check_links(f)]
         problems += check_results()
+        problems += check_gpu_claims()
         problems += check_length()
         problems += [p for f in files for p in rendered_tables(f)]
         api_problems, api_skipped = check_api()

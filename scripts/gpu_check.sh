@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
 # make gpu-check: every check that needs a GPU, in one command, on a bare machine with one
-# NVIDIA GPU and no network. Needs Python with a CUDA build of PyTorch, CuPy, numba and pytest,
-# and nvcc, ncu, compute-sanitizer and CMake; no Horovod: a Horovod with CPU collectives (gloo,
-# no MPI, no TensorFlow) is built from the sdist by scripts/horovod_build.sh's recipe, and
-# cached. Every step has a deadline; every log and JSON goes to one folder (8 files at most).
+# NVIDIA GPU and no network, from a copy of the working tree. Needs Python with a CUDA build of
+# PyTorch, CuPy, numba and pytest, and nvcc, ncu, compute-sanitizer and CMake; no Horovod: a
+# Horovod with CPU collectives (gloo, no MPI, no TensorFlow) is built from the sdist by
+# scripts/horovod_build.sh's recipe, and cached. Every step has a deadline; every log and JSON
+# goes to one folder (8 files at most).
 #
+#   make gpu-check-inputs                             # once, with network: the sdist into vendor/
 #   bash scripts/gpu_check.sh                         # every step, at most 8 minutes (the budget)
 #   bash scripts/gpu_check.sh --out DIR --steps tests,throughput
-#   bash scripts/gpu_check.sh --list                  # the steps, their deadlines and files
+#   bash scripts/gpu_check.sh --list                  # the steps in the order they start
+#
+# The order: what has never run on a GPU first, so that a short lease or the budget cuts what has:
+# Horovod's build starts in the background; the DDP hook and tests/gpu run while it builds; both
+# Horovod doors at 2 hosts x 2 ranks (hierarchical), then at 2 ranks, as soon as it is built;
+# then, alone on the GPU, the sanitizers, the timed throughput and the profiler. Each step's row
+# is appended to the summary as the step ends: a run stopped from outside keeps its rows.
 #
 # GPU_CHECK_STEPS: the steps to run when --steps is not given (default: every step). The GPU
 # image sets it to every step but ncu: Nsight Compute is not published as a pip wheel.
 #
-# The sdist: $HOROVOD_SDIST, else $HQ_CACHE/src/horovod-$HOROVOD_VERSION.tar.gz (scripts/
-# install.sh keeps it there; copy it along to a machine without network). An importable
-# Horovod is used as it is.
+# The sdist travels with the working tree: $HOROVOD_SDIST, else vendor/horovod-<version>.tar.gz
+# (ignored by git: name vendor/ among the paths a copy carries). Without it, and without an
+# importable Horovod (used as it is), a run that asks for the Horovod steps stops at the preflight.
+# The summary's commit is the one whose files the working tree holds (scripts/source_commit.py).
 #
 # Exit status: 0 every step passed; 1 a step failed (the others still ran); 2 bad arguments
 # or a failed preflight (nothing ran).
@@ -24,29 +33,33 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
 : "${PYTHON:=python3}"
 : "${HOROVOD_VERSION:=0.28.1}"
 : "${HQ_CACHE:=${HOME:-/root}/.cache/horovod_quant}"
-: "${HOROVOD_SDIST:=$HQ_CACHE/src/horovod-$HOROVOD_VERSION.tar.gz}"
+: "${HOROVOD_SDIST:=$ROOT/vendor/horovod-$HOROVOD_VERSION.tar.gz}"
 : "${GPU_CHECK_OUT:=$ROOT/gpu_check_out}"
 : "${GPU_CHECK_SIZE:=256M}"        # elements of the throughput benchmark's largest vector
 : "${GPU_CHECK_BUDGET:=480}"       # seconds for the whole run: a step's deadline never passes it
 # the kernels ncu profiles: qsgd's (uniform levels, max scales) 8- and 4-bit encode and decode
 NCU_KERNELS='hq_(encode_tile_uniform_max|decode_words_levels)_[48]b'
 
-# name|deadline in seconds|file|what
+# name|deadline in seconds|file|what, in the order the steps start (kernels always runs)
 STEPS=(
-  "preflight|60|gpu_check_summary.md|GPU, Python packages, tools and the Horovod sdist"
+  "preflight|60|gpu_check_summary.md|GPU, Python packages, tools, the commit and the Horovod sdist"
   "horovod|420|gpu_check_doors.log|Horovod (gloo) built from the sdist, in the background"
+  "kernels|120|gpu_check_tests.log|the CUDA kernels compiled with NVRTC, cached for the steps"
+  "ddp|300|gpu_check_ddp.log|the DDP hook on CUDA parameters (torchrun 2 x 2, then 2)"
+  "tests|420|gpu_check_tests.log|tests/gpu: every codec on the GPU equals the CPU bit for bit"
+  "doors2x2|300|gpu_check_doors.log|both Horovod doors on CUDA parameters, horovodrun 2 hosts x 2 ranks"
+  "doors2|240|gpu_check_doors.log|both Horovod doors on CUDA parameters, horovodrun 2 ranks"
+  "sanitizer|300|gpu_check_sanitizer.log|compute-sanitizer memcheck and racecheck, every kernel once"
   "throughput|240|gpu_check_throughput.txt|codec kernels vs a device copy and plain PyTorch (+ .json)"
   "ncu|240|gpu_check_ncu.txt|Nsight Compute summary of qsgd 8/4-bit encode and decode"
-  "sanitizer|300|gpu_check_sanitizer.log|compute-sanitizer memcheck and racecheck, every kernel once"
-  "tests|420|gpu_check_tests.log|tests/gpu: every codec on the GPU equals the CPU bit for bit"
-  "doors|420|gpu_check_doors.log|both Horovod doors on CUDA parameters (horovodrun 2 and 2 x 2)"
-  "ddp|300|gpu_check_ddp.log|the DDP hook on CUDA parameters (torchrun 2 and 2 x 2)"
 )
-ALL_STEPS="$(printf '%s\n' "${STEPS[@]}" | cut -d'|' -f1 | paste -sd, -)"
+ALL_STEPS="$(printf '%s\n' "${STEPS[@]}" | cut -d'|' -f1 | grep -vx 'preflight\|kernels' \
+  | paste -sd, -)"
 
 usage() {
   awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
-  echo "steps (--steps takes a comma-separated subset; preflight always runs): $ALL_STEPS"
+  echo "steps (--steps takes a comma-separated subset; preflight and kernels always run):" \
+    "$ALL_STEPS"
 }
 
 step_field() {  # NAME FIELD(2: deadline, 3: file, 4: what)
@@ -71,6 +84,7 @@ for s in ${WANT//,/ }; do
   [[ ",$ALL_STEPS," == *",$s,"* ]] || { echo "gpu_check: unknown step '$s': choose from $ALL_STEPS" >&2; exit 2; }
 done
 wanted() { [[ ",$WANT," == *",$1,"* ]]; }
+wants_horovod() { wanted horovod || wanted doors2x2 || wanted doors2; }  # the doors need it
 if [[ -e "$GPU_CHECK_OUT" && ! -d "$GPU_CHECK_OUT" ]]; then
   echo "gpu_check: --out $GPU_CHECK_OUT exists and is not a folder" >&2
   exit 2
@@ -99,14 +113,15 @@ die() { say "ERROR: $*" >&2; exit 1; }  # (only ever called inside a step's own 
 
 # run_step NAME FUNCTION: the step's function under its deadline (in a bash of its own, so that
 # the deadline reaches every process it starts), its output appended to the step's file and kept
-# out of the terminal; the result (ok, FAILED (rc N), TIMEOUT) and the seconds go to $STATE/NAME
+# out of the terminal; the result (ok, FAILED (rc N), TIMEOUT, skipped) and the seconds go to
+# $STATE/NAME and, as a row of the summary's table, to the summary as soon as the step ends
 run_step() {
   local name="$1" fn="$2" deadline file rc result t=$SECONDS
   deadline="$(step_field "$name" 2)"
   file="$OUT/$(step_field "$name" 3)"
   local left=$((GPU_CHECK_BUDGET - (SECONDS - T0)))
   if [[ $name != preflight ]] && ((left < 15)); then
-    echo "skipped (the ${GPU_CHECK_BUDGET}s budget was spent)|0" >"$STATE/$name"
+    record_step "$name" "skipped (the ${GPU_CHECK_BUDGET}s budget was spent)" 0
     say "$name: skipped, the ${GPU_CHECK_BUDGET}s budget is spent"
     return 1
   fi
@@ -118,13 +133,16 @@ run_step() {
   if ((rc == 0)); then result=ok
   elif ((rc == 124 || rc == 137)); then result="TIMEOUT after ${deadline}s"
   else result="FAILED (rc $rc)"; fi
-  echo "$result|$((SECONDS - t))" >"$STATE/$name"
+  record_step "$name" "$result" $((SECONDS - t))
   say "$name: $result in $((SECONDS - t))s"
   ((rc == 0))
 }
 
-until_file() {  # FILE: wait until it exists (the timed steps have finished)
-  while [[ ! -e "$1" ]]; do sleep 1; done
+record_step() {  # NAME RESULT SECONDS: the state file and the summary's row (one append: whole)
+  echo "$2|$3" >"$STATE/$1"
+  [[ $1 == preflight ]] && return 0  # its row comes with the table's head, after its lines
+  printf '| %s | %s | %s | %s | %s |\n' "$1" "$2" "$3" "$(step_field "$1" 3)" \
+    "$(step_field "$1" 4)" >>"$SUMMARY"
 }
 
 # ---- preflight: what the steps need, before anything runs ---------------------------------------
@@ -132,7 +150,7 @@ preflight() {  # prints the summary's head; fails, saying why, when a step would
   local bad=() tool report
   echo "# make gpu-check"
   echo
-  echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'); commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'); commit: $("$PYTHON" "$ROOT/scripts/source_commit.py" 2>&1 | tail -1)"
   echo "- host: $(uname -srm), $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
     echo "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
@@ -156,8 +174,12 @@ PY
   for tool in "${tools[@]}"; do
     command -v "$tool" >/dev/null || echo "- note: $tool is not on PATH: its step will fail"
   done
-  if ! "$PYTHON" -c "import horovod.torch" 2>/dev/null; then
-    [[ -f "$HOROVOD_SDIST" ]] || echo "- note: no Horovod and no sdist at $HOROVOD_SDIST: the doors cannot run (set HOROVOD_SDIST; with network: pip download --no-binary :all: --no-deps horovod==$HOROVOD_VERSION)"
+  if wants_horovod && ! "$PYTHON" -c "import horovod.torch" 2>/dev/null; then
+    if [[ -f "$HOROVOD_SDIST" ]]; then
+      echo "- Horovod sdist: $HOROVOD_SDIST"
+    else
+      bad+=("no Horovod and no sdist at $HOROVOD_SDIST: the Horovod steps cannot run (with network, before copying the working tree: make gpu-check-inputs; carry vendor/ with it, or set HOROVOD_SDIST; or leave horovod and doors out of --steps)")
+    fi
     command -v cmake >/dev/null || [[ -x /usr/bin/cmake ]] || echo "- note: cmake not found: Horovod cannot be built"
   fi
   if ((${#bad[@]})); then
@@ -232,16 +254,13 @@ with_horovod() {  # COMMAND...: with the private Horovod on the paths
   PYTHONPATH="$HVD_PREFIX:$PYTHONPATH" PATH="$HVD_PREFIX/bin:$PATH" "$@"
 }
 
-doors_step() {
-  local rc=0
-  echo "== horovodrun -np 2 (2 ranks, one host: flat)"
-  with_horovod horovodrun -np 2 -H localhost:2 --gloo \
-    "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/parallel/test_torch_cuda.py || rc=1
-  echo "== horovodrun -np 4 -H localhost:2,127.0.0.1:2 (2 hosts x 2 ranks: hierarchical)"
-  with_horovod horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo \
-    "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/parallel/test_torch_cuda.py || rc=1
-  return $rc
+doors_run() {  # NP HOSTS WHAT: the doors' tests under horovodrun's gloo
+  echo "== horovodrun -np $1 -H $2 ($3)"
+  with_horovod horovodrun -np "$1" -H "$2" --gloo \
+    "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/parallel/test_torch_cuda.py
 }
+doors2x2_step() { doors_run 4 localhost:2,127.0.0.1:2 "2 hosts x 2 ranks: hierarchical"; }
+doors2_step() { doors_run 2 localhost:2 "2 ranks, one host: flat"; }
 
 torchrun_nodes() {  # NODES RANKS ARGS...: NODES torchruns of RANKS ranks each on this host
   local nodes=$1 ranks=$2 port=$((29700 + RANDOM % 1000)) pids=() rc=0 node
@@ -255,57 +274,63 @@ torchrun_nodes() {  # NODES RANKS ARGS...: NODES torchruns of RANKS ranks each o
   return $rc
 }
 
-ddp_step() {
+ddp_step() {  # the shape not yet run on a GPU (hierarchical) first
   local rc=0
-  echo "== torchrun 1 node x 2 ranks (flat)"
-  torchrun_nodes 1 2 -m pytest -q -x -p no:cacheprovider tests/parallel_ddp/test_ddp_cuda.py || rc=1
   echo "== torchrun 2 nodes x 2 ranks (hierarchical)"
   torchrun_nodes 2 2 -m pytest -q -x -p no:cacheprovider tests/parallel_ddp/test_ddp_cuda.py || rc=1
+  echo "== torchrun 1 node x 2 ranks (flat)"
+  torchrun_nodes 1 2 -m pytest -q -x -p no:cacheprovider tests/parallel_ddp/test_ddp_cuda.py || rc=1
   return $rc
+}
+
+kernels_step() {
+  "$PYTHON" -c "import horovod_quant.gpu as g; print('kernels compiled:', g.compile_kernels())"
 }
 
 # ---- the run -----------------------------------------------------------------------------------
 export HVD_PREFIX STATE
-export -f say die step_field wanted preflight horovod_step throughput_step ncu_step \
-  sanitizer_step tests_step with_horovod doors_step torchrun_nodes ddp_step until_file
+export -f say die step_field wanted wants_horovod record_step preflight horovod_step \
+  kernels_step throughput_step ncu_step sanitizer_step tests_step with_horovod doors_run \
+  doors2x2_step doors2_step torchrun_nodes ddp_step
 say "output: $OUT; steps: $WANT"
 if ! run_step preflight preflight; then
   grep -- '- preflight failed' "$SUMMARY" >&2
   exit 2
 fi
-# the Horovod build takes minutes (the doors need it): it starts now, and the doors after it
-chain_pid=""
-if wanted horovod || wanted doors; then
-  { run_step horovod horovod_step && wanted doors && until_file "$STATE/timed.done" &&
-      run_step doors doors_step; } &
-  chain_pid=$!
-fi
-"$PYTHON" -c "import horovod_quant.gpu as g; print('- kernels compiled:', g.compile_kernels())" \
-  >>"$SUMMARY" 2>&1 || say "the kernels do not compile ($SUMMARY); the steps will fail"
-# timed steps alone on the GPU, one after the other
-wanted throughput && run_step throughput throughput_step
-wanted ncu && run_step ncu ncu_step
-touch "$STATE/timed.done"
-# then the correctness checks side by side (nothing is timed while they run)
-pids=()
-for step in sanitizer tests ddp; do
-  if wanted "$step"; then run_step "$step" "${step}_step" & pids+=($!); fi
-done
-for pid in "${pids[@]}" $chain_pid; do wait "$pid"; done
-if wanted doors && [[ ! -f "$STATE/doors" ]]; then echo "not run (no Horovod)|0" >"$STATE/doors"; fi
-
-status=0
 {
   echo
   echo "| step | result | seconds | file | what |"
   echo "|---|---|---|---|---|"
-  for entry in "${STEPS[@]}"; do
-    IFS='|' read -r name _ file what <<<"$entry"
-    [[ -f "$STATE/$name" ]] || continue  # steps not asked for (horovod runs for the doors)
-    IFS='|' read -r result secs <"$STATE/$name"
-    [[ $result == ok ]] || status=1
-    echo "| $name | $result | $secs | $file | $what |"
-  done
+  IFS='|' read -r result secs <"$STATE/preflight"
+  echo "| preflight | $result | $secs | gpu_check_summary.md | $(step_field preflight 4) |"
+} >>"$SUMMARY"
+# Horovod's build takes minutes and the CPU only: it starts first, in the background, and the
+# doors (never run at 2 x 2 on a GPU) start as soon as it is there
+chain_pid=""
+if wants_horovod; then
+  { run_step horovod horovod_step &&
+      { ! wanted doors2x2 || run_step doors2x2 doors2x2_step
+        ! wanted doors2 || run_step doors2 doors2_step; }; } &
+  chain_pid=$!
+fi
+run_step kernels kernels_step || say "the kernels do not compile; the GPU steps will fail"
+# meanwhile the correctness checks, one after the other (the doors may run beside them)
+for step in ddp tests; do wanted "$step" && run_step "$step" "${step}_step"; done
+[[ -z $chain_pid ]] || wait "$chain_pid"
+for step in doors2x2 doors2; do  # the build failed or ran out of time: say so in their rows
+  if wanted "$step" && [[ ! -f "$STATE/$step" ]]; then record_step "$step" "not run (no Horovod)" 0; fi
+done
+# last, alone on the GPU: the sanitizers, the timed steps and the profiler
+for step in sanitizer throughput ncu; do wanted "$step" && run_step "$step" "${step}_step"; done
+
+status=0
+for entry in "${STEPS[@]}"; do
+  name="${entry%%|*}"
+  [[ -f "$STATE/$name" ]] || continue  # steps not asked for
+  IFS='|' read -r result _ <"$STATE/$name"
+  [[ $result == ok ]] || status=1
+done
+{
   echo
   echo "Total: $((SECONDS - T0)) s; files in $OUT: $(cd "$OUT" && ls | paste -sd' ' -)."
 } >>"$SUMMARY"

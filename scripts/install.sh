@@ -13,6 +13,10 @@
 # CUDA compiler as wheels), HOROVOD_GPU_OPERATIONS=NCCL for Horovod's GPU collectives, and
 # HQ_CUDA_MAJOR to check that torch, CuPy and the compiler are of one CUDA.
 #
+# A CUDA build of torch already installed is kept (and the script says so): the CPU pin would
+# replace the user's GPU torch. HQ_TORCH_SPEC given explicitly, or HQ_KEEP_CUDA_TORCH=0,
+# installs the spec instead.
+#
 # Every setting below can be overridden from the environment (Docker build args set them).
 set -euo pipefail
 
@@ -37,19 +41,22 @@ set -euo pipefail
 : "${HQ_CUDA_MAJOR:=}"                  # e.g. 13: fail unless torch, CuPy and nvcc are CUDA 13
 : "${HQ_CACHE:=${HOME:-/root}/.cache/horovod_quant}"
 : "${HQ_WHEEL_DIR:=${HQ_CACHE}/wheels}" # cached Horovod wheels, one folder per build key
+HQ_TORCH_SPEC_GIVEN="${HQ_TORCH_SPEC:-}"  # set by the caller: installed whatever is there
 : "${HQ_TORCH_SPEC:=torch==${TORCH_VERSION}}"
+: "${HQ_KEEP_CUDA_TORCH:=1}"            # 1: a CUDA torch already installed stays (see above)
 : "${HQ_TORCH_PIP_ARGS:=}"              # e.g. "--index-url https://download.pytorch.org/whl/cpu"
 : "${HQ_TENSORFLOW_SPEC:=tensorflow-cpu==${TENSORFLOW_VERSION}}"
 : "${HQ_SKIP_APT:=0}"                   # 1: never call apt-get (images that bring their own MPI)
 : "${HQ_INSTALL_PROJECT:=1}"            # 0: stop after the dependencies
 : "${HQ_EDITABLE:=1}"                   # 0: install the project as a regular package
 : "${PYTHON:=python3}"
+: "${HQ_INSTALL_STEPS:=apt python horovod project}"  # the steps to run, in this order
 
 APT_PACKAGES=(openmpi-bin libopenmpi-dev cmake g++ make)
 # `ip` and `tc` for the emulated hosts of tests/emulated and benchmarks/cluster.py
 command -v ip >/dev/null || APT_PACKAGES+=(iproute2)
 PY_PACKAGES=(
-  "setuptools>=64" wheel packaging cloudpickle psutil pyyaml   # build + Horovod runtime deps
+  "setuptools>=64" wheel build packaging cloudpickle psutil pyyaml   # build + Horovod runtime deps
   numpy "numba==${NUMBA_VERSION}" mpi4py
   pytest pytest-xdist hypothesis scikit-learn matplotlib tqdm "ruff==${RUFF_VERSION}"
 )
@@ -174,10 +181,17 @@ step_python() {
   local t=$SECONDS
   # torch first and on its own (with the CUDA wheels that must match it), so nothing else can
   # pull in a (CUDA) torch from PyPI.
-  local torch_set=("$HQ_TORCH_SPEC")
+  local torch_set=("$HQ_TORCH_SPEC") installed_torch installed_cuda
+  if [[ "$HQ_KEEP_CUDA_TORCH" == 1 && -z "$HQ_TORCH_SPEC_GIVEN" ]] &&
+      read -r installed_torch installed_cuda < <(hvd_torch_version 2>/dev/null) &&
+      [[ "$installed_cuda" != none ]]; then
+    say "torch: keeping the installed CUDA build $installed_torch (CUDA $installed_cuda)," \
+      "not $HQ_TORCH_SPEC (CPU); HQ_KEEP_CUDA_TORCH=0 or HQ_TORCH_SPEC replaces it"
+    torch_set=()
+  fi
   read -r -a cuda_specs <<<"$HQ_CUDA_PIP_SPECS"
   torch_set+=("${cuda_specs[@]}")
-  if [[ -n "$(missing_py "${torch_set[@]}")" ]]; then
+  if ((${#torch_set[@]})) && [[ -n "$(missing_py "${torch_set[@]}")" ]]; then
     say "pip: installing ${torch_set[*]} ${HQ_TORCH_PIP_ARGS}"
     pip_install_torch_set "${torch_set[@]}"
   fi
@@ -305,8 +319,9 @@ step_project() {
 }
 
 say "python: $("$PYTHON" --version 2>&1) ($(command -v "$PYTHON")); cache: $HQ_CACHE; TF: $HQ_WITH_TENSORFLOW"
-step_apt
-step_python
-step_horovod
-step_project
+for step in $HQ_INSTALL_STEPS; do
+  [[ " apt python horovod project " == *" $step "* ]] ||
+    die "HQ_INSTALL_STEPS: unknown step '$step' (apt, python, horovod, project)"
+done
+for step in $HQ_INSTALL_STEPS; do "step_$step"; done
 say "done in $((SECONDS - T_START))s"

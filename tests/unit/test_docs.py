@@ -167,22 +167,29 @@ def test_api_defaults_compare_by_value_or_repr():
     assert not cd._default_matches("None", 0, {})
 
 
-def test_check_results_reports_unnamed_and_unlisted_files(tmp_path):
+def test_check_results_keeps_what_a_page_or_a_test_reads(tmp_path):
     results = tmp_path / "docs" / "results"
     results.mkdir(parents=True)
+    (tmp_path / "tests").mkdir()
     (tmp_path / "README.md").write_text("see docs/results/run.md\n")
-    (results / "run.md").write_text("from run_a.json\n")
-    for name in ("run.json", "run_a.json", "old.json"):
+    (tmp_path / "tests" / "test_x.py").write_text("open('docs/results/raw_read.json')\n")
+    # run.md names its raw run and a plot, and shows another plot
+    (results / "run.md").write_text("from run_a.json; plot `run_a.png`; ![shown](shown.png)\n")
+    for name in ("run.json", "run_a.json", "old.json", "raw_read.json", "raw_read.md",
+                 "run_a.png", "shown.png"):
         (results / name).write_text("{}")
-    (results / "README.md").write_text("| `run.md`, `run.json`, `old.json` | cmd |\n")
+    (results / "README.md").write_text("| `run.md`, `run.json`, `old.json`, `run_a.png` | cmd |\n"
+                                       "| `raw_*`, `shown.png` | cmd |\n")
+    unread = "no page names it and no test or script reads it (delete it and say in " \
+        "docs/results/README.md how to make it again)"
     problems = cd.check_results(str(tmp_path))
+    # kept: run.md (a page), run.json (its data), raw_read.json (a test), shown.png (shown)
     assert problems == [
-        "docs/results/old.json: no page names it (delete it: git keeps it)",
-        "docs/results/README.md does not say which command made run_a.json"]
-    (results / "README.md").write_text("| `run.md`, `run.json`, `old.json` | cmd |\n"
-                                       "| `run_*` | cmd |\n")
-    assert cd.check_results(str(tmp_path)) == [
-        "docs/results/old.json: no page names it (delete it: git keeps it)"]
+        f"docs/results/old.json: {unread}",
+        f"docs/results/raw_read.md: {unread}",  # the rendition of a read run: not kept
+        f"docs/results/run_a.json: {unread}",  # named by a results page only
+        f"docs/results/run_a.png: {unread}",
+        "docs/results/README.md does not say which command made run_a.json"], problems
 
 
 def test_rendered_tables_fail_when_the_page_and_its_json_disagree(tmp_path):
@@ -252,3 +259,74 @@ def test_length_check_counts_the_user_docs_as_wc_does(tmp_path):
     problems = cd.check_length(str(tmp_path), limit=5)
     assert len(problems) == 1 and "6 words, over 5" in problems[0]
     assert cd.check_length() == []  # this checkout's pages
+
+
+GPU_LIST_PAGE = """# GPU
+
+## What has run on a GPU
+
+The H100 rows (this section is the list: its prose is not a claim).
+
+<!-- gpu-runs -->
+| what ran | result | GPU | date | commit | file |
+|---|---|---|---|---|---|
+| tests/gpu | 200 passed | H100 | 2026-11-27 | abc1234 | [gpu_run.md](../results/gpu_run.md) |
+{extra}<!-- /gpu-runs -->
+
+## Testing
+
+Measured on an H100 ([the list](#what-has-run-on-a-gpu)).
+"""
+
+
+def _gpu_tree(tmp_path, page: str, extra_row: str = "") -> str:
+    (tmp_path / "docs" / "dev").mkdir(parents=True)
+    (tmp_path / "docs" / "results").mkdir()
+    (tmp_path / "docs" / "results" / "gpu_run.md").write_text("- date: 2026-11-27 16:27 UTC\n")
+    (tmp_path / "docs" / "dev" / "gpu.md").write_text(GPU_LIST_PAGE.format(extra=extra_row))
+    (tmp_path / "README.md").write_text(page)
+    return str(tmp_path)
+
+
+def test_gpu_claims_link_the_list_and_name_only_what_it_holds(tmp_path):
+    root = _gpu_tree(tmp_path, """# x
+
+The codecs run on the GPU through CUDA kernels (a capability, not a claim).
+
+```bash
+echo "ran on an A100"   # fenced: not prose
+```
+
+Its tests passed on one H100 ([list](docs/dev/gpu.md#what-has-run-on-a-gpu)).
+
+The doors have not run on a GPU.
+
+| qsgd | ran on an A100, [list](docs/dev/gpu.md#what-has-run-on-a-gpu), gpu_run.json |
+
+Measured on an H100: gpu_other.json ([list](docs/dev/gpu.md#what-has-run-on-a-gpu)).
+""")
+    problems = cd.check_gpu_claims(root)
+    assert problems == [
+        "README.md:11: GPU claim 'not run on a GPU': link the list "
+        "(docs/dev/gpu.md#what-has-run-on-a-gpu) instead of restating it",
+        "README.md:13: GPU claim 'A100': no run on a A100 in the list of docs/dev/gpu.md",
+        "README.md:15: GPU claim 'H100': gpu_other.json is no file of the list of "
+        "docs/dev/gpu.md"], problems
+
+
+def test_gpu_list_rows_need_a_date_a_commit_and_a_file_that_agree(tmp_path):
+    root = _gpu_tree(tmp_path, "nothing about GPUs\n", extra_row=(
+        "| sanitizer | ok | H100 | 2026-11-28 | abc1234 | [gpu_run.md](../results/gpu_run.md) |\n"
+        "| ncu | ok | RTX | 27 Nov | HEAD | [gone](../results/gpu_gone.txt) |\n"))
+    problems = cd.check_gpu_claims(root)
+    where = "docs/dev/gpu.md: GPU list row"
+    assert problems == [
+        f"{where} 'sanitizer': date 2026-11-28, the file says 2026-11-27",
+        f"{where} 'ncu': 'RTX' is not a GPU model",
+        f"{where} 'ncu': date '27 Nov' is not YYYY-MM-DD",
+        f"{where} 'ncu': '[gone](../results/gpu_gone.txt)' is not a link to a file of "
+        "docs/results"], problems
+
+
+def test_the_gpu_list_and_the_pages_agree():
+    assert cd.check_gpu_claims() == []

@@ -4,6 +4,8 @@ GPU tools and the slow commands replaced by stubs that record how they were call
 steps themselves find on a GPU is what the script's own run there shows."""
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -72,6 +74,8 @@ PYTHON_STUB = textwrap.dedent('''\
         record("torchrun")
     elif args and args[0] == "benchmarks/codec_throughput.py":
         record("throughput")
+        import time
+        time.sleep(float(os.environ.get("STUB_THROUGHPUT_SLEEP", "0")))
         Path(value("--json")).write_text(json.dumps({{"rows": []}}))
         print("a table (stub)")
     elif args and args[0] == "benchmarks/kernel_launches.py":
@@ -142,8 +146,31 @@ def test_preflight_stops_before_anything_runs(stubs, tmp_path):
     assert "no GPU" in res.stderr
     assert os.listdir(tmp_path / "out") == ["gpu_check_summary.md"]
     summary = (tmp_path / "out" / "gpu_check_summary.md").read_text()
-    assert "no Horovod and no sdist" in summary  # said too, though it fails only the doors
+    assert "no Horovod and no sdist" in summary
     assert _calls(env) == []
+
+
+def test_without_the_sdist_a_run_asking_for_horovod_stops_at_the_preflight(stubs, tmp_path):
+    env = dict(stubs, HOROVOD_SDIST=str(tmp_path / "missing.tar.gz"))
+    for steps in ("doors2", "horovod,tests", None):  # None: every step
+        out = tmp_path / f"out-{steps}"
+        res = _run(env, *(["--steps", steps] if steps else []), out=out)
+        assert res.returncode == 2, (steps, res.stdout + res.stderr)
+        assert "make gpu-check-inputs" in res.stderr
+        assert os.listdir(out) == ["gpu_check_summary.md"]
+        assert _calls(env) == []
+    res = _run(env, "--steps", "tests,ddp", out=tmp_path / "out")  # no Horovod step: runs
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _events(stdout: str) -> list[tuple[str, str]]:
+    """(step, "start" or "end") in the order the script printed them."""
+    found = []
+    for line in stdout.splitlines():
+        m = re.match(r"\[gpu-check +\d+s\] (\w+): (.*)", line)
+        if m and m.group(1) != "output":
+            found.append((m.group(1), "start" if "(deadline" in m.group(2) else "end"))
+    return found
 
 
 @pytest.mark.skipif(not SDIST.is_file(), reason=f"no Horovod sdist at {SDIST} "
@@ -155,8 +182,25 @@ def test_every_step_runs_and_the_folder_holds_its_eight_files(stubs, tmp_path):
     assert set(os.listdir(out)) == FILES
     assert json.loads((out / "gpu_check_throughput.json").read_text())  # the benchmark's alone
     summary = (out / "gpu_check_summary.md").read_text()
-    for step in ("horovod", "throughput", "ncu", "sanitizer", "tests", "doors", "ddp"):
+    for step in ("horovod", "kernels", "throughput", "ncu", "sanitizer", "tests", "doors2x2",
+                 "doors2", "ddp"):
         assert f"| {step} | ok |" in summary, summary
+    # the commit is the one whose files these are, read from them (not from .git's HEAD alone)
+    commit = subprocess.run([sys.executable, str(REPO / "scripts" / "source_commit.py")],
+                            capture_output=True, text=True).stdout.strip()
+    assert f"commit: {commit}" in summary
+    # what never ran on a GPU first: the DDP hook and tests/gpu while Horovod builds, the doors
+    # at 2 x 2 then at 2 once it is built; the sanitizers, the timed steps and the profiler
+    # last, after all of those have ended
+    events = _events(res.stdout)
+    starts = [step for step, kind in events if kind == "start"]
+    # (Horovod's build starts in the background as the kernels compile: either prints first)
+    assert starts[0] == "preflight" and set(starts[1:3]) == {"horovod", "kernels"}, starts
+    assert starts.index("kernels") < starts.index("ddp") < starts.index("tests"), starts
+    assert starts.index("doors2x2") < starts.index("doors2"), starts
+    last_correctness_end = max(events.index((s, "end")) for s in ("ddp", "tests", "doors2"))
+    assert [s for s in starts if events.index((s, "start")) > last_correctness_end] == [
+        "sanitizer", "throughput", "ncu"], events
     calls = _calls(stubs)
     build = next(c for c in calls if c["kind"] == "pip wheel")
     # the recipe: gloo only, no MPI, no TensorFlow, against the patched sdist, offline
@@ -167,13 +211,13 @@ def test_every_step_runs_and_the_folder_holds_its_eight_files(stubs, tmp_path):
     pytest_runs = [c["args"][-1] for c in calls if c["kind"] == "pytest"]
     assert pytest_runs == ["tests/gpu"]  # the ranks' pytest runs go through the launchers
     launched = Path(stubs["STUB_LOG"] + ".horovodrun").read_text().splitlines()
-    assert [line.split()[3] for line in launched] == ["2", "4"]
-    assert "localhost:2,127.0.0.1:2" in launched[1]
-    # nothing else runs on the GPU while the timed steps do: the doors start after ncu
+    assert [line.split()[3] for line in launched] == ["4", "2"]
+    assert "localhost:2,127.0.0.1:2" in launched[0]
+    # nothing else runs on the GPU while the timed steps do: ncu after the last door
     profiled = [float(line.split()[0]) for line in
                 Path(stubs["STUB_LOG"] + ".tools").read_text().splitlines()
                 if "regex:" in line]
-    assert len(profiled) == 1 and float(launched[0].split()[0]) > profiled[0]
+    assert len(profiled) == 1 and float(launched[-1].split()[0]) < profiled[0]
     assert len([c for c in calls if c["kind"] == "torchrun"]) == 3  # 1 node, then 2 nodes
     tools = Path(stubs["STUB_LOG"] + ".tools").read_text()
     assert "--tool memcheck" in tools and "--tool racecheck" in tools and "ncu " in tools
@@ -181,18 +225,20 @@ def test_every_step_runs_and_the_folder_holds_its_eight_files(stubs, tmp_path):
     Path(stubs["STUB_LOG"]).unlink()
     assert _run(stubs, "--steps", "horovod", out=out).returncode == 0
     assert [c["kind"] for c in _calls(stubs)] == ["pip install"]
-    assert set(os.listdir(out)) == {"gpu_check_summary.md", "gpu_check_doors.log"}
+    assert set(os.listdir(out)) == {"gpu_check_summary.md", "gpu_check_doors.log",
+                                    "gpu_check_tests.log"}  # the kernels' compile log
 
 
 @pytest.mark.skipif(not SDIST.is_file(), reason=f"no Horovod sdist at {SDIST}")
 def test_a_failing_step_fails_the_run_and_the_others_still_run(stubs, tmp_path):
     env = dict(stubs, STUB_FAIL="pytest", STUB_HOROVODRUN_RC="1")
     out = tmp_path / "out"
-    res = _run(env, "--steps", "tests,throughput,doors", out=out)
+    res = _run(env, "--steps", "tests,throughput,doors2x2,doors2", out=out)
     assert res.returncode == 1
     summary = (out / "gpu_check_summary.md").read_text()
     assert "| tests | FAILED (rc 1) |" in summary and "| throughput | ok |" in summary
-    assert "| doors | FAILED (rc 1) |" in summary and "| horovod | ok |" in summary
+    assert "| doors2x2 | FAILED (rc 1) |" in summary and "| horovod | ok |" in summary
+    assert "| doors2 | FAILED (rc 1) |" in summary  # the first door's failure stops nothing
     assert "ncu" not in summary.split("| step |")[1]  # steps not asked for are not listed
 
 
@@ -204,6 +250,32 @@ def test_steps_past_the_budget_are_skipped_and_fail_the_run(stubs, tmp_path):
     assert "| preflight | ok |" in summary
     assert "| tests | skipped (the 5s budget was spent) |" in summary
     assert "| ncu | skipped (the 5s budget was spent) |" in summary
+
+
+def test_each_row_is_written_when_its_step_ends_and_a_stopped_run_keeps_them(stubs, tmp_path):
+    out = tmp_path / "out"
+    summary = out / "gpu_check_summary.md"
+    cmd = ["bash", str(SCRIPT), "--steps", "ddp,tests,throughput", "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=dict(stubs, STUB_THROUGHPUT_SLEEP="60"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        calls = Path(stubs["STUB_LOG"])
+        deadline = 60
+        while deadline > 0 and not (calls.exists() and '"throughput"' in calls.read_text()):
+            subprocess.run(["sleep", "0.5"])
+            deadline -= 0.5
+        assert deadline > 0, "the throughput step never started"
+        text = summary.read_text()
+        for step in ("preflight", "kernels", "ddp", "tests"):
+            assert f"| {step} | ok |" in text, text
+        assert "| throughput |" not in text  # still running
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # stopped from outside, as a lease's end stops it
+        proc.wait()
+    table = summary.read_text().split("| step |")[1].splitlines()
+    assert [row.split("|")[1].strip() for row in table[2:] if row.startswith("|")] == [
+        "preflight", "kernels", "ddp", "tests"]
 
 
 def test_the_horovod_patches_apply_to_the_sdist(tmp_path):
