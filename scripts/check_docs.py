@@ -31,10 +31,11 @@ plus inline code spans that run one of this repository's scripts, and:
 5. **API signatures.** Each ``### `module.object(parameters)` `` heading of docs/api.md must
    match ``inspect.signature`` of that object (names, kinds, order, defaults), and every
    public callable of the package's modules (their ``__all__``) must have such a heading.
-6. **GPU claims.** A paragraph or table row that names a GPU model or says that something ran on
-   a GPU (``GPU_CLAIM``) links the list of docs/dev/gpu.md, "What has run on a GPU", and names
-   only GPU models and ``gpu_*`` results files that the list holds; each row of the list has a
-   date, a commit git knows and an existing results file (docs/dev/gpu.md states the rule).
+6. **GPU claims.** A paragraph or table row that says something is on or with a GPU model, or
+   that something ran on a GPU (``GPU_CLAIM``), links the list of docs/dev/gpu.md, "What has
+   run on a GPU", and names only GPU models and ``gpu_*`` results files that the list holds;
+   each row of the list has a date, a commit git knows and an existing results file
+   (docs/dev/gpu.md states the rule).
 7. **Length.** The user docs (README.md and docs/*.md, counted as ``wc -w`` does) stay within
    ``MAX_USER_WORDS``: what does not fit belongs in docs/dev/.
 
@@ -418,9 +419,12 @@ GPU_SECTION = re.compile(r"^## What has run on a GPU\n.*?(?=^## )", re.S | re.M)
 #: a GPU model named as a word (NVIDIA's data-centre names; case-sensitive)
 GPU_MODEL = re.compile(r"\b(?:[ABH]100|[AH]800|H200|A10G?|A30|A40|L4|L40S?|V100|T4|B200|GH200|"
                        r"GB200)\b(?![-\w])")
-#: a GPU claim: a model, or a run on a GPU / with CUDA data in the past tense
+#: a GPU claim: something on or with a GPU model ("passed on one H100"; a model named otherwise,
+#: such as the hardware of another system's published figures, claims nothing of this
+#: project), or a run on a GPU / with CUDA data in the past tense
 GPU_CLAIM = re.compile(
-    GPU_MODEL.pattern + r"|(?i:\b(?:ran|(?:has|have|had|been|never|not) (?:yet )?run|passed|"
+    r"\b(?:on|with) (?:a |an |one |the |two |\d+ )?(?:" + GPU_MODEL.pattern + r")"
+    r"|(?i:\b(?:ran|(?:has|have|had|been|never|not) (?:yet )?run|passed|"
     r"tested|measured|timed|verified)\b"
     r"[^.;:()]{0,25}?\b(?:on|with) (?:a |an |one |the |two |\w+ )?"
     r"(?:GPUs?|CUDA (?:parameters|tensors|gradients|buckets))\b)")

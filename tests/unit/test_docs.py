@@ -293,6 +293,8 @@ def test_gpu_claims_link_the_list_and_name_only_what_it_holds(tmp_path):
 
 The codecs run on the GPU through CUDA kernels (a capability, not a claim).
 
+Another system's figures: 16 servers of 8 V100, a DGX-A100's adapters (no claim of ours).
+
 ```bash
 echo "ran on an A100"   # fenced: not prose
 ```
@@ -307,10 +309,10 @@ Measured on an H100: gpu_other.json ([list](docs/dev/gpu.md#what-has-run-on-a-gp
 """)
     problems = cd.check_gpu_claims(root)
     assert problems == [
-        "README.md:11: GPU claim 'not run on a GPU': link the list "
+        "README.md:13: GPU claim 'not run on a GPU': link the list "
         "(docs/dev/gpu.md#what-has-run-on-a-gpu) instead of restating it",
-        "README.md:13: GPU claim 'A100': no run on a A100 in the list of docs/dev/gpu.md",
-        "README.md:15: GPU claim 'H100': gpu_other.json is no file of the list of "
+        "README.md:15: GPU claim 'on an A100': no run on a A100 in the list of docs/dev/gpu.md",
+        "README.md:17: GPU claim 'on an H100': gpu_other.json is no file of the list of "
         "docs/dev/gpu.md"], problems
 
 
