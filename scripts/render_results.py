@@ -28,7 +28,8 @@ from cluster_report import on_fp32_path, stalled  # noqa: E402 (the benchmark's 
 
 RESULTS = os.path.join(ROOT, "docs", "results")
 PAGES = ["README.md", "docs/performance.md", "docs/choosing.md", "docs/scaling.md",
-         "docs/will-it-pay.md", "docs/codecs.md", "docs/dev/experiments.md"]
+         "docs/will-it-pay.md", "docs/codecs.md", "docs/dev/experiments.md",
+         "docs/dev/benchmarks.md"]
 MARK = re.compile(r"^<!--\s*results:\s*([\w-]+)\s*-->\s*$")
 FIGURE = re.compile(r"<!-- figure: ([\w-]+) -->(.*?)<!-- /figure -->")
 
