@@ -34,7 +34,7 @@ from horovod_quant.torch import ddp  # horovod_quant: the DDP hook
 DEFAULT_CODECS = "allreduce qsgd:8 qsgd:4 global_qsgd:8 nested_dithered:8"
 
 
-def train(spec: str, steps: int, batch: int, lr: float, device: torch.device,
+def train(spec: str, steps: int, batch: int, lr: float, fallback: str, device: torch.device,
           warmup: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -52,7 +52,7 @@ def train(spec: str, steps: int, batch: int, lr: float, device: torch.device,
     if spec != "allreduce":
         name, _, bits = spec.partition(":")  # world-sized codecs get the group's size
         codec = CodecRequest(name, {"bits": int(bits)} if bits else {}).build(lambda: world)
-        state = ddp.QuantizationState(codec)
+        state = ddp.QuantizationState(codec, fallback=fallback)
         model.register_comm_hook(state, ddp.quantization_hook)  # horovod_quant: the one line
     opt = torch.optim.SGD(model.parameters(), lr=lr * world, momentum=0.9)
     gen = torch.Generator().manual_seed(rank)
@@ -91,6 +91,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="batch per rank (default: %(default)s)")
     ap.add_argument("--lr", type=float, default=0.05,
                     help="learning rate per rank, scaled by the world size (default: %(default)s)")
+    ap.add_argument("--fallback", choices=("auto", "never"), default="never",
+                    help="the hook's fallback: 'never' trains every listed codec (this script "
+                         "compares them); 'auto' lets the faster of float32 and bf16 carry the "
+                         "buckets whose codec was slower at step 1 (default: %(default)s)")
     ap.add_argument("--json", default=None, help="rank 0 writes the table's rows to this file")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: each rank on the GPU of its LOCAL_RANK (default: %(default)s)")
@@ -109,7 +113,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    rows = [train(s, args.steps, args.batch, args.lr, device, args.warmup)
+    rows = [train(s, args.steps, args.batch, args.lr, args.fallback, device, args.warmup)
             for s in ([args.codec] if args.codec else args.codecs.split())]
     if dist.get_rank() == 0:
         print(f"\nDDP, {dist.get_world_size()} ranks (gloo, {args.device}), {args.steps} steps "

@@ -102,9 +102,9 @@ def main():
                     help="learning rate per rank, scaled by the world size (default: %(default)s)")
     ap.add_argument("--fallback", choices=("auto", "never"), default="never",
                     help="hq.DistributedOptimizer's fallback: 'never' trains every listed codec "
-                         "(this script compares them); 'auto' lets Horovod's float32 "
-                         "allreduce carry the buckets whose codec was slower at step 1 "
-                         "(default: %(default)s)")
+                         "(this script compares them); 'auto' lets the faster of Horovod's "
+                         "float32 and 16-bit allreduce carry the buckets whose codec was slower "
+                         "at step 1 (default: %(default)s)")
     ap.add_argument("--json", default=None, help="rank 0 writes the table's rows to this file")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                     help="progress bar on rank 0's stderr (default: only when it is a terminal)")
