@@ -15,6 +15,7 @@ import horovod_quant as hq
 import horovod_quant.torch as hqt
 from horovod_quant import fallback
 from horovod_quant.core.rng import derive_key
+from horovod_quant.exchange.cost import Fabric
 from horovod_quant.fallback import FALLBACK_STEP, STEP_CHECK_ROUNDS
 
 from conftest import Linear, codec_params, rank_gradients
@@ -33,12 +34,15 @@ def _optimizer(model, name, **kw):
 
 
 def _codec_mean(opt, name, j, step, bucket):
-    """mean_estimate of parameter j's gradients when it is alone in bucket ``bucket``."""
+    """mean_estimate of parameter j's gradients when it is alone in bucket ``bucket`` (its plan
+    chosen for CPU ranks' default links until the trial, at the end of FALLBACK_STEP, measured
+    the optimizer's)."""
     codec = hq.get_codec(name, **codec_params(name))
     flats = [rank_gradients(SHAPES, step, r)[j].reshape(-1) for r in range(hvd.size())]
+    fabric = opt.fabric if step > FALLBACK_STEP else Fabric.for_ranks(False)
     want, _ = hq.mean_estimate(codec, flats, seed=derive_key(SEED, step, bucket),
                                gather="auto", pipeline_elems=opt.pipeline_elems,
-                               topology=opt.topology)
+                               topology=opt.topology, fabric=fabric)
     return want
 
 
