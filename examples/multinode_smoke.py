@@ -4,8 +4,7 @@ collectives in the last step against their float32 size, and whether its weights
 
     horovodrun -np 8 -H a:4,b:4 --gloo --network-interface eth0 python3 examples/multinode_smoke.py
     horovodrun -np 8 -H a:4,b:4 --mpi --network-interface eth0 python3 examples/multinode_smoke.py
-    horovodrun -np 8 -H a:4,b:4 --network-interface eth0 python3 examples/multinode_smoke.py \\
-        --device cuda
+    horovodrun -np 8 -H a:4,b:4 python3 examples/multinode_smoke.py --device cuda
 
 Look for the same ``bytes_sent`` on every rank, on the hosts you expect, and ``True``
 (docs/multinode.md, "Check the setup"). ``--device cuda`` puts each rank on the GPU of its
