@@ -130,7 +130,7 @@ class _Spec(NamedTuple):
 
     codec: Codec
     kind: str  # plans.plan_kind
-    key: str | None  # horovod_name, or None: the tag then names the call index
+    key: str | None  # horovod_name, or None (the tag's step, the call index, tells them apart)
     shape: tuple
     rank: int
     n: int
@@ -138,7 +138,7 @@ class _Spec(NamedTuple):
     custom: Any  # the codec's custom collective (plans.Custom), or None
 
     def tag(self, k: int) -> wire.Tag:
-        return wire.exchange_tag(f"{self.key}#{k}" if self.key else f"#{k}", self.shape)
+        return wire.exchange_tag(self.key or "#", self.shape, k)
 
     def label(self, k: int) -> str:
         """The exchange's name in error messages."""

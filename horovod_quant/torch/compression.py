@@ -177,7 +177,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             self._comm = transport_collectives(self.process_set, "horovod")
             self._check = ConfigCheck(self._comm, self.shared_config())
         job = _Job(name, codec, flat_array(tensor), derive_key(self.seed, use, name_key(name)),
-                   f"{self._check.prefix}.{name}", exchange_tag(name, tensor.shape), tensor)
+                   f"{self._check.prefix}.{name}", exchange_tag(name, tensor.shape, use), tensor)
         exchange = self._exchanges.get(codec.config_key())  # none before the check passed
         if exchange is None or exchange.blocks_on_peers:
             self._deferred.append(job)

@@ -36,6 +36,7 @@ from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
 from ..exchange.topology import SerialWorker
+from ..exchange.wire import exchange_tag
 from .distributed import own_group, process_group_collectives
 from .tensors import as_array, as_tensor, flat_array, on_gpu, parameter_names, stream_of
 
@@ -397,9 +398,11 @@ class QuantizationState(CompressorSettings):
                     started.append((part, self._comm.allreduce_async(vector, f"{name}.exact")))
                     continue
                 k = part.codec_index
+                label = name if k == 0 else f"{name}.c{k}"
                 pending = self._exchanges[k].start(
-                    vector, self.seed_of(step, index, k), name if k == 0 else f"{name}.c{k}",
-                    out=self._mean_buffer(index, k, vector))
+                    vector, self.seed_of(step, index, k), label,
+                    out=self._mean_buffer(index, k, vector),
+                    tag=exchange_tag(label, (vector.size,), step))
                 pending.advance(block=True)  # when a norm arrives differs between ranks
                 started.append((part, pending))
 

@@ -14,6 +14,7 @@ from horovod_quant.env import env_choice, env_flag, env_seconds, env_text
 from horovod_quant.exchange import Exchange
 from horovod_quant.exchange.collectives import Handle, decode_objects, encode_object
 from horovod_quant.exchange.wire import (
+    OutOfStep,
     check_tags,
     exchange_tag,
     frame,
@@ -103,6 +104,31 @@ def test_exchange_tags_catch_other_tensors_on_every_rank():
             messages = run_ranks(3, rank_fn)
             assert all(m is not None and "different tensors" in m for m in messages), (name, gather)
             assert "rank 1: 800 elements" in messages[0]
+
+
+def test_exchanges_of_other_steps_raise_the_same_error_on_every_rank():
+    """Rank 1 is one step ahead: its tag carries another step, so every rank raises the same
+    OutOfStep naming each rank's step, before anything is combined (allgather, sra and the
+    norm of Global-QSGD, with and without pieces)."""
+    for name, params in [("qsgd", {}), ("nested_dithered", {"world_size": 3}),
+                         ("global_qsgd", {"world_size": 3, "levels": "linear"})]:
+        for gather, pipeline in (("allgather", None), ("sra", None), ("allgather", 256)):
+            codec = hq.get_codec(name, **params)
+
+            def rank_fn(comm):
+                step = 4 if comm.rank == 1 else 3
+                try:
+                    Exchange(codec, comm, gather=gather, pipeline_elems=pipeline).start(
+                        np.ones(1000, np.float32), 1, "w",
+                        tag=exchange_tag("w", (1000,), step)).wait()
+                except OutOfStep as exc:
+                    return str(exc)
+
+            messages = run_ranks(3, rank_fn)
+            assert messages[0] is not None, (name, gather)
+            assert "rank 0 at step 3, rank 1 at step 4, rank 2 at step 3" in messages[0]
+            assert "Load the checkpoint on every rank" in messages[0]
+            assert len(set(messages)) == 1, (name, gather)
 
 
 def test_same_length_other_shape_is_caught_by_the_tag():
