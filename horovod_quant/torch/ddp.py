@@ -17,7 +17,9 @@ codecs in the order of ``state.codecs``. The exchange of codec ``k`` in bucket `
 rank], state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems,
 topology=state.topology, fabric=state.fabric)`` reproduces it exactly. The first hook runs the
 cross-rank configuration check. ``state_dict()`` (and pickling, as PyTorch's ``PowerSGDState``)
-carries the step and the adaptive codecs' states across a checkpoint (docs/ddp.md).
+carries the step and the adaptive codecs' states across a checkpoint (docs/ddp.md), adapted
+with one warning where the job resumes at another world size. Each exchange's tag carries the
+step, so ranks out of step raise the same error.
 """
 from __future__ import annotations
 
@@ -31,7 +33,14 @@ import torch.distributed as dist
 from .. import gpu
 from ..core.base import Codec
 from ..core.rng import derive_key
-from ..doors import CodecRequest, CompressorSettings, ConfigCheck, DoorOptions, door_options
+from ..doors import (
+    CodecRequest,
+    CompressorSettings,
+    ConfigCheck,
+    DoorOptions,
+    door_options,
+    load_codec_states,
+)
 from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
@@ -270,13 +279,16 @@ class QuantizationState(CompressorSettings):
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed job needs to continue bit for bit: the step (the seeds) and the
-        adaptive codecs' states, as plain Python values."""
-        return {"step": self.step, "codec_states": self.codec_states.state_dict()}
+        """What a resumed job needs to continue bit for bit: the step (the seeds), the world
+        size and the adaptive codecs' states, as plain Python values."""
+        return {"step": self.step, "world_size": self._comm.size,
+                "codec_states": self.codec_states.state_dict()}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s state, on every rank, before the first step
-        (the first hook's cross-rank check then compares the steps too).
+        (the first hook's cross-rank check then compares the steps too). Saved at another
+        world size, the state is adapted with one warning
+        (:func:`~horovod_quant.doors.load_codec_states`).
 
         Raises:
             ValueError: the state has run a step already, or ``saved`` is not such a state.
@@ -287,7 +299,8 @@ class QuantizationState(CompressorSettings):
         if not isinstance(saved, dict) or "step" not in saved or "codec_states" not in saved:
             raise ValueError("not a QuantizationState state: pass what state_dict() returned")
         self.step = int(saved["step"])
-        self.codec_states.load_state_dict(saved["codec_states"])
+        load_codec_states(self.codec_states, saved["codec_states"], saved.get("world_size"),
+                          self._comm.size, "DDP hook")
 
     def __getstate__(self) -> dict[str, Any]:
         """As PyTorch's ``PowerSGDState``: everything but the process group and what lives
@@ -296,22 +309,31 @@ class QuantizationState(CompressorSettings):
             raise ValueError("a QuantizationState whose policy has name rules does not "
                              "pickle (its names point at this process's parameters): save "
                              "state.state_dict() and load it into a state built as this one")
-        return {"codec": self.codec, "options": self.options, "codecs": self.codecs,
+        return {"codec": self.codec, "options": self.options,
                 "parameters": self._parameters, "saved": self.state_dict()}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         """Unpickle on every rank, after ``init_process_group``: the state runs on the default
-        group (set ``process_group`` by building a new state for another group)."""
+        group (set ``process_group`` by building a new state for another group). Pickled at
+        another world size, a codec built for the number of workers is built again for this
+        one, and its state adapted, with one warning."""
         log.warning("horovod_quant: an unpickled QuantizationState runs on the default "
                     "process group")
-        CompressorSettings.__init__(self, pickled["codec"], pickled["options"])
+        comm = process_group_collectives(own_group(None))
+        codec, saved = pickled["codec"], dict(pickled["saved"])
+        if codec.needs_world_size and codec.params["world_size"] != comm.size:
+            # the codec's group: the pickling job's (one without it in its state predates it)
+            saved.setdefault("world_size", codec.params["world_size"])
+            params = {k: v for k, v in codec.params.items() if k != "world_size"}
+            codec = CodecRequest(codec.name, params).build(lambda: comm.size)
+        CompressorSettings.__init__(self, codec, pickled["options"])
         self._names, self._parameters = None, pickled["parameters"]
-        self.codecs = pickled["codecs"]
+        self.codecs = [codec]  # a state that pickles has no rules, so no other codec
         self._codec_indices = {c.config_key(): k for k, c in enumerate(self.codecs)}
         self.codec_states = CodecStates()
-        self._connect(None, process_group_collectives(own_group(None)))
+        self._connect(None, comm)
         self.step = 0
-        self.load_state_dict(pickled["saved"])
+        self.load_state_dict(saved)
 
     def seed_of(self, step: int, index: int, codec_index: int = 0) -> int:
         """The seed of the exchange of ``codecs[codec_index]`` in bucket ``index`` at step
