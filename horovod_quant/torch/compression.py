@@ -11,13 +11,10 @@ Tensors are matched across ranks by the name the user gave Horovod
 ``derive_key(seed, u, name_key(key))`` and collective ``<check prefix>.<key>``; unnamed tensors
 are keyed ``#j`` (the j-th of the step). No exchange that waits for a peer starts before the
 configuration check passed; the first ``decompress`` of a step puts every exchange on the wire
-and finishes them in key order. Each exchange's tag carries its use count, so ranks out of
-step raise the same error; after an error the compressor refuses to go on. The use counters
-and the adaptive codecs' states are a job's state: ``state_dict()``/``load_state_dict()`` carry
-them across a checkpoint (:func:`~horovod_quant.torch.broadcast.broadcast_state` from the rank
-that loaded it). Horovod's optimizer averaging the gradients again (``step()`` after
-``synchronize()`` outside ``skip_synchronize()``) gets them back unchanged, not exchanged
-twice. docs/pytorch.md, section 2, tells the whole story.
+and finishes them in key order. Tags carry the use count (ranks out of step raise); after an
+error it refuses to go on. The use counters and codec states are a job's state (``state_dict``,
+:func:`~horovod_quant.torch.broadcast.broadcast_state`). Horovod's optimizer averaging again
+(``step()`` after ``synchronize()``) gets the means back unchanged. docs/pytorch.md, section 2.
 """
 from __future__ import annotations
 

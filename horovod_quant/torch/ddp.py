@@ -16,10 +16,8 @@ codecs in the order of ``state.codecs``. The exchange of codec ``k`` in bucket `
 ``t`` uses seed ``state.seed_of(t, i, k)``, so ``mean_estimate(codec, [that vector on each
 rank], state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems,
 topology=state.topology, fabric=state.fabric)`` reproduces it exactly. The first hook runs the
-cross-rank configuration check. ``state_dict()`` (and pickling, as PyTorch's ``PowerSGDState``)
-carries the step and the adaptive codecs' states across a checkpoint (docs/ddp.md), adapted
-with one warning where the job resumes at another world size. Each exchange's tag carries the
-step, so ranks out of step raise the same error.
+cross-rank configuration check; exchange tags carry the step (ranks out of step raise).
+``state_dict()`` and pickling carry the step and the codecs' states (docs/ddp.md).
 """
 from __future__ import annotations
 

@@ -14,14 +14,10 @@ between steps: an unfrozen parameter's first gradient takes Horovod's allreduce,
 a frozen one keeps no gradient and leaves its bucket. The ranks check at construction that they
 agree on the codecs, the policy and the bucket layout, before anything else waits for a peer. A
 sparse gradient travels on Horovod's sparse path and leaves its bucket from the next step on.
-``state_dict()`` adds the optimizer's own state (its step, which seeds the exchanges, the
-adaptive codecs' states and the fallback's decisions) to the wrapped optimizer's, under
-:data:`STATE_KEY` in its first parameter group, so a job resumed from a checkpoint continues
-bit for bit, and Horovod's ``broadcast_optimizer_state`` carries it from the rank that loaded
-the checkpoint to the others (:func:`~horovod_quant.torch.broadcast.broadcast_state` where it
-does not). Each exchange's tag carries the step: ranks out of step raise the same error. An
-error inside ``synchronize()`` or ``step()`` leaves the optimizer refusing to go on.
-docs/pytorch.md, section 1, tells the whole story.
+``state_dict()`` adds its own state (step, codec states, fallback decisions) to the wrapped
+optimizer's first parameter group, where Horovod's ``broadcast_optimizer_state`` carries it
+too. Exchange tags carry the step (ranks out of step raise); after an error in a step it
+refuses to go on. docs/pytorch.md, section 1, tells the whole story.
 """
 from __future__ import annotations
 
@@ -130,6 +126,75 @@ def _bucket_trial(bucket: Bucket, out: Any, exchange: Exchange, seed: int, name:
             settle()
 
     return BucketTrial(bucket.index, repr(bucket.codec), bucket.numel * 4, run_codec, run_fp32)
+
+
+class _OwnState:
+    """The optimizer's own state in its checkpoints and broadcasts (a base class of the
+    optimizer, before the wrapped optimizer's class, whose ``state_dict`` it extends)."""
+
+    def own_state(self) -> dict[str, Any]:
+        """This optimizer's own state, plain values: the step (the exchanges' seeds), the
+        world size, the codec states, the fallback's decisions and the parameters found sparse
+        (names, as ``named_parameters`` gave them)."""
+        self._adopt_group_state()
+        names = self._layout.names
+        return {"step": self._step, "world_size": self._comm.size,
+                "codec_states": self.codec_states.state_dict(),
+                "fallback": self._fallback.state_dict(names.__getitem__),
+                "sparse": sorted(names[k] for k in self._layout.sparse)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict()`` with :meth:`own_state` under
+        :data:`STATE_KEY` in its first parameter group (where Horovod's
+        ``broadcast_optimizer_state`` carries it to every rank)."""
+        own = self.own_state()
+        saved = super(_OwnState, self).state_dict()
+        if saved["param_groups"]:
+            saved["param_groups"][0][STATE_KEY] = own
+        return saved
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`: torch's part as torch does, and this optimizer's own
+        state where there is one (a plain torch optimizer's state dict has none). Nothing here
+        waits for the other ranks: load on every rank, or on one and broadcast (Horovod's
+        ``broadcast_optimizer_state``, or :func:`~horovod_quant.torch.broadcast.
+        broadcast_state`); ranks whose steps differ raise the same error at their first
+        exchange."""
+        state_dict = dict(state_dict)
+        own = state_dict.pop(STATE_KEY, None)  # where an older version kept it
+        super(_OwnState, self).load_state_dict(state_dict)
+        if own is not None:
+            self.param_groups[0][STATE_KEY] = own
+        self._adopt_group_state()
+
+    def load_own_state(self, own: dict[str, Any]) -> None:
+        """Continue from :meth:`own_state`'s state (this rank alone, nothing waits for the
+        others). A state saved at another world size is adapted: the codecs built for the
+        number of workers start from their state re-keyed for this world, with one warning.
+
+        Raises:
+            ValueError: ``own`` is not such a state, or names parameters this optimizer does
+                not have.
+        """
+        try:
+            step = int(own["step"])
+            codec_states, fallback, sparse = own["codec_states"], own["fallback"], own["sparse"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("not a horovod_quant optimizer state: pass what state_dict() "
+                             "or own_state() returned") from None
+        key_of = _key_by_name(self._layout.names)
+        self._step = step
+        load_codec_states(self.codec_states, codec_states, own.get("world_size"),
+                          self._comm.size, "hq.torch.DistributedOptimizer")
+        self._fallback.load_state_dict(fallback, key_of)
+        self._layout.sparse = {key_of(name) for name in sparse}
+        self._relayout(check=False)
+
+    def _adopt_group_state(self) -> None:
+        """Load the state a load or Horovod's ``broadcast_optimizer_state`` left in the first
+        parameter group (at the start of the next step at the latest)."""
+        if self.param_groups and STATE_KEY in self.param_groups[0]:
+            self.load_own_state(self.param_groups[0].pop(STATE_KEY))
 
 
 class _QuantDistributedOptimizer(torch.optim.Optimizer):
@@ -406,71 +471,6 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         for key in self._delay:
             self._delay[key] = passes
 
-    # -- checkpoints --------------------------------------------------------------------------
-    def own_state(self) -> dict[str, Any]:
-        """This optimizer's own state, plain values: the step (the exchanges' seeds), the
-        world size, the codec states, the fallback's decisions and the parameters found sparse
-        (names, as ``named_parameters`` gave them)."""
-        self._adopt_group_state()
-        names = self._layout.names
-        return {"step": self._step, "world_size": self._comm.size,
-                "codec_states": self.codec_states.state_dict(),
-                "fallback": self._fallback.state_dict(names.__getitem__),
-                "sparse": sorted(names[k] for k in self._layout.sparse)}
-
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's ``state_dict()`` with :meth:`own_state` under
-        :data:`STATE_KEY` in its first parameter group (where Horovod's
-        ``broadcast_optimizer_state`` carries it to every rank)."""
-        own = self.own_state()
-        saved = super(self.__class__, self).state_dict()
-        if saved["param_groups"]:
-            saved["param_groups"][0][STATE_KEY] = own
-        return saved
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict`: torch's part as torch does, and this optimizer's own
-        state where there is one (a plain torch optimizer's state dict has none). Nothing here
-        waits for the other ranks: load on every rank, or on one and broadcast (Horovod's
-        ``broadcast_optimizer_state``, or :func:`~horovod_quant.torch.broadcast.
-        broadcast_state`); ranks whose steps differ raise the same error at their first
-        exchange."""
-        state_dict = dict(state_dict)
-        own = state_dict.pop(STATE_KEY, None)  # where an older version kept it
-        super(self.__class__, self).load_state_dict(state_dict)
-        if own is not None:
-            self.param_groups[0][STATE_KEY] = own
-        self._adopt_group_state()
-
-    def load_own_state(self, own: dict[str, Any]) -> None:
-        """Continue from :meth:`own_state`'s state (this rank alone, nothing waits for the
-        others). A state saved at another world size is adapted: the codecs built for the
-        number of workers start from their state re-keyed for this world, with one warning.
-
-        Raises:
-            ValueError: ``own`` is not such a state, or names parameters this optimizer does
-                not have.
-        """
-        try:
-            step = int(own["step"])
-            codec_states, fallback, sparse = own["codec_states"], own["fallback"], own["sparse"]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError("not a horovod_quant optimizer state: pass what state_dict() "
-                             "or own_state() returned") from None
-        key_of = _key_by_name(self._layout.names)
-        self._step = step
-        load_codec_states(self.codec_states, codec_states, own.get("world_size"),
-                          self._comm.size, "hq.torch.DistributedOptimizer")
-        self._fallback.load_state_dict(fallback, key_of)
-        self._layout.sparse = {key_of(name) for name in sparse}
-        self._relayout(check=False)
-
-    def _adopt_group_state(self) -> None:
-        """Load the state a load or Horovod's ``broadcast_optimizer_state`` left in the first
-        parameter group (at the start of the next step at the latest)."""
-        if self.param_groups and STATE_KEY in self.param_groups[0]:
-            self.load_own_state(self.param_groups[0].pop(STATE_KEY))
-
     def zero_grad(self, *args, **kwargs):
         if self._horovod.in_flight or self._schedule.in_flight:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
@@ -519,7 +519,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     chosen = door_options(settings, options, inherited, takes=DOOR_SETTINGS)
     if num_groups and groups is None:
         groups = num_groups
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__, SettingsAttributes),
+    cls = type(optimizer.__class__.__name__, (_OwnState, optimizer.__class__, SettingsAttributes),
                dict(_QuantDistributedOptimizer.__dict__))
     # Horovod's broadcast_optimizer_state initializes the state of a fresh optimizer with a
     # step; for optimizers of its own module it runs the wrapped optimizer's step, not the one
