@@ -472,6 +472,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             self._delay[key] = passes
 
     def zero_grad(self, *args, **kwargs):
+        self._refusal.check()
         if self._horovod.in_flight or self._schedule.in_flight:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize()")

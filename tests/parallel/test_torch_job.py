@@ -317,7 +317,10 @@ def test_a_rank_one_step_ahead_raises_on_every_rank_within_seconds(door):
     assert "out of step" in message or "different tensors" in message, message
     _same_message_naming_the_steps(message, {0: 3}, 2, getattr(opt, "topology", None))
     with pytest.raises(RuntimeError, match="stopped at an error"):
-        _run_steps(model, opt, range(3, 4))
+        if comp is None:
+            _run_steps(model, opt, range(3, 4))
+        else:  # Horovod's optimizer keeps its own handles; the compressor refuses
+            comp.compress(torch.ones(3))
 
 
 def test_a_plain_torch_state_dict_still_loads():
@@ -328,7 +331,9 @@ def test_a_plain_torch_state_dict_still_loads():
     opt = _optimizer(model, "qsgd")
     _run_steps(model, opt, range(1))
     opt.load_state_dict(plain.state_dict())
-    assert opt._step == 1 and opt.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
+    groups = opt.state_dict()["param_groups"]
+    assert opt._step == 1 and groups[0].pop(STATE_KEY)["step"] == 1
+    assert groups == plain.state_dict()["param_groups"]
 
 
 def test_compressor_resumes_bit_for_bit():
