@@ -119,6 +119,11 @@ def check_tags(tags: Sequence[Tag], name: str = "") -> None:
     tags = [tuple(int(v) for v in t) for t in tags]
     if all(t == tags[0] for t in tags):
         return
+    keys = {t[1] for t in tags}
+    if any(k ^ _SPOILED in keys for k in keys):
+        raise ValueError(
+            f"horovod_quant: the ranks of another host disagree on exchange {name!r} (their "
+            "own error names the ranks and the steps or tensors); nothing was combined")
     steps = [t[2] for t in tags]
     if any(s != steps[0] for s in steps):
         ranks = ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps))
@@ -138,7 +143,10 @@ def check_tags(tags: Sequence[Tag], name: str = "") -> None:
 def spoiled(tag: Tag) -> Tag:
     """A tag no rank exchanging ``tag`` sends: what a rank that found its host's ranks at odds
     sends on, so that the ranks of every other host raise too."""
-    return tag[0], tag[1] ^ 0xFFFF_FFFF_FFFF_FFFF, tag[2]
+    return tag[0], tag[1] ^ _SPOILED, tag[2]
+
+
+_SPOILED = 0xFFFF_FFFF_FFFF_FFFF  # what spoils a key
 
 
 def tag_words(tag: Tag) -> np.ndarray:
