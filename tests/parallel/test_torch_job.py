@@ -3,6 +3,7 @@ once, backward_passes_per_step changes between steps, a job resumed from a check
 bit for bit, layers frozen and unfrozen between steps, fp16 and bf16 gradients and parameters,
 GradScaler's skipped steps and a compiled model keep every rank identical."""
 import io
+import json
 import time
 import warnings
 
@@ -320,6 +321,52 @@ def test_a_rank_one_step_ahead_raises_on_every_rank_within_seconds(door):
             _run_steps(model, opt, range(3, 4))
         else:  # Horovod's optimizer keeps its own handles; the compressor refuses
             comp.compress(torch.ones(3))
+
+
+def _as_if_saved_at(own, world):
+    """``own`` (an optimizer's or compressor's state) as a job of ``world`` ranks saved it."""
+    own["codec_states"] = {json.dumps({**json.loads(k), "world_size": world}, sort_keys=True): v
+                           for k, v in own["codec_states"].items()}
+    own["world_size"] = world
+
+
+@pytest.mark.parametrize("door", ["optimizer", "compression"])
+def test_a_state_saved_at_another_world_size_is_adapted_with_one_warning(door):
+    """NDQSG's state saved by a job of another world size (here: this job's, relabelled as
+    one rank more's) is carried to the codec built for this one, with one warning naming
+    both sizes: the run continues as the uninterrupted one, so nothing was dropped."""
+    if hvd.size() == 1:
+        return
+    n, half, other = 4, 2, hvd.size() + 1
+
+    def fresh():
+        torch.manual_seed(0)
+        model = Linear(SHAPES)
+        if door == "optimizer":
+            return model, _optimizer(model, "nested_dithered", codec={"bits": 6}), None
+        return (model, *_compressed(model, "nested_dithered"))
+
+    model, opt, _ = fresh()
+    _run_steps(model, opt, range(n))
+    straight = _params(model)
+    model, opt, comp = fresh()
+    _run_steps(model, opt, range(half))
+    saved = _round_trip({"model": model.state_dict(), "opt": opt.state_dict(),
+                         "compression": comp and comp.state_dict()})
+    own = saved["compression"] or saved["opt"]["param_groups"][0][STATE_KEY]
+    assert own["codec_states"]
+    _as_if_saved_at(own, other)
+    model, opt, comp = fresh()
+    model.load_state_dict(saved["model"])
+    with pytest.warns(UserWarning) as caught:
+        opt.load_state_dict(saved["opt"])
+        if comp is not None:
+            comp.load_state_dict(saved["compression"])
+    ours = [str(w.message) for w in caught if "world size" in str(w.message)]
+    want = f"saved at world size {other} and is loaded at world size {hvd.size()}"
+    assert len(ours) == 1 and want in ours[0], ours
+    _run_steps(model, opt, range(half, n))
+    assert torch.equal(_params(model), straight)
 
 
 def test_a_plain_torch_state_dict_still_loads():
