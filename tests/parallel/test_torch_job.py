@@ -2,6 +2,7 @@
 once, backward_passes_per_step changes between steps, a job resumed from a checkpoint continues
 bit for bit, layers frozen and unfrozen between steps, fp16 and bf16 gradients and parameters,
 GradScaler's skipped steps and a compiled model keep every rank identical."""
+import functools
 import io
 import json
 import time
@@ -55,10 +56,11 @@ def _optimizer(model, name, momentum=0.9, **kw):
 
 
 # -- synchronize() and step() -------------------------------------------------------------------
-def _compressed(model, name, momentum=0.9):
+def _compressed(model, name, momentum=0.9, **codec):
     """Horovod's optimizer with ``compression=`` a horovod_quant compressor; (optimizer,
     compressor)."""
-    comp = getattr(hqt.Compression, name)(seed=SEED, policy=EVERYTHING, **codec_params(name))
+    comp = getattr(hqt.Compression, name)(seed=SEED, policy=EVERYTHING, **codec_params(name),
+                                          **codec)
     return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
                                                     momentum=momentum),
                                     named_parameters=model.named_parameters(),
@@ -202,29 +204,37 @@ def test_optimizer_resumes_bit_for_bit(name, params, mode, monkeypatch):
     assert _same_everywhere(straight)
 
 
-def _horovod_resume(door, name, momentum, broadcast_state, ahead=0, topology=None):
-    """N/2 steps, a checkpoint, then Horovod's recipe: a new model and optimizer, the
-    checkpoint loaded on rank 0 alone (its step plus ``ahead``), Horovod's broadcasts of the
-    parameters and the optimizer state (and ``hqt.broadcast_state`` where asked), N/2 more
-    steps. Returns the parameters."""
-    n, half = 6, 3
+def _job(door, name, momentum=0.9, **codec):
+    """A new model and its optimizer through ``door`` (hq's "optimizer", or Horovod's with
+    "compression"): (model, optimizer, compressor or None)."""
+    torch.manual_seed(0)
+    model = Linear(SHAPES)
+    if door == "optimizer":
+        return model, _optimizer(model, name, momentum=momentum, codec=codec), None
+    return (model, *_compressed(model, name, momentum, **codec))
 
-    def fresh():
-        torch.manual_seed(0)
-        model = Linear(SHAPES)
-        if door == "optimizer":
-            return model, _optimizer(model, name, momentum=momentum), None
-        return (model, *_compressed(model, name, momentum))
 
+def _checkpoint(model, opt, comp):
+    """The job's checkpoint, through torch.save / torch.load."""
+    return _round_trip({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "compression": None if comp is None else comp.state_dict()})
+
+
+def _straight_and_saved(fresh, n, half):
+    """The parameters after ``n`` steps of a ``fresh()`` job, and the checkpoint of another
+    after ``half``."""
+    model, opt, _ = fresh()
+    _run_steps(model, opt, range(n))
+    straight = _params(model)
     model, opt, comp = fresh()
     _run_steps(model, opt, range(half))
-    saved = _round_trip({"model": model.state_dict(), "opt": opt.state_dict(),
-                         "compression": None if comp is None else comp.state_dict()})
-    if door == "optimizer":
-        saved["opt"]["param_groups"][0][STATE_KEY]["step"] += ahead
-    else:
-        uses = saved["compression"]["uses"]
-        saved["compression"]["uses"] = {k: v + ahead for k, v in uses.items()}
+    return straight, _checkpoint(model, opt, comp)
+
+
+def _horovod_resume(fresh, saved, steps, broadcast_state, topology=None):
+    """Horovod's recipe: a ``fresh()`` job, the checkpoint ``saved`` loaded on rank 0 alone,
+    Horovod's broadcasts of the parameters and the optimizer state (and
+    ``hqt.broadcast_state`` where asked), then ``steps``. Returns the parameters."""
     model, opt, comp = fresh()
     if hvd.rank() == 0:
         model.load_state_dict(saved["model"])
@@ -237,7 +247,7 @@ def _horovod_resume(door, name, momentum, broadcast_state, ahead=0, topology=Non
         hqt.broadcast_state(opt, root_rank=0)
     if topology is not None:
         topology.append(getattr(opt, "topology", None))
-    _run_steps(model, opt, range(half, n))
+    _run_steps(model, opt, steps)
     return _params(model)
 
 
@@ -249,14 +259,9 @@ def test_horovod_recipe_resumes_bit_for_bit(door, momentum, broadcast_state):
     hvd.broadcast_optimizer_state carries it; where Horovod broadcasts nothing (plain SGD,
     stateless) and for compression= (the compressor's state), hqt.broadcast_state carries
     it. The job continues bit for bit as the uninterrupted one, on every rank."""
-    name = "nested_dithered"
-    torch.manual_seed(0)
-    model = Linear(SHAPES)
-    opt, _ = ((_optimizer(model, name, momentum=momentum), None) if door == "optimizer"
-              else _compressed(model, name, momentum))
-    _run_steps(model, opt, range(6))
-    straight = _params(model)
-    resumed = _horovod_resume(door, name, momentum, broadcast_state)
+    fresh = functools.partial(_job, door, "nested_dithered", momentum)
+    straight, saved = _straight_and_saved(fresh, 6, 3)
+    resumed = _horovod_resume(fresh, saved, range(3, 6), broadcast_state)
     assert torch.equal(resumed, straight)
     assert _same_everywhere(resumed)
 
@@ -268,9 +273,13 @@ def test_checkpoint_on_rank_0_alone_raises_on_every_rank_within_seconds(door):
     rank raises, within seconds, an error naming each rank's step and the fix."""
     if hvd.size() == 1:
         return
+    fresh = functools.partial(_job, door, "qsgd", 0.0)
+    model, opt, comp = fresh()
+    _run_steps(model, opt, range(3))
+    saved = _checkpoint(model, opt, comp)
     start, topology = time.monotonic(), []
     with pytest.raises(ValueError) as raised:
-        _horovod_resume(door, "qsgd", 0.0, broadcast_state=False, topology=topology)
+        _horovod_resume(fresh, saved, range(3, 4), broadcast_state=False, topology=topology)
     assert time.monotonic() - start < 30
     _same_message_naming_the_steps(str(raised.value), {0: 3}, 0, topology[0],
                                    "is at" if door == "compression" else "at")
@@ -298,10 +307,7 @@ def test_a_rank_one_step_ahead_raises_on_every_rank_within_seconds(door):
     whose tags differ, and the optimizer goes on no more."""
     if hvd.size() == 1:
         return
-    torch.manual_seed(0)
-    model = Linear(SHAPES)
-    opt, comp = ((_optimizer(model, "qsgd"), None) if door == "optimizer"
-                 else _compressed(model, "qsgd"))
+    model, opt, comp = _job(door, "qsgd")
     _run_steps(model, opt, range(2))
     if hvd.rank() == 0:  # one step ahead of the others from here on
         if comp is None:
@@ -338,21 +344,8 @@ def test_a_state_saved_at_another_world_size_is_adapted_with_one_warning(door):
     if hvd.size() == 1:
         return
     n, half, other = 4, 2, hvd.size() + 1
-
-    def fresh():
-        torch.manual_seed(0)
-        model = Linear(SHAPES)
-        if door == "optimizer":
-            return model, _optimizer(model, "nested_dithered", codec={"bits": 6}), None
-        return (model, *_compressed(model, "nested_dithered"))
-
-    model, opt, _ = fresh()
-    _run_steps(model, opt, range(n))
-    straight = _params(model)
-    model, opt, comp = fresh()
-    _run_steps(model, opt, range(half))
-    saved = _round_trip({"model": model.state_dict(), "opt": opt.state_dict(),
-                         "compression": comp and comp.state_dict()})
+    fresh = functools.partial(_job, door, "nested_dithered", bits=6)
+    straight, saved = _straight_and_saved(fresh, n, half)
     own = saved["compression"] or saved["opt"]["param_groups"][0][STATE_KEY]
     assert own["codec_states"]
     _as_if_saved_at(own, other)
@@ -386,24 +379,8 @@ def test_compressor_resumes_bit_for_bit():
     """Horovod's optimizer with compression=: the compressor's use counters (the seeds) and
     codec states in its state_dict, beside the model's and the optimizer's."""
     n, half = 4, 2
-
-    def fresh():
-        torch.manual_seed(0)
-        model = Linear(SHAPES)
-        comp = hqt.Compression.nested_dithered(seed=SEED, policy=EVERYTHING, bits=6,
-                                               **codec_params("nested_dithered"))
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters(),
-                                       compression=comp)
-        return model, opt, comp
-
-    model, opt, _ = fresh()
-    _run_steps(model, opt, range(n))
-    straight = _params(model)
-    model, opt, comp = fresh()
-    _run_steps(model, opt, range(half))
-    saved = _round_trip({"model": model.state_dict(), "opt": opt.state_dict(),
-                         "compression": comp.state_dict()})
+    fresh = functools.partial(_job, "compression", "nested_dithered", 0.0, bits=6)
+    straight, saved = _straight_and_saved(fresh, n, half)
     model, opt, comp = fresh()
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
