@@ -104,13 +104,17 @@ def unframe_all(buf: Any, n: int, what: str, name: str = "") -> list[Any]:
     return parts
 
 
-class OutOfStep(ValueError):
+class TagMismatch(ValueError):
+    """The ranks' tags differ: their exchanges paired different tensors (:func:`check_tags`)."""
+
+
+class OutOfStep(TagMismatch):
     """The ranks' exchanges paired payloads of different steps (:func:`check_tags`)."""
 
 
 def check_tags(tags: Sequence[Tag], name: str = "") -> None:
-    """Raise ValueError when the ranks' tags differ (:class:`OutOfStep` where their steps
-    do). Every rank holds every tag, so every rank raises the same error (or none does).
+    """Raise :class:`TagMismatch` when the ranks' tags differ (:class:`OutOfStep` where their
+    steps do). Every rank holds every tag, so every rank raises the same error (or none does).
 
     Args:
         tags: one per rank, in rank order (the senders' tags).
@@ -121,7 +125,7 @@ def check_tags(tags: Sequence[Tag], name: str = "") -> None:
         return
     keys = {t[1] for t in tags}
     if any(k ^ _SPOILED in keys for k in keys):
-        raise ValueError(
+        raise TagMismatch(
             f"horovod_quant: the ranks of another host disagree on exchange {name!r} (their "
             "own error names the ranks and the steps or tensors); nothing was combined")
     steps = [t[2] for t in tags]
@@ -134,7 +138,7 @@ def check_tags(tags: Sequence[Tag], name: str = "") -> None:
             "broadcasts), and run every step on every rank")
     lines = "\n".join(f"  rank {r}: {t[0]} elements (key {t[1]:016x})"
                       for r, t in enumerate(tags))
-    raise ValueError(
+    raise TagMismatch(
         f"horovod_quant: the ranks sent different tensors to exchange {name!r} (a layer of "
         "another shape or name on some rank, or ranks that call the compressor in a "
         f"different order); nothing was combined:\n{lines}")
