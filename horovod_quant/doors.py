@@ -8,16 +8,19 @@ The doors: Horovod PyTorch's ``compression=`` (:mod:`horovod_quant.torch.compres
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Iterable
+import warnings
+from typing import Any, Callable, Iterable, Iterator
 
 from .core import available_codecs, get_codec
 from .core.base import Codec, check_int
 from .core.contract import Combine
 from .core.registry import codec_class
 from .env import env_seconds
+from .exchange.codec_states import CodecStates
 from .exchange.collectives import Collectives, Handle, growing_pauses
 from .exchange.plans import DEFAULT_PIPELINE_ELEMS, check_gather, check_pipeline_elems
 from .fallback import check_baseline, check_fallback
@@ -297,11 +300,24 @@ class ConfigCheck:
             if any(c != configs[0] for c in configs):
                 lines = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(configs))
                 self._error = ValueError(
-                    "horovod_quant configuration differs between ranks; every rank must build "
-                    f"the same codec, parameters, seed, policy and layout:\n{lines}")
+                    f"horovod_quant configuration differs between ranks; {_steps_at_odds(configs)}"
+                    "every rank must build the same codec, parameters, seed, policy and "
+                    f"layout:\n{lines}")
         if self._error is not None:
             raise self._error
         return self.prefix
+
+
+def _steps_at_odds(configs: list[dict]) -> str:
+    """The sentence naming each rank's ``"step"`` where they differ (a checkpoint loaded on
+    some ranks only), else ""."""
+    steps = [c.get("step") if isinstance(c, dict) else None for c in configs]
+    if all(s == steps[0] for s in steps):
+        return ""
+    ranks = ", ".join(f"rank {r} is at step {s}" for r, s in enumerate(steps))
+    return (f"{ranks}: load the checkpoint on every rank, or broadcast the optimizer state from "
+            "the rank that loaded it (horovod_quant.torch.broadcast_state beside Horovod's "
+            "broadcasts); ")
 
 
 def check_same_config(comm: Collectives, config: dict) -> str:
@@ -424,6 +440,57 @@ class CompressorSettings(SettingsAttributes):
         return {"door": "compressor", **self.codec.config(), "seed": self.seed,
                 "gather": self.gather, "pipeline_elems": self.pipeline_elems,
                 "policy": describe(self.policy)}
+
+
+class Refusal:
+    """A door that stops at its first error: once a part of a step raised, the ranks'
+    exchanges may have stopped at different points, and going on would leave them different,
+    so every later part raises, naming the first error and what to build instead.
+
+    Args:
+        door: the door, for the message.
+        fresh: what to build to go on.
+    """
+
+    def __init__(self, door: str, fresh: str) -> None:
+        self._door, self._fresh = door, fresh
+        self.failed: str | None = None  # the first error, one line
+
+    def check(self) -> None:
+        """Raise RuntimeError once an error stopped the door."""
+        if self.failed is not None:
+            raise RuntimeError(
+                f"horovod_quant: this {self._door} stopped at an error ({self.failed}); its "
+                "exchanges may have stopped at different points on different ranks, so it "
+                f"does not go on: build {self._fresh}, and load a checkpoint on every rank "
+                "(or on one and broadcast it)")
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Run a part of a step: :meth:`check` first; an error inside stops the door."""
+        self.check()
+        try:
+            yield
+        except BaseException as exc:
+            self.failed = f"{type(exc).__name__}: {exc}".split("\n")[0]
+            raise
+
+
+def load_codec_states(states: CodecStates, saved: dict, saved_world: int | None, world: int,
+                      door: str) -> None:
+    """Load a checkpoint's codec states into a door's ``states``. Saved at another world size
+    (``saved_world``; None: not recorded), the states of the codecs built for the number of
+    workers are carried to the same codecs built for ``world`` (each re-measures at its next
+    exchange), with one warning naming both sizes."""
+    if saved_world is None or int(saved_world) == world:
+        states.load_state_dict(saved)
+        return
+    rekeyed = states.load_state_dict(saved, (int(saved_world), world))
+    warnings.warn(f"horovod_quant: the {door} state was saved at world size {saved_world} and "
+                  f"is loaded at world size {world}: the step carries over"
+                  + (f", and the adaptive states of the codecs built for {saved_world} workers "
+                     f"({len(rekeyed)}) now serve the same codecs built for {world}"
+                     if rekeyed else ""), UserWarning, stacklevel=3)
 
 
 def mpi_exchange_config(codecs: Iterable[Codec]) -> dict:

@@ -4,10 +4,12 @@ A codec is a value (:meth:`~horovod_quant.core.base.Codec.config_key` names it);
 encoding adapts between exchanges (NDQSG) gets its state from ``codec.new_state()``, and
 :class:`CodecStates` keeps one such state per configuration for the exchanges of one door:
 equal configurations share a codec object safely, and a checkpoint saves and restores the
-states by configuration (:meth:`CodecStates.state_dict`).
+states by configuration (:meth:`CodecStates.state_dict`), re-keyed for another number of
+workers where a job resumes at another world size.
 """
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -44,9 +46,19 @@ class CodecStates:
                           if state is not None})
         return saved
 
-    def load_state_dict(self, saved: dict[str, dict[str, Any]]) -> None:
+    def load_state_dict(self, saved: dict[str, dict[str, Any]],
+                        world_sizes: tuple[int, int] | None = None) -> list[str]:
         """Restore :meth:`state_dict`'s states; a configuration not seen yet takes its state
         when first asked for.
+
+        Args:
+            saved: what :meth:`state_dict` returned.
+            world_sizes: ``(saved, now)``: the states of configurations built for ``saved``
+                workers (their ``world_size``) become those of the same configuration built
+                for ``now`` workers.
+
+        Returns:
+            The saved configurations so re-keyed.
 
         Raises:
             ValueError: ``saved`` is not such a mapping, or an entry does not fit its codec.
@@ -54,6 +66,15 @@ class CodecStates:
         if not isinstance(saved, dict):
             raise ValueError(f"codec states must be the dict CodecStates.state_dict() gave, "
                              f"got {type(saved).__name__}")
+        rekeyed = []
+        if world_sizes is not None:
+            saved = dict(saved)
+            for key in list(saved):
+                config = json.loads(key)
+                if config.get("world_size") == world_sizes[0]:
+                    config["world_size"] = world_sizes[1]
+                    saved[json.dumps(config, sort_keys=True)] = saved.pop(key)
+                    rekeyed.append(key)
         with self._lock:
             self._loaded = {}
             for key, state in saved.items():
@@ -62,3 +83,4 @@ class CodecStates:
                     current.load_state_dict(state)
                 else:
                     self._loaded[key] = dict(state)
+        return rekeyed

@@ -227,7 +227,8 @@ def hierarchical_plan(p: Piece, inner: str) -> Plan:
     (docs/codecs.md).
 
     Tags: a host whose ranks sent different tensors goes on with a spoiled tag, so that the
-    first collective between the hosts (which checks tags) raises on every rank."""
+    first collective between the hosts (which checks tags) fails on every rank; one allgather
+    of the ranks' own tags then gives every rank the same error, ranks numbered in the world."""
     place, v = p.place, as_vector(p.x)
     xp = array_module(v)
     bounds = chunk_bounds(v.size, place.local_size)
@@ -245,7 +246,7 @@ def hierarchical_plan(p: Piece, inner: str) -> Plan:
                                             place.local_size, xp.empty(hi - lo, np.float32))
     tag = p.tag if mismatch is None else wire.spoiled(p.tag)
     codec = p.codec.for_world_size(place.hosts)
-    norm = None
+    norm, at_odds = None, mismatch
     try:
         if isinstance(codec, GlobalNorm):
             norm = yield from _in_group(norm_plan(codec, [host_mean], tag, p.label), CROSS,
@@ -256,12 +257,15 @@ def hierarchical_plan(p: Piece, inner: str) -> Plan:
         shard = Piece(codec, host_mean, shard_seed(p.seed, place.local), place.host,
                       place.hosts, norm, tag, p.out[lo:hi], p.label, states=p.states)
         yield from _in_group(PLANS[inner](shard), CROSS)
+    except wire.TagMismatch as exc:
+        at_odds = mismatch or exc
     except ValueError:
         if mismatch is not None:
             raise mismatch from None
         raise
-    if mismatch is not None:  # every host was at odds: every rank raises here
-        raise mismatch
+    if at_odds is not None:  # every rank is here: every cross group holds a rank of each host
+        wire.check_tag_words((yield Allgather(wire.tag_words(p.tag), ".tags.world")), p.label)
+        raise at_odds
     gathered = yield Allgather(p.out[lo:hi], ".local.gather", group=LOCAL)
     xp.concatenate(gathered if isinstance(gathered, list) else [gathered], out=p.out)
     return p.out

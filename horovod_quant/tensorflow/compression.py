@@ -41,6 +41,7 @@ from ..doors import (
     DoorOptions,
     RequestedCodec,
     door_options,
+    load_codec_states,
     mpi_exchange_config,
 )
 from ..exchange import plans, wire
@@ -130,7 +131,7 @@ class _Spec(NamedTuple):
 
     codec: Codec
     kind: str  # plans.plan_kind
-    key: str | None  # horovod_name, or None: the tag then names the call index
+    key: str | None  # horovod_name, or None (the tag's step, the call index, tells them apart)
     shape: tuple
     rank: int
     n: int
@@ -138,7 +139,7 @@ class _Spec(NamedTuple):
     custom: Any  # the codec's custom collective (plans.Custom), or None
 
     def tag(self, k: int) -> wire.Tag:
-        return wire.exchange_tag(f"{self.key}#{k}" if self.key else f"#{k}", self.shape)
+        return wire.exchange_tag(self.key or "#", self.shape, k)
 
     def label(self, k: int) -> str:
         """The exchange's name in error messages."""
@@ -155,27 +156,33 @@ class _Ctx(NamedTuple):
 
 class _SavedCodecStates(tf.train.experimental.PythonState):
     """A compressor's :class:`~horovod_quant.exchange.codec_states.CodecStates` in a
-    ``tf.train.Checkpoint`` (as JSON)."""
+    ``tf.train.Checkpoint`` (as JSON), with the world size they were saved at (adapted with one
+    warning at another, :func:`~horovod_quant.doors.load_codec_states`)."""
 
-    def __init__(self, states: CodecStates) -> None:
-        self._states = states
+    def __init__(self, states: CodecStates, world_size: Any) -> None:
+        self._states, self._world_size = states, world_size
 
     def serialize(self) -> str:
-        return json.dumps(self._states.state_dict())
+        return json.dumps({"world_size": self._world_size(),
+                           "codec_states": self._states.state_dict()})
 
     def deserialize(self, string_value: Any) -> None:
         text = string_value.decode() if isinstance(string_value, bytes) else string_value
-        self._states.load_state_dict(json.loads(text))
+        saved = json.loads(text)
+        if "codec_states" not in saved:  # saved without its world size
+            saved = {"world_size": None, "codec_states": saved}
+        load_codec_states(self._states, saved["codec_states"], saved["world_size"],
+                          self._world_size(), "TensorFlow compressor")
 
 
 class _CompressorCheckpoint(tf.Module):
     """What a checkpoint of a compressor holds: its call counter (``calls``) and its codec
     states."""
 
-    def __init__(self, counter: tf.Variable, states: CodecStates) -> None:
+    def __init__(self, counter: tf.Variable, states: CodecStates, world_size: Any) -> None:
         super().__init__(name="horovod_quant")
         self.calls = counter
-        self.codec_states = _SavedCodecStates(states)
+        self.codec_states = _SavedCodecStates(states, world_size)
 
 
 class QuantizedCompressor(CompressorSettings, Compressor):
@@ -214,7 +221,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             self._counter = tf.Variable(0, dtype=tf.int64, trainable=False,
                                         name=f"hq_calls_{self._id}")
         self.codec_states = CodecStates()
-        self.checkpointable = _CompressorCheckpoint(self._counter, self.codec_states)
+        self.checkpointable = _CompressorCheckpoint(self._counter, self.codec_states,
+                                                    lambda: self._ps().size())
         self._check: ConfigCheck | None = None
         self._prefix: str | None = None  # the check's prefix, once it passed
         self._customs: dict[str, Any] = {}  # custom collectives by codec config_key

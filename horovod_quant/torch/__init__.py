@@ -28,6 +28,8 @@ def __getattr__(name: str) -> Any:
             from . import optimizer as module
         elif name == "StatsLogger":
             from . import reporting as module
+        elif name == "broadcast_state":
+            from . import broadcast as module
         else:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     except ModuleNotFoundError as exc:
@@ -41,4 +43,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["Compression", "DistributedOptimizer", "DoorOptions", "LayerPolicy",
-           "QuantizedCompressor", "StatsLogger", "StepStats"]
+           "QuantizedCompressor", "StatsLogger", "StepStats", "broadcast_state"]

@@ -11,9 +11,10 @@ Tensors are matched across ranks by the name the user gave Horovod
 ``derive_key(seed, u, name_key(key))`` and collective ``<check prefix>.<key>``; unnamed tensors
 are keyed ``#j`` (the j-th of the step). No exchange that waits for a peer starts before the
 configuration check passed; the first ``decompress`` of a step puts every exchange on the wire
-and finishes them in key order. The use counters and the adaptive codecs' states are a job's
-state: ``state_dict()``/``load_state_dict()`` carry them across a checkpoint. docs/pytorch.md,
-section 2, tells the whole story.
+and finishes them in key order. Tags carry the use count (ranks out of step raise); after an
+error it refuses to go on. The use counters and codec states are a job's state (``state_dict``,
+:func:`~horovod_quant.torch.broadcast.broadcast_state`). Horovod's optimizer averaging again
+(``step()`` after ``synchronize()``) gets the means back unchanged. docs/pytorch.md, section 2.
 """
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ from ..doors import (
     CompressorSettings,
     ConfigCheck,
     DoorOptions,
+    Refusal,
     RequestedCodec,
     door_options,
+    load_codec_states,
     mpi_exchange_config,
 )
 from ..exchange.codec_states import CodecStates
@@ -68,6 +71,15 @@ class _Job:
             self.pending = exchange.start(self.flat, self.seed, self.name, tag=self.tag)
 
 
+class _Averaged:
+    """The ``ctx`` of a gradient Horovod's optimizer averages again: it comes back as it is."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
+
+
 class QuantizedCompressor(CompressorSettings, Compressor):
     """A ``horovod.torch.compression.Compressor`` running a horovod_quant codec.
 
@@ -96,9 +108,12 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._decompressing = False
         self._deferred: list[_Job] = []  # not started yet
         self._open: list[_Job] = []  # not finished yet
+        self._refusal = Refusal("compressor", "a new compressor (and a new Horovod "
+                                "DistributedOptimizer)")
 
     def shared_config(self) -> dict:
         return {**super().shared_config(), **mpi_exchange_config(self.policy.codecs(self.codec)),
+                "step": max((n for _, n in self._resumed), default=0),
                 "resumed_uses": self._resumed}
 
     def _finish_step(self) -> None:
@@ -125,15 +140,23 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             with stream_of(job.grad):
                 job.pending.wait()
 
+    def _world_size(self) -> int:
+        return (self.process_set if self.process_set is not None else hvd.global_process_set
+                ).size()
+
     def state_dict(self) -> dict[str, Any]:
         """What a resumed job needs to continue with the same seeds and codec states: how many
-        times each tensor key was exchanged, and the codec states (plain Python values, for
-        ``torch.save`` beside the model's and optimizer's state dicts)."""
-        return {"uses": dict(self._uses), "codec_states": self.codec_states.state_dict()}
+        times each tensor key was exchanged, the world size, and the codec states (plain Python
+        values, for ``torch.save`` beside the model's and optimizer's state dicts)."""
+        return {"uses": dict(self._uses), "world_size": self._world_size(),
+                "codec_states": self.codec_states.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s state, on every rank, before the first step (the
-        cross-rank check at the first step then compares the loaded counters too).
+        """Continue from :meth:`state_dict`'s state before the first step, on every rank (or on
+        one, then :func:`~horovod_quant.torch.broadcast.broadcast_state`); the cross-rank check
+        at the first step compares the loaded counters: ranks at different steps raise the same
+        error. A state saved at another world size is adapted, with one warning
+        (:func:`~horovod_quant.doors.load_codec_states`).
 
         Raises:
             ValueError: ``state`` is not such a state, or the compressor has exchanged already.
@@ -147,10 +170,16 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             raise ValueError("not a compressor state: pass what QuantizedCompressor."
                              "state_dict() returned") from None
         self._uses, self._resumed = uses, sorted(uses.items())
-        self.codec_states.load_state_dict(state["codec_states"])
+        load_codec_states(self.codec_states, state["codec_states"], state.get("world_size"),
+                          self._world_size(), "compressor")
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        call = horovod_call()
+        with self._refusal.guard():
+            return self._compress(tensor, horovod_call())
+
+    def _compress(self, tensor: torch.Tensor, call: Any) -> tuple[torch.Tensor, Any]:
+        if call is not None and call.repeats_synchronize:  # averaged already: not again
+            return torch.ones(1, dtype=torch.float32), _Averaged(tensor)
         name = call.name(tensor) if call is not None else None
         if name is None and self.policy.rules and not self._warned_unnamed:
             self._warned_unnamed = True
@@ -177,7 +206,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             self._comm = transport_collectives(self.process_set, "horovod")
             self._check = ConfigCheck(self._comm, self.shared_config())
         job = _Job(name, codec, flat_array(tensor), derive_key(self.seed, use, name_key(name)),
-                   f"{self._check.prefix}.{name}", exchange_tag(name, tensor.shape), tensor)
+                   f"{self._check.prefix}.{name}", exchange_tag(name, tensor.shape, use), tensor)
         exchange = self._exchanges.get(codec.config_key())  # none before the check passed
         if exchange is None or exchange.blocks_on_peers:
             self._deferred.append(job)
@@ -189,6 +218,12 @@ class QuantizedCompressor(CompressorSettings, Compressor):
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         if ctx is None:
             return tensor
+        if isinstance(ctx, _Averaged):
+            return ctx.grad
+        with self._refusal.guard():
+            return self._decompress(tensor, ctx)
+
+    def _decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         self._decompressing = True
         if isinstance(ctx, torch.dtype):
             return tensor.to(ctx)

@@ -9,15 +9,15 @@
 
 The hook hands the bucket to the state's worker thread and returns a future at once, so
 backward goes on while the worker encodes, exchanges and decodes (:class:`BucketPipeline`: the
-collectives of every rank in one order, as torch.distributed's call-order pairing needs). In
-each bucket the parameters the state's :class:`~horovod_quant.policy.LayerPolicy` exempts are
-averaged exactly (one float32 allreduce); the others go through one exchange per codec, the
-codecs in the order of ``state.codecs``. The exchange of codec ``k`` in bucket ``i`` of step
+collectives of every rank in one order, as torch.distributed's call-order pairing needs). The
+parameters the policy exempts are averaged exactly; the others go through one exchange per
+codec, in the order of ``state.codecs``. The exchange of codec ``k`` in bucket ``i`` of step
 ``t`` uses seed ``state.seed_of(t, i, k)``, so ``mean_estimate(codec, [that vector on each
 rank], state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems,
 topology=state.topology, fabric=state.fabric)`` reproduces it exactly. The first hook runs the
-cross-rank check. ``state_dict()`` (and pickling, as ``PowerSGDState``) carries the step, the
-codecs' states and the fallback's (:mod:`horovod_quant.torch.ddp_fallback`) across a checkpoint.
+cross-rank configuration check; exchange tags carry the step (ranks out of step raise).
+``state_dict()`` and pickling (as ``PowerSGDState``) carry the step, the codecs' states and the
+fallback's (:mod:`horovod_quant.torch.ddp_fallback`) across a checkpoint (docs/ddp.md).
 """
 from __future__ import annotations
 
@@ -39,11 +39,13 @@ from ..doors import (
     ConfigCheck,
     DoorOptions,
     door_options,
+    load_codec_states,
 )
 from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
 from ..exchange.topology import SerialWorker, Topology
+from ..exchange.wire import exchange_tag
 from ..fallback import FallbackAttributes
 from ..stats import StepStats
 from .ddp_fallback import HookFallback
@@ -174,7 +176,72 @@ def _parts(codec_indices: list[int | None], ranges: list[tuple[int, int]]) -> li
     return [_Part(k, runs[k]) for k in order]
 
 
-class QuantizationState(CompressorSettings, FallbackAttributes):
+class _Checkpoints:
+    """A :class:`QuantizationState`'s checkpoints: ``state_dict`` / ``load_state_dict`` and
+    pickling, as PyTorch's ``PowerSGDState`` (a base class of the state)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed job needs to continue bit for bit: the step (the seeds), the world
+        size, the adaptive codecs' states and the fallback's decisions, as plain values."""
+        return {"step": self.step, "world_size": self._comm.size,
+                "codec_states": self.codec_states.state_dict(),
+                "fallback": self._hook_fallback.state_dict()}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s state, on every rank, before the first step
+        (the first hook's cross-rank check then compares the steps too). Saved at another
+        world size, the state is adapted with one warning
+        (:func:`~horovod_quant.doors.load_codec_states`).
+
+        Raises:
+            ValueError: the state has run a step already, or ``saved`` is not such a state.
+        """
+        if self._check is not None:
+            raise ValueError("load_state_dict() on a QuantizationState that has run a step: "
+                             "load into a new state, before training")
+        if not isinstance(saved, dict) or "step" not in saved or "codec_states" not in saved:
+            raise ValueError("not a QuantizationState state: pass what state_dict() returned")
+        self.step = int(saved["step"])
+        load_codec_states(self.codec_states, saved["codec_states"], saved.get("world_size"),
+                          self._comm.size, "DDP hook")
+        if "fallback" in saved:  # (a state saved before the hook had a fallback: none)
+            self._hook_fallback.load_state_dict(saved["fallback"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As PyTorch's ``PowerSGDState``: everything but the process group and what lives
+        only in this process (collectives, buffers, threads)."""
+        if self.policy.rules:
+            raise ValueError("a QuantizationState whose policy has name rules does not "
+                             "pickle (its names point at this process's parameters): save "
+                             "state.state_dict() and load it into a state built as this one")
+        return {"codec": self.codec, "options": self.options,
+                "parameters": self._parameters, "saved": self.state_dict()}
+
+    def __setstate__(self, pickled: dict[str, Any]) -> None:
+        """Unpickle on every rank, after ``init_process_group``: the state runs on the default
+        group (set ``process_group`` by building a new state for another group). Pickled at
+        another world size, a codec built for the number of workers is built again for this
+        one, and its state adapted, with one warning."""
+        log.warning("horovod_quant: an unpickled QuantizationState runs on the default "
+                    "process group")
+        comm = process_group_collectives(own_group(None))
+        codec, saved = pickled["codec"], dict(pickled["saved"])
+        if codec.needs_world_size and codec.params["world_size"] != comm.size:
+            # the codec's group: the pickling job's (one without it in its state predates it)
+            saved.setdefault("world_size", codec.params["world_size"])
+            params = {k: v for k, v in codec.params.items() if k != "world_size"}
+            codec = CodecRequest(codec.name, params).build(lambda: comm.size)
+        CompressorSettings.__init__(self, codec, pickled["options"])
+        self._names, self._parameters = None, pickled["parameters"]
+        self.codecs = [codec]  # a state that pickles has no rules, so no other codec
+        self._codec_indices = {c.config_key(): k for k, c in enumerate(self.codecs)}
+        self.codec_states = CodecStates()
+        self._connect(None, comm)
+        self.step = 0
+        self.load_state_dict(saved)
+
+
+class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
     """The state of :func:`quantization_hook` for one DDP model.
 
     Args:
@@ -297,54 +364,6 @@ class QuantizationState(CompressorSettings, FallbackAttributes):
             config["parameters"] = self._parameters
         return config
 
-    # -- checkpoints --------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """What a resumed job needs to continue bit for bit: the step (the seeds), the
-        adaptive codecs' states and the fallback's decisions, as plain Python values."""
-        return {"step": self.step, "codec_states": self.codec_states.state_dict(),
-                "fallback": self._hook_fallback.state_dict()}
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s state, on every rank, before the first step
-        (the first hook's cross-rank check then compares the steps too).
-
-        Raises:
-            ValueError: the state has run a step already, or ``saved`` is not such a state.
-        """
-        if self._check is not None:
-            raise ValueError("load_state_dict() on a QuantizationState that has run a step: "
-                             "load into a new state, before training")
-        if not isinstance(saved, dict) or "step" not in saved or "codec_states" not in saved:
-            raise ValueError("not a QuantizationState state: pass what state_dict() returned")
-        self.step = int(saved["step"])
-        self.codec_states.load_state_dict(saved["codec_states"])
-        if "fallback" in saved:  # (a state saved before the hook had a fallback: none)
-            self._hook_fallback.load_state_dict(saved["fallback"])
-
-    def __getstate__(self) -> dict[str, Any]:
-        """As PyTorch's ``PowerSGDState``: everything but the process group and what lives
-        only in this process (collectives, buffers, threads)."""
-        if self.policy.rules:
-            raise ValueError("a QuantizationState whose policy has name rules does not "
-                             "pickle (its names point at this process's parameters): save "
-                             "state.state_dict() and load it into a state built as this one")
-        return {"codec": self.codec, "options": self.options, "codecs": self.codecs,
-                "parameters": self._parameters, "saved": self.state_dict()}
-
-    def __setstate__(self, pickled: dict[str, Any]) -> None:
-        """Unpickle on every rank, after ``init_process_group``: the state runs on the default
-        group (set ``process_group`` by building a new state for another group)."""
-        log.warning("horovod_quant: an unpickled QuantizationState runs on the default "
-                    "process group")
-        CompressorSettings.__init__(self, pickled["codec"], pickled["options"])
-        self._names, self._parameters = None, pickled["parameters"]
-        self.codecs = pickled["codecs"]
-        self._codec_indices = {c.config_key(): k for k, c in enumerate(self.codecs)}
-        self.codec_states = CodecStates()
-        self._connect(None, process_group_collectives(own_group(None)))
-        self.step = 0
-        self.load_state_dict(pickled["saved"])
-
     def seed_of(self, step: int, index: int, codec_index: int = 0) -> int:
         """The seed of the exchange of ``codecs[codec_index]`` in bucket ``index`` at step
         ``step`` (module doc)."""
@@ -435,9 +454,11 @@ class QuantizationState(CompressorSettings, FallbackAttributes):
                     started.append((part, self._comm.allreduce_async(vector, f"{name}.exact")))
                     continue
                 k = part.codec_index
+                label = name if k == 0 else f"{name}.c{k}"
                 pending = self._exchanges[k].start(
-                    vector, self.seed_of(step, index, k), name if k == 0 else f"{name}.c{k}",
-                    out=self._mean_buffer(index, k, vector))
+                    vector, self.seed_of(step, index, k), label,
+                    out=self._mean_buffer(index, k, vector),
+                    tag=exchange_tag(label, (vector.size,), step))
                 pending.advance(block=True)  # when a norm arrives differs between ranks
                 started.append((part, pending))
 

@@ -70,15 +70,26 @@ class HorovodCall(NamedTuple):
     Attributes:
         site: its ``(module, function)``, a key of :data:`SITES`.
         local: the function's locals.
+        caller: the name of the function that called it.
     """
 
     site: tuple[str, str]
     local: Mapping[str, Any]
+    caller: str = ""
 
     def name(self, tensor: Any) -> str | None:
         """The name the call gives ``tensor`` (module doc), or None (``allreduce`` without
         ``name=``, or ``tensor`` is not what this call compresses)."""
         return SITES[self.site](self.local, tensor)
+
+    @property
+    def repeats_synchronize(self) -> bool:
+        """Whether this is Horovod's optimizer averaging a gradient again: its
+        ``synchronize()`` after a ``synchronize()`` with no backward pass between (a
+        ``step()`` outside ``skip_synchronize()``), which Horovod documents as harmless."""
+        return (self.site[1] in ("_allreduce_grad_async", "_grouped_allreduce_grad_async")
+                and self.caller == "synchronize"
+                and bool(getattr(self.local.get("self"), "_synchronized", False)))
 
 
 def horovod_call(depth: int = 1) -> HorovodCall | None:
@@ -91,6 +102,7 @@ def horovod_call(depth: int = 1) -> HorovodCall | None:
             return None
         site = (frame.f_globals.get("__name__"), frame.f_code.co_name)
         if site in SITES:
-            return HorovodCall(site, frame.f_locals)
+            caller = frame.f_back.f_code.co_name if frame.f_back is not None else ""
+            return HorovodCall(site, frame.f_locals, caller)
     return None
 

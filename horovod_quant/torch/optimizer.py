@@ -14,10 +14,10 @@ between steps: an unfrozen parameter's first gradient takes Horovod's allreduce,
 a frozen one keeps no gradient and leaves its bucket. The ranks check at construction that they
 agree on the codecs, the policy and the bucket layout, before anything else waits for a peer. A
 sparse gradient travels on Horovod's sparse path and leaves its bucket from the next step on.
-``state_dict()`` adds the optimizer's own state (its step, which seeds the exchanges, the
-adaptive codecs' states and the fallback's decisions) to the wrapped optimizer's under
-:data:`STATE_KEY`, so a job resumed from a checkpoint continues bit for bit. docs/pytorch.md,
-section 1, tells the whole story.
+``state_dict()`` adds its own state (step, codec states, fallback decisions) to the wrapped
+optimizer's first parameter group, where Horovod's ``broadcast_optimizer_state`` carries it
+too. Exchange tags carry the step (ranks out of step raise); after an error in a step it
+refuses to go on. docs/pytorch.md, section 1, tells the whole story.
 """
 from __future__ import annotations
 
@@ -34,9 +34,11 @@ from ..core.registry import get_codec, horovod_equivalent
 from ..doors import (
     DOOR_SETTINGS,
     DoorOptions,
+    Refusal,
     SettingsAttributes,
     check_same_config,
     door_options,
+    load_codec_states,
     mpi_exchange_config,
 )
 from ..exchange.codec_states import CodecStates
@@ -65,8 +67,9 @@ from .transport import (
 )
 from .trials import bucket_trials, horovod_plan
 
-#: the key of the optimizer's own state in its ``state_dict()``, beside torch's "state" and
-#: "param_groups"
+#: the key of the optimizer's own state in the first parameter group of its ``state_dict()``
+#: (where Horovod's ``broadcast_optimizer_state`` carries it; a checkpoint of an older version
+#: holds it beside torch's "state" and "param_groups", and still loads)
 STATE_KEY = "horovod_quant"
 
 
@@ -115,6 +118,79 @@ def _key_by_name(names: dict[int, str]) -> Callable[[str], int]:
     return key_of
 
 
+class _OwnState:
+    """The optimizer's own state in its checkpoints and broadcasts (a base class of the
+    optimizer, before the wrapped optimizer's class, whose ``state_dict`` it extends)."""
+
+    def own_state(self) -> dict[str, Any]:
+        """This optimizer's own state, plain values: the step (the exchanges' seeds), the
+        world size, the codec states, the fallback's decisions and the links it measured (the
+        plans' fabric) and the parameters found sparse (names, as ``named_parameters`` gave
+        them)."""
+        self._adopt_group_state()
+        names = self._layout.names
+        return {"step": self._step, "world_size": self._comm.size,
+                "codec_states": self.codec_states.state_dict(),
+                "fallback": self._fallback.state_dict(names.__getitem__),
+                "fabric": list(self.fabric),
+                "sparse": sorted(names[k] for k in self._layout.sparse)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict()`` with :meth:`own_state` under
+        :data:`STATE_KEY` in its first parameter group (where Horovod's
+        ``broadcast_optimizer_state`` carries it to every rank)."""
+        own = self.own_state()
+        saved = super(_OwnState, self).state_dict()
+        if saved["param_groups"]:
+            saved["param_groups"][0][STATE_KEY] = own
+        return saved
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`: torch's part as torch does, and this optimizer's own
+        state where there is one (a plain torch optimizer's state dict has none). Nothing here
+        waits for the other ranks: load on every rank, or on one and broadcast (Horovod's
+        ``broadcast_optimizer_state``, or :func:`~horovod_quant.torch.broadcast.
+        broadcast_state`); ranks whose steps differ raise the same error at their first
+        exchange."""
+        state_dict = dict(state_dict)
+        own = state_dict.pop(STATE_KEY, None)  # where an older version kept it
+        super(_OwnState, self).load_state_dict(state_dict)
+        if own is not None:
+            self.param_groups[0][STATE_KEY] = own
+        self._adopt_group_state()
+
+    def load_own_state(self, own: dict[str, Any]) -> None:
+        """Continue from :meth:`own_state`'s state (this rank alone, nothing waits for the
+        others). A state saved at another world size is adapted: the codecs built for the
+        number of workers start from their state re-keyed for this world, with one warning.
+
+        Raises:
+            ValueError: ``own`` is not such a state, or names parameters this optimizer does
+                not have.
+        """
+        try:
+            step = int(own["step"])
+            codec_states, fallback, sparse = own["codec_states"], own["fallback"], own["sparse"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("not a horovod_quant optimizer state: pass what state_dict() "
+                             "or own_state() returned") from None
+        key_of = _key_by_name(self._layout.names)
+        self._step = step
+        load_codec_states(self.codec_states, codec_states, own.get("world_size"),
+                          self._comm.size, "hq.torch.DistributedOptimizer")
+        self._fallback.load_state_dict(fallback, key_of)
+        if own.get("fabric") is not None:  # (a state saved before the links were measured: none)
+            self._use_fabric(Fabric(*own["fabric"]))
+        self._layout.sparse = {key_of(name) for name in sparse}
+        self._relayout(check=False)
+
+    def _adopt_group_state(self) -> None:
+        """Load the state a load or Horovod's ``broadcast_optimizer_state`` left in the first
+        parameter group (at the start of the next step at the latest)."""
+        if self.param_groups and STATE_KEY in self.param_groups[0]:
+            self.load_own_state(self.param_groups[0].pop(STATE_KEY))
+
+
 class _QuantDistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, codec: Codec, backward_passes_per_step: int,
                  op, gradient_predivide_factor: float, groups, sparse_as_dense: bool,
@@ -150,6 +226,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         # exchange the averaged gradients again (it warns once instead)
         self._synchronized = False
         self._warned_resync = False
+        # an error inside a step stops the optimizer: the ranks may have stopped apart
+        self._refusal = Refusal("optimizer", "a new hq.torch.DistributedOptimizer")
         #: the adaptive codecs' states (NDQSG's) the exchanges carry from step to step
         self.codec_states = CodecStates()
         # where the codecs run: the first device whose gradients the CUDA kernels encode
@@ -211,13 +289,14 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                          sorted(names[k] for k in self._fallback.fallen_back)],
             **self._layout.describe()})
 
-    def _relayout(self) -> None:
+    def _relayout(self, check: bool = True) -> None:
         """Form the buckets again (sparse and fallen-back parameters leave theirs); the ranks
-        check the new layout."""
+        check the new layout (``check``: not where one rank alone relays out, as in a load)."""
         self._layout.form(self._fallback.fallen_back, keep_buffers=self._fallback.checking,
                           fallback_dtype=BASELINE_DTYPES[self._fallback.baseline])
         self._schedule.use(self._layout.buckets)
-        self._check_layout()
+        if check:
+            self._check_layout()
 
     # -- hooks --------------------------------------------------------------------------------
     def _trainable(self) -> list[torch.nn.Parameter]:
@@ -232,18 +311,21 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
 
     def _make_hook(self, p: torch.nn.Parameter):
         def hook(*_):
-            key = id(p)
-            if self._delay[key] <= 0:
-                raise AssertionError("Gradients were computed more than backward_passes_per_step "
-                                     "times before step(); raise backward_passes_per_step to "
-                                     "accumulate gradients locally.")
-            self._delay[key] -= 1
-            self._synchronized = False
-            if self._delay[key] == 0:
-                self._fallback.exchange_started()
-                self._hooked.add(key)
-                self._ready(p)
-                self._schedule.advance()
+            with self._refusal.guard():
+                key = id(p)
+                if self._delay[key] <= 0:
+                    raise AssertionError("Gradients were computed more than "
+                                         "backward_passes_per_step times before step(); raise "
+                                         "backward_passes_per_step to accumulate gradients "
+                                         "locally.")
+                self._adopt_group_state()
+                self._delay[key] -= 1
+                self._synchronized = False
+                if self._delay[key] == 0:
+                    self._fallback.exchange_started()
+                    self._hooked.add(key)
+                    self._ready(p)
+                    self._schedule.advance()
         return hook
 
     def _flat(self, bucket: Bucket) -> Any:
@@ -270,7 +352,12 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         called again before new gradients, ``zero_grad`` or ``step``, it exchanges nothing."""
         if self._synchronized:
             return
+        with self._refusal.guard():
+            self._adopt_group_state()
+            self._synchronize()
         self._synchronized = True
+
+    def _synchronize(self) -> None:
         if self._comm.size == 1:
             self._finish_step()
             return
@@ -327,12 +414,16 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
     def _measured_links(self, choice: BaselineChoice) -> str:
         """The links' rates fitted to the baseline trial (:func:`~horovod_quant.fallback.
         measured_fabric`); the exchanges choose their plans again for them. In words."""
-        self.fabric = measured_fabric(choice, self.fabric,
-                                      self.topology or horovod_topology(self._comm),
-                                      [b.numel for b in self._layout.buckets])
-        for exchange in self._exchanges.values():
-            exchange.use_fabric(self.fabric)
+        self._use_fabric(measured_fabric(choice, self.fabric,
+                                         self.topology or horovod_topology(self._comm),
+                                         [b.numel for b in self._layout.buckets]))
         return self.fabric.describe()
+
+    def _use_fabric(self, fabric: Fabric) -> None:
+        """Choose the plans again for ``fabric`` (measured, or a checkpoint's)."""
+        self.fabric = fabric
+        for exchange in self._exchanges.values():
+            exchange.use_fabric(fabric)
 
     def _finish_step(self) -> None:
         if self._fallback.choice is not None:
@@ -358,6 +449,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Synchronize (unless :meth:`skip_synchronize`, or after ``synchronize()``: then a
         warning, once), then the wrapped optimizer's step."""
+        self._refusal.check()
         if self._should_synchronize:
             if not self._synchronized:
                 self.synchronize()
@@ -378,36 +470,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         for key in self._delay:
             self._delay[key] = passes
 
-    # -- checkpoints --------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's ``state_dict()`` plus this optimizer's own state under
-        :data:`STATE_KEY`: the step (the exchanges' seeds), the codec states, the fallback's
-        decisions and the parameters found sparse (names, as ``named_parameters`` gave them)."""
-        saved = super(self.__class__, self).state_dict()
-        names = self._layout.names
-        saved[STATE_KEY] = {"step": self._step, "codec_states": self.codec_states.state_dict(),
-                            "fallback": self._fallback.state_dict(names.__getitem__),
-                            "sparse": sorted(names[k] for k in self._layout.sparse)}
-        return saved
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict`: torch's part as torch does, and this optimizer's own
-        state where there is one (a plain torch optimizer's state dict has none). Every rank
-        must load it (the ranks then check that they agree on the step and layout: the same
-        ValueError on every rank where they do not)."""
-        state_dict = dict(state_dict)
-        own = state_dict.pop(STATE_KEY, None)
-        super(self.__class__, self).load_state_dict(state_dict)
-        if own is None:
-            return
-        key_of = _key_by_name(self._layout.names)
-        self._step = int(own["step"])
-        self.codec_states.load_state_dict(own["codec_states"])
-        self._fallback.load_state_dict(own["fallback"], key_of)
-        self._layout.sparse = {key_of(name) for name in own["sparse"]}
-        self._relayout()
-
     def zero_grad(self, *args, **kwargs):
+        self._refusal.check()
         if self._horovod.in_flight or self._schedule.in_flight:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize()")
@@ -455,9 +519,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     chosen = door_options(settings, options, inherited, takes=DOOR_SETTINGS)
     if num_groups and groups is None:
         groups = num_groups
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__, SettingsAttributes,
-                                                   FallbackAttributes),
+    cls = type(optimizer.__class__.__name__, (_OwnState, optimizer.__class__, SettingsAttributes,
+                                              FallbackAttributes),
                dict(_QuantDistributedOptimizer.__dict__))
+    # Horovod's broadcast_optimizer_state initializes the state of a fresh optimizer with a
+    # step; for optimizers of its own module it runs the wrapped optimizer's step, not the one
+    # that exchanges gradients (which only the ranks without a loaded state would run)
+    cls.__module__ = hvd.DistributedOptimizer.__module__
     opt = cls(optimizer.param_groups, named_parameters, codec, backward_passes_per_step, op,
               gradient_predivide_factor, groups, sparse_as_dense, process_set, chosen)
     opt.load_state_dict(optimizer.state_dict())

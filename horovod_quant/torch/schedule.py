@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 from ..core.rng import derive_key
 from ..exchange.collectives import Collectives
 from ..exchange.driver import Exchange
+from ..exchange.wire import exchange_tag
 from ..stats import StepStats
 from .buckets import Bucket
 from .tensors import as_tensor, stream_of
@@ -56,11 +57,13 @@ class ExchangeSchedule:
 
     def start(self, bucket: Bucket, step: int, flat_of: FlatOf) -> None:
         """Start ``bucket``'s exchange of ``flat_of(bucket)`` (its name is the same every step:
-        Horovod caches it)."""
+        Horovod caches it; its tag carries ``step``, so ranks out of step raise)."""
+        name = f"{self._prefix}.b{bucket.index}"
         with stream_of(bucket.params[0]):
+            flat = flat_of(bucket)
             bucket.pending = self.exchange_of(bucket).start(
-                flat_of(bucket), self.seed_of(step, bucket), f"{self._prefix}.b{bucket.index}",
-                out=bucket.mean)
+                flat, self.seed_of(step, bucket), name, out=bucket.mean,
+                tag=exchange_tag(name, (flat.size,), step))
 
     def bucket_ready(self, bucket: Bucket, step: int, flat_of: FlatOf) -> None:
         """One more of ``bucket``'s gradients is ready: start what may start now

@@ -2,7 +2,10 @@
 once, backward_passes_per_step changes between steps, a job resumed from a checkpoint continues
 bit for bit, layers frozen and unfrozen between steps, fp16 and bf16 gradients and parameters,
 GradScaler's skipped steps and a compiled model keep every rank identical."""
+import functools
 import io
+import json
+import time
 import warnings
 
 import horovod.torch as hvd
@@ -43,19 +46,31 @@ def correlated_gradients(shapes, step, rank):
     return [c + np.float32(0.01) * o for c, o in zip(common, own)]
 
 
-def _optimizer(model, name, **kw):
+def _optimizer(model, name, momentum=0.9, **kw):
     params = {**codec_params(name), **kw.pop("codec", {})}
     comp = getattr(hqt.Compression, name)(seed=SEED, policy=EVERYTHING, **params)
-    return hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+    return hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                    momentum=momentum),
                                     named_parameters=model.named_parameters(), compression=comp,
                                     fusion_bytes=1, **{"fallback": "never", **kw})
 
 
 # -- synchronize() and step() -------------------------------------------------------------------
-def _clipped_run(explicit_skip):
+def _compressed(model, name, momentum=0.9, **codec):
+    """Horovod's optimizer with ``compression=`` a horovod_quant compressor; (optimizer,
+    compressor)."""
+    comp = getattr(hqt.Compression, name)(seed=SEED, policy=EVERYTHING, **codec_params(name),
+                                          **codec)
+    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                    momentum=momentum),
+                                    named_parameters=model.named_parameters(),
+                                    compression=comp), comp
+
+
+def _clipped_run(explicit_skip, door="optimizer"):
     torch.manual_seed(0)
     model = Linear(SHAPES)
-    opt = _optimizer(model, "qsgd")
+    opt = _optimizer(model, "qsgd") if door == "optimizer" else _compressed(model, "qsgd")[0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(3):
@@ -80,6 +95,18 @@ def test_synchronize_then_step_exchanges_once():
     assert torch.equal(got, want)
     assert opt._step == opt_skip._step == 3
     assert none == [] and len(warned) == 1
+    assert _same_everywhere(got)
+
+
+def test_compression_synchronize_then_step_exchanges_once():
+    """Horovod's optimizer with compression=: step() after synchronize() warns (Horovod's
+    warning, once a step) and averages again, which gives the averaged gradients back
+    unchanged: the same parameters and use counters (seeds) as with skip_synchronize()."""
+    want, opt_skip, none = _clipped_run(explicit_skip=True, door="compression")
+    got, opt, warned = _clipped_run(explicit_skip=False, door="compression")
+    assert torch.equal(got, want)
+    assert opt._compression._uses == opt_skip._compression._uses == {"ps.0": 3, "ps.1": 3}
+    assert none == [] and (len(warned) == 3 if hvd.size() > 1 else warned == [])
     assert _same_everywhere(got)
 
 
@@ -113,6 +140,9 @@ def test_backward_passes_per_step_changes_between_steps():
         with pytest.raises(AssertionError, match="backward_passes_per_step"):
             for micro in range(3):
                 model.loss(rank_gradients(SHAPES, 3 + micro, hvd.rank())).backward()
+        # the ranks' exchanges stopped part-way: the optimizer goes on no more
+        with pytest.raises(RuntimeError, match="stopped at an error .*AssertionError"):
+            opt.step()
     assert _same_everywhere(_params(model))
     with pytest.raises(ValueError, match="must be >= 1"):
         opt.set_backward_passes_per_step(0)
@@ -160,9 +190,10 @@ def test_optimizer_resumes_bit_for_bit(name, params, mode, monkeypatch):
     model, opt = fresh()
     _run_steps(model, opt, range(half))
     saved = _round_trip({"model": model.state_dict(), "opt": opt.state_dict()})
-    assert saved["opt"][STATE_KEY]["step"] == half
+    own = saved["opt"]["param_groups"][0][STATE_KEY]
+    assert own["step"] == half and own["world_size"] == hvd.size()
     if name == "nested_dithered" and hvd.size() > 1:
-        assert saved["opt"][STATE_KEY]["codec_states"]  # it has adapted
+        assert own["codec_states"]  # it has adapted
     model, opt = fresh()
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
@@ -173,6 +204,156 @@ def test_optimizer_resumes_bit_for_bit(name, params, mode, monkeypatch):
     assert _same_everywhere(straight)
 
 
+def _job(door, name, momentum=0.9, **codec):
+    """A new model and its optimizer through ``door`` (hq's "optimizer", or Horovod's with
+    "compression"): (model, optimizer, compressor or None)."""
+    torch.manual_seed(0)
+    model = Linear(SHAPES)
+    if door == "optimizer":
+        return model, _optimizer(model, name, momentum=momentum, codec=codec), None
+    return (model, *_compressed(model, name, momentum, **codec))
+
+
+def _checkpoint(model, opt, comp):
+    """The job's checkpoint, through torch.save / torch.load."""
+    return _round_trip({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "compression": None if comp is None else comp.state_dict()})
+
+
+def _straight_and_saved(fresh, n, half):
+    """The parameters after ``n`` steps of a ``fresh()`` job, and the checkpoint of another
+    after ``half``."""
+    model, opt, _ = fresh()
+    _run_steps(model, opt, range(n))
+    straight = _params(model)
+    model, opt, comp = fresh()
+    _run_steps(model, opt, range(half))
+    return straight, _checkpoint(model, opt, comp)
+
+
+def _horovod_resume(fresh, saved, steps, broadcast_state):
+    """Horovod's recipe: a ``fresh()`` job, the checkpoint ``saved`` loaded on rank 0 alone,
+    Horovod's broadcasts of the parameters and the optimizer state (and
+    ``hqt.broadcast_state`` where asked), then ``steps``. Returns the parameters."""
+    model, opt, comp = fresh()
+    if hvd.rank() == 0:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        if comp is not None:
+            comp.load_state_dict(saved["compression"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    if broadcast_state:
+        hqt.broadcast_state(opt, root_rank=0)
+    _run_steps(model, opt, steps)
+    return _params(model)
+
+
+@pytest.mark.parametrize("door,momentum,broadcast_state", [
+    ("optimizer", 0.9, False), ("optimizer", 0.0, True), ("compression", 0.9, True)])
+def test_horovod_recipe_resumes_bit_for_bit(door, momentum, broadcast_state):
+    """Horovod's resume recipe: the checkpoint loaded on rank 0 alone, then broadcast. The hq
+    optimizer's own state rides in its state_dict's first parameter group, where
+    hvd.broadcast_optimizer_state carries it; where Horovod broadcasts nothing (plain SGD,
+    stateless) and for compression= (the compressor's state), hqt.broadcast_state carries
+    it. The job continues bit for bit as the uninterrupted one, on every rank."""
+    fresh = functools.partial(_job, door, "nested_dithered", momentum)
+    straight, saved = _straight_and_saved(fresh, 6, 3)
+    resumed = _horovod_resume(fresh, saved, range(3, 6), broadcast_state)
+    assert torch.equal(resumed, straight)
+    assert _same_everywhere(resumed)
+
+
+@pytest.mark.parametrize("door", ["optimizer", "compression"])
+def test_checkpoint_on_rank_0_alone_raises_on_every_rank_within_seconds(door):
+    """Rank 0 loads a checkpoint and its horovod_quant state is not broadcast (a stateless
+    SGD, which Horovod's broadcast skips; no hqt.broadcast_state): at the first step every
+    rank raises, within seconds, an error naming each rank's step and the fix."""
+    if hvd.size() == 1:
+        return
+    fresh = functools.partial(_job, door, "qsgd", 0.0)
+    model, opt, comp = fresh()
+    _run_steps(model, opt, range(3))
+    saved = _checkpoint(model, opt, comp)
+    start = time.monotonic()
+    with pytest.raises(ValueError) as raised:
+        _horovod_resume(fresh, saved, range(3, 4), broadcast_state=False)
+    assert time.monotonic() - start < 30
+    _same_message_naming_the_steps(str(raised.value), {0: 3}, 0,
+                                   "is at" if door == "compression" else "at")
+
+
+def _same_message_naming_the_steps(message, ahead, step, at="at"):
+    """Every rank raised ``message``, naming each rank's step (``ahead``: the ranks not at
+    ``step``) and the fix, the same on every rank (hierarchical exchanges too)."""
+    everyone = hvd.allgather_object(message)
+    steps = ", ".join(f"rank {r} {at} step {ahead.get(r, step)}" for r in range(hvd.size()))
+    assert steps in message and "broadcast the optimizer state" in message, message
+    assert all(m == everyone[0] for m in everyone)
+
+
+@pytest.mark.parametrize("door", ["optimizer", "compression"])
+def test_a_rank_one_step_ahead_raises_on_every_rank_within_seconds(door):
+    """Every rank loads a checkpoint, rank 0 one a step later (the others' counters behind its
+    own): every rank raises the same out-of-step error within seconds, at the first exchange
+    whose tags differ, and the optimizer goes on no more."""
+    if hvd.size() == 1:
+        return
+    model, opt, comp = _job(door, "qsgd")
+    _run_steps(model, opt, range(2))
+    if hvd.rank() == 0:  # one step ahead of the others from here on
+        if comp is None:
+            saved = opt.state_dict()
+            saved["param_groups"][0][STATE_KEY]["step"] += 1
+            opt.load_state_dict(saved)
+        else:  # the compressor's counters (loads come before its first step)
+            comp._uses = {k: v + 1 for k, v in comp._uses.items()}
+    start = time.monotonic()
+    with pytest.raises(ValueError) as raised:
+        _run_steps(model, opt, range(2, 3))
+    message = str(raised.value)
+    assert time.monotonic() - start < 30
+    _same_message_naming_the_steps(message, {0: 3}, 2)
+    with pytest.raises(RuntimeError, match="stopped at an error"):
+        if comp is None:
+            _run_steps(model, opt, range(3, 4))
+        else:  # Horovod's optimizer keeps its own handles; the compressor refuses
+            comp.compress(torch.ones(3))
+
+
+def _as_if_saved_at(own, world):
+    """``own`` (an optimizer's or compressor's state) as a job of ``world`` ranks saved it."""
+    own["codec_states"] = {json.dumps({**json.loads(k), "world_size": world}, sort_keys=True): v
+                           for k, v in own["codec_states"].items()}
+    own["world_size"] = world
+
+
+@pytest.mark.parametrize("door", ["optimizer", "compression"])
+def test_a_state_saved_at_another_world_size_is_adapted_with_one_warning(door):
+    """NDQSG's state saved by a job of another world size (here: this job's, relabelled as
+    one rank more's) is carried to the codec built for this one, with one warning naming
+    both sizes: the run continues as the uninterrupted one, so nothing was dropped."""
+    if hvd.size() == 1:
+        return
+    n, half, other = 4, 2, hvd.size() + 1
+    fresh = functools.partial(_job, door, "nested_dithered", bits=6)
+    straight, saved = _straight_and_saved(fresh, n, half)
+    own = saved["compression"] or saved["opt"]["param_groups"][0][STATE_KEY]
+    assert own["codec_states"]
+    _as_if_saved_at(own, other)
+    model, opt, comp = fresh()
+    model.load_state_dict(saved["model"])
+    with pytest.warns(UserWarning) as caught:
+        opt.load_state_dict(saved["opt"])
+        if comp is not None:
+            comp.load_state_dict(saved["compression"])
+    ours = [str(w.message) for w in caught if "world size" in str(w.message)]
+    want = f"saved at world size {other} and is loaded at world size {hvd.size()}"
+    assert len(ours) == 1 and want in ours[0], ours
+    _run_steps(model, opt, range(half, n))
+    assert torch.equal(_params(model), straight)
+
+
 def test_a_plain_torch_state_dict_still_loads():
     """The wrapped optimizer's own state dict (no horovod_quant key) loads as in torch."""
     torch.manual_seed(0)
@@ -181,31 +362,17 @@ def test_a_plain_torch_state_dict_still_loads():
     opt = _optimizer(model, "qsgd")
     _run_steps(model, opt, range(1))
     opt.load_state_dict(plain.state_dict())
-    assert opt._step == 1 and opt.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
+    groups = opt.state_dict()["param_groups"]
+    assert opt._step == 1 and groups[0].pop(STATE_KEY)["step"] == 1
+    assert groups == plain.state_dict()["param_groups"]
 
 
 def test_compressor_resumes_bit_for_bit():
     """Horovod's optimizer with compression=: the compressor's use counters (the seeds) and
     codec states in its state_dict, beside the model's and the optimizer's."""
     n, half = 4, 2
-
-    def fresh():
-        torch.manual_seed(0)
-        model = Linear(SHAPES)
-        comp = hqt.Compression.nested_dithered(seed=SEED, policy=EVERYTHING, bits=6,
-                                               **codec_params("nested_dithered"))
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters(),
-                                       compression=comp)
-        return model, opt, comp
-
-    model, opt, _ = fresh()
-    _run_steps(model, opt, range(n))
-    straight = _params(model)
-    model, opt, comp = fresh()
-    _run_steps(model, opt, range(half))
-    saved = _round_trip({"model": model.state_dict(), "opt": opt.state_dict(),
-                         "compression": comp.state_dict()})
+    fresh = functools.partial(_job, "compression", "nested_dithered", 0.0, bits=6)
+    straight, saved = _straight_and_saved(fresh, n, half)
     model, opt, comp = fresh()
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])

@@ -7,6 +7,7 @@ import itertools
 import logging
 import pickle
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -108,6 +109,82 @@ def test_resumed_job_continues_bit_for_bit(name, params, how):
     _train(model, opt, range(half, n))
     assert torch.equal(_params(model), straight)
     assert same_everywhere(straight)
+
+
+def _time_to_raise(model, step):
+    """Seconds until a training step of ``model`` raises (the step's error, for the test's
+    match)."""
+    start = time.monotonic()
+    with pytest.raises(Exception) as raised:
+        model(_batch(step)).square().mean().backward()
+    return time.monotonic() - start, str(raised.value)
+
+
+def test_a_rank_out_of_step_raises_the_same_error_on_every_rank(several_ranks):
+    """Rank 0 one step ahead, at the first step (a checkpoint loaded there alone: the check)
+    and after two steps (its counter moved on alone: the exchanges' tags): every rank raises,
+    within seconds, an error naming each rank's step, and nothing is combined."""
+    n = dist.get_world_size()
+    ahead = {"step": 4 if dist.get_rank() == 0 else 3, "codec_states": {}}
+    state = ddp.QuantizationState(hq.get_codec("qsgd"), seed=SEED)
+    state.load_state_dict(ahead)
+    model = _model()
+    model.register_comm_hook(state, ddp.quantization_hook)
+    seconds, message = _time_to_raise(model, 0)
+    want = ", ".join(f"rank {r} is at step {4 if r == 0 else 3}" for r in range(n))
+    assert want in message and "broadcast the optimizer state" in message, message
+    assert seconds < 30
+    assert same_everywhere(torch.tensor([len(message)]))
+
+    state = ddp.QuantizationState(hq.get_codec("nested_dithered", **codec_params(
+        "nested_dithered")), seed=SEED)
+    model = _model()
+    model.register_comm_hook(state, ddp.quantization_hook)
+    for step in range(2):
+        model(_batch(step)).square().mean().backward()
+    if dist.get_rank() == 0:
+        state.step += 1
+    seconds, message = _time_to_raise(model, 2)
+    assert seconds < 30
+    want = ", ".join(f"rank {r} at step {3 if r == 0 else 2}" for r in range(n))
+    assert "out of step" in message and want in message, message
+    assert same_everywhere(torch.tensor([len(message)]))
+
+
+def test_resume_at_another_world_size_adapts_with_one_warning(several_ranks):
+    """A state saved at n ranks, loaded into a state of a one-rank group, and one pickled
+    at one rank, unpickled at n: the world-sized codec is built for the new size, its adaptive
+    state carried over, with one warning naming both sizes; training goes on (no late cast
+    error), the n ranks identical."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    alone = [dist.new_group([r]) for r in range(n)][rank]
+    state = ddp.QuantizationState("nested_dithered", seed=SEED)
+    model = DDP(BackwardOrderNet(), bucket_cap_mb=0.25)
+    model.register_comm_hook(state, ddp.quantization_hook)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.05), range(2))
+    saved = _round_trip(state.state_dict())
+    assert saved["world_size"] == n and saved["codec_states"]
+
+    one = ddp.QuantizationState("nested_dithered", process_group=alone, seed=SEED)
+    with pytest.warns(UserWarning) as caught:
+        one.load_state_dict(saved)
+    assert [str(w.message) for w in caught if "world size" in str(w.message)] == [
+        str(caught[0].message)] and len(caught) == 1
+    assert f"saved at world size {n} and is loaded at world size 1" in str(caught[0].message)
+    assert list(one.codec_states.state_dict().values()) == list(saved["codec_states"].values())
+    assert one.step == 2
+    model = DDP(BackwardOrderNet(), bucket_cap_mb=0.25, process_group=alone)
+    model.register_comm_hook(one, ddp.quantization_hook)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.05), range(2, 4))
+    pickled = pickle.dumps(one)
+
+    with pytest.warns(UserWarning, match=f"saved at world size 1 and is loaded at world size {n}"):
+        back = pickle.loads(pickled)
+    assert back.codec.params["world_size"] == n and back.step == 4
+    model = DDP(BackwardOrderNet(), bucket_cap_mb=0.25)
+    model.register_comm_hook(back, ddp.quantization_hook)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.05), range(4, 6))
+    assert same_everywhere(_params(model))
 
 
 def test_state_refuses_late_loads_and_rules_in_pickles():

@@ -92,6 +92,24 @@ def test_other_shape_on_one_rank_raises_on_every_rank(name, params, gather):
 
 
 @pytest.mark.usefixtures("several_ranks")
+@pytest.mark.parametrize("name,params,gather", PLANS[:2], ids=PLAN_IDS[:2])
+def test_a_rank_one_call_ahead_raises_on_every_rank(name, params, gather):
+    """Rank 0's call counter (the seeds' step, restored from another checkpoint) one ahead:
+    the tags of the first exchange differ in their step, and every rank raises, within
+    seconds, the same error naming each rank's."""
+    comp, _ = _compressor(name, params, seed=3, gather=gather, policy=EVERYTHING)
+    if hvd.rank() == 0:
+        comp.checkpointable.calls.assign(1)
+    vs = [tf.Variable(tf.zeros((8, 16)), name="hq_trust_step")]
+    start = time.monotonic()
+    steps = ", ".join(f"rank {r} at step {int(r == 0)}" for r in range(hvd.size()))
+    with pytest.raises(ERRORS, match=f"out of step .*: {steps}"):
+        _tape_fn(comp, vs)([np.ones((8, 16), np.float32)])
+    assert time.monotonic() - start < 30
+    _usable_after_error()
+
+
+@pytest.mark.usefixtures("several_ranks")
 @pytest.mark.parametrize("case", ["size", "name", "direct"])
 def test_other_tensor_on_one_rank_raises_on_every_rank(case):
     """Another element count, another variable name under the same shape, and the ``name=``

@@ -52,16 +52,16 @@ def test_exchange_matches_reference(name, n, gather):
 
 def test_frames_round_trip():
     payloads = [Payload(np.arange(k, dtype=np.uint8), k) for k in (0, 1, 5, 300)]
-    tags = [(k, 1000 + k) for k in range(len(payloads))]
+    tags = [(k, 1000 + k, 7 * k) for k in range(len(payloads))]
     buf = np.concatenate([frame(p, t) for p, t in zip(payloads, tags)])
     parts, got_tags = unframe(buf)
     assert [p.tolist() for p in parts] == [p.data.tolist() for p in payloads]
     assert got_tags == tags
 
 
-@pytest.mark.parametrize("cut", [1, 8, 23, 24, 30])
+@pytest.mark.parametrize("cut", [1, 8, 31, 32, 38])
 def test_truncated_frames_raise(cut):
-    buf = frame(Payload(np.arange(40, dtype=np.uint8), 40), (40, 7))
+    buf = frame(Payload(np.arange(40, dtype=np.uint8), 40), (40, 7, 3))
     with pytest.raises(ValueError, match="damaged exchange"):
         unframe(buf[:cut])
     with pytest.raises(ValueError, match="damaged exchange"):

@@ -249,23 +249,31 @@ def test_variance_is_one_quantization_per_host(name, params):
     assert measured <= bound * 1.2, (measured, bound)
 
 
-def test_a_rank_with_another_tensor_on_its_host_fails_its_host():
-    """The host shards carry the exchange's tag: a rank that exchanges another tensor makes
-    every rank of its host raise before anything is combined."""
+@pytest.mark.parametrize("odd,want", [
+    ("tensor", "different tensors"),
+    ("step", "out of step in exchange 't': rank 0 at step 0, rank 1 at step 1, rank 2 at step 0, "
+             "rank 3 at step 0")])
+def test_a_rank_at_odds_on_its_host_fails_every_rank_alike(odd, want):
+    """The host shards carry the exchange's tag: a rank that exchanges another tensor, or at
+    another step, makes every rank raise the same error (ranks numbered in the world) before
+    anything is combined."""
     topology = Topology.grid(2, 2)
     xs = _inputs(4, 1000)
 
     def rank_fn(comm):
         ex = Exchange(hq.get_codec("qsgd"), comm, gather="hierarchical")
-        name = "other" if comm.rank == 1 else "t"
+        at_odds = comm.rank == 1
+        name = "other" if at_odds and odd == "tensor" else "t"
+        step = int(at_odds and odd == "step")
         try:
-            ex.start(xs[comm.rank], 3, "t", tag=plans.wire.exchange_tag(name, (1000,))).wait()
+            ex.start(xs[comm.rank], 3, "t", tag=plans.wire.exchange_tag(name, (1000,), step)
+                     ).wait()
         except ValueError as exc:
             return str(exc)
         return None
 
     results = run_ranks(4, rank_fn, asynchronous=True, topology=topology)
-    assert all("different tensors" in r for r in results[:2]), results
+    assert want in results[0] and len(set(results)) == 1, results
 
 
 def _shared(n, fn):

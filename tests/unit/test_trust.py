@@ -2,6 +2,7 @@
 configuration checks, exchange tags, JSON between ranks, environment flags, seeds, rules."""
 import pickle
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -9,11 +10,20 @@ import pytest
 import horovod_quant as hq
 import horovod_quant.exchange
 from horovod_quant.core.payload import Payload
-from horovod_quant.doors import CHECKS, ConfigCheck, check_same_config, wait_for_peers
+from horovod_quant.doors import (
+    CHECKS,
+    ConfigCheck,
+    Refusal,
+    check_same_config,
+    load_codec_states,
+    wait_for_peers,
+)
 from horovod_quant.env import env_choice, env_flag, env_seconds, env_text
 from horovod_quant.exchange import Exchange
+from horovod_quant.exchange.codec_states import CodecStates
 from horovod_quant.exchange.collectives import Handle, decode_objects, encode_object
 from horovod_quant.exchange.wire import (
+    OutOfStep,
     check_tags,
     exchange_tag,
     frame,
@@ -43,6 +53,49 @@ def test_config_check_raises_the_same_error_on_every_rank():
     assert messages[0] is not None and "differs between ranks" in messages[0]
     assert "rank 1: {'bits': 4}" in messages[0]
     assert len(set(messages)) == 1
+
+
+def test_config_check_names_the_steps_of_ranks_at_odds():
+    """One rank loaded a checkpoint alone: the check names each rank's step and the fix."""
+    def rank_fn(comm):
+        try:
+            check_same_config(comm, {"codec": "qsgd", "step": 3 if comm.rank == 0 else 0})
+        except ValueError as exc:
+            return str(exc)
+
+    messages = run_ranks(2, rank_fn)
+    assert "rank 0 is at step 3, rank 1 is at step 0: load the checkpoint on every rank" in (
+        messages[0]) and len(set(messages)) == 1
+
+
+def test_codec_states_saved_at_another_world_size_are_adapted_with_one_warning():
+    """NDQSG's state saved at 4 workers serves the codec built for 2, with one warning naming
+    both sizes; a state of the same world size loads silently; a stateless codec's key stays."""
+    old, new = (hq.get_codec("nested_dithered", world_size=n) for n in (4, 2))
+    saved = {old.config_key(): {"sigma2": 0.25, "last_stats": {"k": 5}}}
+    states = CodecStates()
+    with pytest.warns(UserWarning) as caught:
+        load_codec_states(states, saved, 4, 2, "test door")
+    assert len(caught) == 1
+    assert "saved at world size 4 and is loaded at world size 2" in str(caught[0].message)
+    assert states.of(new).sigma2 == 0.25 and list(states.state_dict()) == [new.config_key()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same = CodecStates()
+        load_codec_states(same, saved, 4, 4, "test door")
+    assert same.of(old).sigma2 == 0.25
+
+
+def test_a_door_refuses_to_go_on_after_an_error():
+    refusal = Refusal("optimizer", "a new one")
+    refusal.check()
+    with pytest.raises(ValueError, match="out of step"):
+        with refusal.guard():
+            raise ValueError("the ranks are out of step\nsecond line")
+    with pytest.raises(RuntimeError, match=r"stopped at an error \(ValueError: the ranks are "
+                                           r"out of step\); .*build a new one"):
+        with refusal.guard():
+            raise AssertionError("not reached")
 
 
 def test_checks_are_numbered_when_they_start_not_when_built():
@@ -103,6 +156,31 @@ def test_exchange_tags_catch_other_tensors_on_every_rank():
             messages = run_ranks(3, rank_fn)
             assert all(m is not None and "different tensors" in m for m in messages), (name, gather)
             assert "rank 1: 800 elements" in messages[0]
+
+
+def test_exchanges_of_other_steps_raise_the_same_error_on_every_rank():
+    """Rank 1 is one step ahead: its tag carries another step, so every rank raises the same
+    OutOfStep naming each rank's step, before anything is combined (allgather, sra and the
+    norm of Global-QSGD, with and without pieces)."""
+    for name, params in [("qsgd", {}), ("nested_dithered", {"world_size": 3}),
+                         ("global_qsgd", {"world_size": 3, "levels": "linear"})]:
+        for gather, pipeline in (("allgather", None), ("sra", None), ("allgather", 256)):
+            codec = hq.get_codec(name, **params)
+
+            def rank_fn(comm):
+                step = 4 if comm.rank == 1 else 3
+                try:
+                    Exchange(codec, comm, gather=gather, pipeline_elems=pipeline).start(
+                        np.ones(1000, np.float32), 1, "w",
+                        tag=exchange_tag("w", (1000,), step)).wait()
+                except OutOfStep as exc:
+                    return str(exc)
+
+            messages = run_ranks(3, rank_fn)
+            assert messages[0] is not None, (name, gather)
+            assert "rank 0 at step 3, rank 1 at step 4, rank 2 at step 3" in messages[0]
+            assert "Load the checkpoint on every rank" in messages[0]
+            assert len(set(messages)) == 1, (name, gather)
 
 
 def test_same_length_other_shape_is_caught_by_the_tag():
