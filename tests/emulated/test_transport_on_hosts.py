@@ -13,20 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from conftest import HERE, ROOT, require_namespaces
 
-if os.geteuid() != 0 or shutil.which("ip") is None:
-    if os.environ.get("HQ_SKIP_EMULATED") == "1":
-        pytest.skip("HQ_SKIP_EMULATED=1", allow_module_level=True)
-    raise RuntimeError("tests/emulated needs root and iproute2's `ip` (network namespaces); "
-                       "set HQ_SKIP_EMULATED=1 to skip them")
+require_namespaces()
 
 from emulator import EmulatedCluster  # noqa: E402
 
