@@ -176,8 +176,8 @@ def measured_fabric(choice: BaselineChoice, fabric: Fabric, topology: Topology,
     on CPU ranks) as a ring allreduce over ``topology`` (its ``numels``), its float32 allreduce
     inside a host as a ring over one host's ranks; the fields the environment sets
     (:meth:`Fabric.overridden`) kept."""
-    timed = [name for name in choice.bucket_seconds[0] if name == "fp32"] or list(
-        choice.bucket_seconds[0])
+    first = choice.bucket_seconds[0]
+    timed = ["fp32"] if "fp32" in first else list(first)
     across = [(ring_allreduce(topology, numel, baseline_element_bytes(name)), times[name])
               for numel, times in zip(numels, choice.bucket_seconds) for name in timed]
     one_host = Topology.grid(1, topology.local_size)

@@ -28,7 +28,7 @@ from ..exchange.topology import Topology
 from ..fallback import BaselineChoice, BucketTrial, FallbackController, measured_fabric, ranks
 from ..stats import StepStats
 from .distributed import HANDED
-from .tensors import BASELINE_DTYPES, flat_array, on_gpu, stream_of
+from .tensors import BASELINE_DTYPES, blocking_on, flat_array
 
 #: starts a bucket's collectives and returns the function that finishes them (its mean in
 #: place) and returns the future's value
@@ -198,12 +198,7 @@ class HookFallback:
             name = f"{prefix}.fallback.b{index}"
 
             def blocking(start: Start, on: torch.Tensor = scratch) -> Callable[[], None]:
-                def run() -> None:
-                    with stream_of(on):
-                        start()()
-                        if on_gpu(on):  # device work is queued: the time must include it
-                            torch.cuda.synchronize(on.device)
-                return run
+                return blocking_on(on, lambda: start()())
 
             def run_local(on: torch.Tensor = scratch, name: str = name) -> None:
                 hierarchy.local.allreduce_async(flat_array(on), f"{name}.local").wait()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Any, ContextManager, Iterable
+from typing import Any, Callable, ContextManager, Iterable
 
 import numpy as np
 import torch
@@ -76,6 +76,17 @@ def stream_of(tensor: torch.Tensor) -> ContextManager[None]:
     from .. import gpu
 
     return gpu.device_scope(tensor)
+
+
+def blocking_on(tensor: torch.Tensor, work: Callable[[], Any]) -> Callable[[], None]:
+    """A run of ``work`` with ``tensor``'s stream current (:func:`stream_of`) that returns once
+    the device work it queued is done: what a timed run (the fallback's trial) must include."""
+    def run() -> None:
+        with stream_of(tensor):
+            work()
+            if on_gpu(tensor):
+                torch.cuda.synchronize(tensor.device)
+    return run
 
 
 #: the wire dtype of each uncompressed baseline (:data:`horovod_quant.fallback.BASELINES`)

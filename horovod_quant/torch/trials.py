@@ -17,7 +17,7 @@ from .buckets import Bucket, BucketLayout
 from .collectives import synchronize
 from .horovod_path import HorovodPath
 from .schedule import ExchangeSchedule
-from .tensors import BASELINE_DTYPES, as_tensor, on_gpu, stream_of
+from .tensors import BASELINE_DTYPES, as_tensor, blocking_on
 
 
 def _bucket_trial(bucket: Bucket, out: Any, exchange: Exchange, seed: int, name: str,
@@ -29,30 +29,19 @@ def _bucket_trial(bucket: Bucket, out: Any, exchange: Exchange, seed: int, name:
     with ``local`` (the host's ranks' collectives) the float32 allreduce inside the host."""
     first = bucket.params[0]
 
-    def settle() -> None:  # device work is queued: the time must include it
-        if on_gpu(first):
-            torch.cuda.synchronize(first.device)
-
-    def run_codec() -> None:
-        with stream_of(first):
-            exchange.start(bucket.mean, seed, name, out=out).wait()
-            settle()
-
-    def baseline_run(baseline: str) -> Callable[[], None]:
-        def run() -> None:
-            with stream_of(first):
-                wire = as_tensor(out).to(BASELINE_DTYPES[baseline])
-                synchronize(allreduce(wire, f"{name}.{baseline}"))
-                as_tensor(out).copy_(wire)
-                settle()
-        return run
+    def baseline_run(baseline: str) -> None:
+        wire = as_tensor(out).to(BASELINE_DTYPES[baseline])
+        synchronize(allreduce(wire, f"{name}.{baseline}"))
+        as_tensor(out).copy_(wire)
 
     def run_local() -> None:
         local.allreduce_async(out, f"{name}.local").wait()
 
-    return BucketTrial(bucket.index, repr(bucket.codec), bucket.numel * 4, run_codec,
-                       {b: baseline_run(b) for b in candidates},
-                       None if local is None else run_local)
+    return BucketTrial(
+        bucket.index, repr(bucket.codec), bucket.numel * 4,
+        blocking_on(first, lambda: exchange.start(bucket.mean, seed, name, out=out).wait()),
+        {b: blocking_on(first, lambda b=b: baseline_run(b)) for b in candidates},
+        None if local is None else run_local)
 
 
 def horovod_plan(count: int) -> str:
