@@ -22,6 +22,7 @@ from .core.registry import codec_class
 from .env import env_seconds
 from .exchange.codec_states import CodecStates
 from .exchange.collectives import Collectives, Handle, growing_pauses
+from .exchange.job_end import LEDGER, DoorSteps, StoreRendezvous
 from .exchange.plans import DEFAULT_PIPELINE_ELEMS, check_gather, check_pipeline_elems
 from .fallback import check_baseline, check_fallback
 from .policy import LayerPolicy, describe
@@ -445,7 +446,9 @@ class CompressorSettings(SettingsAttributes):
 class Refusal:
     """A door that stops at its first error: once a part of a step raised, the ranks'
     exchanges may have stopped at different points, and going on would leave them different,
-    so every later part raises, naming the first error and what to build instead.
+    so every later part raises, naming the first error and what to build instead. It holds the
+    door's entry in the job's ledger (:mod:`~horovod_quant.exchange.job_end`): an error that
+    says a peer ended its job becomes the ranks' agreed :class:`~.exchange.wire.OutOfStep`.
 
     Args:
         door: the door, for the message.
@@ -455,6 +458,23 @@ class Refusal:
     def __init__(self, door: str, fresh: str) -> None:
         self._door, self._fresh = door, fresh
         self.failed: str | None = None  # the first error, one line
+        self._steps: DoorSteps | None = None
+
+    def register(self, steps: int, rendezvous: StoreRendezvous | None) -> None:
+        """Enter the door in the job's ledger (once, before its first exchange; None: no
+        store to agree in, the door is not entered)."""
+        if self._steps is None:
+            self._steps = LEDGER.register(self._door, steps, rendezvous)
+
+    def begin(self) -> None:
+        """A step begins (for the agreement at the job's end)."""
+        if self._steps is not None:
+            self._steps.begin()
+
+    def count(self, steps: int) -> None:
+        """A step ended: the door's completed steps (for the agreement at the job's end)."""
+        if self._steps is not None:
+            self._steps.end(steps)
 
     def check(self) -> None:
         """Raise RuntimeError once an error stopped the door."""
@@ -472,7 +492,12 @@ class Refusal:
         try:
             yield
         except BaseException as exc:
-            self.failed = f"{type(exc).__name__}: {exc}".split("\n")[0]
+            agreed = LEDGER.explain() if self._steps is not None else None
+            self.failed = f"{type(agreed or exc).__name__}: {agreed or exc}".split("\n")[0]
+            if self._steps is not None:
+                self._steps.failed = True
+            if agreed is not None:
+                raise agreed from exc
             raise
 
 

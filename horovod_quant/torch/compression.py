@@ -45,7 +45,7 @@ from ..exchange.wire import exchange_tag
 from ..policy import LayerPolicy
 from .horovod_calls import horovod_call
 from .tensors import as_tensor, flat_array, horovod_dtype, stream_of
-from .transport import transport_collectives
+from .transport import horovod_end_of_job, transport_collectives
 
 
 def _warn_unnamed(policy: LayerPolicy) -> None:
@@ -124,6 +124,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         them, each in key order."""
         if not self._exchanges:
             self._check.wait()
+            self._refusal.register(max(self._uses.values()) - 1, horovod_end_of_job(self._comm))
             self._exchanges = {c.config_key(): Exchange(c, self._comm, gather=self.gather,
                                                          pipeline_elems=self.pipeline_elems,
                                                          states=self.codec_states)
@@ -139,6 +140,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         for job in jobs:
             with stream_of(job.grad):
                 job.pending.wait()
+        self._refusal.count(max(self._uses.values()))
 
     def _world_size(self) -> int:
         return (self.process_set if self.process_set is not None else hvd.global_process_set
@@ -200,6 +202,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             name, self._unnamed = f"#{self._unnamed}", self._unnamed + 1
         use = self._uses.get(name, 0)
         self._uses[name] = use + 1
+        self._refusal.begin()
         if self._check is None:  # the first compressed tensor: the check starts, unawaited
             # Horovod's collectives: a transport that pairs by call order would need the jobs
             # started in one order, and Horovod calls compress in each rank's hook order

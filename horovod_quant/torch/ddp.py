@@ -41,15 +41,17 @@ from ..doors import (
     door_options,
     load_codec_states,
 )
+from ..exchange import job_end
 from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
+from ..exchange.job_end import LEDGER, DoorSteps
 from ..exchange.topology import SerialWorker, Topology
 from ..exchange.wire import exchange_tag
 from ..fallback import FallbackAttributes
 from ..stats import StepStats
 from .ddp_fallback import HookFallback
-from .distributed import own_group, process_group_collectives
+from .distributed import own_group, process_group_collectives, store_end_of_job
 from .tensors import as_array, as_tensor, flat_array, on_gpu, parameter_names, stream_of
 
 __all__ = ["QuantizationState", "quantization_hook"]
@@ -160,6 +162,20 @@ class _Part:
         for start, stop in self.runs:
             flat[start:stop].copy_(values[at:at + stop - start])
             at += stop - start
+
+
+def _counted(start: Callable[[], Finish], steps: DoorSteps, count: int
+             ) -> Callable[[], Finish]:
+    """``start``, whose finish then records ``count`` completed steps in the job's ledger."""
+    def counted_start() -> Finish:
+        finish = start()
+
+        def counted_finish() -> torch.Tensor:
+            out = finish()
+            steps.end(count)
+            return out
+        return counted_finish
+    return counted_start
 
 
 def _parts(codec_indices: list[int | None], ranges: list[tuple[int, int]]) -> list[_Part]:
@@ -420,7 +436,9 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
                                         pipeline_elems=self.pipeline_elems, fabric=self.fabric,
                                         states=self.codec_states)
                                for c in self.codecs]
+            self._steps = LEDGER.register("DDP hook", self.step, store_end_of_job(self._comm))
         last = bucket.is_last()
+        self._steps.begin()
         self._hook_fallback.bucket_arrived(last)
         if grad.is_sparse:
             start = self._average_sparse(grad)
@@ -435,6 +453,7 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
         if last:
             start = self._hook_fallback.then_end_step(start, self.step, self._check.prefix)
             self.step += 1
+            start = _counted(start, self._steps, self.step)
         return self._pipeline.submit(start, last, stream)
 
     def _start_parts(self, index: int, parts: list[_Part], grad: torch.Tensor, step: int,
@@ -465,7 +484,7 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
             def finish() -> torch.Tensor:
                 for part, handle in started:
                     if part.codec_index is None:
-                        mean = as_tensor(handle.wait()).div_(self._comm.size)
+                        mean = as_tensor(job_end.wait(handle)).div_(self._comm.size)
                     else:
                         mean = as_tensor(handle.wait())
                         stats.add(handle.stats)

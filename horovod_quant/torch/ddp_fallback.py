@@ -22,12 +22,13 @@ import torch.distributed as dist
 
 from ..core.baselines import DDP_SIXTEEN_BIT
 from ..doors import DoorOptions
+from ..exchange import job_end
 from ..exchange.collectives import Collectives
 from ..exchange.cost import Fabric
 from ..exchange.topology import Topology
 from ..fallback import BaselineChoice, BucketTrial, FallbackController, measured_fabric, ranks
 from ..stats import StepStats
-from .distributed import HANDED
+from .distributed import HANDED, WorkHandle
 from .tensors import BASELINE_DTYPES, blocking_on, flat_array
 
 #: starts a bucket's collectives and returns the function that finishes them (its mean in
@@ -134,7 +135,7 @@ class HookFallback:
 
             def finish() -> torch.Tensor:
                 nonlocal work
-                work.wait()
+                job_end.wait(WorkHandle(work, lambda: None))  # a peer's end of job stops it
                 # torch holds the wire while the work lives (HANDED waits for that at exit),
                 # and the worker keeps its last job (this closure) until the next
                 work = None

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from .. import gpu
 from ..exchange.collectives import Collectives, Handle
+from ..exchange.job_end import StoreRendezvous
 from ..exchange.shared_memory import host_collectives
 from ..exchange.staging import for_device_arrays
 from ..exchange.topology import Hierarchy, SerialWorker, Topology
@@ -43,6 +44,17 @@ log = logging.getLogger("horovod_quant")
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _LENGTH_BYTES = 8  # the int64 byte count before each rank's part of an allgather
+
+
+def store_end_of_job(comm: Collectives) -> StoreRendezvous | None:
+    """Where the DDP door's ranks (``comm``, a group's collectives) agree on the job's end
+    (:mod:`~horovod_quant.exchange.job_end`): torch.distributed's default store (torchrun's
+    agent holds it, so it outlives the ranks), or None where the group has none."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    return StoreRendezvous(store, comm.rank, comm.size, f"hq.end.{comm.group_id}")
 
 
 def group_ranks(group: Any) -> list[int]:
@@ -126,7 +138,7 @@ def _release_at_exit() -> None:
 atexit.register(_release_at_exit)
 
 
-class _WorkHandle(Handle):
+class WorkHandle(Handle):
     """A torch.distributed work in flight and the function that reads its result (called
     once: it may run a collective of its own). Once read, the handle keeps the result alone:
     the work and its tensors are let go (:data:`HANDED` keeps the tensors until torch drops
@@ -219,7 +231,7 @@ class ProcessGroupCollectives(Collectives):
 
     def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
         tensor = self._tensor(arr)
-        return _WorkHandle(HANDED.add(self._all_reduce(tensor, op), tensor),
+        return WorkHandle(HANDED.add(self._all_reduce(tensor, op), tensor),
                            lambda: self.like(tensor, arr))
 
     def allgather_async(self, arr: Any, name: str) -> Handle:
@@ -248,7 +260,7 @@ class ProcessGroupCollectives(Collectives):
                           for c, t, n in zip(chunks, tails, lengths)]
             return self.like(torch.cat(chunks).view(tensor.dtype), arr)
 
-        return _WorkHandle(work, result)
+        return WorkHandle(work, result)
 
     def alltoall_async(self, arr: Any, splits: list[int], name: str) -> Handle:
         tensor = self._tensor(arr).reshape(-1)
@@ -258,7 +270,7 @@ class ProcessGroupCollectives(Collectives):
         received = [int(n) for n in received.tolist()]
         out = torch.empty(sum(received), dtype=tensor.dtype, device=self.device)
         work = HANDED.add(self._all_to_all(out, tensor, received, list(splits)), out, tensor)
-        return _WorkHandle(work, lambda: (self.like(out, arr), received))
+        return WorkHandle(work, lambda: (self.like(out, arr), received))
 
     def mpi_communicator(self) -> PointToPoint | None:
         """Not MPI: the point-to-point messages of this group in the subset of mpi4py's

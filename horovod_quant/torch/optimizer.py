@@ -60,6 +60,7 @@ from .horovod_path import HorovodPath
 from .schedule import ExchangeSchedule
 from .tensors import BASELINE_DTYPES, on_gpu, parameter_names
 from .transport import (
+    horovod_end_of_job,
     horovod_topology,
     resolve_transport,
     transport_collectives,
@@ -176,6 +177,7 @@ class _OwnState:
                              "or own_state() returned") from None
         key_of = _key_by_name(self._layout.names)
         self._step = step
+        self._refusal.count(step)
         load_codec_states(self.codec_states, codec_states, own.get("world_size"),
                           self._comm.size, "hq.torch.DistributedOptimizer")
         self._fallback.load_state_dict(fallback, key_of)
@@ -255,6 +257,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._horovod = HorovodPath(op, gradient_predivide_factor, process_set, self._prefix)
         self._grad_accs: list[Any] = []
         if self._comm.size > 1:
+            self._refusal.register(self._step, horovod_end_of_job(
+                HorovodTorchCollectives(process_set)))
             for p in all_params:
                 self._watch(p)
 
@@ -354,6 +358,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             return
         with self._refusal.guard():
             self._adopt_group_state()
+            self._refusal.begin()
             self._synchronize()
         self._synchronized = True
 
@@ -433,6 +438,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         for key in self._delay:
             self._delay[key] = self.backward_passes_per_step
         self._step += 1
+        self._refusal.count(self._step)
         self.last_stats = self.stats.reset()
         if self.on_step is not None:
             self.on_step(self.last_stats)

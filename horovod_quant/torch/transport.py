@@ -32,6 +32,7 @@ from .. import gpu
 from ..doors import TRANSPORTS
 from ..env import env_choice
 from ..exchange.collectives import Collectives
+from ..exchange.job_end import StoreRendezvous
 from ..exchange.shared_memory import host_collectives
 from ..exchange.staging import HostStaged, for_device_arrays
 from ..exchange.topology import Hierarchy, SerialWorker, Topology
@@ -53,6 +54,8 @@ TRANSPORT_ENV = "HQ_TRANSPORT"
 _TOKEN_KEY = "hq.token"  # rank 0's store holds a random token: a probe reached the right store
 #: (process set id, device) -> its world group (with its hierarchy), or why it has none
 _groups: dict[tuple[str, str], StandaloneGroupCollectives | str] = {}
+#: process set id -> the store beside Horovod its ranks share (None: it could not be built)
+_stores: dict[str, Any] = {}
 
 
 def resolve_transport(transport: str | None = None) -> str:
@@ -151,24 +154,14 @@ def host_group_backend(reports: list[dict | None], topology: Topology) -> tuple[
     return "nccl", "every rank of a host has a GPU of its own"
 
 
-def gloo_group_beside_horovod(comm: Collectives, topology: Topology | None = None,
-                              device: torch.device | None = None) -> StandaloneGroupCollectives:
-    """Build a gloo process group over ``comm``'s ranks (same rank order) and return its
-    collectives; ``comm`` (Horovod's) carries the rendezvous. Where ``topology`` says ranks
-    share hosts (:attr:`~horovod_quant.exchange.topology.Topology.hierarchical`), the groups of
-    each host and of each shard between the hosts are built too (the collectives'
-    ``hierarchy``): NCCL groups on ``device`` where :func:`host_group_backend` agrees (CUDA
-    gradients), else gloo groups (a host's through shared memory where it can).
-
-    Collective: every rank of ``comm`` calls it at the same point. Each step is agreed by
-    every rank, so the ranks end with a group, or all raise the same error within about
-    :data:`CONNECT_TIMEOUT` (a few seconds when no address of rank 0 is reachable).
+def _store_beside_horovod(comm: Collectives, agree: _Agreement) -> tuple[Any, str, str]:
+    """Rank 0's ``TCPStore`` and every rank's client of it, at an address of rank 0 that every
+    rank reaches (found through Horovod's collectives); returns the store, that address, and
+    the local address this rank reaches it from (what its gloo device binds). Collective.
 
     Raises:
         RuntimeError: on every rank, naming each rank that failed and why.
     """
-    name = f"hq.transport.{comm.group_id}"
-    agree = _Agreement(comm, name)
     own, error = _attempt(addresses.own_addresses)
     store = token = None
     if comm.rank == 0 and error is None:
@@ -204,6 +197,28 @@ def gloo_group_beside_horovod(comm: Collectives, topology: Topology | None = Non
     if comm.rank != 0:
         store, error = _attempt(join_store)
     agree.gather("store", None, error)
+    return store, address, local
+
+
+def gloo_group_beside_horovod(comm: Collectives, topology: Topology | None = None,
+                              device: torch.device | None = None) -> StandaloneGroupCollectives:
+    """Build a gloo process group over ``comm``'s ranks (same rank order) and return its
+    collectives; ``comm`` (Horovod's) carries the rendezvous. Where ``topology`` says ranks
+    share hosts (:attr:`~horovod_quant.exchange.topology.Topology.hierarchical`), the groups of
+    each host and of each shard between the hosts are built too (the collectives'
+    ``hierarchy``): NCCL groups on ``device`` where :func:`host_group_backend` agrees (CUDA
+    gradients), else gloo groups (a host's through shared memory where it can).
+
+    Collective: every rank of ``comm`` calls it at the same point. Each step is agreed by
+    every rank, so the ranks end with a group, or all raise the same error within about
+    :data:`CONNECT_TIMEOUT` (a few seconds when no address of rank 0 is reachable).
+
+    Raises:
+        RuntimeError: on every rank, naming each rank that failed and why.
+    """
+    name = f"hq.transport.{comm.group_id}"
+    agree = _Agreement(comm, name)
+    store, address, local = _store_beside_horovod(comm, agree)
     gloo_device, error = _attempt(lambda: dist.ProcessGroupGloo.create_device(hostname=local))
     if error is None:
         group, error = _attempt(lambda: connect_group("gloo", store, name, comm.rank, comm.size,
@@ -230,11 +245,33 @@ def gloo_group_beside_horovod(comm: Collectives, topology: Topology | None = Non
     for g in groups:
         g.group.set_timeout(OPERATION_TIMEOUT)
     world = groups[0]
+    _stores[comm.group_id] = store
     if len(groups) == 3:
         local_group = groups[1] if groups[1].moves_device_arrays else host_collectives(groups[1])
         world.hierarchy = Hierarchy(topology, local_group, groups[2],
                                     SerialWorker(f"hq.hierarchy.{comm.group_id}"))
     return world
+
+
+def horovod_end_of_job(comm: Collectives) -> StoreRendezvous | None:
+    """Where the doors over ``comm`` (Horovod's collectives of a process set) agree on the
+    job's end (:mod:`~horovod_quant.exchange.job_end`): the store beside Horovod (the gloo
+    group's, else one built now: collective on first use), Horovod's shut-down unblocking a
+    rank waiting inside Horovod's own collectives; None where no store can be built (logged
+    once)."""
+    import horovod.torch as hvd
+
+    if comm.group_id not in _stores:
+        try:
+            _stores[comm.group_id] = _store_beside_horovod(
+                comm, _Agreement(comm, f"hq.end.{comm.group_id}"))[0]
+        except RuntimeError as exc:
+            _stores[comm.group_id] = None
+            log.warning("horovod_quant: no store beside Horovod (%s): a rank that runs more "
+                        "steps than the others waits for its exchange", exc)
+    store = _stores[comm.group_id]
+    return None if store is None else StoreRendezvous(
+        store, comm.rank, comm.size, f"hq.end.{comm.group_id}", hvd.shutdown)
 
 
 def horovod_topology(comm: Collectives) -> Topology:
