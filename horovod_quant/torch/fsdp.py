@@ -104,7 +104,9 @@ class ReplicaState(QuantizationState):
     """The state of :func:`compress_replica_allreduce`: a
     :class:`~horovod_quant.torch.ddp.QuantizationState` over ``replicate_group`` whose buckets
     are the module's shards (``stats``, ``codecs``, ``step``, ``fabric``, the fallback's
-    records, ``state_dict`` / ``load_state_dict`` as there; it does not pickle).
+    records, ``state_dict`` / ``load_state_dict`` as there; it does not pickle). With FSDP's
+    default divisors the result is HSDP's mean; a custom ``set_gradient_divide_factor(f)``
+    divides the host's sum by ``f`` before the replicas' mean (HSDP's divides the whole sum).
 
     Args:
         module: the root ``fully_shard`` module.
@@ -206,7 +208,9 @@ def _fsdp_groups(module: torch.nn.Module) -> list[tuple[Any, Any]]:
         if not isinstance(sub, FSDPModule):
             continue
         for group in sub._get_fsdp_state()._fsdp_param_groups:
-            if type(group.mesh_info).__name__ != "FSDPMeshInfo":
+            info = group.mesh_info  # FSDP alone: a shard dimension, no replicate one
+            if (getattr(info, "shard_mesh_dim", None) is None
+                    or getattr(info, "replicate_mesh_dim", None) is not None):
                 raise ValueError(
                     "horovod_quant FSDP hook: a module is sharded over a 2-D mesh (HSDP) or "
                     "replicated, and FSDP all-reduces those gradients itself before any hook: "
