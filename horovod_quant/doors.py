@@ -1,9 +1,10 @@
-"""What the four framework doors share: their settings (:class:`DoorOptions`, one default
-each), the cross-rank configuration check and the ``Compression.<codec>(...)`` namespace.
+"""What the framework doors share: their settings (:class:`DoorOptions`, one default each),
+the cross-rank configuration check and the ``Compression.<codec>(...)`` namespace.
 
 The doors: Horovod PyTorch's ``compression=`` (:mod:`horovod_quant.torch.compression`),
 ``hq.torch.DistributedOptimizer`` (:mod:`horovod_quant.torch.optimizer`), the DDP hook
-(:mod:`horovod_quant.torch.ddp`) and Horovod TensorFlow's ``compression=``
+(:mod:`horovod_quant.torch.ddp`), the FSDP hook (:mod:`horovod_quant.torch.fsdp`: the DDP
+hook's settings) and Horovod TensorFlow's ``compression=``
 (:mod:`horovod_quant.tensorflow.compression`).
 """
 from __future__ import annotations
@@ -77,7 +78,7 @@ SHARED_NAMES = tuple(f.name for f in dataclasses.fields(ExchangeSettings))
 @dataclasses.dataclass(frozen=True)
 class FallbackSettings:
     """The settings of the fallback (:mod:`horovod_quant.fallback`), which
-    ``hq.torch.DistributedOptimizer`` and the DDP hook take.
+    ``hq.torch.DistributedOptimizer`` and the DDP and FSDP hooks take.
 
     Args:
         fallback: "auto" (the baseline's allreduce carries the buckets whose codec does not
@@ -123,14 +124,14 @@ class OptimizerSettings:
 class DoorOptions(OptimizerSettings, FallbackSettings, ExchangeSettings):
     """Every setting of the framework doors in one value, one default each: the
     :class:`ExchangeSettings` every door takes, the :class:`FallbackSettings` of the
-    optimizer and the DDP hook, and the :class:`OptimizerSettings` of
+    optimizer and the DDP and FSDP hooks, and the :class:`OptimizerSettings` of
     ``hq.torch.DistributedOptimizer``.
 
     Every door takes its settings one way: ``options=DoorOptions(...)``, or each setting as a
     keyword argument of the same name (over the settings of a compressor the door was given,
     else the defaults), not both. A torch ``Compression`` keeps the optimizer's settings for
-    the optimizer it is passed to; the TensorFlow door and the DDP hook raise ValueError when
-    one of them is not at its default.
+    the optimizer it is passed to; the TensorFlow door and the DDP and FSDP hooks raise
+    ValueError when one of them is not at its default.
     """
 
     def __post_init__(self) -> None:
@@ -147,14 +148,14 @@ class DoorOptions(OptimizerSettings, FallbackSettings, ExchangeSettings):
         if set_here:
             raise ValueError(f"{', '.join(set_here)}: the {door} does not take these settings "
                              f"(the fallback's, {', '.join(FALLBACK)}: "
-                             "hq.torch.DistributedOptimizer and the DDP hook; the others: "
-                             "hq.torch.DistributedOptimizer alone); leave them at their "
-                             "defaults")
+                             "hq.torch.DistributedOptimizer, the DDP hook and the FSDP hook; "
+                             "the others: hq.torch.DistributedOptimizer alone); leave them at "
+                             "their defaults")
         return self
 
 
-#: the settings every door takes, the fallback's (the optimizer and the DDP hook), and those
-#: only ``hq.torch.DistributedOptimizer`` uses
+#: the settings every door takes, the fallback's (the optimizer, the DDP and FSDP hooks) and
+#: those only ``hq.torch.DistributedOptimizer`` uses
 SHARED = SHARED_NAMES
 FALLBACK = tuple(f.name for f in dataclasses.fields(FallbackSettings))
 OPTIMIZER_ONLY = tuple(f.name for f in dataclasses.fields(OptimizerSettings))

@@ -219,7 +219,7 @@ class _Checkpoints:
             raise ValueError("not a QuantizationState state: pass what state_dict() returned")
         self.step = int(saved["step"])
         load_codec_states(self.codec_states, saved["codec_states"], saved.get("world_size"),
-                          self._comm.size, "DDP hook")
+                          self._comm.size, self.DOOR)
         if "fallback" in saved:  # (a state saved before the hook had a fallback: none)
             self._hook_fallback.load_state_dict(saved["fallback"])
 
@@ -294,12 +294,15 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
             fallback's records (:class:`~horovod_quant.fallback.FallbackAttributes`).
     """
 
+    #: the door's name in messages (the FSDP door's state, a subclass, names its own)
+    DOOR = "DDP hook"
+
     def __init__(self, codec: Codec | str | CompressorSettings, process_group: Any = None,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                  options: DoorOptions | None = None, **settings: Any) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("horovod_quant DDP hook: call torch.distributed.init_process_group"
-                               " before building a QuantizationState")
+            raise RuntimeError(f"horovod_quant {self.DOOR}: call torch.distributed."
+                               "init_process_group before building its state")
         comm = process_group_collectives(own_group(process_group))
         topology = getattr(comm.hierarchy, "topology", None)
         # a codec too small for every rank's payload may serve one payload per node
@@ -326,7 +329,7 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
                              + (f" (or {topology.host_count}, its nodes: the hierarchical "
                                 f"exchange alone then runs it)" if topology is not None else ""))
         super().__init__(codec, door_options(settings, options, inherited, SHARED + FALLBACK)
-                         .check_door("DDP hook", SHARED + FALLBACK))
+                         .check_door(self.DOOR, SHARED + FALLBACK))
         self._names = parameter_names(named_parameters)
         if self.policy.rules and self._names is None:
             raise ValueError(
@@ -427,16 +430,8 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
         """Hand ``bucket`` to the worker and return its future (module doc); the first call
         waits for the cross-rank check."""
         grad = bucket.buffer()
-        if self._exchanges is None:  # the first bucket: nothing is combined before the check
-            if self._check is None:
-                self.fabric = self._hook_fallback.fabric or Fabric.for_ranks(on_gpu(grad))
-                self._check = ConfigCheck(self._comm, self.shared_config())
-            self._check.wait()  # a mismatch raises here, at this and every later call
-            self._exchanges = [Exchange(c, self._comm, gather=self.gather,
-                                        pipeline_elems=self.pipeline_elems, fabric=self.fabric,
-                                        states=self.codec_states)
-                               for c in self.codecs]
-            self._steps = LEDGER.register("DDP hook", self.step, store_end_of_job(self._comm))
+        if self._exchanges is None:
+            self._open_exchanges(grad)
         last = bucket.is_last()
         self._steps.begin()
         self._hook_fallback.bucket_arrived(last)
@@ -455,6 +450,19 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
             self.step += 1
             start = _counted(start, self._steps, self.step)
         return self._pipeline.submit(start, last, stream)
+
+    def _open_exchanges(self, grad: torch.Tensor) -> None:
+        """At the first bucket (``grad``, where the codecs run): the fabric, the cross-rank
+        check, waited for (nothing is combined before it), and the exchanges."""
+        if self._check is None:
+            self.fabric = self._hook_fallback.fabric or Fabric.for_ranks(on_gpu(grad))
+            self._check = ConfigCheck(self._comm, self.shared_config())
+        self._check.wait()  # a mismatch raises here, at this and every later call
+        self._exchanges = [Exchange(c, self._comm, gather=self.gather,
+                                    pipeline_elems=self.pipeline_elems, fabric=self.fabric,
+                                    states=self.codec_states)
+                           for c in self.codecs]
+        self._steps = LEDGER.register(self.DOOR, self.step, store_end_of_job(self._comm))
 
     def _start_parts(self, index: int, parts: list[_Part], grad: torch.Tensor, step: int,
                      stats: StepStats | None = None) -> Callable[[], Finish]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs tests/parallel_ddp under torchrun (gloo process groups): 2 and 4 ranks, 2 nodes x 2 ranks
-# (two torchrun launches with --nnodes 2 on this host: the hierarchical exchange), and 3 for
+# (two torchrun launches with --nnodes 2 on this host: the hierarchical exchange, and the FSDP
+# hook's two hosts, test_fsdp_replicas.py, which runs in that world alone), and 3 for
 # the non-power-of-two exponent reduction; then runs exit_job.py HQ_EXIT_RUNS times (default
 # 20) as 2 ranks and as 2 nodes x 2 ranks, each rank of which must exit 0. Every run has a
 # deadline, so a hang fails the job.

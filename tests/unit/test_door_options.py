@@ -105,8 +105,8 @@ def test_settings_a_door_does_not_take_raise_there():
     assert DoorOptions(seed=2).check_door("TensorFlow door").seed == 2
     with pytest.raises(ValueError, match=r"fallback='never', fusion_bytes=1024: the TensorFlow "
                                          r"door does not take these settings \(the fallback's, "
-                                         r"fallback, baseline: hq.torch.DistributedOptimizer and "
-                                         r"the DDP hook"):
+                                         r"fallback, baseline: hq.torch.DistributedOptimizer, "
+                                         r"the DDP hook and the FSDP hook"):
         DoorOptions(fusion_bytes=1024, fallback="never").check_door("TensorFlow door")
     ddp = SHARED + FALLBACK
     assert DoorOptions(baseline="bf16", fallback="never").check_door("DDP hook", ddp).baseline \
@@ -122,12 +122,13 @@ def test_every_door_takes_the_settings_as_keywords_or_options():
     DoorOptions' is the one every door runs with)."""
     hvd_torch = pytest.importorskip("horovod.torch")
     import horovod_quant.torch as hqt
-    from horovod_quant.torch import ddp
+    from horovod_quant.torch import ddp, fsdp
 
     doors = {"torch Compression": hqt.Compression.qsgd,
              "torch QuantizedCompressor": hqt.QuantizedCompressor,
              "hq.torch.DistributedOptimizer": hqt.DistributedOptimizer,
-             "DDP QuantizationState": ddp.QuantizationState.__init__}
+             "DDP QuantizationState": ddp.QuantizationState.__init__,
+             "FSDP ReplicaState": fsdp.ReplicaState.__init__}
     try:
         import horovod_quant.tensorflow as hqtf
     except ImportError:  # a machine without TensorFlow: the torch doors alone
