@@ -1,7 +1,7 @@
 """A job whose rank 0 runs one step more than the others (an uneven data loader), in one door:
 
     horovodrun -np 2 --gloo python3 tests/uneven_steps_job.py optimizer-gloo
-    (or optimizer-horovod, optimizer-auto, compression)
+    (or optimizer-horovod, optimizer-auto, compression, tensorflow)
     torchrun --nproc_per_node 2 tests/uneven_steps_job.py ddp
 
 Each rank prints when it finished its steps (``rank R done at T``) or what it raised (``rank R
@@ -52,15 +52,46 @@ def _ddp():
     return dist.get_rank(), model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def _tensorflow():
+    """One tf.function step of a DistributedGradientTape with a horovod_quant compressor."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import horovod_quant.tensorflow as hqtf
+
+    hvd.init()
+    tf.random.set_seed(0)
+    weights = tf.Variable(tf.random.normal([256, 64]))
+    compression = hqtf.Compression.qsgd(bits=8)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.matmul(tf.random.normal([16, 256]), weights) ** 2)
+        tape = hvd.DistributedGradientTape(tape, compression=compression)
+        weights.assign_sub(0.1 * tape.gradient(loss, [weights])[0])
+    return hvd.rank(), step
+
+
+def _torch_step(model, opt):
+    def step():
+        opt.zero_grad()
+        model(torch.randn(16, 32)).pow(2).mean().backward()
+        opt.step()
+    return step
+
+
 def main() -> None:
     door = sys.argv[1]
-    rank, model, opt = _ddp() if door == "ddp" else _horovod(door)
+    if door == "tensorflow":
+        rank, step = _tensorflow()
+    else:
+        rank, model, opt = _ddp() if door == "ddp" else _horovod(door)
+        step = _torch_step(model, opt)
     steps = STEPS + (1 if rank == 0 and sys.argv[2:] != ["even"] else 0)
     try:
         for _ in range(steps):
-            opt.zero_grad()
-            model(torch.randn(16, 32)).pow(2).mean().backward()
-            opt.step()
+            step()
     except Exception as exc:
         print(f"rank {rank} raised at {time.time():.3f}: {type(exc).__name__}: {exc}",
               flush=True)

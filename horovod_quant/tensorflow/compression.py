@@ -47,6 +47,7 @@ from ..doors import (
 from ..exchange import plans, wire
 from ..exchange.codec_states import CodecStates
 from ..exchange.driver import custom_collective
+from ..exchange.job_end import LEDGER
 from ._fenv import ieee_denormals
 from .collectives import HorovodTFCollectives
 
@@ -54,6 +55,16 @@ _IDS = itertools.count()
 _PLACEHOLDER_BYTES = 4
 _HOROVOD_TF = "horovod.tensorflow"
 _MAX_FRAMES = 96  # autograph and tf.cond put ~40 frames between Horovod's allreduce_grads and us
+
+
+def _end_of_job(comm: HorovodTFCollectives) -> Any:
+    """The store beside Horovod the job's end is agreed in (built with torch's ``TCPStore``
+    where torch is installed; else None: a rank with extra calls waits for the launcher)."""
+    try:
+        from ..torch.transport import horovod_end_of_job
+    except ImportError:
+        return None
+    return horovod_end_of_job(comm, hvd.shutdown)
 
 
 def _variable_name(variables: Any, index: int) -> str | None:
@@ -258,6 +269,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
                     self._check = ConfigCheck(HorovodTFCollectives(self._ps()),
                                               self.shared_config())
                 self._prefix = self._check.wait()
+                self._steps = LEDGER.register("TensorFlow compressor", self.calls,
+                                              _end_of_job(HorovodTFCollectives(self._ps())))
         return self._prefix
 
     def _custom_for(self, codec: Codec) -> Any:
@@ -289,6 +302,10 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             plans.check_request(request, expected, label)
             t1 = time.perf_counter()
         with self._lock:
+            if request is None:  # the call's exchange ended (its steps: calls, as its tags')
+                self._steps.end(max(self._steps.steps, key[0] + 1))
+            if first or self._flights:
+                self._steps.begin()
             field = "encode_s" if first else "decode_s"
             setattr(self.stats, field, getattr(self.stats, field) + t1 - t0)
             self.stats.bytes_sent += sent + (0 if request is None else request.array.nbytes)

@@ -253,14 +253,17 @@ def gloo_group_beside_horovod(comm: Collectives, topology: Topology | None = Non
     return world
 
 
-def horovod_end_of_job(comm: Collectives) -> StoreRendezvous | None:
-    """Where the doors over ``comm`` (Horovod's collectives of a process set) agree on the
-    job's end (:mod:`~horovod_quant.exchange.job_end`): the store beside Horovod (the gloo
-    group's, else one built now: collective on first use), Horovod's shut-down unblocking a
-    rank waiting inside Horovod's own collectives; None where no store can be built (logged
-    once)."""
-    import horovod.torch as hvd
+def horovod_end_of_job(comm: Collectives, shutdown: Callable[[], Any] | None = None
+                       ) -> StoreRendezvous | None:
+    """Where the doors over ``comm`` (Horovod's collectives of a process set, PyTorch's or
+    TensorFlow's) agree on the job's end (:mod:`~horovod_quant.exchange.job_end`): the store
+    beside Horovod (the gloo group's, else one built now: collective on first use), Horovod's
+    ``shutdown`` (None: ``horovod.torch``'s) unblocking a rank waiting inside Horovod's own
+    collectives; None where no store can be built (logged once)."""
+    if shutdown is None:
+        import horovod.torch as hvd
 
+        shutdown = hvd.shutdown
     if comm.group_id not in _stores:
         try:
             _stores[comm.group_id] = _store_beside_horovod(
@@ -271,7 +274,7 @@ def horovod_end_of_job(comm: Collectives) -> StoreRendezvous | None:
                         "steps than the others waits for its exchange", exc)
     store = _stores[comm.group_id]
     return None if store is None else StoreRendezvous(
-        store, comm.rank, comm.size, f"hq.end.{comm.group_id}", hvd.shutdown)
+        store, comm.rank, comm.size, f"hq.end.{comm.group_id}", shutdown)
 
 
 def horovod_topology(comm: Collectives) -> Topology:

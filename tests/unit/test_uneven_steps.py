@@ -1,9 +1,10 @@
 """A rank that runs one step more than the others (tests/uneven_steps_job.py) fails the job on
 every rank with the same error, naming the ranks and their steps, within seconds of the others'
-end, in every PyTorch door: the hq optimizer over its gloo group and over Horovod's
-collectives, Horovod's optimizer with ``compression=``, under Horovod's gloo controller and
-under mpirun, and the DDP hook under torchrun (2 ranks, and 2 nodes x 2). Ranks that ran the
-same steps end with status 0."""
+end, in every door: the hq optimizer over its gloo group and over Horovod's collectives,
+Horovod's optimizer with ``compression=``, under Horovod's gloo controller and under mpirun,
+the DDP hook under torchrun (2 ranks, and 2 nodes x 2), TensorFlow's compressor. Ranks that ran
+the same steps end with status 0."""
+import importlib.util
 import os
 import re
 import shutil
@@ -27,7 +28,7 @@ LAUNCHERS = {
 #: CPU), an error of Horovod's collectives in the door (optimizer-horovod), an error of
 #: Horovod's own wait explained at exit (compression), polling the DDP hook's wait
 JOBS = [("gloo", "optimizer-horovod"), ("gloo", "compression"), ("mpi", "optimizer-auto"),
-        ("mpi", "compression"), ("torchrun", "ddp")]
+        ("mpi", "compression"), ("torchrun", "ddp"), ("gloo", "tensorflow")]
 EXPECTED = ("the ranks ran different numbers of steps of the {door}: rank 0 waits in an "
             "exchange of its step 3 that no other rank started, {ended}")
 
@@ -36,8 +37,8 @@ def _run(launcher: list[str], *args: str) -> tuple[subprocess.CompletedProcess, 
     tool = os.path.basename(launcher[0]) if launcher[0] != sys.executable else "horovodrun"
     if shutil.which(tool) is None:
         pytest.skip(f"{tool} is not installed")
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
-               OMPI_MCA_mpi_yield_when_idle="1", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TF_USE_LEGACY_KERAS="1",
+               TF_CPP_MIN_LOG_LEVEL="2", OMPI_MCA_mpi_yield_when_idle="1")
     start = time.monotonic()
     python = [] if tool == "torchrun" else [sys.executable]
     proc = subprocess.run(launcher + python + [JOB, *args], env=env, cwd=ROOT,
@@ -62,8 +63,11 @@ def _same_error_on_every_rank(proc: subprocess.CompletedProcess, door: str, rank
 
 @pytest.mark.parametrize("launcher,door", JOBS)
 def test_a_rank_with_one_step_more_fails_on_every_rank(launcher, door):
+    if door == "tensorflow" and importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("TensorFlow is not installed")
     proc, _ = _run(LAUNCHERS[launcher], door)
-    name = {"ddp": "DDP hook", "compression": "compressor"}.get(door, "optimizer")
+    name = {"ddp": "DDP hook", "compression": "compressor",
+            "tensorflow": "TensorFlow compressor"}.get(door, "optimizer")
     _same_error_on_every_rank(proc, name, 2)
 
 
