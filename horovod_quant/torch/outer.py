@@ -90,7 +90,8 @@ class OuterAllreduce(CompressorSettings):
     """The state of the compressed all-reduce over one group: the codec and settings, the
     exchange and the codec states an adaptive codec (nested dithered quantization) carries
     from one call to the next. Built on every rank of ``group`` at the same point (it is
-    collective: it builds the group's own process group).
+    collective: it builds the group's own process group, which torch names by the number of
+    groups each member has built, so every rank builds as many).
 
     Args:
         compression: a codec (``hq.get_codec``), a codec name or ``"name:bits"`` (``"qsgd:8"``),
