@@ -341,6 +341,22 @@ class CodecRequest:
         self.name = name
         self.params = dict(params)
 
+    @classmethod
+    def from_spec(cls, spec: str) -> "CodecRequest":
+        """A codec asked for as ``"name"`` or ``"name:bits"`` (the examples' ``--codec``).
+
+        Raises:
+            ValueError: the part after ``:`` is not an integer.
+        """
+        name, colon, bits = spec.partition(":")
+        if not colon:
+            return cls(name, {})
+        try:
+            return cls(name, {"bits": int(bits)})
+        except ValueError:
+            raise ValueError(f"codec {spec!r}: write a codec name, or name:bits with an "
+                             f"integer number of bits ({name}:8)") from None
+
     @property
     def needs_world_size(self) -> bool:
         """The codec needs ``world_size`` and the user gave none."""

@@ -30,6 +30,8 @@ def __getattr__(name: str) -> Any:
             from . import reporting as module
         elif name == "broadcast_state":
             from . import broadcast as module
+        elif name in ("OuterAllreduce", "allreduce"):
+            from . import outer as module
         else:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     except ModuleNotFoundError as exc:
@@ -43,4 +45,5 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["Compression", "DistributedOptimizer", "DoorOptions", "LayerPolicy",
-           "QuantizedCompressor", "StatsLogger", "StepStats", "broadcast_state"]
+           "OuterAllreduce", "QuantizedCompressor", "StatsLogger", "StepStats", "allreduce",
+           "broadcast_state"]

@@ -192,6 +192,48 @@ def _parts(codec_indices: list[int | None], ranges: list[tuple[int, int]]) -> li
     return [_Part(k, runs[k]) for k in order]
 
 
+def group_codec(codec: Codec | str | CompressorSettings, comm: Any, what: str = "codec"
+                ) -> tuple[Codec, DoorOptions | None]:
+    """The codec a door over a torch.distributed group runs (the DDP hook, the outer
+    all-reduce), and the settings of the compressor it came in (None for the others).
+
+    Args:
+        codec: a codec, a codec name or ``"name:bits"`` (``CodecRequest.from_spec``), or a
+            door's compressor; a world-sized codec asked for by name or through
+            ``Compression`` without ``world_size`` gets the group's size.
+        comm: the group's collectives (:func:`~.distributed.process_group_collectives`).
+        what: the argument's name in the errors.
+
+    Raises:
+        ValueError: ``codec`` is none of these, or a world-sized codec built for another size.
+    """
+    topology = getattr(comm.hierarchy, "topology", None)
+    # a codec too small for every rank's payload may serve one payload per node
+    nodes = (lambda: topology.host_count) if topology is not None else None
+    inherited = None
+    if isinstance(codec, CompressorSettings):  # a door's Compression.<codec>(...)
+        inherited = codec.options
+        request = codec.codec_request
+        codec = (request.build(lambda: comm.size, nodes) if request is not None
+                 and request.needs_world_size else codec.codec)
+    elif isinstance(codec, str):
+        codec = CodecRequest.from_spec(codec).build(lambda: comm.size, nodes)
+    if not isinstance(codec, Codec):
+        raise ValueError(f"{what}={codec!r} is not understood: pass hq.get_codec(...), a "
+                         "codec name (or name:bits), or hq.torch.Compression.<codec>(...)")
+    # the payloads a world-sized codec combines: one per rank, or one per node where
+    # only the hierarchical exchange can run it
+    allowed = {comm.size} | ({topology.host_count} if topology is not None else set())
+    if codec.needs_world_size and codec.params.get("world_size") not in allowed:
+        raise ValueError(f"{codec.name} was built for world_size="
+                         f"{codec.params.get('world_size')}, but the process group has "
+                         f"{comm.size} ranks: leave world_size out (it is filled in) or "
+                         f"pass world_size={comm.size}"
+                         + (f" (or {topology.host_count}, its nodes: the hierarchical "
+                            f"exchange alone then runs it)" if topology is not None else ""))
+    return codec, inherited
+
+
 class _Checkpoints:
     """A :class:`QuantizationState`'s checkpoints: ``state_dict`` / ``load_state_dict`` and
     pickling, as PyTorch's ``PowerSGDState`` (a base class of the state)."""
@@ -304,30 +346,7 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
             raise RuntimeError(f"horovod_quant {self.DOOR}: call torch.distributed."
                                "init_process_group before building its state")
         comm = process_group_collectives(own_group(process_group))
-        topology = getattr(comm.hierarchy, "topology", None)
-        # a codec too small for every rank's payload may serve one payload per node
-        nodes = (lambda: topology.host_count) if topology is not None else None
-        inherited = None
-        if isinstance(codec, CompressorSettings):  # a door's Compression.<codec>(...)
-            inherited = codec.options
-            request = codec.codec_request
-            codec = (request.build(lambda: comm.size, nodes) if request is not None
-                     and request.needs_world_size else codec.codec)
-        elif isinstance(codec, str):
-            codec = CodecRequest(codec, {}).build(lambda: comm.size, nodes)
-        if not isinstance(codec, Codec):
-            raise ValueError(f"codec={codec!r} is not understood: pass hq.get_codec(...), a "
-                             "codec name, or hq.torch.Compression.<codec>(...)")
-        # the payloads a world-sized codec combines: one per rank, or one per node where
-        # only the hierarchical exchange can run it
-        allowed = {comm.size} | ({topology.host_count} if topology is not None else set())
-        if codec.needs_world_size and codec.params.get("world_size") not in allowed:
-            raise ValueError(f"{codec.name} was built for world_size="
-                             f"{codec.params.get('world_size')}, but the process group has "
-                             f"{comm.size} ranks: leave world_size out (it is filled in) or "
-                             f"pass world_size={comm.size}"
-                             + (f" (or {topology.host_count}, its nodes: the hierarchical "
-                                f"exchange alone then runs it)" if topology is not None else ""))
+        codec, inherited = group_codec(codec, comm)
         super().__init__(codec, door_options(settings, options, inherited, SHARED + FALLBACK)
                          .check_door(self.DOOR, SHARED + FALLBACK))
         self._names = parameter_names(named_parameters)

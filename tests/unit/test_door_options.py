@@ -164,3 +164,22 @@ def test_tensorflow_door_refuses_optimizer_only_settings():
     with pytest.raises(ValueError, match="transport='gloo': the TensorFlow door"):
         hqtf.Compression.qsgd(options=DoorOptions(transport="gloo"))
     assert hqtf.Compression.qsgd(seed=3).pipeline_elems == DEFAULT_PIPELINE_ELEMS
+
+
+def test_a_codec_spec_is_a_name_or_name_and_bits():
+    """``"name:bits"`` (the examples' --codec) as the doors over a torch.distributed group take
+    it: the DDP hook and the outer all-reduce (``ddp.group_codec``)."""
+    from types import SimpleNamespace
+
+    from horovod_quant.torch.ddp import group_codec
+
+    assert (doors.CodecRequest.from_spec("qsgd").params, doors.CodecRequest.from_spec(
+        "qsgd:4").params) == ({}, {"bits": 4})
+    with pytest.raises(ValueError, match="integer number of bits"):
+        doors.CodecRequest.from_spec("qsgd:four")
+    comm = SimpleNamespace(size=3, hierarchy=None)
+    codec, inherited = group_codec("global_qsgd:8", comm)
+    want = hq.get_codec("global_qsgd", bits=8, world_size=3)
+    assert codec.config_key() == want.config_key() and inherited is None
+    with pytest.raises(ValueError, match="compression=3 is not understood"):
+        group_codec(3, comm, "compression")
