@@ -28,7 +28,7 @@ LAUNCHERS = {
 #: CPU), an error of Horovod's collectives in the door (optimizer-horovod), an error of
 #: Horovod's own wait explained at exit (compression), polling the DDP hook's wait
 JOBS = [("gloo", "optimizer-horovod"), ("gloo", "compression"), ("mpi", "optimizer-auto"),
-        ("mpi", "compression"), ("torchrun", "ddp"), ("gloo", "tensorflow")]
+        ("torchrun", "ddp"), ("gloo", "tensorflow")]
 EXPECTED = ("the ranks ran different numbers of steps of the {door}: rank 0 waits in an "
             "exchange of its step 3 that no other rank started, {ended}")
 
