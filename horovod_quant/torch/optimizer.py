@@ -323,6 +323,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                                          "backward_passes_per_step to accumulate gradients "
                                          "locally.")
                 self._adopt_group_state()
+                self._refusal.begin()
                 self._delay[key] -= 1
                 self._synchronized = False
                 if self._delay[key] == 0:
