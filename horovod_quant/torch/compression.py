@@ -182,6 +182,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
     def _compress(self, tensor: torch.Tensor, call: Any) -> tuple[torch.Tensor, Any]:
         if call is not None and call.repeats_synchronize:  # averaged already: not again
             return torch.ones(1, dtype=torch.float32), _Averaged(tensor)
+        self._refusal.begin()  # a step begins at its first tensor, whichever path it takes
         name = call.name(tensor) if call is not None else None
         if name is None and self.policy.rules and not self._warned_unnamed:
             self._warned_unnamed = True
@@ -202,7 +203,6 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             name, self._unnamed = f"#{self._unnamed}", self._unnamed + 1
         use = self._uses.get(name, 0)
         self._uses[name] = use + 1
-        self._refusal.begin()
         if self._check is None:  # the first compressed tensor: the check starts, unawaited
             # Horovod's collectives: a transport that pairs by call order would need the jobs
             # started in one order, and Horovod calls compress in each rank's hook order
