@@ -343,19 +343,34 @@ class CodecRequest:
 
     @classmethod
     def from_spec(cls, spec: str) -> "CodecRequest":
-        """A codec asked for as ``"name"`` or ``"name:bits"`` (the examples' ``--codec``).
+        """A codec asked for as ``"name"``, ``"name:bits"`` or ``"name-suffix:bits"`` (the
+        examples' ``--codec``, the predictor's specs): a suffix sets the parameters the codec
+        declares for it (:attr:`.core.base.Codec.spec_suffixes`: ``global_qsgd-lin:8``).
 
         Raises:
-            ValueError: the part after ``:`` is not an integer.
+            ValueError: an unknown codec or suffix, or a part after ``:`` that is not an
+                integer.
         """
-        name, colon, bits = spec.partition(":")
-        if not colon:
-            return cls(name, {})
-        try:
-            return cls(name, {"bits": int(bits)})
-        except ValueError:
-            raise ValueError(f"codec {spec!r}: write a codec name, or name:bits with an "
-                             f"integer number of bits ({name}:8)") from None
+        name, colon, bits = spec.strip().partition(":")
+        params: dict[str, Any] = {}
+        if name not in available_codecs() and "-" in name:
+            name, _, suffix = name.rpartition("-")
+            suffixes = codec_class(name).spec_suffixes
+            if suffix not in suffixes:
+                known = [f"{n}-{s}" for n in available_codecs()
+                         for s in codec_class(n).spec_suffixes]
+                raise ValueError(f"codec {spec!r}: {name} takes no suffix -{suffix}; the codecs "
+                                 f"with suffixes: {', '.join(known)}")
+            params.update(suffixes[suffix])
+        codec_class(name)  # an unknown name: ValueError listing the valid ones
+        if colon:
+            try:
+                params["bits"] = int(bits)
+            except ValueError:
+                raise ValueError(f"codec {spec!r}: bits {bits!r} is not an integer: write a "
+                                 f"codec name, or name:bits with an integer number of bits "
+                                 f"({name}:8)") from None
+        return cls(name, params)
 
     @property
     def needs_world_size(self) -> bool:

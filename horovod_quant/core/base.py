@@ -157,6 +157,9 @@ class Codec(abc.ABC):
     wire_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
     #: leading payload bytes :meth:`wire_layout` reads (a sparse count, an NDQSG header)
     head_nbytes: ClassVar[int] = 0
+    #: the suffixes a codec spec may give after the name (``"<name>-<suffix>:<bits>"``,
+    #: :meth:`~horovod_quant.doors.CodecRequest.from_spec`), each with the parameters it sets
+    spec_suffixes: ClassVar[dict[str, dict[str, Any]]] = {}
 
     def __init__(self, **params: Any) -> None:
         self.params = dict(params)

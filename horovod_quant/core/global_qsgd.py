@@ -225,6 +225,7 @@ class GlobalQSGD(GlobalNorm, Codec):
 
     name = "global_qsgd"
     needs_world_size = True
+    spec_suffixes = {"lin": {"levels": "linear"}, "exp": {"levels": "exponential"}}
 
     def __new__(cls, world_size: int | None = None, bits: int = 8, levels: str = "exponential",
                 num_levels: int | None = None, norm: str = "max", mode: str = "dense",
