@@ -48,6 +48,7 @@ import subprocess
 import sys
 import time
 
+from horovod_quant.doors import CodecRequest
 from horovod_quant.exchange.cost import LINK_ENV
 from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS
 
@@ -84,12 +85,8 @@ def config(spec: str) -> dict:
         return {"id": spec, "codec": "fp16" if spec == "fp16" else "none", "params": {},
                 "door": "compute" if spec == "compute" else "horovod"}
     door, name = ("compression", spec[4:]) if spec.startswith("hvd.") else ("hq", spec)
-    name, _, bits = name.partition(":")
-    params = {"bits": int(bits)} if bits else {}
-    if name.startswith("global_qsgd-"):
-        params["levels"] = {"lin": "linear", "exp": "exponential"}[name.split("-")[1]]
-        name = "global_qsgd"
-    return {"id": spec, "codec": name, "params": params, "door": door}
+    request = CodecRequest.from_spec(name)
+    return {"id": spec, "codec": request.name, "params": request.params, "door": door}
 
 
 def default_specs(codecs, bits) -> list[str]:
@@ -526,8 +523,9 @@ def measure_codecs(specs: list[str], shape: tuple[int, int] | None = None,
     ranks are (:func:`rank_env`): the predictor's validation takes the codec speed of the
     machine that measured the steps, not the built-in table of another. Given a ``shape``
     (hosts, ranks per host) and the link the ranks are told (``HQ_LINK_GBIT``), also as one
-    rank runs them in that shape's plans (:func:`horovod_quant.predict.measure_throughput`)."""
-    code = ("import json, sys; from horovod_quant import predict as p; "
+    rank runs them in that shape's plans
+    (:func:`horovod_quant.tools.predict.measure_throughput`)."""
+    code = ("import json, sys; from horovod_quant.tools import predict as p; "
             "from horovod_quant.exchange.topology import Topology; "
             "shape = json.loads(sys.argv[1]); kw = {} if shape is None else dict("
             "topology=Topology.grid(*shape[:2]), fabric=p.cluster_fabric('cpu', shape[2])); "

@@ -352,17 +352,15 @@ class CodecRequest:
                 integer.
         """
         name, colon, bits = spec.strip().partition(":")
-        params: dict[str, Any] = {}
+        suffix = ""
         if name not in available_codecs() and "-" in name:
             name, _, suffix = name.rpartition("-")
-            suffixes = codec_class(name).spec_suffixes
-            if suffix not in suffixes:
-                known = [f"{n}-{s}" for n in available_codecs()
-                         for s in codec_class(n).spec_suffixes]
-                raise ValueError(f"codec {spec!r}: {name} takes no suffix -{suffix}; the codecs "
-                                 f"with suffixes: {', '.join(known)}")
-            params.update(suffixes[suffix])
-        codec_class(name)  # an unknown name: ValueError listing the valid ones
+        suffixes = codec_class(name).spec_suffixes  # an unknown name: the valid ones listed
+        if suffix and suffix not in suffixes:
+            known = [f"{n}-{s}" for n in available_codecs() for s in codec_class(n).spec_suffixes]
+            raise ValueError(f"codec {spec!r}: {name} takes no suffix -{suffix}; the codecs "
+                             f"with suffixes: {', '.join(known)}")
+        params: dict[str, Any] = {}
         if colon:
             try:
                 params["bits"] = int(bits)
@@ -370,7 +368,7 @@ class CodecRequest:
                 raise ValueError(f"codec {spec!r}: bits {bits!r} is not an integer: write a "
                                  f"codec name, or name:bits with an integer number of bits "
                                  f"({name}:8)") from None
-        return cls(name, params)
+        return cls(name, {**params, **suffixes.get(suffix, {})})
 
     @property
     def needs_world_size(self) -> bool:
