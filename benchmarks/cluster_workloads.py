@@ -48,7 +48,7 @@ import torch
 from horovod_quant.doors import CodecRequest
 from horovod_quant.exchange import Exchange
 from horovod_quant.exchange.cost import Fabric
-from horovod_quant.predict import machine_busy_s
+from horovod_quant.tools.predict import machine_busy_s
 from horovod_quant.torch.collectives import (
     HorovodTorchCollectives,
     synchronize,

@@ -38,7 +38,7 @@ from typing import Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-predictor = importlib.import_module("horovod_quant.predict")
+predictor = importlib.import_module("horovod_quant.tools.predict")
 
 #: compute times (ms of one GPU's batch) a row whose source does not state its batch is
 #: predicted at: ResNet-50 on one V100 at batch 10 to 160, a transformer's step alike

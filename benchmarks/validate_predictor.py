@@ -12,9 +12,10 @@ model the ``compute`` row's median step is the predictor's compute; the link rat
 link's TCP calibration's; the cores the ranks of a host share are the machine's cores over the
 hosts (every emulated host runs on the same cores). The CPU the ranks' collectives cost per
 byte sent (``transport_ns``) is the link's TCP calibration's. The codecs' speed comes from the
-link's exchange rows where they timed the ranks' CPU (:func:`horovod_quant.predict.calibrate`:
-each codec's exchange of the bucket, by the plan the ranks chose for that link, less its bytes
-at that CPU per byte); for a codec without one, from one process timing it as one rank runs
+link's exchange rows where they timed the ranks' CPU
+(:func:`horovod_quant.tools.predict.calibrate`: each codec's exchange of the bucket, by the
+plan the ranks chose for that link, less its bytes at that CPU per byte); for a codec without
+one, from one process timing it as one rank runs
 the link's plans (the link's ``codec_throughput``), or its kernels alone
 (``machine.codec_throughput``), or the built-in table. Each row says which
 (``codec_speed``).
@@ -48,7 +49,7 @@ from typing import Callable, Iterable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-predictor = importlib.import_module("horovod_quant.predict")
+predictor = importlib.import_module("horovod_quant.tools.predict")
 Topology = importlib.import_module("horovod_quant.exchange.topology").Topology
 MB = 1 << 20
 

@@ -2,7 +2,8 @@
 and dithering, Global-QSGD, nested dithered quantization).
 
 The framework doors live in ``horovod_quant.torch`` and ``horovod_quant.tensorflow``; the math
-is in ``horovod_quant.core``.
+is in ``horovod_quant.core``; applications of the package (the predictor) in
+``horovod_quant.tools``.
 """
 import os
 
@@ -14,21 +15,9 @@ os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
 from .core import Codec, Payload, available_codecs, derive_key, get_codec, worker_seed  # noqa: E402
 from .exchange.reference import mean_estimate  # noqa: E402
 
-
-def __getattr__(name: str):
-    """``horovod_quant.predict``: the predictor's module, callable as its function
-    (``hq.predict(...)``), imported when first asked for so that ``python -m
-    horovod_quant.predict`` runs it once, as ``__main__``."""
-    if name == "predict":
-        import importlib
-
-        return importlib.import_module(".predict", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __version__ = "0.1.0"
 
 __all__ = [
     "Codec", "Payload", "available_codecs", "derive_key", "get_codec", "mean_estimate",
-    "predict", "worker_seed", "__version__",
+    "worker_seed", "__version__",
 ]

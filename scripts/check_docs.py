@@ -693,9 +693,29 @@ def check_api() -> tuple[list[str], list[str]]:
 
 
 # ---------------------------------------------------------------------------------- checks ---
+#: a command module that runs another module's ``main`` (``from .tools.predict import main``)
+RUNS_MAIN_OF = re.compile(r"^from\s+(\.+|horovod_quant\.)([\w.]*)\s+import\s+main\b", re.M)
+
+
 def _uses_argparse(path: str) -> bool:
+    """Whether the script parses its flags with argparse, or runs the ``main`` of a package
+    module that does (``python -m horovod_quant.predict`` runs horovod_quant/tools/predict.py's)."""
     with open(path, encoding="utf-8") as fh:
-        return "argparse" in fh.read()
+        text = fh.read()
+    if "argparse" in text:
+        return True
+    m = RUNS_MAIN_OF.search(text)
+    if not m:
+        return False
+    dots, rest = m.groups()
+    base = os.path.join(ROOT, "horovod_quant") if not dots.startswith(".") else \
+        os.path.dirname(path) if len(dots) == 1 else \
+        os.path.normpath(os.path.join(os.path.dirname(path), *[".."] * (len(dots) - 1)))
+    target = os.path.join(base, *rest.split(".")) if rest else base
+    for candidate in (target + ".py", os.path.join(target, "__init__.py")):
+        if os.path.exists(candidate):
+            return _uses_argparse(candidate)
+    return False
 
 
 def help_flags(inv: Invocation) -> tuple[set | None, str]:

@@ -4,7 +4,7 @@ A codec whose payloads are summed (Global-QSGD) keeps headroom for the sum of ev
 its levels shrink as the number of payloads grows, until it cannot be built. The codec warns
 once (Python :mod:`warnings`, category :class:`CodecLimitWarning`) when it is built with fewer
 than :data:`FEW_LEVELS` levels because of its world size, naming the alternatives; the
-predictor (:mod:`horovod_quant.predict`) prints the same text.
+predictor (:mod:`horovod_quant.tools.predict`) prints the same text.
 """
 from __future__ import annotations
 

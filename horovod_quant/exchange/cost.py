@@ -10,6 +10,9 @@ gloo runs them: allgather and allreduce as rings over the ranks in rank order, a
 pairwise, Global-QSGD's exponent allreduce by recursive halving and doubling. The plans are
 those of :mod:`.plans` (:func:`.plans.plan_choice` picks one); a hierarchical plan runs an
 inner plan between the hosts on each rank's shard (1/K of the vector for K ranks per host).
+In seconds (the predictor's model, :mod:`horovod_quant.tools.predict`): :class:`LinkTimes`
+times a plan's bytes and rounds at a transport's rates and latencies, :class:`Throughput` its
+:func:`codec_work` at the codec kernels' rates.
 """
 from __future__ import annotations
 
@@ -115,12 +118,58 @@ class Cost(NamedTuple):
         """The plan's time on ``fabric``: :meth:`score` over the link's rate, that is the bytes
         across hosts at the link's rate, a round's latency per round across hosts, and the
         bytes (and rounds) inside a host at the fabric's rate inside the host. The plan
-        choice and :func:`fitted_fabric` weigh the same quantity (:mod:`horovod_quant.predict`
-        times a plan's bytes and rounds with NCCL's or gloo's rates and latencies)."""
+        choice and :func:`fitted_fabric` weigh the same quantity (:class:`LinkTimes` times a
+        plan's bytes and rounds with NCCL's or gloo's rates and latencies)."""
         return self.score(fabric) / fabric.link_bytes_per_s
 
     def __add__(self, other: "Cost") -> "Cost":  # type: ignore[override]
         return Cost(*(a + b for a, b in zip(self, other)))
+
+
+#: GPU ranks' latency of one round, microseconds: NCCL's own tuning model (src/graph/tuning.cc
+#: of github.com/NVIDIA/nccl, ``hwLat``, ring algorithm, Simple protocol, which carries large
+#: buckets) counts 14 us per step over the network and 5.7 us per step over PCIe
+NCCL_NET_STEP_US, NCCL_PCI_STEP_US = 14.0, 5.7
+#: the share of a network's line rate that NCCL's allreduce reaches (nccl-tests' bus bandwidth
+#: of large messages, as NCCL's maintainers report it: 192 GB/s on a DGX A100's eight 200
+#: Gbit/s adapters, 12.2 GB/s on one 100 Gbit/s adapter; docs/dev/benchmarks.md cites both)
+NET_EFFICIENCY = 0.96
+
+
+class LinkTimes(NamedTuple):
+    """What a plan's :class:`Cost` takes in seconds where the transport's own rates and
+    latencies are known (the predictor's): the rates reached (bytes/s) across hosts and inside
+    a host, and the latency (s) of a round across hosts and of a round inside a host."""
+
+    link_bytes_per_s: float
+    intra_bytes_per_s: float
+    round_s: float
+    local_round_s: float
+
+    @classmethod
+    def of(cls, fabric: Fabric, on_gpu: bool, round_us: float | None = None) -> "LinkTimes":
+        """GPU ranks: NCCL's share of the line rate (:data:`NET_EFFICIENCY`) and its steps'
+        latency (:data:`NCCL_NET_STEP_US`, :data:`NCCL_PCI_STEP_US`; ``round_us`` given: that
+        across hosts). CPU ranks: the fabric's rates (TCP as measured) and its round, in or out
+        of a host alike (a gloo collective issued from Python)."""
+        if on_gpu:
+            across = NCCL_NET_STEP_US if round_us is None else round_us
+            return cls(fabric.link_bytes_per_s * NET_EFFICIENCY, fabric.intra_gbyte * 1e9,
+                       across * 1e-6, NCCL_PCI_STEP_US * 1e-6)
+        return cls(fabric.link_bytes_per_s, fabric.intra_gbyte * 1e9, fabric.round_us * 1e-6,
+                   fabric.round_us * 1e-6)
+
+    def seconds(self, cost: Cost) -> float:
+        """The plan's time: its bytes across hosts and inside a host at their rates, and the
+        latency of its rounds across hosts and inside a host."""
+        return (cost.host_bytes / self.link_bytes_per_s + cost.rounds * self.round_s
+                + cost.local_bytes / self.intra_bytes_per_s
+                + cost.local_rounds * self.local_round_s)
+
+    def scaled(self, factor: float) -> "LinkTimes":
+        """Both rates times ``factor``, the latencies as they are."""
+        return self._replace(link_bytes_per_s=self.link_bytes_per_s * factor,
+                             intra_bytes_per_s=self.intra_bytes_per_s * factor)
 
 
 def _host_of(topology: Topology) -> list[int]:
@@ -362,3 +411,24 @@ def codec_work(kind: str, topology: Topology, numel: int) -> CodecWork:
     if kind == "custom":  # the reduction combines about one payload over its rounds
         return CodecWork(numel, numel, numel)
     raise ValueError(f"no codec work for plan kind {kind!r}")
+
+
+def _gbps_seconds(elements: float, gbps: float) -> float:
+    return 0.0 if not elements else elements * 4.0 / (gbps * 1e9)
+
+
+class Throughput(NamedTuple):
+    """GB/s of float32 input of one codec's kernels on one rank (``combine``: per payload
+    accumulated; None where the codec has no combine kernel of its own, then ``decode``)."""
+
+    encode: float
+    decode: float
+    combine: float | None = None
+
+    def seconds(self, work: CodecWork, share: float = 1.0) -> tuple[float, float]:
+        """``(encode, decode)`` seconds of ``work`` at these rates times ``share`` (a rank's
+        share of a core); the decode includes the combining."""
+        combine = self.combine if self.combine is not None else self.decode
+        return (_gbps_seconds(work.encode, self.encode * share),
+                _gbps_seconds(work.decode, self.decode * share)
+                + _gbps_seconds(work.combine, combine * share))

@@ -189,7 +189,7 @@ def one_rank(codec: Codec, x: np.ndarray, kind: str, topology: Topology,
     what rank 0 sends: what one rank computes in a real exchange (its encodes, frames,
     decodes and combines, the copies and sums a collective makes of what it receives), without
     the other ranks' work, for the predictor to time
-    (:func:`horovod_quant.predict.measure_throughput`).
+    (:func:`horovod_quant.tools.predict.measure_throughput`).
 
     Args:
         codec: the codec built for the plan's world (``topology.size`` ranks; a hierarchical

@@ -5,24 +5,22 @@ full, and its error against measurements).
     python -m horovod_quant.predict --hosts 8 --ranks-per-host 8 --link-gbit 25 \\
         --model resnet50 --compute-ms 120 --device cuda
 
-One cost model: each bucket (``fusion_bytes``, pipelined pieces) takes the plan
-:func:`~.exchange.plans.plan_choice` picks on the same :class:`~.exchange.cost.Fabric`, its
-wire time is its :class:`~.exchange.cost.Cost` at :class:`LinkTimes` (NCCL's or gloo's rates
-and latencies), its codec time :func:`~.exchange.cost.codec_work` at measured throughput
-(built-in tables, or ``--measure``; CPU ranks: their share of the host's cores). float32 and
-16-bit take the faster of a flat ring and the hierarchical allreduce. Every
-row copies each bucket into one vector and its mean back at the device's copy rate; CPU ranks
-also pay ``transport_ns`` of CPU per byte they send (TCP, both ends), and a codec's step
-``step_overhead_ns`` per gradient element beyond its exchanges timed alone. Overlap, the same
-for every row: the device runs forward, backward (the last :data:`BACKWARD_SHARE` of the
-compute) and the codecs one after the other; the wire carries the buckets one after the other,
-each once backward produced it and it is encoded; the step ends when both are done:
-``max(compute + encode + decode, last wire end + its decode)``.
+One cost model (:mod:`horovod_quant.exchange.cost`): each bucket (``fusion_bytes``,
+pipelined pieces) takes the plan ``plans.plan_choice`` picks on the same ``Fabric``, its wire
+time is its ``Cost`` at ``LinkTimes`` (NCCL's or gloo's rates and latencies), its codec time
+``codec_work`` at measured ``Throughput`` (built-in tables, or ``--measure``; CPU ranks: their
+share of the host's cores). float32 and 16-bit take the faster of a flat ring and the
+hierarchical allreduce. Every row copies each bucket into one vector and its mean back at the
+device's copy rate; CPU ranks also pay ``transport_ns`` of CPU per byte they send (TCP, both
+ends), and a codec's step ``step_overhead_ns`` per gradient element beyond its exchanges timed
+alone. Overlap, the same for every row: the device runs forward, backward (the last
+:data:`BACKWARD_SHARE` of the compute) and the codecs one after the other; the wire carries the
+buckets one after the other, each once backward produced it and it is encoded; the step ends
+when both are done: ``max(compute + encode + decode, last wire end + its decode)``.
 """
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -30,32 +28,34 @@ import socket
 import subprocess
 import sys
 import time
-import types
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from .core.base import Codec
-from .core.baselines import baseline_element_bytes
-from .core.contract import Combine, SideInformation
-from .core.limits import CodecLimitWarning
-from .core.registry import available_codecs, codec_class, get_codec
-from .doors import DEFAULT_FUSION_BYTES, CodecRequest
-from .exchange import plans, reference
-from .exchange.cost import (
+from ..core.base import Codec
+from ..core.baselines import BASELINE_CODECS, HOROVOD_SIXTEEN_BIT, baseline_element_bytes
+from ..core.contract import Combine, SideInformation
+from ..core.limits import CodecLimitWarning
+from ..doors import DEFAULT_FUSION_BYTES, CodecRequest
+from ..exchange import plans, reference
+from ..exchange.cost import (
     INTRA_ENV,
     LINK_ENV,
+    NCCL_NET_STEP_US,
     ROUND_ENV,
+    CodecWork,
     Cost,
     Fabric,
+    LinkTimes,
+    Throughput,
     codec_work,
     hierarchical_allreduce,
     plan_cost,
     ring_allreduce,
 )
-from .exchange.topology import Topology
+from ..exchange.topology import Topology
 
 #: parameter counts of common models (float32 gradients of every parameter): checked against
 #: the architectures in tests/unit/test_predict.py
@@ -73,24 +73,15 @@ DEFAULT_CODECS = ("qsgd:8", "qsgd:4", "global_qsgd:8")
 #: the share of a step's compute that is backward (forward ~ 1/3 of forward + backward)
 BACKWARD_SHARE = 2.0 / 3.0
 DEVICES = ("cpu", "cuda")
-#: a codec spec's suffix after its name: Global-QSGD's levels
-LEVEL_SUFFIXES = {"lin": "linear", "exp": "exponential"}
-
-
-class Throughput(NamedTuple):
-    """GB/s of float32 input of one codec's kernels on one rank (``combine``: per payload
-    accumulated; None where the codec has no combine kernel of its own, then ``decode``)."""
-
-    encode: float
-    decode: float
-    combine: float | None = None
+#: a row's plan where one rank has nothing to exchange
+NO_EXCHANGE = "no exchange"
 
 
 #: one numba thread of the 2-core development machine, as ``--measure`` times it (128 MB
 #: vectors; docs/results/predict_throughput_cpu.json; tests/unit/test_predict.py checks the
 #: copy). Keys are "<codec>:<bits>": linear Global-QSGD takes the exponential levels' figures
 CPU_THROUGHPUT: dict[str, Throughput] = {
-    "fp16": Throughput(1.205, 2.869), "copy": Throughput(6.825, 6.825),
+    HOROVOD_SIXTEEN_BIT: Throughput(1.205, 2.869), "copy": Throughput(6.825, 6.825),
     "qsgd:4": Throughput(2.883, 4.828, 2.742), "nuqsgd:4": Throughput(2.08, 4.473, 2.755),
     "natural:4": Throughput(2.57, 4.248, 2.733),
     "natural_dithering:4": Throughput(2.117, 4.562, 2.847),
@@ -132,16 +123,8 @@ CPU_TRANSPORT_NS = 0.50
 #: predictor_calibration_runs_4x2.json (each row's CPU over its compute row's, less its
 #: exchanges': benchmarks/validate_predictor.py's step_overhead_ns); other runs validate it
 CPU_STEP_OVERHEAD_NS = 2.98
-#: GPU ranks' latency of one round, microseconds: NCCL's own tuning model (src/graph/tuning.cc
-#: of github.com/NVIDIA/nccl, ``hwLat``, ring algorithm, Simple protocol, which carries large
-#: buckets) counts 14 us per step over the network and 5.7 us per step over PCIe
-NCCL_NET_STEP_US, NCCL_PCI_STEP_US = 14.0, 5.7
-#: the share of a network's line rate that NCCL's allreduce reaches (nccl-tests' bus bandwidth
-#: of large messages, as NCCL's maintainers report it: 192 GB/s on a DGX A100's eight 200
-#: Gbit/s adapters, 12.2 GB/s on one 100 Gbit/s adapter; docs/dev/benchmarks.md cites both)
-NET_EFFICIENCY = 0.96
 #: the baselines a measured step (``--measured-ms``) can name
-BASELINES = ("fp32", "fp16")
+BASELINES = ("fp32", HOROVOD_SIXTEEN_BIT)
 #: the baselines' plans: a flat ring over every rank (Horovod's and NCCL's default), or
 #: reduce-scatter inside the host, allreduce across the hosts, allgather inside
 RING, HIERARCHICAL_ALLREDUCE = "ring allreduce", "hierarchical allreduce"
@@ -151,42 +134,6 @@ SCALE_RANGE = (1e-6, 1e6)
 TABLE_SOURCES = {"cpu": "docs/results/predict_throughput_cpu.json (one numba thread)",
                  "cuda": "docs/results/gpu_check_throughput.json (one H100, qsgd), "
                          "gpu_h100_256m.json and gpu_h100_throughput.json (the others)"}
-
-
-class LinkTimes(NamedTuple):
-    """What the predictor times a plan's :class:`~.exchange.cost.Cost` with: the rates reached
-    (bytes/s) across hosts and inside a host, and the latency (s) of a round across hosts and
-    of a round inside a host."""
-
-    link_bytes_per_s: float
-    intra_bytes_per_s: float
-    round_s: float
-    local_round_s: float
-
-    @classmethod
-    def of(cls, fabric: Fabric, on_gpu: bool, round_us: float | None = None) -> "LinkTimes":
-        """GPU ranks: NCCL's share of the line rate (:data:`NET_EFFICIENCY`) and its steps'
-        latency (:data:`NCCL_NET_STEP_US`, :data:`NCCL_PCI_STEP_US`; ``round_us`` given: that
-        across hosts). CPU ranks: the fabric's rates (TCP as measured) and its round, in or out
-        of a host alike (a gloo collective issued from Python)."""
-        if on_gpu:
-            across = NCCL_NET_STEP_US if round_us is None else round_us
-            return cls(fabric.link_bytes_per_s * NET_EFFICIENCY, fabric.intra_gbyte * 1e9,
-                       across * 1e-6, NCCL_PCI_STEP_US * 1e-6)
-        return cls(fabric.link_bytes_per_s, fabric.intra_gbyte * 1e9, fabric.round_us * 1e-6,
-                   fabric.round_us * 1e-6)
-
-    def seconds(self, cost: Cost) -> float:
-        """The plan's time: its bytes across hosts and inside a host at their rates, and the
-        latency of its rounds across hosts and inside a host."""
-        return (cost.host_bytes / self.link_bytes_per_s + cost.rounds * self.round_s
-                + cost.local_bytes / self.intra_bytes_per_s
-                + cost.local_rounds * self.local_round_s)
-
-    def scaled(self, factor: float) -> "LinkTimes":
-        """Both rates times ``factor``, the latencies as they are."""
-        return self._replace(link_bytes_per_s=self.link_bytes_per_s * factor,
-                             intra_bytes_per_s=self.intra_bytes_per_s * factor)
 
 
 @dataclass
@@ -308,31 +255,6 @@ def model_params(model: str | None = None, params: int | None = None) -> int:
     return int(_positive("params", params, integer=True))
 
 
-def parse_codec(spec: str) -> tuple[str, dict]:
-    """``"qsgd:8"`` -> ``("qsgd", {"bits": 8})``; ``global_qsgd-lin:8`` / ``-exp:8`` set the
-    levels (``global_qsgd:8``: the default, exponential).
-
-    Raises:
-        ValueError: an unknown codec or suffix, or bits that are not an integer.
-    """
-    name, _, bits = spec.strip().partition(":")
-    base, _, suffix = name.partition("-")
-    params: dict = {}
-    if suffix:
-        if base != "global_qsgd" or suffix not in LEVEL_SUFFIXES:
-            raise ValueError(f"codec {spec!r}: only global_qsgd takes a suffix, -lin or -exp")
-        params["levels"] = LEVEL_SUFFIXES[suffix]
-    if base not in available_codecs():
-        raise ValueError(f"codec {spec!r}: unknown codec {base!r}; valid: "
-                         f"{', '.join(available_codecs())}")
-    if bits:
-        try:
-            params["bits"] = int(bits)
-        except ValueError:
-            raise ValueError(f"codec {spec!r}: bits {bits!r} is not an integer") from None
-    return base, params
-
-
 def build_codec(spec: str, topology: Topology) -> Codec:
     """The codec of ``spec`` as the doors build it for ``topology``: a codec that needs a world
     size for every rank, or, where that many payloads cannot be combined and the ranks share
@@ -342,11 +264,11 @@ def build_codec(spec: str, topology: Topology) -> Codec:
     Raises:
         ValueError: it cannot be built (invalid parameters, or too many payloads to sum).
     """
-    name, params = parse_codec(spec)
+    request = CodecRequest.from_spec(spec)
     hosts = (lambda: topology.host_count) if topology.hierarchical else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CodecLimitWarning)
-        return CodecRequest(name, params).build(lambda: topology.size, hosts)
+        return request.build(lambda: topology.size, hosts)
 
 
 def limit_note(codec: Codec, kind: str, topology: Topology) -> str:
@@ -425,19 +347,10 @@ def step_seconds(compute_s: float, buckets: Sequence[BucketTime],
     return step, step - device_work
 
 
-def _gbps_seconds(elements: float, gbps: float | None) -> float:
-    return 0.0 if not elements else elements * 4.0 / (gbps * 1e9)
-
-
 def _codec_seconds(kind: str, topology: Topology, numel: int, rate: Throughput,
                    share: float) -> tuple[float, float]:
     """(encode, decode) seconds of one exchange of ``numel`` elements by plan ``kind``."""
-    work = codec_work(kind, topology, numel)
-    combine = rate.combine if rate.combine is not None else rate.decode
-    encode = _gbps_seconds(work.encode, rate.encode * share)
-    decode = (_gbps_seconds(work.decode, rate.decode * share)
-              + _gbps_seconds(work.combine, combine * share))
-    return encode, decode
+    return rate.seconds(codec_work(kind, topology, numel), share)
 
 
 def _pieces_cost(kind: str, topology: Topology, numel: int, codec: Codec,
@@ -473,7 +386,7 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float | None, compute_ms
         hosts: hosts (at least 1).
         ranks_per_host: ranks on each host (GPUs, or CPU processes).
         link_gbit: the network between hosts, Gbit/s per host interface (its line rate; GPU
-            ranks reach :data:`NET_EFFICIENCY` of it). One host: None allowed; without effect.
+            ranks reach ``cost.NET_EFFICIENCY`` of it). One host: None allowed; without effect.
         compute_ms: the step without communication (forward, backward, update), ms.
         params: the model's parameter count; or ``model``, a name of :data:`MODELS`.
         device: "cuda" (GPU ranks, NCCL baselines) or "cpu" (CPU ranks, numba codecs).
@@ -545,7 +458,7 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float | None, compute_ms
     plans.check_pipeline_elems(pipeline_elems)
     specs = list(DEFAULT_CODECS if codecs is None else codecs)
     for spec in specs:  # a misspelt spec is the caller's error; a codec the shape cannot
-        parse_codec(spec)  # serve is a row that says why
+        CodecRequest.from_spec(spec)  # serve is a row that says why
     work = DeviceWork(_rate(table, "copy", device), share, transport_ns, step_overhead_ns)
     baselines = {name: Baseline(name, baseline_element_bytes(name), topology, sizes, compute_s,
                                 work,
@@ -615,10 +528,10 @@ class DeviceWork(NamedTuple):
                numel: int) -> BucketTime:
         """A bucket's times with its copies added (its gradients into one vector before the
         encode, the mean back into them after the decode) and, after the decode, the CPU of
-        the bytes the rank sends (:attr:`Cost.rank_bytes`)."""
-        return BucketTime(encode + _gbps_seconds(numel, self.copy.encode * self.share),
-                          times.seconds(cost),
-                          decode + _gbps_seconds(numel, self.copy.decode * self.share)
+        the bytes the rank sends (``Cost.rank_bytes``)."""
+        copy_in, copy_out = self.copy.seconds(CodecWork(numel, numel, 0.0), self.share)
+        return BucketTime(encode + copy_in, times.seconds(cost),
+                          decode + copy_out
                           + cost.rank_bytes * self.transport_ns * 1e-9 / self.share)
 
 
@@ -631,7 +544,7 @@ class Baseline:
                  compute_s: float, work: DeviceWork, cast: Throughput | None):
         self.name, self.sizes, self.compute_s, self.work = name, sizes, compute_s, work
         self.cast = cast
-        self.plans: dict[str, list[Cost]] = {"none": [Cost(0.0, 0)] * len(sizes)}
+        self.plans: dict[str, list[Cost]] = {NO_EXCHANGE: [Cost(0.0, 0)] * len(sizes)}
         if topology.size > 1:
             self.plans = {RING: [ring_allreduce(topology, n, element_bytes) for n in sizes]}
             if topology.hierarchical:
@@ -653,12 +566,11 @@ class Baseline:
         return best
 
     def _bucket(self, numel: int, cost: Cost, times: LinkTimes, plan: str) -> BucketTime:
-        if plan == "none":
+        if plan == NO_EXCHANGE:
             return BucketTime(0.0, 0.0, 0.0)
         encode = decode = 0.0
-        if self.cast is not None:
-            encode = _gbps_seconds(numel, self.cast.encode * self.work.share)
-            decode = _gbps_seconds(numel, self.cast.decode * self.work.share)
+        if self.cast is not None:  # the CPU's float16 cast of every element, and back
+            encode, decode = self.cast.seconds(CodecWork(numel, numel, 0.0), self.work.share)
         return self.work.bucket(encode, cost, times, decode, numel)
 
 
@@ -683,7 +595,7 @@ def _calibrated(measured_ms: tuple[str, float], baselines: Mapping[str, Baseline
                          f"{', '.join(baselines)} (--measured-ms fp32=MS)")
     ms = _positive(f"measured_ms[{name!r}]", ms)
     baseline = baselines[name]
-    if "none" in baseline.plans:
+    if NO_EXCHANGE in baseline.plans:
         raise ValueError("measured_ms: one rank exchanges nothing, so its step says nothing "
                          "of the links; leave it out")
     if ms < compute_s * 1e3:
@@ -737,7 +649,7 @@ def _codec_row(spec: str, topology: Topology, sizes: list[int], compute_s: float
     buckets, kinds, host_bytes = [], [], 0.0
     for numel in sizes:
         if topology.size == 1:
-            kinds.append("none")
+            kinds.append(NO_EXCHANGE)
             buckets.append(BucketTime(0.0, 0.0, 0.0))
             continue
         kind = _plan_kind(codec, topology, numel, fabric)
@@ -778,7 +690,7 @@ def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 2
     CPUs the float16 cast (``"fp16"``).
 
     Args:
-        specs: codec specs (:func:`parse_codec`).
+        specs: codec specs (:meth:`~horovod_quant.doors.CodecRequest.from_spec`).
         device: "cpu" (numba, one thread) or "cuda" (CuPy kernels; needs CuPy and a GPU).
         elements: float32 elements of the timed vector: by default 128 MB, more than a
             CPU's last-level cache or a GPU's L2 holds, as a model's gradients are (a vector
@@ -825,16 +737,13 @@ def measure_throughput(specs: Sequence[str], device: str, elements: int = 1 << 2
     copy = best(lambda: xp.copyto(out, x))  # a bucket's gradients in, or its mean out
     rates: dict[str, Throughput] = {"copy": Throughput(copy, copy)}
     if device == "cpu":  # the 16-bit baseline's cast and back, as the built-in table times it
-        half = get_codec("fp16")
+        half = BASELINE_CODECS[HOROVOD_SIXTEEN_BIT]()
         payload = half.encode(x, seed=1)
-        rates["fp16"] = Throughput(best(lambda: half.encode(x, seed=1)),
+        rates[HOROVOD_SIXTEEN_BIT] = Throughput(best(lambda: half.encode(x, seed=1)),
                                    best(lambda: half.decode(payload, out)))
     in_plan = device == "cpu" and topology is not None and topology.size > 1
     for spec in specs:
-        name, params = parse_codec(spec)
-        if codec_class(name).needs_world_size:
-            params["world_size"] = 2
-        codec = get_codec(name, **params)
+        codec = CodecRequest.from_spec(spec).build(lambda: 2)  # world-sized: for two ranks
         key = rate_keys(spec, codec)[0]
         if key in rates:
             continue
@@ -911,7 +820,7 @@ def calibrate(kernels: Mapping[str, Throughput], exchange_cpu_s: Mapping[str, fl
     """
     rates = dict(kernels)
     for spec, seconds in exchange_cpu_s.items():
-        parse_codec(spec)
+        CodecRequest.from_spec(spec)
         _positive(f"exchange_cpu_s[{spec!r}]", seconds)
         try:
             codec = build_codec(spec, topology)
@@ -999,7 +908,7 @@ def format_table(prediction: Prediction) -> str:
             lines.append(f"{r.name:<20} {'-':>12} {'-':>9} {'-':>8} {'-':>9} {'-':>8}  "
                          "cannot be built")
             continue
-        name = {"fp16": "16-bit allreduce"}.get(r.name, r.name)
+        name = {HOROVOD_SIXTEEN_BIT: "16-bit allreduce"}.get(r.name, r.name)
         lines.append(f"{name:<20} {r.host_bytes / 1e6:>12.1f} {r.step_ms:>9.1f} "
                      f"{r.vs_best:>7.2f}x {r.vs_fp16:>8.2f}x {r.vs_fp32:>7.2f}x  {r.plan}")
     best = p.best_baseline
@@ -1088,7 +997,7 @@ def parse_measured(text: str | None) -> tuple[str, float] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line (``python -m horovod_quant.predict --help``)."""
+    """The command line (``python -m horovod_quant.predict --help``, which runs this)."""
     args = parse_args(argv)
     codecs = [c for c in args.codecs.split(",") if c.strip()]
     try:
@@ -1116,19 +1025,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(format_table(prediction))
     return 0
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as its :func:`predict`: ``horovod_quant.predict`` is the function
-    the package exports (``hq.predict(...)``) and stays the module
-    (``import horovod_quant.predict as p``, ``p.MODELS``), whichever way it is reached."""
-
-    def __call__(self, *args, **kwargs) -> Prediction:
-        return predict(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
-__signature__ = inspect.signature(predict)  # what inspect reports for the callable module
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """The package's architecture rules (docs/dev/architecture.md), checked on its source.
 
-* Every module is in a layer, or is one of the few that stand outside them; no import cycles
-  (lazy imports included); imports run one way through the layers.
+* Every module is in a layer, or is one of the few that stand outside them (which no layer
+  imports); no import cycles (lazy imports included); imports run one way through the layers.
 * No module outside the codec modules names a codec; codecs declare what the other layers need.
 * Backends share only the protocol: no backend imports another, and only the backend picker
   (and the public GPU helpers) import a backend implementation.
@@ -10,6 +10,8 @@
   another module's table on import (registration is written where the table is read).
 * Sizes a reader can take in: no class over 300 lines, no module docstring over 20 lines, no
   one-letter module alias, no issue number or commit hash.
+* A module is what its file says: none writes into ``sys.modules`` (to replace itself, or its
+  class: a callable module).
 
 The rules read the source with :mod:`ast`; nothing is imported but the registry and ``Codec``.
 Each rule also runs on made-up source that breaks it, so that it can fail.
@@ -46,15 +48,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 #: Modules that stand outside the layers (docs/dev/architecture.md): the package's top, and the
-#: demo and the predictor, applications of the package that may import any layer.
-OUTSIDE_LAYERS = {"horovod_quant", "horovod_quant.demo", "horovod_quant.predict"}
+#: applications of the package, which may import any layer and which no layer imports: the
+#: demo, the tools (``horovod_quant.tools``: the predictor) and the predictor's command
+#: (``python -m horovod_quant.predict``).
+OUTSIDE_LAYERS = {"horovod_quant", "horovod_quant.demo", "horovod_quant.tools",
+                  "horovod_quant.tools.predict", "horovod_quant.predict"}
 
 #: Modules that may name codecs besides the modules that define them: the registry and the
 #: registration in the codecs' package, and the demo, which is an application of the package
-#: (it picks codecs by name as a user's script does), and the predictor (which does too, and keys
-#: its throughput tables by them).
-MAY_NAME_CODECS = {"horovod_quant.core", "horovod_quant.core.registry", "horovod_quant.demo",
-                   "horovod_quant.predict"}
+#: (it picks codecs by name as a user's script does). The tools ask the registry and the
+#: codecs' declarations instead (a spec's suffix: ``Codec.spec_suffixes``).
+MAY_NAME_CODECS = {"horovod_quant.core", "horovod_quant.core.registry", "horovod_quant.demo"}
 
 
 def module_name(path: Path) -> str:
@@ -183,6 +187,19 @@ def test_every_module_is_in_a_layer() -> None:
     found = unplaced(sorted(package_modules()))
     assert not found, ("modules in no layer (add a prefix to a layer of LAYERS and place them in "
                        "docs/dev/architecture.md's picture):\n" + "\n".join(found))
+
+
+def imports_of_the_outside(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a module outside the layers by a module in one."""
+    return [f"{module} ({LAYERS[layer_of(module)][0]}) imports {target}"
+            for module, targets in sorted(graph.items()) if layer_of(module) is not None
+            for target in sorted(targets) if target in OUTSIDE_LAYERS]
+
+
+def test_no_layer_imports_an_application() -> None:
+    found = imports_of_the_outside(import_graph())
+    assert not found, ("layers import modules outside them (an application's code that a layer "
+                       "needs belongs in that layer):\n" + "\n".join(found))
 
 
 def test_no_import_cycles() -> None:
@@ -321,6 +338,59 @@ def issue_references(path: Path) -> list[str]:
             if ISSUE_REFERENCE.search(line)]
 
 
+def _is_sys_modules(node: ast.AST, aliases: set[str]) -> bool:
+    """``sys.modules``, or a name bound by ``from sys import modules``."""
+    return (isinstance(node, ast.Attribute) and node.attr == "modules"
+            and isinstance(node.value, ast.Name) and node.value.id == "sys") or \
+        (isinstance(node, ast.Name) and node.id in aliases)
+
+
+def _reaches_sys_modules(node: ast.AST, aliases: set[str]) -> bool:
+    """``node`` is ``sys.modules`` or an item or attribute of it (``sys.modules[n].x``)."""
+    while True:
+        if _is_sys_modules(node, aliases):
+            return True
+        if not isinstance(node, (ast.Subscript, ast.Attribute)):
+            return False
+        node = node.value
+
+
+def sys_modules_writes(path: Path) -> list[str]:
+    """Writes into ``sys.modules`` or into a module found there, as ``line: text``: item and
+    attribute assignments (``sys.modules[__name__] = ...``, ``sys.modules[__name__].__class__
+    = ...``), ``setattr`` on one, and ``sys.modules``' own ``update``, ``setdefault`` and
+    ``__setitem__``."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases = {a.asname or a.name for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.module == "sys"
+               for a in node.names if a.name == "modules"}
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            written = any(_reaches_sys_modules(t, aliases) for t in targets)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            written = (isinstance(func, ast.Name) and func.id == "setattr" and node.args
+                       and _reaches_sys_modules(node.args[0], aliases)) or (
+                isinstance(func, ast.Attribute)
+                and func.attr in ("update", "setdefault", "__setitem__")
+                and _is_sys_modules(func.value, aliases))
+        else:
+            continue
+        if written:
+            hits.append(f"{node.lineno}: {ast.unparse(node)}")
+    return hits
+
+
+def test_no_module_replaces_itself_in_sys_modules() -> None:
+    found = {m: hits for m, p in package_modules().items()
+             for hits in [sys_modules_writes(p)] if hits}
+    assert not found, ("modules write into sys.modules (a module is what its file says: export "
+                       "a function under its own name, run a command from a module of its "
+                       "own):\n" + "\n".join(f"{m}: {h}" for m, h in found.items()))
+
+
 def test_backends_do_not_import_each_other() -> None:
     across, _ = backend_leaks(import_graph())
     assert not across, ("a backend imports another (share what both need through "
@@ -439,7 +509,28 @@ def test_layer_prefixes(module: str, layer: str) -> None:
 
 def test_an_unplaced_module_is_found() -> None:
     assert unplaced(["horovod_quant.torch.buckets", "horovod_quant.demo",
-                     "horovod_quant.newcomer"]) == ["horovod_quant.newcomer"]
+                     "horovod_quant.tools.predict", "horovod_quant.newcomer"]) == [
+        "horovod_quant.newcomer"]
+
+
+def test_a_layer_importing_an_application_is_found() -> None:
+    graph = {"horovod_quant.exchange.cost": {"horovod_quant.tools.predict",
+                                             "horovod_quant.exchange.topology"},
+             "horovod_quant.tools.predict": {"horovod_quant.exchange.cost"}}
+    assert imports_of_the_outside(graph) == [
+        "horovod_quant.exchange.cost (exchange) imports horovod_quant.tools.predict"]
+
+
+def test_writes_into_sys_modules_are_found(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("import sys\nfrom sys import modules as loaded\n"
+                   "torch = sys.modules.get('torch')\n"
+                   "sys.modules[__name__] = object()\n"
+                   "sys.modules[__name__].__class__ = type\n"
+                   "setattr(sys.modules[__name__], '__call__', print)\n"
+                   "loaded.update(x=sys)\n"
+                   "if 'numba' in sys.modules:\n    pass\n")
+    assert [h.split(":")[0] for h in sys_modules_writes(src)] == ["4", "5", "6", "7"]
 
 
 def test_backend_leaks_are_found_on_a_made_up_graph() -> None:

@@ -1,9 +1,9 @@
-"""The predictor (horovod_quant.predict): its plans are the optimizer's, its tables are the
-committed measurements, its model table is the architectures' own counts, its inputs are
-checked, and the codecs' limits are said before a user meets them."""
+"""The predictor (horovod_quant.tools.predict, ``python -m horovod_quant.predict``): its plans
+are the optimizer's, its tables are the committed measurements, its model table is the
+architectures' own counts, its inputs are checked, and the codecs' limits are said before a
+user meets them."""
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import statistics
@@ -19,6 +19,7 @@ from horovod_quant.core.limits import CodecLimitWarning
 from horovod_quant.doors import CodecRequest
 from horovod_quant.exchange import plans, reference
 from horovod_quant.exchange.cost import (
+    NET_EFFICIENCY,
     Fabric,
     float32_ring,
     hierarchical_allreduce,
@@ -26,9 +27,8 @@ from horovod_quant.exchange.cost import (
     ring_allreduce,
 )
 from horovod_quant.exchange.topology import Topology
+from horovod_quant.tools import predict as pr
 
-# the module (``horovod_quant.predict`` as an attribute is the function it exports)
-pr = importlib.import_module("horovod_quant.predict")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "docs", "results")
 
@@ -37,15 +37,14 @@ def _rows(prediction: pr.Prediction) -> dict[str, pr.Row]:
     return {r.name: r for r in prediction.rows}
 
 
-def test_the_package_exports_the_function_and_keeps_the_module():
-    """``hq.predict(...)`` is the function, ``import horovod_quant.predict as p`` the module."""
-    import inspect
+def test_the_command_runs_the_tool():
+    """``python -m horovod_quant.predict`` is a plain module that runs the tool's ``main``."""
+    import types
 
-    import horovod_quant.predict as module
+    import horovod_quant.predict as command
 
-    assert module is pr and hq.predict is pr and module.MODELS is pr.MODELS
-    assert inspect.signature(hq.predict) == inspect.signature(pr.predict)
-    assert hq.predict(2, 1, 1, 10, params=1000, codecs=[]).rows[0].name == "fp32"
+    assert type(command) is types.ModuleType and command.main is pr.main
+    assert pr.predict(2, 1, 1, 10, params=1000, codecs=[]).rows[0].name == "fp32"
 
 
 def test_the_acceptance_command_prints_every_row_as_json():
@@ -274,7 +273,7 @@ def test_the_model_table_matches_the_architectures():
     ({"model": "gpt2", "params": 10}, "one of the two"),
     ({"codecs": ["qsgd:x"]}, "bits 'x' is not an integer"),
     ({"codecs": ["zip:8"]}, "unknown codec 'zip'"),
-    ({"codecs": ["qsgd-lin:8"]}, "only global_qsgd takes a suffix"),
+    ({"codecs": ["qsgd-lin:8"]}, "qsgd takes no suffix -lin"),
     ({"intra_gbyte": 0}, "intra_gbyte=0"),
     ({"cores_per_host": 0, "device": "cpu"}, "cores_per_host=0"),
     ({"transport_ns": -1, "device": "cpu"}, "transport_ns=-1 must be 0 or a positive number"),
@@ -583,7 +582,7 @@ def test_a_measured_baseline_step_scales_the_links(baseline, shape):
     slower = {r.name: r.step_ms for r in fitted.rows}
     assert all(slower[r.name] >= r.step_ms for r in prior.rows)
     if hosts > 1:  # the same links given a priori: the fitted rate, NCCL's share undone
-        gbit = calibration["link_gbit_reached"] / pr.NET_EFFICIENCY
+        gbit = calibration["link_gbit_reached"] / NET_EFFICIENCY
         again = pr.predict(hosts, local, gbit, 150, model="gpt2-medium", codecs=["qsgd:8"],
                            intra_gbyte=calibration["intra_gbyte_reached"])
         assert _rows(again)["qsgd:8"].step_ms == pytest.approx(slower["qsgd:8"], rel=1e-6)
