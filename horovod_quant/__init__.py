@@ -15,7 +15,7 @@ os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
 from .core import Codec, Payload, available_codecs, derive_key, get_codec, worker_seed  # noqa: E402
 from .exchange.reference import mean_estimate  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Codec", "Payload", "available_codecs", "derive_key", "get_codec", "mean_estimate",
