@@ -185,6 +185,26 @@ def test_resumed_job_on_standard_layers_continues_bit_for_bit(name, params, name
     assert same_everywhere(straight)
 
 
+def test_a_resumed_state_refuses_another_models_buckets_and_bucket_indices():
+    """A state saved from one model and loaded for another raises on every rank at the first
+    bucket, before any exchange; seed_of takes a bucket or its key, not DDP's index."""
+    state = ddp.QuantizationState(hq.get_codec("qsgd"), seed=SEED, fallback="never")
+    model = DDP(LinearNet(), bucket_cap_mb=0.1)
+    model.register_comm_hook(state, ddp.quantization_hook)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.05), range(2))
+    assert len(state.state_dict()["buckets"]) > 2
+    with pytest.raises(TypeError, match="not its index"):
+        state.seed_of(2, 0)
+
+    other = ddp.QuantizationState(hq.get_codec("qsgd"), seed=SEED, fallback="never")
+    other.load_state_dict(_round_trip(state.state_dict()))
+    model = DDP(BackwardOrderNet(), bucket_cap_mb=0.25)
+    model.register_comm_hook(other, ddp.quantization_hook)
+    seconds, message = _time_to_raise(model, 2)
+    assert "the resumed state's buckets do not hold DDP's parameter" in message, message
+    assert same_everywhere(torch.tensor([len(message)]))
+
+
 def _time_to_raise(model, step):
     """Seconds until a training step of ``model`` raises (the step's error, for the test's
     match)."""
