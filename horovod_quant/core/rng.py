@@ -63,6 +63,20 @@ def name_key(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
+def bucket_seed(seed: int, step: int, names: str, offset: int, codec_index: int = 0) -> int:
+    """The seed of a door's exchange, at ``step``, of the parameters named ``names`` (their
+    names comma-joined, in the order their elements travel) from element ``offset`` of their
+    concatenation, through the door's codec ``codec_index``: ``derive_key(seed, step,
+    name_key(names), offset)``, and ``codec_index`` after them where it is not 0.
+
+    The torch hooks seed a bucket by what it holds, not by where it comes: the DDP hook's
+    buckets (whole parameters: offset 0) and the FSDP hook's shards (offset: the shard's start
+    in its module's flat gradient) keep their seeds however the framework numbers them.
+    """
+    fields = (step, name_key(names), offset) + ((codec_index,) if codec_index else ())
+    return derive_key(seed, *fields)
+
+
 def split_key(key: int) -> tuple[np.uint32, np.uint32]:
     """The two 32-bit halves used by the element hash."""
     return np.uint32(key & 0xFFFFFFFF), np.uint32(key >> 32)

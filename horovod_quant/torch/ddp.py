@@ -11,18 +11,19 @@ The hook hands the bucket to the state's worker thread and returns a future at o
 backward goes on while the worker encodes, exchanges and decodes (:class:`BucketPipeline`: the
 collectives of every rank in one order, as torch.distributed's call-order pairing needs). The
 parameters the policy exempts are averaged exactly; the others go through one exchange per
-codec, in the order of ``state.codecs``. The exchange of codec ``k`` in bucket ``i`` of step
-``t`` uses seed ``state.seed_of(t, i, k)``, so ``mean_estimate(codec, [that vector on each
-rank], state.seed_of(t, i, k), gather=state.gather, pipeline_elems=state.pipeline_elems,
-topology=state.topology, fabric=state.fabric)`` reproduces it exactly. The first hook runs the
-cross-rank configuration check; exchange tags carry the step (ranks out of step raise).
-``state_dict()`` and pickling (as ``PowerSGDState``) carry the step, the codecs' states and the
-fallback's (:mod:`horovod_quant.torch.ddp_fallback`) across a checkpoint (docs/ddp.md).
+codec, in the order of ``state.codecs``. Codec ``k``'s exchange at step ``t`` in ``bucket`` has
+seed ``state.seed_of(t, bucket, k)``, keyed by what the bucket holds (:meth:`QuantizationState.
+bucket_key`): ``mean_estimate(codec, [that vector on each rank], that seed, gather=state.gather,
+pipeline_elems=state.pipeline_elems, topology=state.topology, fabric=state.fabric)`` gives it.
+The first hook checks the ranks' configurations; exchange tags carry the step. ``state_dict()``
+and pickling (as ``PowerSGDState``) carry the step, the codecs' and the fallback's states and the
+last step's buckets, which a resumed state's first step exchanges (:class:`_Replay`, docs/ddp.md).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Any, Callable, Iterable
 
 import torch
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from .. import gpu
 from ..core.base import Codec
-from ..core.rng import derive_key
+from ..core.rng import bucket_seed
 from ..doors import (
     FALLBACK,
     SHARED,
@@ -164,6 +165,156 @@ class _Part:
             at += stop - start
 
 
+class _Pieces:
+    """A DDP bucket whose parameters travel in other buckets (:class:`_Replay`): its
+    :attr:`future` completes with its ``buffer`` once the ``count`` buckets holding them are
+    done, or fails with the first one's error."""
+
+    __slots__ = ("buffer", "count", "future", "_lock")
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer, self.count = buffer, 0
+        self.future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._lock = threading.Lock()
+
+    def one_done(self, done: torch.futures.Future) -> None:
+        """A done callback of a bucket holding some of the parameters (on the worker, or on
+        the hook's thread where that bucket was done before the callback was added)."""
+        with self._lock:
+            if self.future.done():
+                return
+            try:
+                done.value()
+            except BaseException as exc:
+                self.future.set_exception(exc)
+                return
+            self.count -= 1
+            if self.count == 0:
+                self.future.set_result(self.buffer)
+
+
+class _Held:
+    """A bucket the hook forms itself (:class:`_Replay`), as its fallback sees a DDP bucket."""
+
+    __slots__ = ("_index", "_params")
+
+    def __init__(self, index: int, params: list[torch.Tensor]) -> None:
+        self._index, self._params = index, params
+
+    def index(self) -> int:
+        return self._index
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+
+class _Replay:
+    """The buckets of a resumed state's first step. DDP forms a new process's first buckets
+    from the parameters' registration order (recent torch: one bucket, unless
+    ``find_unused_parameters=True``) and rebuilds them after that step in the order backward
+    produced the gradients; the saved job exchanged the rebuilt ones. So at that step the hook
+    exchanges the saved step's buckets: each gathered from DDP's as soon as DDP has handed over
+    all of its parameters, in the saved order, and a DDP bucket completes once every bucket
+    holding one of its parameters is done (:class:`_Pieces`).
+
+    Args:
+        layout: the saved step's buckets, each a list of ``[position, numel]`` of its
+            parameters (:meth:`QuantizationState.state_dict`).
+    """
+
+    def __init__(self, layout: list[list[list[int]]]) -> None:
+        self.layout = [[(int(pos), int(numel)) for pos, numel in bucket] for bucket in layout]
+        #: position -> (its bucket in the layout, its element count)
+        self.holder = {pos: (j, numel) for j, bucket in enumerate(self.layout)
+                       for pos, numel in bucket}
+        #: position -> (its gradient in DDP's buffer, the parameter), as they arrive
+        self.arrived: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: bucket of the layout -> the DDP buckets it completes
+        self.waiting: dict[int, list[_Pieces]] = {}
+        self.next = 0  # the next bucket of the layout to exchange
+
+    def take(self, positions: list[int], gradients: list[torch.Tensor],
+             params: list[torch.Tensor], pieces: _Pieces) -> list[int]:
+        """DDP handed over a bucket (its parameters' ``positions``, their ``gradients`` in
+        its buffer, the ``params``; ``pieces`` completes it): the buckets of the layout now
+        complete, in order (each after the ones before it).
+
+        Raises:
+            ValueError: a parameter is in no bucket of the layout, or of another size.
+        """
+        for pos, grad, param in zip(positions, gradients, params):
+            held = self.holder.get(pos)
+            if held is None or held[1] != grad.numel():
+                raise ValueError(
+                    f"horovod_quant DDP hook: the resumed state's buckets do not hold DDP's "
+                    f"parameter {pos} ({grad.numel()} elements): load the checkpoint into the "
+                    "model it was saved from, built and wrapped in DDP as before")
+            self.arrived[pos] = (grad, param)
+        for j in {self.holder[pos][0] for pos in positions}:
+            pieces.count += 1
+            self.waiting.setdefault(j, []).append(pieces)
+        ready = []
+        while (self.next < len(self.layout)
+               and all(pos in self.arrived for pos, _ in self.layout[self.next])):
+            ready.append(self.next)
+            self.next += 1
+        return ready
+
+
+class _Positions:
+    """The parameters a state's hook has met, numbered in the order it first met them, and how
+    a bucket's key names them (:meth:`QuantizationState.bucket_key`).
+
+    Args:
+        names: ``{id(parameter): (name, parameter)}`` of the state's ``named_parameters``, or
+            None.
+        pickled: an unpickled state's parameters' names in position order, or None.
+    """
+
+    def __init__(self, names: dict[int, tuple[str, torch.Tensor]] | None,
+                 pickled: list[str] | None) -> None:
+        self._names, self._pickled = names, pickled
+        self._ids: dict[int, int] = {}  # id(parameter) -> position
+        self._params: list[torch.Tensor] = []
+
+    def place(self, params: Iterable[torch.Tensor]) -> list[int]:
+        """The positions of ``params``, those met for the first time placed after the others."""
+        positions = []
+        for p in params:
+            pos = self._ids.get(id(p))
+            if pos is None:
+                pos = self._ids[id(p)] = len(self._params)
+                self._params.append(p)
+            positions.append(pos)
+        return positions
+
+    def known(self, params: Iterable[torch.Tensor]) -> list[int] | None:
+        """The positions of ``params``, or None where one was never met."""
+        positions = [self._ids.get(id(p)) for p in params]
+        return None if None in positions else positions
+
+    def label(self, pos: int) -> str:
+        """The parameter at ``pos`` as a key names it: its name, else ``#pos``."""
+        if self._names is not None:
+            return self._names[id(self._params[pos])][0]
+        if self._pickled is not None and pos < len(self._pickled):
+            return self._pickled[pos]
+        return f"#{pos}"
+
+    def key(self, positions: list[int]) -> str:
+        """The key of a bucket of the parameters at ``positions``, in order."""
+        return ",".join(self.label(pos) for pos in positions)
+
+    def names(self) -> list[str] | None:
+        """The parameters' names in position order, where the state has them (pickled: an
+        unpickled state keys its buckets as this one)."""
+        if not self._params:
+            return self._pickled
+        if self._names is None and self._pickled is None:
+            return None
+        return [self.label(pos) for pos in range(len(self._params))]
+
+
 def _counted(start: Callable[[], Finish], steps: DoorSteps, count: int
              ) -> Callable[[], Finish]:
     """``start``, whose finish then records ``count`` completed steps in the job's ledger."""
@@ -236,14 +387,17 @@ def group_codec(codec: Codec | str | CompressorSettings, comm: Any, what: str = 
 
 class _Checkpoints:
     """A :class:`QuantizationState`'s checkpoints: ``state_dict`` / ``load_state_dict`` and
-    pickling, as PyTorch's ``PowerSGDState`` (a base class of the state)."""
+    pickling, as PyTorch's ``PowerSGDState``, and a resumed state's first step, which exchanges
+    the saved step's buckets (:class:`_Replay`); a base class of the state."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed job needs to continue bit for bit: the step (the seeds), the world
-        size, the adaptive codecs' states and the fallback's decisions, as plain values."""
+        size, the adaptive codecs' states, the fallback's decisions and the last step's
+        buckets (each a list of ``[position, numel]`` of its parameters: the resumed state's
+        first step exchanges those, :class:`_Replay`), as plain values."""
         return {"step": self.step, "world_size": self._comm.size,
                 "codec_states": self.codec_states.state_dict(),
-                "fallback": self._hook_fallback.state_dict()}
+                "fallback": self._hook_fallback.state_dict(), "buckets": self._last_layout}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s state, on every rank, before the first step
@@ -264,6 +418,61 @@ class _Checkpoints:
                           self._comm.size, self.DOOR)
         if "fallback" in saved:  # (a state saved before the hook had a fallback: none)
             self._hook_fallback.load_state_dict(saved["fallback"])
+        layout = saved.get("buckets")  # (a state saved before the hook kept them: none)
+        if layout is not None:
+            try:
+                self._replay = _Replay(layout)
+            except (TypeError, ValueError):
+                raise ValueError("not a QuantizationState state: its 'buckets' are not lists "
+                                 "of [position, numel] pairs") from None
+            self._last_layout = layout
+
+    def _replayed(self, bucket: dist.GradBucket, grad: torch.Tensor
+                  ) -> tuple[torch.futures.Future[torch.Tensor],
+                             list[tuple[Callable[[], Finish], list[_Pieces]]]]:
+        """DDP's ``bucket`` (buffer ``grad``) in a resumed state's first step: its future,
+        and the starts of the saved buckets it completes, each with the DDP buckets it
+        completes in turn (:class:`_Replay`)."""
+        replay, params = self._replay, bucket.parameters()
+        pieces = _Pieces(grad)
+        ready = replay.take(self._met.place(params), bucket.gradients(), params, pieces)
+        jobs = []
+        for j in ready:
+            positions = [pos for pos, _ in replay.layout[j]]
+            grads = [replay.arrived[pos][0] for pos in positions]
+            held = _Held(j, [replay.arrived[pos][1] for pos in positions])
+            jobs.append((self._held_start(held, grads), replay.waiting.pop(j)))
+            self._keys[j] = self._met.key(positions)
+            self._exchanged.append([list(pair) for pair in replay.layout[j]])
+        return pieces.future, jobs
+
+    def _held_start(self, held: _Held, grads: list[torch.Tensor]) -> Callable[[], Finish]:
+        """The start of a bucket the hook forms (``held``, bucket ``held.index()``) of
+        gradients ``grads`` (views in DDP's buffers): they are gathered into a buffer of its
+        own, exchanged as a DDP bucket is, and their means written back."""
+        ranges, at = [], 0
+        for g in grads:
+            ranges.append((at, at + g.numel()))
+            at += g.numel()
+        flat = torch.empty(at, dtype=grads[0].dtype, device=grads[0].device)
+        parts = _parts([self._codec_index(p) for p in held.parameters()], ranges)
+        start = (self._hook_fallback.start(held, flat, parts, self._names)
+                 or self._start_parts(held.index(), parts, flat, self.step))
+
+        def gathered() -> Finish:
+            for g, (begin, end) in zip(grads, ranges):
+                flat[begin:end].copy_(g.reshape(-1))
+            finish = start()
+
+            def scattered() -> torch.Tensor:
+                finish()
+                for g, (begin, end) in zip(grads, ranges):
+                    g.copy_(flat[begin:end].view(g.shape))
+                return flat
+
+            return scattered
+
+        return gathered
 
     def __getstate__(self) -> dict[str, Any]:
         """As PyTorch's ``PowerSGDState``: everything but the process group and what lives
@@ -272,8 +481,8 @@ class _Checkpoints:
             raise ValueError("a QuantizationState whose policy has name rules does not "
                              "pickle (its names point at this process's parameters): save "
                              "state.state_dict() and load it into a state built as this one")
-        return {"codec": self.codec, "options": self.options,
-                "parameters": self._parameters, "saved": self.state_dict()}
+        return {"codec": self.codec, "options": self.options, "parameters": self._parameters,
+                "names": self._met.names(), "saved": self.state_dict()}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         """Unpickle on every rank, after ``init_process_group``: the state runs on the default
@@ -294,7 +503,7 @@ class _Checkpoints:
         self.codecs = [codec]  # a state that pickles has no rules, so no other codec
         self._codec_indices = {c.config_key(): k for k, c in enumerate(self.codecs)}
         self.codec_states = CodecStates()
-        self._connect(None, comm)
+        self._connect(None, comm, pickled.get("names"))
         self.step = 0
         self.load_state_dict(saved)
 
@@ -367,9 +576,10 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
         self.codec_states = CodecStates()
         self._connect(process_group, comm)
 
-    def _connect(self, process_group: Any, comm: Any) -> None:
+    def _connect(self, process_group: Any, comm: Any, names: list[str] | None = None) -> None:
         """What lives only in this process: the group's collectives (``comm``), the check, the
-        exchanges, the buckets' layouts and buffers, the worker (built again on unpickling)."""
+        exchanges, the parameters' positions (``names``: an unpickled state's names by
+        position), the buckets' layouts and buffers, the worker (built again on unpickling)."""
         self.process_group = process_group
         self._comm = comm
         # which ranks share nodes, where the exchanges may take hierarchical plans (several
@@ -378,8 +588,14 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
         self.fabric: Fabric | None = None  # set at the first bucket (where the codecs run)
         self._check: ConfigCheck | None = None
         self._exchanges: list[Exchange] | None = None
-        self._layouts: dict[int, tuple[tuple[int, ...], list[_Part]]] = {}
+        #: bucket index -> (its parameters' ids, parts, key, [[position, numel], ...])
+        self._layouts: dict[int, tuple[tuple[int, ...], list[_Part], str, list[list[int]]]] = {}
+        self._keys: dict[int, str] = {}  # bucket index -> its key, this step
         self._means: dict[tuple[int, int], Any] = {}  # (bucket, codec) -> reused output
+        self._met = _Positions(self._names, names)
+        self._exchanged: list[list[list[int]]] = []  # this step's buckets so far
+        self._last_layout: list[list[list[int]]] | None = None  # the last step's
+        self._replay: _Replay | None = None  # the loaded step's buckets, until the next step
         self._pipeline = BucketPipeline(f"hq.ddp.{comm.group_id}")
         self._hook_fallback = HookFallback(
             self.options, comm, self.stats, self.codecs,
@@ -402,12 +618,35 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
             config["parameters"] = self._parameters
         return config
 
-    def seed_of(self, step: int, index: int, codec_index: int = 0) -> int:
-        """The seed of the exchange of ``codecs[codec_index]`` in bucket ``index`` at step
-        ``step`` (module doc)."""
-        if codec_index == 0:
-            return derive_key(self.seed, step, index)
-        return derive_key(self.seed, step, index, codec_index)
+    def bucket_key(self, bucket: dist.GradBucket) -> str:
+        """What the seeds of ``bucket`` (a DDP bucket the hook has met) derive from: its
+        parameters' names, comma-joined in the bucket's order, where the state has them
+        (``named_parameters``; an unpickled state: the pickled state's), else their positions
+        (``#3``, module doc).
+
+        Raises:
+            ValueError: the hook has not met a parameter of ``bucket``.
+        """
+        positions = self._met.known(bucket.parameters())
+        if positions is None:
+            raise ValueError("the DDP hook has not met this bucket's parameters: ask for "
+                             "its key from the hook, or after the hook ran")
+        return self._met.key(positions)
+
+    def seed_of(self, step: int, bucket: dist.GradBucket | str, codec_index: int = 0) -> int:
+        """The seed of the exchange of ``codecs[codec_index]`` at ``step`` in ``bucket`` (the
+        DDP bucket, or its :meth:`bucket_key`): :func:`~horovod_quant.core.rng.bucket_seed`
+        of the key at offset 0 (module doc)."""
+        if isinstance(bucket, int):
+            raise TypeError("seed_of(step, bucket, codec_index) takes the DDP bucket or its "
+                            "state.bucket_key(bucket), not its index: the seeds follow the "
+                            "bucket's parameters, not DDP's numbering")
+        key = bucket if isinstance(bucket, str) else self.bucket_key(bucket)
+        return bucket_seed(self.seed, step, key, 0, codec_index)
+
+    def _seed(self, step: int, index: int, codec_index: int) -> int:
+        """The seed of codec ``codec_index``'s exchange in this step's bucket ``index``."""
+        return self.seed_of(step, self._keys[index], codec_index)
 
     def _codec_index(self, param: torch.Tensor) -> int | None:
         """Where the policy sends ``param``: ``codecs`` index, or None (exact)."""
@@ -421,8 +660,9 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
         codec = self.policy.codec_for(self.codec, param.shape, name)
         return None if codec is None else self._codec_indices[codec.config_key()]
 
-    def _layout(self, bucket: dist.GradBucket) -> list[_Part]:
-        """The parts of ``bucket`` (kept per bucket index while its parameters stay)."""
+    def _layout(self, bucket: dist.GradBucket) -> tuple[list[_Part], list[list[int]]]:
+        """The parts of ``bucket`` and its ``[position, numel]`` pairs (kept per bucket index
+        while its parameters stay); sets its key for this step."""
         params = bucket.parameters()
         ids = tuple(id(p) for p in params)
         cached = self._layouts.get(bucket.index())
@@ -430,9 +670,13 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
             base = bucket.buffer().storage_offset()
             ranges = [(g.storage_offset() - base, g.storage_offset() - base + g.numel())
                       for g in bucket.gradients()]
+            parts = _parts([self._codec_index(p) for p in params], ranges)
+            positions = self._met.place(params)
             cached = self._layouts[bucket.index()] = (
-                ids, _parts([self._codec_index(p) for p in params], ranges))
-        return cached[1]
+                ids, parts, self._met.key(positions),
+                [[pos, stop - start] for pos, (start, stop) in zip(positions, ranges)])
+        self._keys[bucket.index()] = cached[2]
+        return cached[1], cached[3]
 
     def _mean_buffer(self, index: int, k: int, flat: Any) -> Any:
         """The float32 array the mean of codec ``k``'s part of bucket ``index`` is written
@@ -447,28 +691,51 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
 
     def exchange_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Hand ``bucket`` to the worker and return its future (module doc); the first call
-        waits for the cross-rank check."""
+        waits for the cross-rank check. A resumed state's first step exchanges the saved
+        step's buckets instead (:class:`_Replay`)."""
         grad = bucket.buffer()
         if self._exchanges is None:
             self._open_exchanges(grad)
         last = bucket.is_last()
         self._steps.begin()
         self._hook_fallback.bucket_arrived(last)
+        future = None  # a replayed DDP bucket's: completed by the buckets holding its parts
         if grad.is_sparse:
-            start = self._average_sparse(grad)
+            self._met.place(bucket.parameters())
+            jobs: list[tuple[Callable[[], Finish], list[_Pieces]]] = [
+                (self._average_sparse(grad), [])]
+        elif self._replay is not None:
+            future, jobs = self._replayed(bucket, grad)
         else:
-            parts = self._layout(bucket)
-            start = (self._hook_fallback.start(bucket, grad, parts, self._names)
-                     or self._start_parts(bucket.index(), parts, grad, self.step))
+            parts, layout = self._layout(bucket)
+            self._exchanged.append(layout)
+            jobs = [(self._hook_fallback.start(bucket, grad, parts, self._names)
+                     or self._start_parts(bucket.index(), parts, grad, self.step), [])]
         stream = None
         if on_gpu(grad):
             with stream_of(grad):
                 stream = gpu.capture_stream()
         if last:
+            if self._replay is not None:
+                if self._replay.next < len(self._replay.layout) or not jobs:
+                    raise ValueError(
+                        "horovod_quant DDP hook: DDP handed over no parameter of the resumed "
+                        "state's saved buckets "
+                        f"{list(range(self._replay.next, len(self._replay.layout)))}: load the "
+                        "checkpoint into the model it was saved from, built as before")
+                self._replay = None
+            self._last_layout, self._exchanged = self._exchanged, []
+            start, pieces = jobs[-1]
             start = self._hook_fallback.then_end_step(start, self.step, self._check.prefix)
             self.step += 1
-            start = _counted(start, self._steps, self.step)
-        return self._pipeline.submit(start, last, stream)
+            jobs[-1] = (_counted(start, self._steps, self.step), pieces)
+        for n, (start, pieces) in enumerate(jobs):
+            done = self._pipeline.submit(start, last and n == len(jobs) - 1, stream)
+            for piece in pieces:
+                done.add_done_callback(piece.one_done)
+            if future is None:
+                future = done
+        return future
 
     def _open_exchanges(self, grad: torch.Tensor) -> None:
         """At the first bucket (``grad``, where the codecs run): the fabric, the cross-rank
@@ -502,7 +769,7 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
                 k = part.codec_index
                 label = name if k == 0 else f"{name}.c{k}"
                 pending = self._exchanges[k].start(
-                    vector, self.seed_of(step, index, k), label,
+                    vector, self._seed(step, index, k), label,
                     out=self._mean_buffer(index, k, vector),
                     tag=exchange_tag(label, (vector.size,), step))
                 pending.advance(block=True)  # when a norm arrives differs between ranks

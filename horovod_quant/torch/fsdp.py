@@ -28,7 +28,7 @@ from torch.autograd import Variable
 
 from .. import gpu
 from ..core.base import Codec
-from ..core.rng import derive_key, name_key
+from ..core.rng import bucket_seed
 from ..doors import DOOR_SETTINGS, FALLBACK, SHARED, CompressorSettings, DoorOptions, door_options
 from .ddp import QuantizationState, _Part, _parts
 from .tensors import on_gpu, stream_of
@@ -143,15 +143,18 @@ class ReplicaState(QuantizationState):
         """The seed of the exchange of ``codecs[codec_index]`` at ``step`` for the shard of
         the parameters named ``key`` (comma-joined) starting at element ``offset`` of their
         module's flat gradient: ``derive_key(seed, step, name_key(key), offset)``, and
-        ``codec_index`` after them where it is not 0."""
-        fields = (step, name_key(key), offset) + ((codec_index,) if codec_index else ())
-        return derive_key(self.seed, *fields)
+        ``codec_index`` after them where it is not 0 (:func:`~horovod_quant.core.rng.
+        bucket_seed`, the DDP hook's buckets' too)."""
+        return bucket_seed(self.seed, step, key, offset, codec_index)
 
     def seed_of(self, step: int, index: int, codec_index: int = 0) -> int:
         """The seed of ``codecs[codec_index]``'s exchange in the shard of ``fully_shard``
         module ``index`` at ``step`` (:meth:`shard_seed`)."""
         shard = self._shards[index]
         return self.shard_seed(step, shard.key(), shard.offset(), codec_index)
+
+    def _seed(self, step: int, index: int, codec_index: int) -> int:
+        return self.seed_of(step, index, codec_index)
 
     def _codec_of(self, param: Any, name: str) -> int | None:
         codec = self.policy.codec_for(self.codec, param.shape, name)

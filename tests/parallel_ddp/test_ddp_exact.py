@@ -41,7 +41,8 @@ class Net(torch.nn.Module):
 
 class Recorder:
     """Wraps the hook: keeps each bucket's input (on the host), the offsets and parameters of
-    its gradients, the step and the future, of the last step; ``group``: the process group the
+    its gradients, the step and the bucket's key (what its seeds derive from) and the future,
+    of the last step; ``group``: the process group the
     ranks compare over (None: the default); ``names``: the names the state was given."""
 
     def __init__(self, state, group=None, named_parameters=None):
@@ -56,7 +57,8 @@ class Recorder:
                   for g, p in zip(bucket.gradients(), bucket.parameters())]
         step = state.step
         fut = ddp.quantization_hook(state, bucket)
-        self.calls.append((bucket.index(), inp, sorted(params, key=lambda t: t[0]), step, fut))
+        self.calls.append((bucket.index(), inp, sorted(params, key=lambda t: t[0]),
+                           (step, state.bucket_key(bucket)), fut))
         return fut
 
     def parts(self, params):
@@ -78,7 +80,7 @@ class Recorder:
         assert self.calls, "the hook never ran"
         results = []
         n = dist.get_world_size(self.group)
-        for index, inp, params, step, fut in self.calls:
+        for index, inp, params, (step, key), fut in self.calls:
             results.append(fut.wait())
             got = results[-1].cpu().numpy()
             rows = [r.numpy() for r in gather_rows(inp, self.group)]
@@ -88,7 +90,7 @@ class Recorder:
                 else:
                     codec = self.state.codecs[k]
                     want, _ = hq.mean_estimate(codec, [r[idx] for r in rows],
-                                               self.state.seed_of(step, index, k),
+                                               self.state.seed_of(step, key, k),
                                                gather=self.state.gather,
                                                pipeline_elems=self.state.pipeline_elems,
                                                topology=self.state.topology,

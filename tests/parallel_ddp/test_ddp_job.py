@@ -111,6 +111,100 @@ def test_resumed_job_continues_bit_for_bit(name, params, how):
     assert same_everywhere(straight)
 
 
+class LinearNet(torch.nn.Module):
+    """Standard layers (``nn.Linear`` registers its weight before its bias): DDP's first
+    buckets (one, in registration order, with find_unused_parameters=False) differ from the
+    ones it rebuilds in backward's order after the first step (several, at 0.1 MB each)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        widths = [24, 400, 300, 300, 200, 5]
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b)
+                                          for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = torch.relu(layer(x))
+        return self.layers[-1](x)
+
+
+@pytest.mark.parametrize("name,params", [("qsgd", {}), ("nested_dithered", {"bits": 6})])
+@pytest.mark.parametrize("named", [False, True])
+@pytest.mark.parametrize("how", ["state_dict", "pickle"])
+def test_resumed_job_on_standard_layers_continues_bit_for_bit(name, params, named, how):
+    """As test_resumed_job_continues_bit_for_bit, on a model whose buckets DDP composes
+    differently in a new process's first step than after its rebuild (the resumed job's first
+    step exchanges the uninterrupted job's buckets, saved with the state), with and without
+    the parameters' names."""
+    n, half = 6, 3
+    codec = hq.get_codec(name, **params, **codec_params(name))
+    layouts = []  # each step's buckets: the names of their parameters
+
+    def fresh(state=None):
+        net = LinearNet()
+        names = {id(p): k for k, p in net.named_parameters()}
+        model = DDP(net, bucket_cap_mb=0.1, find_unused_parameters=False)
+        state = state or ddp.QuantizationState(
+            codec, seed=SEED, fallback="never",
+            named_parameters=net.named_parameters() if named else None)
+
+        def hook(state, bucket):
+            if bucket.index() == 0:
+                layouts.append([])
+            layouts[-1].append([names[id(p)] for p in bucket.parameters()])
+            return ddp.quantization_hook(state, bucket)
+
+        model.register_comm_hook(state, hook)
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), state
+
+    model, opt, _ = fresh()
+    _train(model, opt, range(n))
+    straight = _params(model)
+    assert len(layouts[0]) == 1 and len(layouts[1]) > 2, layouts[:2]  # DDP rebuilt
+    assert layouts[1:] == [layouts[1]] * (n - 1)
+
+    layouts.clear()
+    model, opt, state = fresh()
+    _train(model, opt, range(half))
+    saved = {"model": model.state_dict(), "opt": opt.state_dict()}
+    if how == "state_dict":
+        saved["hook"] = state.state_dict()
+        saved = _round_trip(saved)
+        model, opt, state = fresh()
+        state.load_state_dict(saved["hook"])
+    else:
+        pickled = pickle.dumps(state)
+        saved = _round_trip(saved)
+        model, opt, state = fresh(pickle.loads(pickled))
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    _train(model, opt, range(half, n))
+    assert len(layouts[half]) == 1  # the new DDP's first buckets, not the rebuilt ones
+    assert torch.equal(_params(model), straight)
+    assert same_everywhere(straight)
+
+
+def test_a_resumed_state_refuses_another_models_buckets_and_bucket_indices():
+    """A state saved from one model and loaded for another raises on every rank at the first
+    bucket, before any exchange; seed_of takes a bucket or its key, not DDP's index."""
+    state = ddp.QuantizationState(hq.get_codec("qsgd"), seed=SEED, fallback="never")
+    model = DDP(LinearNet(), bucket_cap_mb=0.1)
+    model.register_comm_hook(state, ddp.quantization_hook)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.05), range(2))
+    assert len(state.state_dict()["buckets"]) > 2
+    with pytest.raises(TypeError, match="not its index"):
+        state.seed_of(2, 0)
+
+    other = ddp.QuantizationState(hq.get_codec("qsgd"), seed=SEED, fallback="never")
+    other.load_state_dict(_round_trip(state.state_dict()))
+    model = DDP(BackwardOrderNet(), bucket_cap_mb=0.25)
+    model.register_comm_hook(other, ddp.quantization_hook)
+    seconds, message = _time_to_raise(model, 2)
+    assert "the resumed state's buckets do not hold DDP's parameter" in message, message
+    assert same_everywhere(torch.tensor([len(message)]))
+
+
 def _time_to_raise(model, step):
     """Seconds until a training step of ``model`` raises (the step's error, for the test's
     match)."""
