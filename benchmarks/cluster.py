@@ -48,8 +48,7 @@ import subprocess
 import sys
 import time
 
-from horovod_quant.doors import CodecRequest
-from horovod_quant.exchange.cost import LINK_ENV
+from horovod_quant.doors import LINK_ENV, CodecRequest
 from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS
 
 from cluster_report import (

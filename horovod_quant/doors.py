@@ -1,11 +1,13 @@
-"""What the framework doors share: their settings (:class:`DoorOptions`, one default each),
-the cross-rank configuration check and the ``Compression.<codec>(...)`` namespace.
+"""What the framework doors share: their settings (:class:`DoorOptions`, one default each, and
+:class:`DoorEnvironment`, the environment variables read once, at the door), the cross-rank
+configuration check and the ``Compression.<codec>(...)`` namespace.
 
 The doors: Horovod PyTorch's ``compression=`` (:mod:`horovod_quant.torch.compression`),
 ``hq.torch.DistributedOptimizer`` (:mod:`horovod_quant.torch.optimizer`), the DDP hook
 (:mod:`horovod_quant.torch.ddp`), the FSDP hook (:mod:`horovod_quant.torch.fsdp`: the DDP
-hook's settings) and Horovod TensorFlow's ``compression=``
-(:mod:`horovod_quant.tensorflow.compression`).
+hook's settings), the outer all-reduce (:mod:`horovod_quant.torch.outer`) and Horovod
+TensorFlow's ``compression=`` (:mod:`horovod_quant.tensorflow.compression`). Below the doors
+nothing reads the environment: the doors hand the fabric and the MPI choice down as values.
 """
 from __future__ import annotations
 
@@ -14,20 +16,21 @@ import dataclasses
 import logging
 import time
 import warnings
+from math import inf
 from typing import Any, Callable, Iterable, Iterator
 
 from .core import available_codecs, get_codec
 from .core.base import Codec, check_int
 from .core.contract import Combine
 from .core.registry import codec_class
-from .env import env_seconds
+from .env import env_choice, env_flag, env_positive, env_seconds
 from .exchange.codec_states import CodecStates
 from .exchange.collectives import Collectives, Handle, growing_pauses
+from .exchange.cost import Fabric
 from .exchange.job_end import LEDGER, DoorSteps, StoreRendezvous
 from .exchange.plans import DEFAULT_PIPELINE_ELEMS, check_gather, check_pipeline_elems
 from .fallback import check_baseline, check_fallback
 from .policy import LayerPolicy, describe
-from .process_sets import mpi_exchange_enabled
 from .stats import StepStats
 
 log = logging.getLogger("horovod_quant")
@@ -102,7 +105,7 @@ class OptimizerSettings:
     Args:
         fusion_bytes: float32 bytes per fused bucket.
         transport: what carries the payloads, "auto", "horovod" or "gloo"; None: the
-            ``HQ_TRANSPORT`` environment variable, else "auto".
+            ``HQ_TRANSPORT`` environment variable (:class:`DoorEnvironment`), else "auto".
         on_step: called with each step's :class:`~horovod_quant.stats.StepStats`.
     """
 
@@ -129,9 +132,10 @@ class DoorOptions(OptimizerSettings, FallbackSettings, ExchangeSettings):
 
     Every door takes its settings one way: ``options=DoorOptions(...)``, or each setting as a
     keyword argument of the same name (over the settings of a compressor the door was given,
-    else the defaults), not both. A torch ``Compression`` keeps the optimizer's settings for
-    the optimizer it is passed to; the TensorFlow door and the DDP and FSDP hooks raise
-    ValueError when one of them is not at its default.
+    else the defaults), not both (:func:`door_options`). A door raises ValueError for a
+    setting it does not take (:data:`DOOR_TAKES`) that is given as a keyword or is not at its
+    default, naming the doors that take it: a Horovod compressor keeps no setting for the
+    optimizer it is passed to.
     """
 
     def __post_init__(self) -> None:
@@ -139,18 +143,16 @@ class DoorOptions(OptimizerSettings, FallbackSettings, ExchangeSettings):
         FallbackSettings.__post_init__(self)
         OptimizerSettings.__post_init__(self)
 
-    def check_door(self, door: str, takes: tuple[str, ...] = SHARED_NAMES) -> "DoorOptions":
-        """``self``, for a door that takes only the settings ``takes``; ValueError naming each
-        other one not at its default, and the doors that take it."""
+    def check_door(self, door: str, takes: tuple[str, ...] | None = None) -> "DoorOptions":
+        """``self``, for ``door``, which takes only the settings ``takes`` (None: its
+        :data:`DOOR_TAKES`); ValueError naming each other one not at its default, and the
+        doors that take it."""
+        takes = DOOR_TAKES[door] if takes is None else takes
         defaults = DoorOptions()
-        set_here = [f"{name}={getattr(self, name)!r}" for name in DOOR_SETTINGS
-                    if name not in takes and getattr(self, name) != getattr(defaults, name)]
-        if set_here:
-            raise ValueError(f"{', '.join(set_here)}: the {door} does not take these settings "
-                             f"(the fallback's, {', '.join(FALLBACK)}: "
-                             "hq.torch.DistributedOptimizer, the DDP hook and the FSDP hook; "
-                             "the others: hq.torch.DistributedOptimizer alone); leave them at "
-                             "their defaults")
+        refused = {name: getattr(self, name) for name in DOOR_SETTINGS
+                   if name not in takes and getattr(self, name) != getattr(defaults, name)}
+        if refused:
+            raise refusal(door, refused)
         return self
 
 
@@ -161,38 +163,169 @@ FALLBACK = tuple(f.name for f in dataclasses.fields(FallbackSettings))
 OPTIMIZER_ONLY = tuple(f.name for f in dataclasses.fields(OptimizerSettings))
 DOOR_SETTINGS = SHARED + FALLBACK + OPTIMIZER_ONLY
 
+#: the doors, as their messages name them
+OPTIMIZER_DOOR = "hq.torch.DistributedOptimizer"
+TORCH_COMPRESSOR_DOOR = "PyTorch compressor"
+TF_DOOR = "TensorFlow door"
+DDP_DOOR, FSDP_DOOR, OUTER_DOOR = "DDP hook", "FSDP hook", "outer all-reduce"
+#: the settings each door takes: the outer all-reduce those of the exchange but the policy
+#: (one tensor, all of it compressed); the Horovod compressors keep none for the optimizer
+DOOR_TAKES: dict[str, tuple[str, ...]] = {
+    OPTIMIZER_DOOR: DOOR_SETTINGS,
+    DDP_DOOR: SHARED + FALLBACK,
+    FSDP_DOOR: SHARED + FALLBACK,
+    TORCH_COMPRESSOR_DOOR: SHARED,
+    TF_DOOR: SHARED,
+    OUTER_DOOR: ("seed", "gather", "pipeline_elems"),
+}
+
+
+def _in_words(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def refusal(door: str, refused: dict[str, Any]) -> ValueError:
+    """The error of ``door`` for the ``refused`` settings (name -> value), naming for each
+    the doors that take it (:data:`DOOR_TAKES`)."""
+    takers: dict[tuple[str, ...], list[str]] = {}
+    for name in refused:
+        doors = tuple(d if d.startswith("hq.") else f"the {d}" for d, takes in DOOR_TAKES.items()
+                      if name in takes and d != door)
+        takers.setdefault(doors, []).append(name)
+    where = "; ".join(f"{', '.join(names)}: {_in_words(list(doors))}"
+                      for doors, names in takers.items())
+    these, them = ("this setting", "it") if len(refused) == 1 else ("these settings", "them")
+    return ValueError(f"{', '.join(f'{k}={v!r}' for k, v in refused.items())}: the "
+                      f"{door} does not take {these} ({where}); pass {them} to a door that "
+                      f"takes {them}, not to this one")
+
 
 def door_options(given: dict[str, Any], options: DoorOptions | None = None,
-                 inherited: DoorOptions | None = None, takes: tuple[str, ...] = SHARED
-                 ) -> DoorOptions:
+                 inherited: DoorOptions | None = None, door: str | None = None,
+                 takes: tuple[str, ...] | None = None) -> DoorOptions:
     """A door's settings from one place: ``options``, or the ``given`` keyword arguments over
-    ``inherited`` (the settings of a compressor the door was handed), else the defaults.
+    ``inherited`` (the settings of a compressor the door was handed), else the defaults;
+    wherever they came from, checked for ``door`` (:meth:`DoorOptions.check_door`).
 
     Args:
         given: the settings given as keyword arguments (None is a value: ``pipeline_elems=None``
             sends whole vectors).
         options: the door's ``options=``.
         inherited: the settings of a compressor the door was handed.
-        takes: the settings this door takes as keyword arguments.
+        door: the door, by its name in :data:`DOOR_TAKES` (None: a door taking
+            :data:`SHARED`).
+        takes: the settings this door takes (None: the door's :data:`DOOR_TAKES`).
 
     Raises:
-        ValueError: settings given both ways, a keyword that is no setting of this door, or an
-            invalid setting.
+        ValueError: settings given both ways, a keyword that is no door's setting, a setting
+            this door does not take (given as a keyword, or not at its default), or an invalid
+            setting.
     """
+    if takes is None:
+        takes = SHARED if door is None else DOOR_TAKES[door]
+    name = "door" if door is None else door
     if options is not None and not isinstance(options, DoorOptions):
         raise ValueError(f"options={options!r} is not a horovod_quant DoorOptions")
-    unknown = sorted(set(given) - set(takes))
+    unknown = sorted(set(given) - set(DOOR_SETTINGS))
     if unknown:
         raise ValueError(f"{', '.join(unknown)}: not a setting of this door; it takes "
                          f"{', '.join(takes)} (or options=DoorOptions(...))")
+    elsewhere = {k: v for k, v in given.items() if k not in takes}
+    if elsewhere:
+        raise refusal(name, elsewhere)
     if options is not None and given:
         names = ", ".join(sorted(given))
         raise ValueError(f"{names} given as keyword arguments and options= given too: set "
                          f"{names} inside options=DoorOptions(...), or drop options= and pass "
                          "every setting as a keyword")
-    if options is not None:
-        return options
-    return dataclasses.replace(inherited or DoorOptions(), **given)
+    chosen = options if options is not None else dataclasses.replace(inherited or DoorOptions(),
+                                                                       **given)
+    return chosen.check_door(name, takes)
+
+
+#: the environment variables of the doors' settings, read by :meth:`DoorEnvironment.read`
+LINK_ENV, INTRA_ENV, ROUND_ENV = "HQ_LINK_GBIT", "HQ_INTRA_GBYTE", "HQ_ROUND_US"
+MPI_EXCHANGE_ENV, TRANSPORT_ENV = "HQ_MPI_EXCHANGE", "HQ_TRANSPORT"
+#: the :class:`~.exchange.cost.Fabric` field each fabric variable sets, and its unit
+FABRIC_ENV = {"link_gbit": (LINK_ENV, "Gbit/s"), "intra_gbyte": (INTRA_ENV, "GB/s"),
+              "round_us": (ROUND_ENV, "microseconds")}
+#: which parts of :class:`DoorEnvironment` each door reads; it ignores the other variables,
+#: which a job sets on all its ranks and may mean for another door of the same job
+DOOR_READS: dict[str, tuple[str, ...]] = {
+    OPTIMIZER_DOOR: ("fabric", "mpi_exchange", "transport"),
+    DDP_DOOR: ("fabric",),
+    FSDP_DOOR: ("fabric",),
+    OUTER_DOOR: ("fabric",),
+    TORCH_COMPRESSOR_DOOR: ("mpi_exchange",),
+    TF_DOOR: ("mpi_exchange",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DoorEnvironment:
+    """The environment variables of the doors' settings, read once, where a door resolves its
+    settings (:meth:`read`), and handed down as values: below the doors (the exchange, the
+    fallback controller, the transport's choice, the collectives) nothing reads them.
+
+    Args:
+        link_gbit, intra_gbyte, round_us: ``HQ_LINK_GBIT``, ``HQ_INTRA_GBYTE``,
+            ``HQ_ROUND_US``: the :class:`~.exchange.cost.Fabric` fields they set over the
+            ranks' defaults, which a measurement keeps (None: unset).
+        mpi_exchange: ``HQ_MPI_EXCHANGE`` (default on): whether Horovod's collectives run a
+            custom reduction over MPI (Global-QSGD's exponent allreduce), which changes what
+            goes on the wire.
+        transport: ``HQ_TRANSPORT`` (default "auto"): the optimizer's transport where its
+            ``transport=`` is None.
+    """
+
+    link_gbit: float | None = None
+    intra_gbyte: float | None = None
+    round_us: float | None = None
+    mpi_exchange: bool = True
+    transport: str = "auto"
+
+    def __post_init__(self) -> None:
+        for field in FABRIC_ENV:
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < inf):
+                raise ValueError(f"{field}={value!r} must be a positive number")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} is not valid: choose one of "
+                             f"{list(TRANSPORTS)}")
+
+    @classmethod
+    def read(cls, door: str) -> "DoorEnvironment":
+        """The variables ``door`` uses (:data:`DOOR_READS`), read now; the others keep
+        their defaults.
+
+        Raises:
+            ValueError: a variable the door reads holds an invalid value (named).
+        """
+        reads, values = DOOR_READS[door], {}
+        if "fabric" in reads:
+            values.update({field: env_positive(name, None, unit)
+                           for field, (name, unit) in FABRIC_ENV.items()})
+        if "mpi_exchange" in reads:
+            values["mpi_exchange"] = env_flag(MPI_EXCHANGE_ENV, default=True)
+        if "transport" in reads:
+            values["transport"] = env_choice(TRANSPORT_ENV, TRANSPORTS, "auto")
+        return cls(**values)
+
+    @property
+    def fabric_set(self) -> dict[str, float]:
+        """The fabric's fields the environment sets: ``{field: value}``."""
+        return {field: getattr(self, field) for field in FABRIC_ENV
+                if getattr(self, field) is not None}
+
+    def fabric(self, on_gpu: bool) -> Fabric:
+        """The fabric of CPU or GPU ranks (:meth:`~.exchange.cost.Fabric.for_ranks`), with
+        the fields the environment sets."""
+        return Fabric.for_ranks(on_gpu, self.fabric_set)
+
+    def transport_for(self, transport: str | None) -> str:
+        """The transport of a ``transport=`` setting: itself, else ``HQ_TRANSPORT``'s."""
+        return self.transport if transport is None else transport
 
 
 class SettingsAttributes:
@@ -548,12 +681,13 @@ def load_codec_states(states: CodecStates, saved: dict, saved_world: int | None,
                      if rekeyed else ""), UserWarning, stacklevel=3)
 
 
-def mpi_exchange_config(codecs: Iterable[Codec]) -> dict:
-    """``HQ_MPI_EXCHANGE`` for the configuration check of an exchange over Horovod's
-    collectives, where it changes the wire: a codec with a custom combine runs the MPI
-    reduction when it is on, else the allgather plan (and the MPI set-up is collective)."""
+def mpi_exchange_config(codecs: Iterable[Codec], mpi_exchange: bool) -> dict:
+    """``HQ_MPI_EXCHANGE`` (the door's :attr:`DoorEnvironment.mpi_exchange`) for the
+    configuration check of an exchange over Horovod's collectives, where it changes the wire:
+    a codec with a custom combine runs the MPI reduction when it is on, else the allgather
+    plan (and the MPI set-up is collective)."""
     if any(c.traits.combine is Combine.CUSTOM for c in codecs):
-        return {"mpi_exchange": mpi_exchange_enabled()}
+        return {"mpi_exchange": mpi_exchange}
     return {}
 
 

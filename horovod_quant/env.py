@@ -2,16 +2,18 @@
 
 Booleans take ``1/true/yes/on`` or ``0/false/no/off`` (any case, surrounding blanks ignored);
 anything else raises ValueError naming the variable, so a typo never silently means "off".
+The doors' settings are read once, where a door is built (``doors.DoorEnvironment``, which
+says which door reads which; a door ignores the others); nothing in the exchange layer or the
+fallback controller reads the environment.
 
-| variable | type | meaning |
+| variable | type | meaning (read by) |
 | --- | --- | --- |
-| ``HQ_MPI_EXCHANGE`` | bool, default on | the mpi4py exponent allreduce of Global-QSGD |
-| ``HQ_CUDA_AWARE_MPI`` | bool, unset = detect | MPI takes device buffers |
-| ``HQ_DEVICE_COLLECTIVES`` | bool, unset = detect | Horovod's collectives take device buffers |
+| ``HQ_MPI_EXCHANGE`` | bool, default on | Global-QSGD's mpi4py exponent allreduce (Horovod doors) |
+| ``HQ_TRANSPORT`` | auto (default)/gloo/horovod | the optimizer's transport (optimizer) |
+| ``HQ_LINK_GBIT``, ``HQ_INTRA_GBYTE``, ``HQ_ROUND_US`` | numbers | fabric (optimizer, DDP, outer) |
+| ``HQ_CUDA_AWARE_MPI``, ``HQ_DEVICE_COLLECTIVES`` | bool, unset = detect | device buffers (gpu) |
 | ``HQ_CONFIG_TIMEOUT`` | seconds, default 600 | a rank's wait for the others' configuration |
-| ``HQ_TRANSPORT`` | auto (default)/gloo/horovod | what carries the torch Horovod door's payloads |
 | ``HQ_PEER_ADDR`` | address, unset = detect | this rank's gloo bind address (rank 0 offers it) |
-| ``HQ_LINK_GBIT``, ``HQ_INTRA_GBYTE``, ``HQ_ROUND_US`` | numbers | the plan choice's fabric |
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def env_flag(name: str, default: bool | None = None) -> bool | None:
                      "(true/false, yes/no, on/off are accepted too)")
 
 
-def env_positive(name: str, default: float, unit: str) -> float:
+def env_positive(name: str, default: float | None, unit: str) -> float | None:
     """A positive number (in ``unit``, for the message) in environment variable ``name``;
     ``default`` when unset or empty.
 

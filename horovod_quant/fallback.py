@@ -170,12 +170,12 @@ class BaselineChoice:
 
 
 def measured_fabric(choice: BaselineChoice, fabric: Fabric, topology: Topology,
-                    numels: Sequence[int]) -> Fabric:
+                    numels: Sequence[int], fixed: Collection[str] = ()) -> Fabric:
     """The links' rates fitted to the baseline trial's timings (:func:`.cost.fitted_fabric`):
     each bucket's float32 allreduce (else its 16-bit one: a 16-bit sum adds CPU work of its own
     on CPU ranks) as a ring allreduce over ``topology`` (its ``numels``), its float32 allreduce
-    inside a host as a ring over one host's ranks; the fields the environment sets
-    (:meth:`Fabric.overridden`) kept."""
+    inside a host as a ring over one host's ranks; the fields in ``fixed`` (those the door's
+    environment sets: ``doors.DoorEnvironment.fabric_set``) kept as in ``fabric``."""
     first = choice.bucket_seconds[0]
     timed = ["fp32"] if "fp32" in first else list(first)
     across = [(ring_allreduce(topology, numel, baseline_element_bytes(name)), times[name])
@@ -183,7 +183,7 @@ def measured_fabric(choice: BaselineChoice, fabric: Fabric, topology: Topology,
     one_host = Topology.grid(1, topology.local_size)
     inside = [(ring_allreduce(one_host, numel, 4), seconds)
               for numel, seconds in zip(numels, choice.local_seconds)]
-    return fitted_fabric(fabric, across, inside, Fabric.overridden())
+    return fitted_fabric(fabric, across, inside, fixed)
 
 
 def ranks(count: int) -> str:

@@ -1,7 +1,8 @@
 """What the Horovod doors (PyTorch and TensorFlow) share about Horovod: the ranks of a process
 set as the base of their :class:`~horovod_quant.exchange.Collectives`, and the MPI
 communicator beside Horovod that Global-QSGD's exponent allreduce runs on
-(:mod:`horovod_quant.exchange.mpi_exponent_allreduce`).
+(:mod:`horovod_quant.exchange.mpi_exponent_allreduce`), handed out only where the door's
+``HQ_MPI_EXCHANGE`` (``doors.DoorEnvironment``, passed in as ``mpi_exchange``) lets it.
 
 The exchange layer never imports Horovod; only the doors do, through this module and their own
 collectives.
@@ -10,23 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .env import env_flag
 from .exchange.collectives import Collectives
 
 
-def mpi_exchange_enabled() -> bool:
-    """``HQ_MPI_EXCHANGE`` (default on): whether the Horovod doors may run the MPI reduction."""
-    return env_flag("HQ_MPI_EXCHANGE", default=True)
-
-
 def world_communicator(horovod_module: Any) -> Any | None:
-    """A duplicate of MPI.COMM_WORLD when the custom MPI reduction may run, else None.
+    """A duplicate of MPI.COMM_WORLD when the custom MPI reduction can run, else None.
 
     Args:
         horovod_module: ``horovod.torch`` or ``horovod.tensorflow`` (already initialized).
     """
-    if not mpi_exchange_enabled():
-        return None
     if not (horovod_module.mpi_enabled() and horovod_module.mpi_threads_supported()):
         return None
     try:
@@ -46,9 +39,11 @@ class ProcessSetCollectives(Collectives):
 
     Args:
         process_set: the Horovod process set to run in (default: all ranks).
+        mpi_exchange: whether :meth:`mpi_communicator` may hand out MPI for a codec's custom
+            reduction: the door's ``HQ_MPI_EXCHANGE`` (``doors.DoorEnvironment``; default on).
     """
 
-    def __init__(self, process_set: Any = None) -> None:
+    def __init__(self, process_set: Any = None, mpi_exchange: bool = True) -> None:
         if process_set is None:
             from horovod.common.process_sets import global_process_set
 
@@ -57,3 +52,4 @@ class ProcessSetCollectives(Collectives):
         self.rank = process_set.rank()
         self.size = process_set.size()
         self.group_id = str(process_set.process_set_id)
+        self.mpi_exchange = mpi_exchange

@@ -5,7 +5,7 @@ For each plan the model counts the bytes one host's interface sends (the most lo
 adds the bytes the link moves during one round of collectives for every round that crosses
 hosts (latency), and the bytes a rank moves inside its host weighted by how much slower the
 link is than the fabric inside the host. :class:`Fabric` holds those speeds (defaults per kind
-of rank, ``HQ_LINK_GBIT`` / ``HQ_INTRA_GBYTE`` / ``HQ_ROUND_US``). Collectives are costed as
+of rank, with the fields a door sets: ``doors.DoorEnvironment``). Collectives are costed as
 gloo runs them: allgather and allreduce as rings over the ranks in rank order, alltoall
 pairwise, Global-QSGD's exponent allreduce by recursive halving and doubling. The plans are
 those of :mod:`.plans` (:func:`.plans.plan_choice` picks one); a hierarchical plan runs an
@@ -17,17 +17,13 @@ times a plan's bytes and rounds at a transport's rates and latencies, :class:`Th
 from __future__ import annotations
 
 import math
-import os
-from typing import Callable, Collection, NamedTuple, Sequence
+from typing import Callable, Collection, Mapping, NamedTuple, Sequence
 
 from ..core.base import Codec
-from ..env import env_positive
 from .topology import Topology
 
 #: the prefix of the hierarchical plans' kinds: ``"hierarchical-" + inner kind``
 HIERARCHICAL = "hierarchical-"
-#: environment variables that override a :class:`Fabric`'s fields
-LINK_ENV, INTRA_ENV, ROUND_ENV = "HQ_LINK_GBIT", "HQ_INTRA_GBYTE", "HQ_ROUND_US"
 
 
 class Fabric(NamedTuple):
@@ -46,25 +42,11 @@ class Fabric(NamedTuple):
     round_us: float = 524.288
 
     @classmethod
-    def for_ranks(cls, on_gpu: bool) -> "Fabric":
-        """The default of CPU ranks (:data:`CPU_RANKS`) or GPU ranks (:data:`GPU_RANKS`),
-        each field overridden by its environment variable (``HQ_LINK_GBIT``,
-        ``HQ_INTRA_GBYTE``, ``HQ_ROUND_US``: positive numbers).
-
-        Raises:
-            ValueError: a variable is set to something other than a positive number.
-        """
-        base = GPU_RANKS if on_gpu else CPU_RANKS
-        return cls(env_positive(LINK_ENV, base.link_gbit, "Gbit/s"),
-                   env_positive(INTRA_ENV, base.intra_gbyte, "GB/s"),
-                   env_positive(ROUND_ENV, base.round_us, "microseconds"))
-
-    @staticmethod
-    def overridden() -> frozenset[str]:
-        """The fields whose environment variable is set: a measurement leaves them as set."""
-        return frozenset(field for field, name in zip(Fabric._fields, (LINK_ENV, INTRA_ENV,
-                                                                       ROUND_ENV))
-                         if os.environ.get(name, "").strip())
+    def for_ranks(cls, on_gpu: bool, fields: Mapping[str, float] | None = None) -> "Fabric":
+        """The default of CPU ranks (:data:`CPU_RANKS`) or GPU ranks (:data:`GPU_RANKS`), with
+        ``fields`` (field -> value) in place of the default's: the fields a door sets
+        (``doors.DoorEnvironment``: ``HQ_LINK_GBIT``, ``HQ_INTRA_GBYTE``, ``HQ_ROUND_US``)."""
+        return (GPU_RANKS if on_gpu else CPU_RANKS)._replace(**(fields or {}))
 
     def describe(self) -> str:
         """The fabric in words, for log lines."""
@@ -339,8 +321,8 @@ def fitted_fabric(base: Fabric, across: Sequence[tuple[Cost, float]],
     (``across``: (cost, seconds) pairs), the rate whose times (with the rate inside fitted for
     it: a round inside a host is costed in bytes of the link) are nearest the measured ones,
     by golden-section search on its logarithm. Where no collective crossed a host the link is
-    not measured. ``round_us`` and the fields in ``fixed`` (:meth:`Fabric.overridden`) stay
-    as in ``base``. Every rank fitting the same agreed timings gets the same fabric."""
+    not measured. ``round_us`` and the fields in ``fixed`` (those the door's environment
+    sets) stay as in ``base``. Every rank fitting the same agreed timings gets the same fabric."""
     inside = list(inside) or [(cost, s) for cost, s in across if cost.host_bytes == 0]
 
     def at_link(link: float) -> Fabric:

@@ -63,6 +63,8 @@ class HorovodTFCollectives(ProcessSetCollectives):
 
     Args:
         process_set: the Horovod process set to run in (default: all ranks).
+        mpi_exchange: the door's ``HQ_MPI_EXCHANGE``: whether a codec's custom reduction may
+            run over MPI (the global process set under an MPI controller only).
     """
 
     def _named(self, name: str, op: Callable[..., Any], *arrays: np.ndarray) -> Handle:
@@ -88,6 +90,6 @@ class HorovodTFCollectives(ProcessSetCollectives):
         return Then(handle, lambda out: (out[0], out[1].tolist()))
 
     def mpi_communicator(self) -> Any | None:
-        if self.process_set is not hvd.global_process_set:
+        if not self.mpi_exchange or self.process_set is not hvd.global_process_set:
             return None
         return world_communicator(hvd)

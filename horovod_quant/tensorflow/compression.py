@@ -35,9 +35,11 @@ from ..core.base import Codec
 from ..core.contract import GlobalNorm, SideInformation
 from ..core.rng import derive_key
 from ..doors import (
+    TF_DOOR,
     CompressionNamespace,
     CompressorSettings,
     ConfigCheck,
+    DoorEnvironment,
     DoorOptions,
     RequestedCodec,
     door_options,
@@ -201,7 +203,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
 
     Args: the codec, ``process_set``, and the settings of
     :class:`~horovod_quant.doors.DoorOptions` as ``options=`` or as keywords (seed, gather,
-    policy, pipeline_elems; the optimizer-only ones raise ValueError). Here the k-th tensor
+    policy, pipeline_elems; the others raise ValueError; ``HQ_MPI_EXCHANGE`` is read here, once,
+    :class:`~horovod_quant.doors.DoorEnvironment`). Here the k-th tensor
     compressed (from 0) uses seed ``derive_key(seed, k)`` (module doc), the policy's name rules
     see the variable names (``dense/kernel:0``) or the ``name=`` of ``hvd.allreduce``, tensors
     whose static shape is not fully known travel uncompressed too, and integer and boolean
@@ -222,8 +225,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
 
     def __init__(self, codec: Codec | RequestedCodec, process_set: Any = None,
                  options: DoorOptions | None = None, **settings: Any) -> None:
-        super().__init__(codec, door_options(settings, options).check_door("TensorFlow door"),
-                         process_set)
+        super().__init__(codec, door_options(settings, options, door=TF_DOOR), process_set)
+        self._environment = DoorEnvironment.read(TF_DOOR)
         self._id = next(_IDS)
         # Created eagerly with the compressor, not by the first compress: a tf.function whose
         # first trace creates a variable and then raises (a configuration mismatch) is not
@@ -242,7 +245,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._lock = threading.Lock()
 
     def shared_config(self) -> dict:
-        return {**super().shared_config(), **mpi_exchange_config(self.policy.codecs(self.codec))}
+        return {**super().shared_config(), **mpi_exchange_config(
+            self.policy.codecs(self.codec), self._environment.mpi_exchange)}
 
     # -- bookkeeping ---------------------------------------------------------------------------
     @property
@@ -279,7 +283,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         key = codec.config_key()
         if key not in self._customs:
             with tf.init_scope():
-                self._customs[key] = custom_collective(codec, HorovodTFCollectives(self._ps()))
+                self._customs[key] = custom_collective(codec, HorovodTFCollectives(
+                    self._ps(), self._environment.mpi_exchange))
         return self._customs[key]
 
     # -- the graph runner of a plan --------------------------------------------------------------

@@ -38,13 +38,18 @@ from ..core.base import Codec
 from ..core.baselines import BASELINE_CODECS, HOROVOD_SIXTEEN_BIT, baseline_element_bytes
 from ..core.contract import Combine, SideInformation
 from ..core.limits import CodecLimitWarning
-from ..doors import DEFAULT_FUSION_BYTES, CodecRequest
-from ..exchange import plans, reference
-from ..exchange.cost import (
+from ..doors import (
+    DEFAULT_FUSION_BYTES,
     INTRA_ENV,
     LINK_ENV,
-    NCCL_NET_STEP_US,
+    OPTIMIZER_DOOR,
     ROUND_ENV,
+    CodecRequest,
+    DoorEnvironment,
+)
+from ..exchange import plans, reference
+from ..exchange.cost import (
+    NCCL_NET_STEP_US,
     CodecWork,
     Cost,
     Fabric,
@@ -290,12 +295,19 @@ def limit_note(codec: Codec, kind: str, topology: Topology) -> str:
             f"payload per host ({topology.host_count}): {used.params.get('num_levels')} levels.")
 
 
+def optimizer_fabric(on_gpu: bool) -> Fabric:
+    """The fabric ``hq.torch.DistributedOptimizer`` starts from here: GPU or CPU ranks'
+    defaults with the fields this environment sets (``HQ_LINK_GBIT``, ``HQ_INTRA_GBYTE``,
+    ``HQ_ROUND_US``), read as the optimizer's door reads them (``doors.DoorEnvironment``)."""
+    return DoorEnvironment.read(OPTIMIZER_DOOR).fabric(on_gpu)
+
+
 def cluster_fabric(device: str, link_gbit: float | None, intra_gbyte: float | None = None,
                    round_us: float | None = None) -> Fabric:
     """The links the optimizer weighs on this cluster: ``link_gbit`` between hosts, the
-    device's defaults (:meth:`Fabric.for_ranks`) where ``link_gbit``, ``intra_gbyte`` or
+    optimizer's fabric (:func:`optimizer_fabric`) where ``link_gbit``, ``intra_gbyte`` or
     ``round_us`` is None."""
-    base = Fabric.for_ranks(device == "cuda")
+    base = optimizer_fabric(device == "cuda")
     return Fabric(base.link_gbit if link_gbit is None else _positive("link_gbit", link_gbit),
                   base.intra_gbyte if intra_gbyte is None
                   else _positive("intra_gbyte", intra_gbyte),
@@ -392,7 +404,7 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float | None, compute_ms
         device: "cuda" (GPU ranks, NCCL baselines) or "cpu" (CPU ranks, numba codecs).
         codecs: codec specs ("qsgd:8", "global_qsgd-lin:8"); default :data:`DEFAULT_CODECS`.
         intra_gbyte: GB/s a rank moves inside its host (default: the ranks' fabric default,
-            :meth:`Fabric.for_ranks`, which ``HQ_INTRA_GBYTE`` overrides).
+            :func:`optimizer_fabric`, which ``HQ_INTRA_GBYTE`` overrides).
         round_us: a round's latency across hosts, microseconds (default: GPU ranks
             :data:`NCCL_NET_STEP_US`; CPU ranks the fabric's, ``HQ_ROUND_US``). The plans are
             chosen on the optimizer's fabric (:func:`cluster_fabric`).
@@ -434,7 +446,7 @@ def predict(hosts: int, ranks_per_host: int, link_gbit: float | None, compute_ms
         raise ValueError(f"device={device!r}: choose one of {', '.join(DEVICES)}")
     numel_total = model_params(model, params)
     on_gpu = device == "cuda"
-    base = Fabric.for_ranks(on_gpu)
+    base = optimizer_fabric(on_gpu)
     fabric = cluster_fabric(device, link_gbit, intra_gbyte, round_us)
     times = LinkTimes.of(fabric, on_gpu, round_us)
     share = 1.0
@@ -775,7 +787,7 @@ def _as_the_plan_runs(spec: str, rate: Throughput, topology: Topology, fabric: F
     even = topology.size * topology.local_size
     piece = max(even, (pipeline_elems or vector.size) // even * even)
     bucket = vector[:max(piece, min(vector.size, DEFAULT_FUSION_BYTES // 4) // piece * piece)]
-    kind = _plan_kind(codec, topology, bucket.size, fabric or Fabric.for_ranks(False))
+    kind = _plan_kind(codec, topology, bucket.size, fabric or optimizer_fabric(False))
     measured = best_seconds(lambda: reference.one_rank(codec, bucket, kind, topology, piece))
     return _scaled(rate, measured, kind, topology, bucket.size)
 

@@ -77,6 +77,8 @@ class HorovodTorchCollectives(ProcessSetCollectives):
 
     Args:
         process_set: the Horovod process set to run in (default: all ranks).
+        mpi_exchange: the door's ``HQ_MPI_EXCHANGE``: whether a codec's custom reduction may
+            run over MPI (the global process set under an MPI controller only).
     """
 
     @property
@@ -99,7 +101,7 @@ class HorovodTorchCollectives(ProcessSetCollectives):
         return _TorchHandle(handle, lambda out: (as_array(out[0]), out[1].tolist()))
 
     def mpi_communicator(self) -> Any | None:
-        if self.process_set is not hvd.global_process_set:
+        if not self.mpi_exchange or self.process_set is not hvd.global_process_set:
             return None
         return world_communicator(hvd)
 

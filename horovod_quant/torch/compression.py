@@ -28,10 +28,11 @@ from horovod.torch.compression import Compressor
 from ..core.base import Codec
 from ..core.rng import derive_key, name_key
 from ..doors import (
-    DOOR_SETTINGS,
+    TORCH_COMPRESSOR_DOOR,
     CompressionNamespace,
     CompressorSettings,
     ConfigCheck,
+    DoorEnvironment,
     DoorOptions,
     Refusal,
     RequestedCodec,
@@ -85,8 +86,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
 
     Args: the codec, ``process_set``, and the settings of
     :class:`~horovod_quant.doors.DoorOptions` as ``options=`` or as keywords (seed, gather,
-    policy, pipeline_elems; the optimizer-only ones are kept for
-    ``hq.torch.DistributedOptimizer``); ``stats`` holds the
+    policy, pipeline_elems; the others raise ValueError naming the doors that take them, pass
+    them to ``hq.torch.DistributedOptimizer`` itself); ``HQ_MPI_EXCHANGE`` is read here, once
+    (:class:`~horovod_quant.doors.DoorEnvironment`); ``stats`` holds the
     :class:`~horovod_quant.stats.StepStats`. The policy's name rules apply to tensors Horovod
     names (module doc). Integer, boolean and sparse tensors pass to Horovod unchanged (exact),
     never quantized. ``codec_states`` holds the adaptive codecs' states (NDQSG's) its exchanges
@@ -95,8 +97,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
 
     def __init__(self, codec: Codec | RequestedCodec, process_set: Any = None,
                  options: DoorOptions | None = None, **settings: Any) -> None:
-        super().__init__(codec, door_options(settings, options, takes=DOOR_SETTINGS),
+        super().__init__(codec, door_options(settings, options, door=TORCH_COMPRESSOR_DOOR),
                          process_set)
+        self._environment = DoorEnvironment.read(TORCH_COMPRESSOR_DOOR)
         self._check: ConfigCheck | None = None
         self._comm: Any = None
         self._exchanges: dict[str, Exchange] = {}
@@ -112,7 +115,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
                                 "DistributedOptimizer)")
 
     def shared_config(self) -> dict:
-        return {**super().shared_config(), **mpi_exchange_config(self.policy.codecs(self.codec)),
+        return {**super().shared_config(),
+                **mpi_exchange_config(self.policy.codecs(self.codec),
+                                      self._environment.mpi_exchange),
                 "step": max((n for _, n in self._resumed), default=0),
                 "resumed_uses": self._resumed}
 
@@ -206,7 +211,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         if self._check is None:  # the first compressed tensor: the check starts, unawaited
             # Horovod's collectives: a transport that pairs by call order would need the jobs
             # started in one order, and Horovod calls compress in each rank's hook order
-            self._comm = transport_collectives(self.process_set, "horovod")
+            self._comm = transport_collectives(self.process_set, "horovod",
+                                               mpi_exchange=self._environment.mpi_exchange)
             self._check = ConfigCheck(self._comm, self.shared_config())
         job = _Job(name, codec, flat_array(tensor), derive_key(self.seed, use, name_key(name)),
                    f"{self._check.prefix}.{name}", exchange_tag(name, tensor.shape, use), tensor)

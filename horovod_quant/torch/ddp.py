@@ -33,11 +33,11 @@ from .. import gpu
 from ..core.base import Codec
 from ..core.rng import bucket_seed
 from ..doors import (
-    FALLBACK,
-    SHARED,
+    DDP_DOOR,
     CodecRequest,
     CompressorSettings,
     ConfigCheck,
+    DoorEnvironment,
     DoorOptions,
     door_options,
     load_codec_states,
@@ -538,15 +538,16 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
             else None.
         fabric: the links' speeds the plan choice weighs (:class:`~horovod_quant.exchange.
             cost.Fabric`: GPU or CPU ranks' defaults by where the first bucket lives, and the
-            ``HQ_LINK_GBIT`` / ``HQ_INTRA_GBYTE`` / ``HQ_ROUND_US`` variables); None before the
-            first step; the rates the fallback's baseline trial measured after it. With
-            ``topology``, what ``mean_estimate`` needs to reproduce a bucket.
+            ``HQ_LINK_GBIT`` / ``HQ_INTRA_GBYTE`` / ``HQ_ROUND_US`` variables, read when the
+            state is built or unpickled); None before the first step; the rates the
+            fallback's baseline trial measured after it. With ``topology``, what
+            ``mean_estimate`` needs to reproduce a bucket.
         fallback_baseline, fallback_decisions, fallback_step_check, fallback_settled: the
             fallback's records (:class:`~horovod_quant.fallback.FallbackAttributes`).
     """
 
     #: the door's name in messages (the FSDP door's state, a subclass, names its own)
-    DOOR = "DDP hook"
+    DOOR = DDP_DOOR
 
     def __init__(self, codec: Codec | str | CompressorSettings, process_group: Any = None,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
@@ -556,8 +557,7 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
                                "init_process_group before building its state")
         comm = process_group_collectives(own_group(process_group))
         codec, inherited = group_codec(codec, comm)
-        super().__init__(codec, door_options(settings, options, inherited, SHARED + FALLBACK)
-                         .check_door(self.DOOR, SHARED + FALLBACK))
+        super().__init__(codec, door_options(settings, options, inherited, self.DOOR))
         self._names = parameter_names(named_parameters)
         if self.policy.rules and self._names is None:
             raise ValueError(
@@ -577,11 +577,14 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
         self._connect(process_group, comm)
 
     def _connect(self, process_group: Any, comm: Any, names: list[str] | None = None) -> None:
-        """What lives only in this process: the group's collectives (``comm``), the check, the
-        exchanges, the parameters' positions (``names``: an unpickled state's names by
-        position), the buckets' layouts and buffers, the worker (built again on unpickling)."""
+        """What lives only in this process: the group's collectives (``comm``), the
+        environment's settings (read here, once: :class:`~horovod_quant.doors.
+        DoorEnvironment`), the check, the exchanges, the parameters' positions (``names``: an
+        unpickled state's names by position), the buckets' layouts and buffers, the worker
+        (built again on unpickling)."""
         self.process_group = process_group
         self._comm = comm
+        self._environment = DoorEnvironment.read(self.DOOR)
         # which ranks share nodes, where the exchanges may take hierarchical plans (several
         # nodes of several ranks, docs/codecs.md), else None: what mean_estimate needs
         self.topology = getattr(comm.hierarchy, "topology", None)
@@ -601,7 +604,8 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
             self.options, comm, self.stats, self.codecs,
             lambda index, parts, copy, step: self._start_parts(index, parts, copy, step,
                                                                StepStats()),
-            lambda: (self.fabric, self.topology or Topology.grid(comm.size, 1)), self._use_fabric)
+            lambda: (self.fabric, self.topology or Topology.grid(comm.size, 1)), self._use_fabric,
+            self._environment.fabric_set)
         self._fallback = self._hook_fallback.controller
 
     @property
@@ -741,7 +745,7 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
         """At the first bucket (``grad``, where the codecs run): the fabric, the cross-rank
         check, waited for (nothing is combined before it), and the exchanges."""
         if self._check is None:
-            self.fabric = self._hook_fallback.fabric or Fabric.for_ranks(on_gpu(grad))
+            self.fabric = self._hook_fallback.fabric or self._environment.fabric(on_gpu(grad))
             self._check = ConfigCheck(self._comm, self.shared_config())
         self._check.wait()  # a mismatch raises here, at this and every later call
         self._exchanges = [Exchange(c, self._comm, gather=self.gather,

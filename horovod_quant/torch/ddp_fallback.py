@@ -15,7 +15,7 @@ their index: the names outlive a checkpoint.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,7 @@ class HookFallback:
             copy of its buffer, counted nowhere: ``exchanges(index, parts, copy, step)``.
         links: the state's fabric and the topology its rates are fitted over.
         use_fabric: gives the state (and its exchanges) the fitted fabric.
+        fixed: the fabric's fields the door's environment sets, which a fit keeps.
 
     Attributes:
         controller: the :class:`~horovod_quant.fallback.FallbackController`; its keys are the
@@ -62,13 +63,14 @@ class HookFallback:
     def __init__(self, options: DoorOptions, comm: Collectives, stats: StepStats,
                  codecs: list, exchanges: Callable[[int, Any, torch.Tensor, int], Start],
                  links: Callable[[], tuple[Fabric, Topology]],
-                 use_fabric: Callable[[Fabric], None]) -> None:
+                 use_fabric: Callable[[Fabric], None], fixed: Collection[str] = ()) -> None:
         # the 16-bit allreduce a DDP user runs: DDP's bf16_compress_hook (gloo sums bfloat16)
         self.controller = FallbackController(options.fallback, options.baseline,
                                              DDP_SIXTEEN_BIT)
         self.fabric: Fabric | None = None
         self._comm, self._stats, self._codecs = comm, stats, codecs
         self._exchanges, self._links, self._use_fabric = exchanges, links, use_fabric
+        self._fixed = fixed  # the fabric's fields the door's environment sets: kept as set
         # the group's own torch.distributed group, unwrapped where device arrays are staged
         self._group = getattr(comm, "inner", comm).group
         #: this step's buckets with a codec so far: (index, key, buffer, parts)
@@ -182,7 +184,7 @@ class HookFallback:
         """The links' rates fitted to the baseline trial's timings (buckets of ``numels``
         elements), the environment's overrides kept, handed to the state; in words."""
         fabric, topology = self._links()
-        self.fabric = measured_fabric(choice, fabric, topology, numels)
+        self.fabric = measured_fabric(choice, fabric, topology, numels, self._fixed)
         self._use_fabric(self.fabric)
         return self.fabric.describe()
 

@@ -29,15 +29,11 @@ from torch.autograd import Variable
 from .. import gpu
 from ..core.base import Codec
 from ..core.rng import bucket_seed
-from ..doors import DOOR_SETTINGS, FALLBACK, SHARED, CompressorSettings, DoorOptions, door_options
+from ..doors import FSDP_DOOR, CompressorSettings, DoorOptions, door_options
 from .ddp import QuantizationState, _Part, _parts
 from .tensors import on_gpu, stream_of
 
 __all__ = ["ReplicaState", "compress_replica_allreduce"]
-
-#: the settings the FSDP hook takes: the DDP hook's
-TAKES = SHARED + FALLBACK
-
 
 class _Shard:
     """The shard one ``fully_shard`` module's reduce-scatter hands the hook, as the DDP state
@@ -114,16 +110,16 @@ class ReplicaState(QuantizationState):
         codec, options, settings: as the DDP state's.
     """
 
-    DOOR = "FSDP hook"
+    DOOR = FSDP_DOOR
 
     def __init__(self, module: torch.nn.Module, replicate_group: Any,
                  codec: Codec | str | CompressorSettings, options: DoorOptions | None = None,
                  **settings: Any) -> None:
         groups = _fsdp_groups(module)
         # another door's setting is refused here naming the doors that take it, before any
-        # collective (the state itself takes the keywords over a compressor's settings)
-        door_options({k: v for k, v in settings.items() if k in DOOR_SETTINGS}, options, None,
-                     DOOR_SETTINGS).check_door(self.DOOR, TAKES)
+        # collective (the state itself takes the keywords over a compressor's settings, and
+        # reads the environment, DoorEnvironment, as the DDP hook does)
+        door_options(settings, options, door=self.DOOR)
         if dist.is_initialized() and dist.get_rank(replicate_group) < 0:
             raise ValueError(f"horovod_quant FSDP hook: rank {dist.get_rank()} is not in "
                              "replicate_group: pass the group of the ranks holding its shards")

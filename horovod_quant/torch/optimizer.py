@@ -32,7 +32,8 @@ from ..core.base import Codec
 from ..core.baselines import HOROVOD_SIXTEEN_BIT
 from ..core.registry import get_codec, horovod_equivalent
 from ..doors import (
-    DOOR_SETTINGS,
+    OPTIMIZER_DOOR,
+    DoorEnvironment,
     DoorOptions,
     Refusal,
     SettingsAttributes,
@@ -196,7 +197,7 @@ class _OwnState:
 class _QuantDistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, codec: Codec, backward_passes_per_step: int,
                  op, gradient_predivide_factor: float, groups, sparse_as_dense: bool,
-                 process_set, options: DoorOptions) -> None:
+                 process_set, options: DoorOptions, environment: DoorEnvironment) -> None:
         super(self.__class__, self).__init__(params)
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("horovod_quant optimizers support op=hvd.Average or hvd.Sum; "
@@ -204,6 +205,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
         self.codec, self.options = codec, options
+        # the environment's settings, read at the door (DistributedOptimizer)
+        self._environment = environment
         self.op, self.gradient_predivide_factor = op, gradient_predivide_factor
         self.backward_passes_per_step = backward_passes_per_step
         self.sparse_as_dense, self.process_set = sparse_as_dense, process_set
@@ -236,13 +239,14 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         device = next((p.device for p in all_params if on_gpu(p)), torch.device("cpu"))
         #: the links' speeds the plan choice weighs (GPU or CPU ranks' defaults, HQ_LINK_GBIT,
         #: HQ_INTRA_GBYTE, HQ_ROUND_US): what mean_estimate needs to reproduce a bucket's plan
-        self.fabric = Fabric.for_ranks(device.type == "cuda")
+        self.fabric = environment.fabric(device.type == "cuda")
         # the check comes before anything that can wait for a peer (the transport's and the
         # exchanges' set-up), over Horovod's collectives
-        self._transport = resolve_transport(options.transport)
+        self._transport = resolve_transport(environment.transport_for(options.transport))
         self._comm = HorovodTorchCollectives(process_set)
         self._prefix = self._check_layout()
-        self._comm = transport_collectives(process_set, self._transport, device)
+        self._comm = transport_collectives(process_set, self._transport, device,
+                                           environment.mpi_exchange)
         #: what carries the payloads: "gloo" (a group beside Horovod) or "horovod"
         self.transport = transport_of(self._comm)
         #: which ranks share hosts, where the transport runs hierarchical exchanges (else None):
@@ -280,8 +284,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         ``backward_passes_per_step`` is not checked: it changes when a rank starts its
         exchanges, not which."""
         options, names = self.options, self._layout.names
-        mpi = ({} if self._transport == "gloo"
-               else mpi_exchange_config(options.policy.codecs(self.codec)))
+        mpi = ({} if self._transport == "gloo" else mpi_exchange_config(
+            options.policy.codecs(self.codec), self._environment.mpi_exchange))
         return check_same_config(self._comm, {
             "door": "optimizer", **self.codec.config(), "seed": options.seed, "step": self._step,
             "transport": self._transport, **mpi, "pipeline_elems": options.pipeline_elems,
@@ -422,7 +426,8 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         measured_fabric`); the exchanges choose their plans again for them. In words."""
         self._use_fabric(measured_fabric(choice, self.fabric,
                                          self.topology or horovod_topology(self._comm),
-                                         [b.numel for b in self._layout.buckets]))
+                                         [b.numel for b in self._layout.buckets],
+                                         self._environment.fabric_set))
         return self.fabric.describe()
 
     def _use_fabric(self, fabric: Fabric) -> None:
@@ -523,7 +528,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             settings are given both as keywords and in ``options=`` (set them in one place).
     """
     codec, inherited = _resolve_codec(compression)
-    chosen = door_options(settings, options, inherited, takes=DOOR_SETTINGS)
+    chosen = door_options(settings, options, inherited, OPTIMIZER_DOOR)
+    environment = DoorEnvironment.read(OPTIMIZER_DOOR)  # the environment, once, here
     if num_groups and groups is None:
         groups = num_groups
     cls = type(optimizer.__class__.__name__, (_OwnState, optimizer.__class__, SettingsAttributes,
@@ -534,6 +540,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     # that exchanges gradients (which only the ranks without a loaded state would run)
     cls.__module__ = hvd.DistributedOptimizer.__module__
     opt = cls(optimizer.param_groups, named_parameters, codec, backward_passes_per_step, op,
-              gradient_predivide_factor, groups, sparse_as_dense, process_set, chosen)
+              gradient_predivide_factor, groups, sparse_as_dense, process_set, chosen,
+              environment)
     opt.load_state_dict(optimizer.state_dict())
     return opt

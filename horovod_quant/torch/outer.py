@@ -26,7 +26,15 @@ import torch.distributed as dist
 
 from ..core.base import Codec
 from ..core.rng import derive_key, name_key
-from ..doors import CompressorSettings, ConfigCheck, DoorOptions, door_options, load_codec_states
+from ..doors import (
+    OUTER_DOOR,
+    CompressorSettings,
+    ConfigCheck,
+    DoorEnvironment,
+    DoorOptions,
+    door_options,
+    load_codec_states,
+)
 from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.driver import Exchange
@@ -37,12 +45,9 @@ from .tensors import as_tensor, flat_array, on_gpu
 
 __all__ = ["OuterAllreduce", "allreduce"]
 
-#: the settings the outer all-reduce takes (:class:`~horovod_quant.doors.ExchangeSettings`
-#: but the policy: one tensor, all of it compressed)
-OUTER_SETTINGS = ("seed", "gather", "pipeline_elems")
 #: the dtypes a call takes: the codecs encode float32, and 16-bit values exactly as float32
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_DOOR = "outer all-reduce"
+_DOOR = OUTER_DOOR
 
 
 def key_number(key: Any) -> int:
@@ -101,6 +106,8 @@ class OuterAllreduce(CompressorSettings):
         group: the torch.distributed process group (None: the default group).
         options: the settings as :class:`~horovod_quant.doors.DoorOptions`, or
         settings: ``seed``, ``gather``, ``pipeline_elems`` as keywords (the others raise).
+            ``HQ_LINK_GBIT``, ``HQ_INTRA_GBYTE`` and ``HQ_ROUND_US`` are read here, once
+            (:class:`~horovod_quant.doors.DoorEnvironment`).
 
     Attributes:
         stats: the :class:`~horovod_quant.stats.StepStats` of the calls since ``stats.reset()``.
@@ -114,8 +121,8 @@ class OuterAllreduce(CompressorSettings):
         check_member(group)
         comm = process_group_collectives(own_group(group))
         codec, inherited = group_codec(compression, comm, "compression")
-        super().__init__(codec, door_options(settings, options, inherited, OUTER_SETTINGS)
-                         .check_door(_DOOR, OUTER_SETTINGS))
+        super().__init__(codec, door_options(settings, options, inherited, _DOOR))
+        self._environment = DoorEnvironment.read(_DOOR)
         self.group, self._comm = group, comm
         self.topology = getattr(comm.hierarchy, "topology", None)
         self.fabric: Fabric | None = None
@@ -137,7 +144,7 @@ class OuterAllreduce(CompressorSettings):
         check_tensor(tensor)
         if self._exchange is None:  # the first call: the check, then the exchange
             if self._check is None:
-                self.fabric = Fabric.for_ranks(on_gpu(tensor))
+                self.fabric = self._environment.fabric(on_gpu(tensor))
                 self._check = ConfigCheck(self._comm, self.shared_config())
             self._check.wait()  # a mismatch raises here, on every rank, and at every call
             self._exchange = Exchange(self.codec, self._comm, gather=self.gather,

@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from .. import gpu
 from ..doors import TRANSPORTS
-from ..env import env_choice
 from ..exchange.collectives import Collectives
 from ..exchange.job_end import StoreRendezvous
 from ..exchange.shared_memory import host_collectives
@@ -48,9 +47,6 @@ CONNECT_TIMEOUT = timedelta(seconds=20)
 #: bound; torch.distributed's default)
 OPERATION_TIMEOUT = timedelta(minutes=30)
 
-#: environment variable that sets the optimizer's transport where no ``transport=`` is given
-TRANSPORT_ENV = "HQ_TRANSPORT"
-
 _TOKEN_KEY = "hq.token"  # rank 0's store holds a random token: a probe reached the right store
 #: (process set id, device) -> its world group (with its hierarchy), or why it has none
 _groups: dict[tuple[str, str], StandaloneGroupCollectives | str] = {}
@@ -59,14 +55,15 @@ _stores: dict[str, Any] = {}
 
 
 def resolve_transport(transport: str | None = None) -> str:
-    """The transport for a ``transport=`` argument: itself, validated, or when None the
-    ``HQ_TRANSPORT`` environment variable's, else "auto".
+    """The transport for a ``transport=`` argument: itself, validated, or "auto" when None.
+    (The optimizer resolves ``HQ_TRANSPORT`` at its door, ``doors.DoorEnvironment``: nothing
+    here reads the environment.)
 
     Raises:
         ValueError: not one of :data:`TRANSPORTS`.
     """
     if transport is None:
-        return env_choice(TRANSPORT_ENV, TRANSPORTS, "auto")
+        return "auto"
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r} is not valid: choose one of {list(TRANSPORTS)}"
                          " ('auto': a gloo group beside Horovod for CPU gradients)")
@@ -300,14 +297,22 @@ def topology_of_places(comm: Collectives, place: list[int]) -> Topology:
 
 
 def transport_collectives(process_set: Any = None, transport: str | None = None,
-                          device: torch.device | None = None) -> Collectives:
+                          device: torch.device | None = None,
+                          mpi_exchange: bool = True) -> Collectives:
     """The collectives the exchanges of ``process_set`` (a Horovod process set; default: all
     ranks) run on: :func:`collectives_for` over Horovod's collectives of the process set, the
-    topology from Horovod's local and cross ranks. Collective on first use."""
+    topology from Horovod's local and cross ranks. Collective on first use.
+
+    Args:
+        process_set, transport, device: as :func:`collectives_for` takes them.
+        mpi_exchange: the door's ``HQ_MPI_EXCHANGE`` (``doors.DoorEnvironment``): whether
+            Horovod's collectives may run a codec's custom reduction over MPI.
+    """
     from .collectives import HorovodTorchCollectives
 
     transport = resolve_transport(transport)  # an invalid one fails before Horovod is asked
-    return collectives_for(HorovodTorchCollectives(process_set), transport, device)
+    return collectives_for(HorovodTorchCollectives(process_set, mpi_exchange), transport,
+                           device)
 
 
 def collectives_for(horovod: Collectives, transport: str | None = None,
@@ -322,8 +327,7 @@ def collectives_for(horovod: Collectives, transport: str | None = None,
         transport: "horovod" (``horovod`` itself), "gloo" (a gloo group beside Horovod,
             whose collectives pair by call order; raises if it cannot be built), or "auto"
             (the gloo group for CPU gradients, and for CUDA gradients where ranks share hosts,
-            when it can be built; else ``horovod``; the choice is logged once); None:
-            :func:`resolve_transport`'s.
+            when it can be built; else ``horovod``; the choice is logged once); None: "auto".
         device: where the gradients' codec work runs: a CUDA device (CuPy encodes them
             there) or the CPU; None: the current CUDA device where torch and CuPy see one.
         topology_of: which ranks share a host (collective; asked only when a group beside

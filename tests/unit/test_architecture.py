@@ -6,6 +6,8 @@
 * Backends share only the protocol: no backend imports another, and only the backend picker
   (and the public GPU helpers) import a backend implementation.
 * The layers below the doors import no framework and no Horovod.
+* The exchange layer and the fallback controller read no environment variable: the doors read
+  their settings once (``doors.DoorEnvironment``) and hand the values down.
 * The exchange uses only what ``Codec`` declares (methods and attributes); no module fills
   another module's table on import (registration is written where the table is read).
 * Sizes a reader can take in: no class over 300 lines, no module docstring over 20 lines, no
@@ -243,6 +245,12 @@ MAY_IMPORT_BACKENDS = {"horovod_quant.backends", "horovod_quant.gpu"}
 #: so the backends layer is not among them).
 FRAMEWORKS = ("horovod", "torch", "tensorflow")
 FRAMEWORK_FREE_LAYERS = ("codecs", "gpu helpers", "exchange", "fallback controller")
+#: Layers that read no environment variable (the doors read it, once, and pass values down).
+ENVIRONMENT_FREE_LAYERS = ("exchange", "fallback controller")
+#: What reads the environment in ``os``; this package's helpers are the functions of
+#: :data:`ENV_MODULE` (any import of it counts, and so does a call of a helper's name).
+OS_ENVIRONMENT = {"environ", "environb", "getenv", "getenvb"}
+ENV_MODULE = "horovod_quant.env"
 MAX_CLASS_LINES = 300
 MAX_MODULE_DOC_LINES = 20
 #: The capabilities a codec may have (horovod_quant/core/contract.py).
@@ -252,6 +260,46 @@ CODEC_DECLARES = set(dir(Codec)) | set(Codec.__annotations__) | {"params", "worl
     name for cap in CAPABILITIES for name in set(dir(cap)) | set(cap.__annotations__)}
 ISSUE_REFERENCE = re.compile(r"\b(?:issues?|PR|pull request)\s*#?\s*\d+\b|/issues/\d+"
                              r"|\bcommit\s+[0-9a-f]{7,40}\b", re.IGNORECASE)
+
+
+def env_helpers() -> set[str]:
+    """The names of the functions :data:`ENV_MODULE` defines (the environment's helpers)."""
+    path = PACKAGE_DIR / "env.py"
+    return {node.name for node in ast.parse(path.read_text(), str(path)).body
+            if isinstance(node, ast.FunctionDef)}
+
+
+def environment_reads(module: str, path: Path) -> list[str]:
+    """Reads of the environment in ``module``'s source, as ``line: text``: ``os.environ``
+    and ``os.getenv`` (through any name ``os`` is bound to, or imported from ``os``), an
+    import of :data:`ENV_MODULE` or of a name from it, and a call of one of its helpers."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    os_names = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for a in node.names if a.name == "os"}
+    helpers = env_helpers()
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in OS_ENVIRONMENT \
+                and isinstance(node.value, ast.Name) and node.value.id in os_names:
+            read = True
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "os":
+            read = any(a.name in OS_ENVIRONMENT for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, is_package, node)
+            read = base == ENV_MODULE or any(f"{base}.{a.name}" == ENV_MODULE
+                                             for a in node.names)
+        elif isinstance(node, ast.Import):
+            read = any(a.name == ENV_MODULE for a in node.names)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            read = (isinstance(func, ast.Name) and func.id in helpers) or (
+                isinstance(func, ast.Attribute) and func.attr in helpers)
+        else:
+            continue
+        if read:
+            hits.append((node.lineno, ast.unparse(node)))
+    return [f"{line}: {text}" for line, text in sorted(hits)]
 
 
 def implementation_of(module: str) -> str | None:
@@ -415,6 +463,17 @@ def test_layers_below_the_doors_import_no_framework() -> None:
                        "horovod_quant/process_sets.py):\n" + "\n".join(found))
 
 
+def test_the_exchange_and_the_fallback_read_no_environment() -> None:
+    found = {module: hits for module, path in package_modules().items()
+             if layer_of(module) is not None
+             and LAYERS[layer_of(module)][0] in ENVIRONMENT_FREE_LAYERS
+             for hits in [environment_reads(module, path)] if hits}
+    assert not found, ("the exchange layer or the fallback controller reads the environment "
+                       "(read it once at the door, horovod_quant.doors.DoorEnvironment, and "
+                       "pass the value down):\n"
+                       + "\n".join(f"{m}: {h}" for m, h in found.items()))
+
+
 def test_the_exchange_uses_only_what_codec_declares() -> None:
     found = {module: hits for module, path in package_modules().items()
              if layer_of(module) is not None and LAYERS[layer_of(module)][0] == "exchange"
@@ -544,6 +603,25 @@ def test_backend_leaks_are_found_on_a_made_up_graph() -> None:
     assert across == ["horovod_quant.backends.cuda.levels imports "
                       "horovod_quant.backends.numba.packing"]
     assert outside == ["horovod_quant.core.quantizers imports horovod_quant.backends.numba.elias"]
+
+
+def test_environment_reads_are_found_on_a_made_up_module(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("import os\n"
+                   "import os as system\n"
+                   "from os import environ, getenv as lookup, path\n"
+                   "from ..env import env_flag\n"
+                   "from horovod_quant import env\n"
+                   "a = os.environ.get('HQ_A')\n"
+                   "b = system.getenv('HQ_B')\n"
+                   "c = env_flag('HQ_C')\n"
+                   "d = env.env_text('HQ_D')\n"
+                   "e = os.path.join('x', 'y'), path.sep, os.cpu_count()\n")
+    hits = environment_reads("horovod_quant.exchange.m", src)
+    assert [h.split(":")[0] for h in hits] == ["3", "4", "5", "6", "7", "8", "9"], hits
+    assert environment_reads("horovod_quant.exchange.cost",
+                             PACKAGE_DIR / "exchange" / "cost.py") == []
+    assert environment_reads("horovod_quant.doors", PACKAGE_DIR / "doors.py")  # the door reads
 
 
 def test_source_rules_fail_on_made_up_modules(tmp_path: Path) -> None:

@@ -15,6 +15,14 @@ import pytest
 import horovod_quant as hq
 from horovod_quant.core.exponent_reduction import chunk_bounds
 from horovod_quant.core.registry import codec_class
+from horovod_quant.doors import (
+    DDP_DOOR,
+    FSDP_DOOR,
+    OPTIMIZER_DOOR,
+    OUTER_DOOR,
+    TORCH_COMPRESSOR_DOOR,
+    DoorEnvironment,
+)
 from horovod_quant.exchange import Exchange, plans
 from horovod_quant.exchange.collectives import joined
 from horovod_quant.exchange.cost import (
@@ -173,7 +181,8 @@ def test_gpu_hosts_take_the_hierarchy(hosts, local, bits, most):
 def test_the_fabric_decides_between_the_plans(monkeypatch):
     """A network about as fast as the fabric inside a host (and quick rounds) makes the float32
     traffic inside the host dear: 8 ranks per host then exchange flat; the GPU defaults and
-    NVLink take the hierarchy. The environment sets each field."""
+    NVLink take the hierarchy. The environment sets each field, read by the doors that weigh
+    the fabric (``DoorEnvironment``), not by the fabric itself."""
     codec, topology, numel = hq.get_codec("qsgd"), Topology.grid(2, 8), 1 << 22
     slow_inside = Fabric(link_gbit=100.0, intra_gbyte=10.0, round_us=20.0)
     assert plans.plan_kind(codec, topology, numel, hierarchy=True, fabric=slow_inside) in \
@@ -183,13 +192,20 @@ def test_the_fabric_decides_between_the_plans(monkeypatch):
                                fabric=fabric).startswith(plans.HIERARCHICAL)
     monkeypatch.setenv("HQ_LINK_GBIT", "100")
     monkeypatch.setenv("HQ_INTRA_GBYTE", " 10 ")
-    assert Fabric.for_ranks(True) == slow_inside._replace(round_us=GPU_RANKS.round_us)
+    assert Fabric.for_ranks(True) == GPU_RANKS  # the environment is the doors' to read
+    for door in (OPTIMIZER_DOOR, DDP_DOOR, FSDP_DOOR, OUTER_DOOR):  # the doors that weigh it
+        assert DoorEnvironment.read(door).fabric(True) == \
+            slow_inside._replace(round_us=GPU_RANKS.round_us)
     monkeypatch.setenv("HQ_ROUND_US", "20")
-    assert Fabric.for_ranks(False) == slow_inside
+    assert DoorEnvironment.read(DDP_DOOR).fabric(False) == slow_inside
+    assert Fabric.for_ranks(False, {"link_gbit": 100.0, "intra_gbyte": 10.0,
+                                    "round_us": 20.0}) == slow_inside
     monkeypatch.setenv("HQ_ROUND_US", "0")
     with pytest.raises(ValueError, match="HQ_ROUND_US='0' must be a positive number of "
                                          "microseconds"):
-        Fabric.for_ranks(False)
+        DoorEnvironment.read(OUTER_DOOR)
+    # the Horovod compressors choose their plans on CPU ranks' fabric: they ignore these
+    assert DoorEnvironment.read(TORCH_COMPRESSOR_DOOR).fabric(False) == CPU_RANKS
 
 
 def test_a_door_fabric_reproduces_in_mean_estimate():

@@ -4,8 +4,9 @@ and inside a host (:func:`horovod_quant.exchange.cost.fitted_fabric`,
 import pytest
 
 import horovod_quant as hq
+from horovod_quant.doors import DDP_DOOR, LINK_ENV, OPTIMIZER_DOOR, DoorEnvironment
 from horovod_quant.exchange import plans
-from horovod_quant.exchange.cost import LINK_ENV, Fabric, fitted_fabric, ring_allreduce
+from horovod_quant.exchange.cost import Fabric, fitted_fabric, ring_allreduce
 from horovod_quant.exchange.topology import Topology
 from horovod_quant.fallback import BaselineChoice, measured_fabric
 
@@ -51,13 +52,35 @@ def test_a_time_below_the_latency_floor_says_the_link_is_at_least_that_fast():
 
 
 def test_the_environment_overrides_a_measurement(monkeypatch):
+    """The door reads HQ_LINK_GBIT (once, when it is built) and hands the fit the fields it
+    sets: the measurement keeps them."""
     monkeypatch.setenv(LINK_ENV, "7")
-    fixed = Fabric.overridden()
-    assert fixed == {"link_gbit"}
-    base = Fabric.for_ranks(False)
+    environment = DoorEnvironment.read(OPTIMIZER_DOOR)
+    monkeypatch.delenv(LINK_ENV)  # read at the door: nothing below it looks again
+    fixed = environment.fabric_set
+    assert fixed == {"link_gbit": 7.0}
+    base = environment.fabric(False)
+    assert base == Fabric(link_gbit=7.0)
     got = fitted_fabric(base, _timed(Topology.grid(2, 2), Fabric(0.2, 5.0)),
                         _timed(Topology.grid(1, 2), Fabric(7.0, 5.0)), fixed)
     assert got.link_gbit == 7.0 and got.intra_gbyte == pytest.approx(5.0, rel=1e-3)
+
+
+def test_measured_fabric_keeps_what_the_door_passes_it(monkeypatch):
+    """The fallback's fit keeps the fields its door's environment sets, handed to it as a value
+    (the fallback controller reads no environment variable)."""
+    topology, fast = Topology.grid(2, 2), Fabric(link_gbit=100.0, intra_gbyte=1.0)
+    choice = BaselineChoice(
+        "fp32", "ring", {}, [{"fp32": ring_allreduce(topology, n, 4).seconds(fast)}
+                             for n in SIZES],
+        [ring_allreduce(Topology.grid(1, 2), n, 4).seconds(fast) for n in SIZES])
+    monkeypatch.setenv(LINK_ENV, "3")  # not read here: only the door's value counts
+    assert measured_fabric(choice, Fabric(), topology, SIZES).link_gbit == \
+        pytest.approx(100.0, rel=1e-3)
+    environment = DoorEnvironment.read(DDP_DOOR)
+    got = measured_fabric(choice, environment.fabric(False), topology, SIZES,
+                          environment.fabric_set)
+    assert got.link_gbit == 3.0 and got.intra_gbyte != Fabric().intra_gbyte
 
 
 def test_measured_fabric_reads_the_baseline_trial_and_changes_the_plan():
