@@ -14,12 +14,16 @@ from typing import Any
 from .exchange.collectives import Collectives
 
 
-def world_communicator(horovod_module: Any) -> Any | None:
-    """A duplicate of MPI.COMM_WORLD when the custom MPI reduction can run, else None.
+def world_communicator(horovod_module: Any, mpi_exchange: bool = True) -> Any | None:
+    """A duplicate of MPI.COMM_WORLD when the custom MPI reduction may run, else None.
 
     Args:
         horovod_module: ``horovod.torch`` or ``horovod.tensorflow`` (already initialized).
+        mpi_exchange: the door's ``HQ_MPI_EXCHANGE`` (``doors.DoorEnvironment``): False
+            decides None before Horovod is asked.
     """
+    if not mpi_exchange:
+        return None
     if not (horovod_module.mpi_enabled() and horovod_module.mpi_threads_supported()):
         return None
     try:

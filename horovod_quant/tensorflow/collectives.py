@@ -90,6 +90,6 @@ class HorovodTFCollectives(ProcessSetCollectives):
         return Then(handle, lambda out: (out[0], out[1].tolist()))
 
     def mpi_communicator(self) -> Any | None:
-        if not self.mpi_exchange or self.process_set is not hvd.global_process_set:
+        if self.process_set is not hvd.global_process_set:
             return None
-        return world_communicator(hvd)
+        return world_communicator(hvd, self.mpi_exchange)

@@ -101,7 +101,7 @@ class HorovodTorchCollectives(ProcessSetCollectives):
         return _TorchHandle(handle, lambda out: (as_array(out[0]), out[1].tolist()))
 
     def mpi_communicator(self) -> Any | None:
-        if not self.mpi_exchange or self.process_set is not hvd.global_process_set:
+        if self.process_set is not hvd.global_process_set:
             return None
-        return world_communicator(hvd)
+        return world_communicator(hvd, self.mpi_exchange)
 

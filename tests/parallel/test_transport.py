@@ -35,11 +35,14 @@ def _peers():
 def test_transport_argument_is_validated_and_reported(monkeypatch):
     with pytest.raises(ValueError, match="transport='tcp' is not valid"):
         resolve_transport("tcp")
-    monkeypatch.setenv("HQ_TRANSPORT", "horovod")
-    assert resolve_transport() == "horovod"
-    monkeypatch.delenv("HQ_TRANSPORT")
-    assert resolve_transport() == "auto"
     model = Linear([(8, 8)])
+    monkeypatch.setenv("HQ_TRANSPORT", "horovod")  # read by the optimizer's door, once
+    opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hqt.Compression.qsgd())
+    assert opt.transport == "horovod"
+    assert resolve_transport() == "auto"  # below the door, nothing reads it
+    monkeypatch.delenv("HQ_TRANSPORT")
     for transport, want in (("auto", "gloo"), ("horovod", "horovod"), ("gloo", "gloo")):
         opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(),

@@ -87,7 +87,9 @@ def test_a_compressor_brings_its_settings():
     pytest.importorskip("horovod.torch")
     outer = hqt.OuterAllreduce(hqt.Compression.qsgd(bits=4, seed=5, pipeline_elems=None))
     assert outer.seed == 5 and outer.codec.bits == 4 and outer.pipeline_elems is None
-    with pytest.raises(ValueError, match="not a setting of this door"):
+    with pytest.raises(ValueError, match=r"^fallback='never': the outer all-reduce does not "
+                                         r"take this setting \(fallback: hq.torch.Distributed"
+                                         r"Optimizer, the DDP hook and the FSDP hook\)"):
         hqt.OuterAllreduce("qsgd", fallback="never")
 
 

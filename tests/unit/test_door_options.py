@@ -1,5 +1,6 @@
-"""DoorOptions: one default per setting, taken the same way by all four doors, from one
-place (keywords or options=)."""
+"""DoorOptions: one default per setting, taken the same way by every door, from one place
+(keywords or options=); a setting a door does not take is refused there, naming the doors that
+take it; the environment's settings (DoorEnvironment) are read once, at the door."""
 import ast
 import dataclasses
 import inspect
@@ -10,16 +11,26 @@ import pytest
 import horovod_quant as hq
 from horovod_quant import doors
 from horovod_quant.doors import (
+    DDP_DOOR,
     DEFAULT_FUSION_BYTES,
+    DOOR_READS,
     DOOR_SETTINGS,
+    DOOR_TAKES,
     FALLBACK,
+    FSDP_DOOR,
+    OPTIMIZER_DOOR,
     OPTIMIZER_ONLY,
+    OUTER_DOOR,
     SHARED,
+    TF_DOOR,
+    TORCH_COMPRESSOR_DOOR,
+    DoorEnvironment,
     DoorOptions,
     ExchangeSettings,
     OptimizerSettings,
     door_options,
 )
+from horovod_quant.exchange.cost import CPU_RANKS, GPU_RANKS
 from horovod_quant.exchange.plans import DEFAULT_PIPELINE_ELEMS
 from horovod_quant.policy import LayerPolicy
 
@@ -49,9 +60,13 @@ def test_keywords_and_options_together_raise_saying_which_to_use():
             door_options(given, DoorOptions(seed=4))
     with pytest.raises(ValueError, match="is not a horovod_quant DoorOptions"):
         door_options({}, {"seed": 4})
-    with pytest.raises(ValueError, match="fusion_bytes: not a setting of this door"):
+    with pytest.raises(ValueError, match="fusion: not a setting of this door"):
+        door_options({"fusion": 1024})
+    with pytest.raises(ValueError, match=r"fusion_bytes=1024: the door does not take this "
+                                         r"setting \(fusion_bytes: hq.torch.Distributed"):
         door_options({"fusion_bytes": 1024})
     assert door_options({"fusion_bytes": 1024}, takes=DOOR_SETTINGS).fusion_bytes == 1024
+    assert door_options({"fusion_bytes": 1024}, door=OPTIMIZER_DOOR).fusion_bytes == 1024
 
 
 def test_exchange_and_optimizer_settings_are_two_small_frozen_types():
@@ -104,17 +119,85 @@ def test_invalid_settings_say_what_to_change(setting, value, message):
 def test_settings_a_door_does_not_take_raise_there():
     assert DoorOptions(seed=2).check_door("TensorFlow door").seed == 2
     with pytest.raises(ValueError, match=r"fallback='never', fusion_bytes=1024: the TensorFlow "
-                                         r"door does not take these settings \(the fallback's, "
-                                         r"fallback, baseline: hq.torch.DistributedOptimizer, "
-                                         r"the DDP hook and the FSDP hook"):
+                                         r"door does not take these settings \(fallback: "
+                                         r"hq.torch.DistributedOptimizer, the DDP hook and the "
+                                         r"FSDP hook; fusion_bytes: hq.torch.DistributedOptimizer"
+                                         r"\); pass them to a door that takes them"):
         DoorOptions(fusion_bytes=1024, fallback="never").check_door("TensorFlow door")
     ddp = SHARED + FALLBACK
     assert DoorOptions(baseline="bf16", fallback="never").check_door("DDP hook", ddp).baseline \
         == "bf16"
     with pytest.raises(ValueError, match=r"^transport='gloo': the DDP hook"):
         DoorOptions(transport="gloo", baseline="fp32").check_door("DDP hook", ddp)
+    with pytest.raises(ValueError, match=r"^policy=.*: the outer all-reduce does not take this "
+                                         r"setting \(policy: hq.torch.DistributedOptimizer, the "
+                                         r"DDP hook, the FSDP hook, the PyTorch compressor and "
+                                         r"the TensorFlow door\)"):
+        DoorOptions(policy=LayerPolicy.everything()).check_door(OUTER_DOOR)
     assert set(OPTIMIZER_ONLY) == {"fusion_bytes", "transport", "on_step"}
     assert set(FALLBACK) == {"fallback", "baseline"}
+    assert DOOR_TAKES[OPTIMIZER_DOOR] == DOOR_SETTINGS
+    assert DOOR_TAKES[DDP_DOOR] == DOOR_TAKES[FSDP_DOOR] == SHARED + FALLBACK
+    assert DOOR_TAKES[TORCH_COMPRESSOR_DOOR] == DOOR_TAKES[TF_DOOR] == SHARED
+
+
+@pytest.mark.parametrize("door", [d for d in DOOR_TAKES if d != OPTIMIZER_DOOR])
+def test_each_door_refuses_every_other_setting_however_it_comes(door):
+    """Given as a keyword (even at its default), in options=, or inherited from a compressor:
+    a setting the door does not take raises, naming the door and those that take it."""
+    for name in DOOR_SETTINGS:
+        if name in DOOR_TAKES[door]:
+            continue
+        value = {"fusion_bytes": 4096, "transport": "gloo", "on_step": print,
+                 "fallback": "never", "baseline": "fp32", "policy": LayerPolicy.everything()}[name]
+        takers = [d for d, takes in DOOR_TAKES.items() if name in takes]
+        message = rf"^{name}=.*: the {door} does not take this setting \({name}: "
+        for way in ({"given": {name: value}}, {"given": {name: getattr(DoorOptions(), name)}},
+                    {"options": DoorOptions(**{name: value})},
+                    {"inherited": DoorOptions(**{name: value})}):
+            with pytest.raises(ValueError, match=message) as excinfo:
+                door_options(way.get("given", {}), way.get("options"), way.get("inherited"),
+                             door)
+            assert all(d in str(excinfo.value) for d in takers), (door, name, way)
+    assert door_options({"seed": 4}, None, DoorOptions(gather="sra"), door).gather == "sra"
+
+
+def test_the_environment_is_read_once_at_the_door(monkeypatch):
+    """Each door reads the variables it uses, when it is built (``DoorEnvironment.read``), and
+    ignores the others: a job sets them for all its ranks, and another door of the same job may
+    use them. A value the door reads that is not valid raises there, naming the variable."""
+    for name in ("HQ_LINK_GBIT", "HQ_INTRA_GBYTE", "HQ_ROUND_US", "HQ_MPI_EXCHANGE",
+                 "HQ_TRANSPORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert all(DoorEnvironment.read(door) == DoorEnvironment() for door in DOOR_READS)
+    assert set(DOOR_READS) == set(DOOR_TAKES)
+    monkeypatch.setenv("HQ_LINK_GBIT", "25")
+    monkeypatch.setenv("HQ_MPI_EXCHANGE", "off")
+    monkeypatch.setenv("HQ_TRANSPORT", "horovod")
+    read = {door: DoorEnvironment.read(door) for door in DOOR_READS}
+    assert read[OPTIMIZER_DOOR] == DoorEnvironment(link_gbit=25.0, mpi_exchange=False,
+                                                   transport="horovod")
+    for door in (DDP_DOOR, FSDP_DOOR, OUTER_DOOR):  # the fabric, not MPI nor the transport
+        assert read[door] == DoorEnvironment(link_gbit=25.0)
+    for door in (TORCH_COMPRESSOR_DOOR, TF_DOOR):  # MPI alone: their plans weigh CPU_RANKS
+        assert read[door] == DoorEnvironment(mpi_exchange=False)
+    assert read[DDP_DOOR].fabric(True) == GPU_RANKS._replace(link_gbit=25.0)
+    assert read[TF_DOOR].fabric(False) == CPU_RANKS and read[DDP_DOOR].fabric_set == {
+        "link_gbit": 25.0}
+    assert read[OPTIMIZER_DOOR].transport_for(None) == "horovod"
+    assert read[OPTIMIZER_DOOR].transport_for("gloo") == "gloo"  # transport= wins
+    monkeypatch.setenv("HQ_TRANSPORT", "fast")
+    with pytest.raises(ValueError, match="HQ_TRANSPORT='fast' is not valid"):
+        DoorEnvironment.read(OPTIMIZER_DOOR)
+    assert DoorEnvironment.read(DDP_DOOR).transport == "auto"  # not its variable: ignored
+    monkeypatch.setenv("HQ_MPI_EXCHANGE", "maybe")
+    with pytest.raises(ValueError, match="HQ_MPI_EXCHANGE='maybe' is not a yes/no value"):
+        DoorEnvironment.read(TF_DOOR)
+    assert DoorEnvironment.read(OUTER_DOOR).mpi_exchange is True
+    for bad in ({"link_gbit": 0}, {"round_us": float("inf")}, {"intra_gbyte": True},
+                {"transport": "mpi"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            DoorEnvironment(**bad)
 
 
 def test_every_door_takes_the_settings_as_keywords_or_options():
@@ -146,15 +229,26 @@ def test_every_door_takes_the_settings_as_keywords_or_options():
         hqt.QuantizedCompressor(hq.get_codec("qsgd"), seed=1, options=DoorOptions())
 
 
-def test_torch_compressor_keeps_its_settings_for_the_optimizer():
+def test_torch_compressor_refuses_the_optimizers_settings():
+    """The PyTorch compressor uses the shared settings alone: it keeps none for the optimizer
+    it is passed to (which takes them itself), through options= or as keywords."""
     pytest.importorskip("horovod.torch")
     import horovod_quant.torch as hqt
 
     compressor = hqt.Compression.qsgd(bits=4, seed=6, options=None, pipeline_elems=None)
     assert (compressor.seed, compressor.pipeline_elems, compressor.gather) == (6, None, "auto")
     assert compressor.codec.config_key() == hq.get_codec("qsgd", bits=4).config_key()
-    shared = DoorOptions(seed=8, fusion_bytes=4096)
-    assert hqt.Compression.qsgd(options=shared).options == shared
+    with pytest.raises(ValueError, match=r"^fusion_bytes=4096: the PyTorch compressor does not "
+                                         r"take this setting \(fusion_bytes: "
+                                         r"hq.torch.DistributedOptimizer\)"):
+        hqt.Compression.qsgd(options=DoorOptions(seed=8, fusion_bytes=4096))
+    with pytest.raises(ValueError, match=r"^transport='gloo': the PyTorch compressor"):
+        hqt.Compression.qsgd(transport="gloo")
+    with pytest.raises(ValueError, match=r"^fallback='never': the PyTorch compressor .*the DDP "
+                                         r"hook and the FSDP hook"):
+        hqt.QuantizedCompressor(hq.get_codec("qsgd"), fallback="never")
+    with pytest.raises(ValueError, match=r"^on_step=None: the PyTorch compressor"):
+        hqt.Compression.qsgd(on_step=None)  # given, at its default: still the wrong door
 
 
 def test_tensorflow_door_refuses_optimizer_only_settings():

@@ -1,7 +1,8 @@
 """Which transport carries ``hq.torch.DistributedOptimizer``'s payloads (``torch/transport.py``),
 without Horovod: threaded ranks stand in for Horovod's collectives. The ``transport=`` and
-``HQ_TRANSPORT`` choice, the hosts from Horovod's places, when a gloo group beside the ranks
-carries the exchanges (built for real on the threads), and a failed build."""
+``HQ_TRANSPORT`` choice (read at the optimizer's door), the hosts from Horovod's places, when a
+gloo group beside the ranks carries the exchanges (built for real on the threads), and a
+failed build."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +13,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import horovod_quant as hq  # noqa: E402
+from horovod_quant.doors import (  # noqa: E402
+    OPTIMIZER_DOOR,
+    TRANSPORT_ENV,
+    DoorEnvironment,
+    DoorOptions,
+)
 from horovod_quant.exchange import Exchange, HostStaged, LocalCollectives  # noqa: E402
 from horovod_quant.exchange.topology import Topology  # noqa: E402
 from horovod_quant.torch import transport  # noqa: E402
@@ -25,19 +32,27 @@ CUDA = torch.device("cuda", 0)
 def fresh_groups(monkeypatch):
     """Each test builds its own groups (they are kept per process set and device)."""
     monkeypatch.setattr(transport, "_groups", {})
-    monkeypatch.delenv(transport.TRANSPORT_ENV, raising=False)
+    monkeypatch.delenv(TRANSPORT_ENV, raising=False)
+
+
+def _door_transport(options: DoorOptions) -> str:
+    """The transport the optimizer's door resolves: ``transport=``, else ``HQ_TRANSPORT``
+    read at the door, else "auto"; then validated below it."""
+    environment = DoorEnvironment.read(OPTIMIZER_DOOR)
+    return transport.resolve_transport(environment.transport_for(options.transport))
 
 
 def test_transport_argument_then_environment_then_auto(monkeypatch) -> None:
-    assert transport.resolve_transport() == "auto"
-    monkeypatch.setenv(transport.TRANSPORT_ENV, "horovod")
-    assert transport.resolve_transport() == "horovod"
-    assert transport.resolve_transport("gloo") == "gloo"  # the argument wins
+    assert _door_transport(DoorOptions()) == "auto"
+    monkeypatch.setenv(TRANSPORT_ENV, "horovod")
+    assert _door_transport(DoorOptions()) == "horovod"
+    assert _door_transport(DoorOptions(transport="gloo")) == "gloo"  # the argument wins
+    assert transport.resolve_transport() == "auto"  # below the door: no environment read
     with pytest.raises(ValueError, match=r"transport='nccl' is not valid: choose one of"):
         transport.resolve_transport("nccl")
-    monkeypatch.setenv(transport.TRANSPORT_ENV, "fast")
+    monkeypatch.setenv(TRANSPORT_ENV, "fast")
     with pytest.raises(ValueError, match="HQ_TRANSPORT='fast' is not valid"):
-        transport.resolve_transport()
+        _door_transport(DoorOptions())
 
 
 @pytest.mark.parametrize("places,hosts", [

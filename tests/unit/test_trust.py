@@ -12,7 +12,11 @@ import horovod_quant.exchange
 from horovod_quant.core.payload import Payload
 from horovod_quant.doors import (
     CHECKS,
+    OPTIMIZER_DOOR,
+    TF_DOOR,
+    TORCH_COMPRESSOR_DOOR,
     ConfigCheck,
+    DoorEnvironment,
     Refusal,
     check_same_config,
     load_codec_states,
@@ -208,16 +212,21 @@ def test_boolean_environment_variables(monkeypatch, text, want):
 
 
 @pytest.mark.parametrize("text", ["2", "maybe", "y e s"])
-def test_bad_boolean_environment_variables_raise(monkeypatch, text):
+@pytest.mark.parametrize("door", [OPTIMIZER_DOOR, TORCH_COMPRESSOR_DOOR, TF_DOOR])
+def test_bad_boolean_environment_variables_raise(monkeypatch, text, door):
+    """At the door, when it is built (the Horovod doors read HQ_MPI_EXCHANGE)."""
     monkeypatch.setenv("HQ_MPI_EXCHANGE", text)
     with pytest.raises(ValueError, match="HQ_MPI_EXCHANGE"):
-        world_communicator(object())
+        DoorEnvironment.read(door)
 
 
 @pytest.mark.parametrize("text", ["false", "no", "off", "0"])
 def test_mpi_exchange_can_be_switched_off_in_any_spelling(monkeypatch, text):
     monkeypatch.setenv("HQ_MPI_EXCHANGE", text)
-    assert world_communicator(object()) is None  # decided before Horovod is asked
+    mpi_exchange = DoorEnvironment.read(TORCH_COMPRESSOR_DOOR).mpi_exchange
+    monkeypatch.delenv("HQ_MPI_EXCHANGE")  # read at the door: nothing below it looks again
+    assert mpi_exchange is False
+    assert world_communicator(object(), mpi_exchange) is None  # decided before Horovod is asked
 
 
 def test_seconds_environment_variables(monkeypatch):
