@@ -37,12 +37,14 @@ def test_transport_argument_is_validated_and_reported(monkeypatch):
         resolve_transport("tcp")
     model = Linear([(8, 8)])
     monkeypatch.setenv("HQ_TRANSPORT", "horovod")  # read by the optimizer's door, once
+    monkeypatch.setenv("HQ_LINK_GBIT", "7")
     opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(),
                                    compression=hqt.Compression.qsgd())
-    assert opt.transport == "horovod"
-    assert resolve_transport() == "auto"  # below the door, nothing reads it
     monkeypatch.delenv("HQ_TRANSPORT")
+    monkeypatch.delenv("HQ_LINK_GBIT")
+    assert opt.transport == "horovod" and opt.fabric.link_gbit == 7.0
+    assert resolve_transport() == "auto"  # below the door, nothing reads it
     for transport, want in (("auto", "gloo"), ("horovod", "horovod"), ("gloo", "gloo")):
         opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(),

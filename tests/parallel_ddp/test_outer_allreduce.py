@@ -93,6 +93,21 @@ def test_a_compressor_brings_its_settings():
         hqt.OuterAllreduce("qsgd", fallback="never")
 
 
+def test_the_fabric_variables_are_read_when_the_holder_is_built(monkeypatch):
+    """HQ_LINK_GBIT and HQ_ROUND_US are read once, by the door (the holder), not by its
+    exchange: set when it is built, they are its fabric at its first call; the other doors'
+    variables (HQ_TRANSPORT) it ignores, even where they are not valid."""
+    monkeypatch.setenv("HQ_LINK_GBIT", "3")
+    monkeypatch.setenv("HQ_ROUND_US", "40")
+    monkeypatch.setenv("HQ_TRANSPORT", "not-a-transport")
+    outer = hqt.OuterAllreduce("qsgd:8", seed=2)
+    monkeypatch.delenv("HQ_LINK_GBIT")
+    monkeypatch.delenv("HQ_ROUND_US")
+    x = _input((5, 40), torch.float32)
+    got = outer(x, key=0)
+    assert (outer.fabric.link_gbit, outer.fabric.round_us) == (3.0, 40.0)
+    assert torch.equal(got, _expected(outer, x, 0))
+
 def _error_over_keys(outer, x, keys):
     """||average of outer's estimates over ``keys`` keys - the mean||^2, and the mean."""
     total = torch.zeros(x.numel(), dtype=torch.float64)
