@@ -45,9 +45,8 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from horovod_quant.doors import CodecRequest
+from horovod_quant.doors import OPTIMIZER_DOOR, CodecRequest, DoorEnvironment
 from horovod_quant.exchange import Exchange
-from horovod_quant.exchange.cost import Fabric
 from horovod_quant.tools.predict import machine_busy_s
 from horovod_quant.torch.collectives import (
     HorovodTorchCollectives,
@@ -138,11 +137,11 @@ class HorovodAllreduce:
 
 def make_exchange(cfg: dict, comm, pipeline_elems):
     """The exchange of one configuration, its plans chosen for the links the ranks are told
-    (``HQ_LINK_GBIT``), as the optimizer chooses them."""
+    (``HQ_LINK_GBIT``), as the optimizer chooses them: read as its door reads them."""
     if cfg["codec"] in ("none", "fp16"):
         return HorovodAllreduce(cfg["codec"])
     return Exchange(build_codec(cfg), comm, pipeline_elems=pipeline_elems,
-                    fabric=Fabric.for_ranks(False))
+                    fabric=DoorEnvironment.read(OPTIMIZER_DOOR).fabric(False))
 
 
 def choose_fallbacks(item: dict, state: dict, x: np.ndarray) -> None:
