@@ -536,12 +536,10 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
         step: steps whose gradients were exchanged so far.
         topology: which ranks share nodes where the exchanges may take hierarchical plans,
             else None.
-        fabric: the links' speeds the plan choice weighs (:class:`~horovod_quant.exchange.
-            cost.Fabric`: GPU or CPU ranks' defaults by where the first bucket lives, and the
-            ``HQ_LINK_GBIT`` / ``HQ_INTRA_GBYTE`` / ``HQ_ROUND_US`` variables, read when the
-            state is built or unpickled); None before the first step; the rates the
-            fallback's baseline trial measured after it. With ``topology``, what
-            ``mean_estimate`` needs to reproduce a bucket.
+        fabric: the links' speeds the plan choice weighs (``exchange.cost.Fabric``: the first
+            bucket's GPU or CPU ranks' defaults and ``HQ_LINK_GBIT``, ``HQ_INTRA_GBYTE``,
+            ``HQ_ROUND_US`` as read when the state was built; then the fallback's measured
+            rates; None before the first step): with ``topology``, what ``mean_estimate`` needs.
         fallback_baseline, fallback_decisions, fallback_step_check, fallback_settled: the
             fallback's records (:class:`~horovod_quant.fallback.FallbackAttributes`).
     """
@@ -577,14 +575,12 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
         self._connect(process_group, comm)
 
     def _connect(self, process_group: Any, comm: Any, names: list[str] | None = None) -> None:
-        """What lives only in this process: the group's collectives (``comm``), the
-        environment's settings (read here, once: :class:`~horovod_quant.doors.
-        DoorEnvironment`), the check, the exchanges, the parameters' positions (``names``: an
-        unpickled state's names by position), the buckets' layouts and buffers, the worker
-        (built again on unpickling)."""
+        """What lives only in this process: the group's collectives (``comm``), the check, the
+        exchanges, the parameters' positions (``names``: an unpickled state's names by
+        position), the buckets' layouts and buffers, the worker (built again on unpickling)."""
         self.process_group = process_group
         self._comm = comm
-        self._environment = DoorEnvironment.read(self.DOOR)
+        self._environment = DoorEnvironment.read(self.DOOR)  # once: when built or unpickled
         # which ranks share nodes, where the exchanges may take hierarchical plans (several
         # nodes of several ranks, docs/codecs.md), else None: what mean_estimate needs
         self.topology = getattr(comm.hierarchy, "topology", None)
