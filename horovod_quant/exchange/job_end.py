@@ -127,16 +127,19 @@ def _said(rank: int, steps: int, waiting: bool) -> str:
 
 
 def disagreement(records: list[dict]) -> str | None:
-    """The message for the ranks' records when they disagree (a rank waits in an exchange, or
-    a door's steps differ between ranks), else None. Every rank composes the same message."""
+    """The message for the ranks' records when they disagree (a rank ended its job while
+    another waits in an exchange, or the ranks ended a door at different steps), else None:
+    where no rank ended a door (each stopped at an error or inside a step), their own errors
+    tell. Every rank composes the same message."""
     doors = [r["doors"] for r in records]
     if any(len(d) != len(doors[0]) for d in doors):
         counts = ", ".join(f"rank {r} {len(d)}" for r, d in enumerate(doors))
         return f"the ranks built different numbers of horovod_quant doors ({counts})"
     for i in range(len(doors[0])):
         entries = [d[i] for d in doors]
-        if all(e == entries[0] for e in entries):  # ended alike, or every rank stopped mid-step
-            continue
+        if all(e == entries[0] for e in entries) or all(
+                steps == _STOPPED or waiting for _, steps, waiting in entries):
+            continue  # ended alike, or no rank ended (each stopped or failed inside a step)
         said = ", ".join(_said(r, steps, waiting) for r, (_, steps, waiting) in enumerate(entries))
         return (f"the ranks ran different numbers of steps of the {entries[0][0]}: {said}. "
                 "Run the same number of steps on every rank (e.g. a DistributedSampler with "

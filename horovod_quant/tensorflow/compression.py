@@ -304,6 +304,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
                     request = plan.send(spec.custom(request.payload, request.seed, label).wait())
             except StopIteration as stop:
                 request, result = None, stop.value
+            except Exception:
+                self._steps.failed = True  # (the job's end then leaves this door to its error)
+                raise
             plans.check_request(request, expected, label)
             t1 = time.perf_counter()
         with self._lock:

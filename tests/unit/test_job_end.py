@@ -43,8 +43,13 @@ def _record(*doors):
 
 def test_ranks_that_ended_alike_agree():
     assert disagreement([_record(["optimizer", 5, False])] * 3) is None
-    # every rank stopped in the same step (a shared error): not a matter of steps
+    # no rank ended the door (each failed inside a step, or stopped at an error): their own
+    # errors tell, at whatever steps
     assert disagreement([_record(["optimizer", 5, True])] * 2) is None
+    assert disagreement([_record(["TensorFlow compressor", 1, True]),
+                         _record(["TensorFlow compressor", 0, True])]) is None
+    assert disagreement([_record(["DDP hook", -1, False]),
+                         _record(["DDP hook", 4, True])]) is None
 
 
 def test_a_rank_waiting_in_a_step_is_named_with_the_ranks_that_ended():
