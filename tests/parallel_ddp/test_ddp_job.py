@@ -70,6 +70,25 @@ def _round_trip(obj):
     return torch.load(buffer)
 
 
+def _resumed(how, model, opt, state, fresh):
+    """The model, optimizer and hook state saved (the state through its ``state_dict()``, or
+    pickled as PowerSGDState is: ``how``) and round-tripped through torch.save, then loaded
+    into the new objects ``fresh(unpickled state or None)`` builds; returns those."""
+    saved = {"model": model.state_dict(), "opt": opt.state_dict()}
+    if how == "state_dict":
+        saved["hook"] = state.state_dict()
+        saved = _round_trip(saved)
+        model, opt, state = fresh()
+        state.load_state_dict(saved["hook"])
+    else:
+        pickled = pickle.dumps(state)
+        saved = _round_trip(saved)
+        model, opt, state = fresh(pickle.loads(pickled))
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    return model, opt, state
+
+
 @pytest.mark.parametrize("name,params", [("qsgd", {}), ("nested_dithered", {"bits": 6})])
 @pytest.mark.parametrize("how", ["state_dict", "pickle"])
 def test_resumed_job_continues_bit_for_bit(name, params, how):
@@ -91,20 +110,9 @@ def test_resumed_job_continues_bit_for_bit(name, params, how):
 
     model, opt, state = fresh()
     _train(model, opt, range(half))
-    saved = {"model": model.state_dict(), "opt": opt.state_dict()}
-    if how == "state_dict":
-        saved["hook"] = state.state_dict()
-        saved = _round_trip(saved)
-        if name == "nested_dithered" and dist.get_world_size() > 1:
-            assert saved["hook"]["codec_states"]  # it has adapted
-        model, opt, state = fresh()
-        state.load_state_dict(saved["hook"])
-    else:
-        pickled = pickle.dumps(state)
-        saved = _round_trip(saved)
-        model, opt, state = fresh(pickle.loads(pickled))
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
+    if name == "nested_dithered" and dist.get_world_size() > 1:
+        assert state.state_dict()["codec_states"]  # it has adapted
+    model, opt, state = _resumed(how, model, opt, state, fresh)
     assert state.step == half
     _train(model, opt, range(half, n))
     assert torch.equal(_params(model), straight)
@@ -167,18 +175,7 @@ def test_resumed_job_on_standard_layers_continues_bit_for_bit(name, params, name
     layouts.clear()
     model, opt, state = fresh()
     _train(model, opt, range(half))
-    saved = {"model": model.state_dict(), "opt": opt.state_dict()}
-    if how == "state_dict":
-        saved["hook"] = state.state_dict()
-        saved = _round_trip(saved)
-        model, opt, state = fresh()
-        state.load_state_dict(saved["hook"])
-    else:
-        pickled = pickle.dumps(state)
-        saved = _round_trip(saved)
-        model, opt, state = fresh(pickle.loads(pickled))
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
+    model, opt, state = _resumed(how, model, opt, state, fresh)
     _train(model, opt, range(half, n))
     assert len(layouts[half]) == 1  # the new DDP's first buckets, not the rebuilt ones
     assert torch.equal(_params(model), straight)
