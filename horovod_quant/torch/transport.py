@@ -267,8 +267,12 @@ def horovod_end_of_job(comm: Collectives, shutdown: Callable[[], Any] | None = N
                 comm, _Agreement(comm, f"hq.end.{comm.group_id}"))[0]
         except RuntimeError as exc:
             _stores[comm.group_id] = None
-            log.warning("horovod_quant: no store beside Horovod (%s): a rank that runs more "
-                        "steps than the others waits for its exchange", exc)
+            # one warning per cause: a gloo group that failed to build has said why already
+            warned = any(gid == comm.group_id and isinstance(g, str)
+                         for (gid, _), g in _groups.items())
+            (log.info if warned else log.warning)(
+                "horovod_quant: no store beside Horovod (%s): a rank that runs more steps than "
+                "the others waits for its exchange", exc)
     store = _stores[comm.group_id]
     return None if store is None else StoreRendezvous(
         store, comm.rank, comm.size, f"hq.end.{comm.group_id}", shutdown)
