@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 import warnings
 from math import inf
 from typing import Any, Callable, Iterable, Iterator
@@ -24,19 +23,17 @@ from .core.base import Codec, check_int
 from .core.contract import Combine
 from .core.registry import codec_class
 from .env import env_choice, env_flag, env_positive, env_seconds
+from .exchange.check import CONFIG_TIMEOUT_S
 from .exchange.codec_states import CodecStates
-from .exchange.collectives import Collectives, Handle, growing_pauses
 from .exchange.cost import Fabric
 from .exchange.job_end import LEDGER, DoorSteps, StoreRendezvous
 from .exchange.plans import DEFAULT_PIPELINE_ELEMS, check_gather, check_pipeline_elems
+from .exchange.runtime import ExchangeRuntime
 from .fallback import check_baseline, check_fallback
 from .policy import LayerPolicy, describe
 from .stats import StepStats
 
 log = logging.getLogger("horovod_quant")
-
-#: default of ``HQ_CONFIG_TIMEOUT``: how long a rank waits for the others' configuration
-CONFIG_TIMEOUT_S = 600.0
 
 #: default of :attr:`DoorOptions.fusion_bytes`
 DEFAULT_FUSION_BYTES = 32 << 20
@@ -246,6 +243,7 @@ def door_options(given: dict[str, Any], options: DoorOptions | None = None,
 #: the environment variables of the doors' settings, read by :meth:`DoorEnvironment.read`
 LINK_ENV, INTRA_ENV, ROUND_ENV = "HQ_LINK_GBIT", "HQ_INTRA_GBYTE", "HQ_ROUND_US"
 MPI_EXCHANGE_ENV, TRANSPORT_ENV = "HQ_MPI_EXCHANGE", "HQ_TRANSPORT"
+CONFIG_TIMEOUT_ENV = "HQ_CONFIG_TIMEOUT"
 #: the :class:`~.exchange.cost.Fabric` field each fabric variable sets, and its unit
 FABRIC_ENV = {"link_gbit": (LINK_ENV, "Gbit/s"), "intra_gbyte": (INTRA_ENV, "GB/s"),
               "round_us": (ROUND_ENV, "microseconds")}
@@ -276,6 +274,9 @@ class DoorEnvironment:
             goes on the wire.
         transport: ``HQ_TRANSPORT`` (default "auto"): the optimizer's transport where its
             ``transport=`` is None.
+        config_timeout: ``HQ_CONFIG_TIMEOUT`` (seconds, default 600, read by every door): how
+            long a rank waits for the others at the configuration check
+            (:func:`~.exchange.check.wait_for_peers`).
     """
 
     link_gbit: float | None = None
@@ -283,6 +284,7 @@ class DoorEnvironment:
     round_us: float | None = None
     mpi_exchange: bool = True
     transport: str = "auto"
+    config_timeout: float = CONFIG_TIMEOUT_S
 
     def __post_init__(self) -> None:
         for field in FABRIC_ENV:
@@ -302,7 +304,9 @@ class DoorEnvironment:
         Raises:
             ValueError: a variable the door reads holds an invalid value (named).
         """
-        reads, values = DOOR_READS[door], {}
+        reads = DOOR_READS[door]
+        values: dict[str, Any] = {"config_timeout": env_seconds(CONFIG_TIMEOUT_ENV,
+                                                                CONFIG_TIMEOUT_S)}
         if "fabric" in reads:
             values.update({field: env_positive(name, None, unit)
                            for field, (name, unit) in FABRIC_ENV.items()})
@@ -351,113 +355,10 @@ class SettingsAttributes:
         return self.options.pipeline_elems
 
 
-class _CheckNumbers:
-    """The n-th check of a process in a group of ranks pairs with the n-th check of every other
-    rank of the group: checks are numbered when they start (not when a compressor is built),
-    so a compressor built on one rank only, and never used, shifts nothing. The number also
-    names the checked object's collectives."""
-
-    def __init__(self) -> None:
-        self._started: dict[tuple[str, int], int] = {}
-
-    def started(self, comm: Collectives) -> int:
-        """How many checks this rank started in ``comm``'s group."""
-        return self._started.get((comm.group_id, comm.rank), 0)
-
-    def take(self, comm: Collectives) -> int:
-        n = self.started(comm)
-        self._started[comm.group_id, comm.rank] = n + 1
-        return n
-
-
-CHECKS = _CheckNumbers()
-
-
 def check_seed(seed: Any) -> int:
     """A seed as an int; ValueError for anything else (``7.9`` is not silently ``7``)."""
     return check_int("seed", seed, -(1 << 63), (1 << 64) - 1)
 
-
-def wait_for_peers(handle: Handle, what: str, timeout: float | None = None) -> Any:
-    """``handle.wait()``, giving up after ``timeout`` seconds (default ``HQ_CONFIG_TIMEOUT``).
-
-    A collective that only some ranks call never completes; Horovod then waits forever. This
-    logs a warning once a tenth of the time has passed and raises RuntimeError at the end, so
-    the job fails with a message saying what it was waiting for.
-    """
-    timeout = env_seconds("HQ_CONFIG_TIMEOUT", CONFIG_TIMEOUT_S) if timeout is None else timeout
-    start, pauses, warned = time.monotonic(), growing_pauses(1e-4, 0.05), False
-    while not handle.done():
-        waited = time.monotonic() - start
-        if waited > timeout:
-            raise RuntimeError(
-                f"horovod_quant: waited {waited:.0f} s for {what}; some rank is not running the "
-                "same horovod_quant compressor or optimizer at this point (a different "
-                "compression= such as hvd.Compression.none, or a different number of "
-                "horovod_quant compressors/optimizers). HQ_CONFIG_TIMEOUT sets how long to wait.")
-        if not warned and waited > timeout / 10:
-            log.warning("horovod_quant: still waiting for %s after %.0f s", what, waited)
-            warned = True
-        time.sleep(next(pauses))
-    return handle.wait()
-
-
-class ConfigCheck:
-    """One cross-rank agreement check: every rank's ``config`` from one allgather of JSON.
-
-    Started without blocking; :meth:`wait` raises the same ValueError on every rank when the
-    configurations differ (every rank sees all of them), or RuntimeError when a rank never
-    joins (:func:`wait_for_peers`).
-
-    Args:
-        comm: the collectives of the group.
-        config: JSON-serializable description of everything that must agree.
-
-    Attributes:
-        prefix: ``hq.<group>.<n>`` for the n-th check in the group, the same on every rank;
-            the prefix of the checked object's collective names.
-    """
-
-    def __init__(self, comm: Collectives, config: dict) -> None:
-        self.prefix = f"hq.{comm.group_id}.{CHECKS.take(comm)}"
-        self._handle = (comm.allgather_object_async(config, f"{self.prefix}.config")
-                        if comm.size > 1 else None)
-        self._done = comm.size == 1
-        self._error: ValueError | None = None
-
-    def wait(self) -> str:
-        """Block until every rank's configuration is here; returns :attr:`prefix`. A mismatch
-        raises again at every later call."""
-        if not self._done:
-            configs = wait_for_peers(self._handle, f"every rank's configuration "
-                                                   f"(collective {self.prefix}.config)")
-            self._done = True
-            if any(c != configs[0] for c in configs):
-                lines = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(configs))
-                self._error = ValueError(
-                    f"horovod_quant configuration differs between ranks; {_steps_at_odds(configs)}"
-                    "every rank must build the same codec, parameters, seed, policy and "
-                    f"layout:\n{lines}")
-        if self._error is not None:
-            raise self._error
-        return self.prefix
-
-
-def _steps_at_odds(configs: list[dict]) -> str:
-    """The sentence naming each rank's ``"step"`` where they differ (a checkpoint loaded on
-    some ranks only), else ""."""
-    steps = [c.get("step") if isinstance(c, dict) else None for c in configs]
-    if all(s == steps[0] for s in steps):
-        return ""
-    ranks = ", ".join(f"rank {r} is at step {s}" for r, s in enumerate(steps))
-    return (f"{ranks}: load the checkpoint on every rank, or broadcast the optimizer state from "
-            "the rank that loaded it (horovod_quant.torch.broadcast_state beside Horovod's "
-            "broadcasts); ")
-
-
-def check_same_config(comm: Collectives, config: dict) -> str:
-    """:class:`ConfigCheck`, blocking; returns the check's prefix."""
-    return ConfigCheck(comm, config).wait()
 
 
 class CodecRequest:
@@ -574,6 +475,7 @@ class CompressorSettings(SettingsAttributes):
             built now, or at its first use when it needs a world size before Horovod is
             initialized.
         options: the door's :class:`DoorOptions`.
+        door: the door (:data:`DOOR_READS`: which environment variables it reads).
         process_set: Horovod process set of the optimizer or tape, if not the global one.
 
     Attributes:
@@ -583,14 +485,27 @@ class CompressorSettings(SettingsAttributes):
         codec_request: how ``Compression.<name>(...)`` asked for the codec, or None.
     """
 
-    def __init__(self, codec: Codec | RequestedCodec, options: DoorOptions,
+    def __init__(self, codec: Codec | RequestedCodec, options: DoorOptions, door: str,
                  process_set: Any = None) -> None:
         self._requested = codec if isinstance(codec, RequestedCodec) else None
         self.codec_request = None if self._requested is None else self._requested.request
         self._codec = codec if self._requested is None else self._requested.build_if_ready()
         self.options = options
         self.process_set = process_set
-        self.stats = StepStats()
+        #: the door's environment variables, read now (:class:`DoorEnvironment`)
+        self.environment = DoorEnvironment.read(door)
+        #: the door's exchanges, codec states, check, seeds and statistics
+        self.runtime = ExchangeRuntime(options.seed, options.gather, options.pipeline_elems,
+                                       timeout=self.environment.config_timeout)
+
+    @property
+    def stats(self) -> StepStats:
+        return self.runtime.stats
+
+    @property
+    def codec_states(self) -> CodecStates:
+        """The adaptive codecs' states (NDQSG's) the door's exchanges carry."""
+        return self.runtime.states
 
     @property
     def codec(self) -> Codec:

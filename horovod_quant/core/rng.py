@@ -63,17 +63,16 @@ def name_key(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
-def bucket_seed(seed: int, step: int, names: str, offset: int, codec_index: int = 0) -> int:
-    """The seed of a door's exchange, at ``step``, of the parameters named ``names`` (their
-    names comma-joined, in the order their elements travel) from element ``offset`` of their
-    concatenation, through the door's codec ``codec_index``: ``derive_key(seed, step,
-    name_key(names), offset)``, and ``codec_index`` after them where it is not 0.
-
-    The torch hooks seed a bucket by what it holds, not by where it comes: the DDP hook's
-    buckets (whole parameters: offset 0) and the FSDP hook's shards (offset: the shard's start
-    in its module's flat gradient) keep their seeds however the framework numbers them.
+def payload_seed(seed: int, step: int, key: str, offset: int = 0, codec_index: int = 0) -> int:
+    """The seed of a payload in every door (:class:`~horovod_quant.exchange.runtime.
+    ExchangeRuntime`): at ``step`` (the door's step, or a tensor's use count), of ``key`` (a
+    tensor's name, or a bucket's parameters' names comma-joined in the order their elements
+    travel) from element ``offset`` of its elements, through the door's codec ``codec_index``:
+    ``derive_key(seed, step, name_key(key), offset)``, and ``codec_index`` after them where it
+    is not 0. Keyed by what a payload holds, not by where a framework puts it, so a bucket keeps
+    its seeds however DDP numbers it, and a tensor named alike gets one seed in every door.
     """
-    fields = (step, name_key(names), offset) + ((codec_index,) if codec_index else ())
+    fields = (step, name_key(key), offset) + ((codec_index,) if codec_index else ())
     return derive_key(seed, *fields)
 
 

@@ -7,14 +7,14 @@ the generators ``Exchange`` and ``mean_estimate`` run too) as graph ops: ``tf.nu
 callbacks around Horovod TF collectives. Horovod reduces a one-element placeholder holding 1.0,
 whose reduced value is the factor of the user's op, which ``decompress`` applies.
 
-Seeds: each compressor's int64 call counter gives the k-th compressed tensor (in the order
-Horovod calls ``compress``, the same on every rank) the seed ``derive_key(seed, k)``. Tensors
-are named after Horovod's own call (:func:`horovod_name`) and every exchange carries a tag of
-name, k and shape, so ranks whose tensors differ raise the same ValueError. A cross-rank
-configuration check runs before the first exchange. The counter and the adaptive codecs' states
-(NDQSG's) are a job's state: ``tf.train.Checkpoint(..., hq=compressor.checkpointable)`` saves and
-restores them, so a resumed job continues with the same seeds. docs/tensorflow.md tells the whole
-story.
+Seeds: each compressor's int64 call counter is the step of the k-th compressed tensor (in the order
+Horovod calls ``compress``, the same on every rank), named after Horovod's own call
+(:func:`horovod_name`, unnamed: ``#``), seeded ``payload_seed(seed, k, name)`` as in every door
+(:mod:`~horovod_quant.exchange.runtime`). Every exchange carries a tag of name, k and shape, so
+ranks whose tensors differ raise the same ValueError. A cross-rank configuration check runs before
+the first exchange. The counter and the adaptive codecs' states (NDQSG's) are a job's state:
+``tf.train.Checkpoint(..., hq=compressor.checkpointable)`` saves and restores them, so a resumed
+job continues with the same seeds. docs/tensorflow.md tells the whole story.
 """
 from __future__ import annotations
 
@@ -33,13 +33,10 @@ from horovod.tensorflow.compression import Compressor
 
 from ..core.base import Codec
 from ..core.contract import GlobalNorm, SideInformation
-from ..core.rng import derive_key
 from ..doors import (
     TF_DOOR,
     CompressionNamespace,
     CompressorSettings,
-    ConfigCheck,
-    DoorEnvironment,
     DoorOptions,
     RequestedCodec,
     door_options,
@@ -48,7 +45,6 @@ from ..doors import (
 )
 from ..exchange import plans, wire
 from ..exchange.codec_states import CodecStates
-from ..exchange.driver import custom_collective
 from ..exchange.job_end import LEDGER
 from ._fenv import ieee_denormals
 from .collectives import HorovodTFCollectives
@@ -201,16 +197,15 @@ class _CompressorCheckpoint(tf.Module):
 class QuantizedCompressor(CompressorSettings, Compressor):
     """A ``horovod.tensorflow.compression.Compressor`` running a horovod_quant codec.
 
-    Args: the codec, ``process_set``, and the settings of
-    :class:`~horovod_quant.doors.DoorOptions` as ``options=`` or as keywords (seed, gather,
-    policy, pipeline_elems; the others raise ValueError; ``HQ_MPI_EXCHANGE`` is read here, once,
-    :class:`~horovod_quant.doors.DoorEnvironment`). Here the k-th tensor
-    compressed (from 0) uses seed ``derive_key(seed, k)`` (module doc), the policy's name rules
-    see the variable names (``dense/kernel:0``) or the ``name=`` of ``hvd.allreduce``, tensors
-    whose static shape is not fully known travel uncompressed too, and integer and boolean
-    tensors always pass to Horovod unchanged (exact). Tensors longer than ``pipeline_elems`` are
-    exchanged in pieces, as :class:`~horovod_quant.exchange.Exchange` does (same pieces, seeds
-    and bits).
+    Args: the codec, ``process_set``, and the settings of :class:`~horovod_quant.doors.DoorOptions`
+    as ``options=`` or as keywords (seed, gather, policy, pipeline_elems; the others raise
+    ValueError; ``HQ_MPI_EXCHANGE`` is read here, once,
+    :class:`~horovod_quant.doors.DoorEnvironment`). Here the k-th tensor compressed (from 0) uses
+    seed ``payload_seed(seed, k, name)`` (module doc), the policy's name rules see the variable
+    names (``dense/kernel:0``) or the ``name=`` of ``hvd.allreduce``, tensors whose static shape is
+    not fully known travel uncompressed too, and integer and boolean tensors always pass to Horovod
+    unchanged (exact). Tensors longer than ``pipeline_elems`` are exchanged in pieces, as
+    :class:`~horovod_quant.exchange.Exchange` does (same pieces, seeds and bits).
 
     Attributes:
         codec_states: the adaptive codecs' states its exchanges carry (NDQSG's,
@@ -225,8 +220,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
 
     def __init__(self, codec: Codec | RequestedCodec, process_set: Any = None,
                  options: DoorOptions | None = None, **settings: Any) -> None:
-        super().__init__(codec, door_options(settings, options, door=TF_DOOR), process_set)
-        self._environment = DoorEnvironment.read(TF_DOOR)
+        super().__init__(codec, door_options(settings, options, door=TF_DOOR), TF_DOOR,
+                         process_set)
         self._id = next(_IDS)
         # Created eagerly with the compressor, not by the first compress: a tf.function whose
         # first trace creates a variable and then raises (a configuration mismatch) is not
@@ -234,25 +229,22 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         with tf.init_scope(), tf.device("/cpu:0"):
             self._counter = tf.Variable(0, dtype=tf.int64, trainable=False,
                                         name=f"hq_calls_{self._id}")
-        self.codec_states = CodecStates()
         self.checkpointable = _CompressorCheckpoint(self._counter, self.codec_states,
                                                     lambda: self._ps().size())
-        self._check: ConfigCheck | None = None
         self._prefix: str | None = None  # the check's prefix, once it passed
-        self._customs: dict[str, Any] = {}  # custom collectives by codec config_key
         self._flights: dict[tuple[int, str], tuple] = {}  # plans between callbacks, and when
         # their last callback ended
         self._lock = threading.Lock()
 
     def shared_config(self) -> dict:
         return {**super().shared_config(), **mpi_exchange_config(
-            self.policy.codecs(self.codec), self._environment.mpi_exchange)}
+            self.policy.codecs(self.codec), self.environment.mpi_exchange)}
 
     # -- bookkeeping ---------------------------------------------------------------------------
     @property
     def calls(self) -> int:
-        """How many tensors this compressor has exchanged so far: the next one uses
-        ``derive_key(seed, calls)``."""
+        """How many tensors this compressor has exchanged so far: the next one's step (its
+        seed ``payload_seed(seed, calls, name)``)."""
         return int(self._counter.numpy())
 
     def _ps(self) -> Any:
@@ -269,10 +261,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         """
         if self._prefix is None:
             with tf.init_scope():
-                if self._check is None:
-                    self._check = ConfigCheck(HorovodTFCollectives(self._ps()),
-                                              self.shared_config())
-                self._prefix = self._check.wait()
+                self.runtime.check(HorovodTFCollectives(self._ps()), self.shared_config())
+                self._prefix = self.runtime.wait_check()
                 self._steps = LEDGER.register("TensorFlow compressor", self.calls,
                                               _end_of_job(HorovodTFCollectives(self._ps())))
         return self._prefix
@@ -280,12 +270,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
     def _custom_for(self, codec: Codec) -> Any:
         """The codec's custom collective (set up once per codec, at the same trace point on
         every rank), or None: the allgather plan then reduces on every rank."""
-        key = codec.config_key()
-        if key not in self._customs:
-            with tf.init_scope():
-                self._customs[key] = custom_collective(codec, HorovodTFCollectives(
-                    self._ps(), self._environment.mpi_exchange))
-        return self._customs[key]
+        with tf.init_scope():
+            return self.runtime.custom_for(codec, HorovodTFCollectives(
+                self._ps(), self.environment.mpi_exchange))
 
     # -- the graph runner of a plan --------------------------------------------------------------
     def _resume(self, spec: _Spec, key: tuple[int, str], plan: plans.Plan, value: Any,
@@ -441,10 +428,10 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         # read after this callback: TF may reuse its buffer
         if isinstance(spec.codec, SideInformation):
             x = np.array(x, copy=True)
-        return plans.PLANS[spec.kind](plans.Piece(
-            spec.codec, x, plans.pipeline_seed(derive_key(self.seed, k), i, pieces), spec.rank,
-            spec.n, None if norm is None else np.float32(norm), spec.tag(k),
-            np.empty(x.size, np.float32), spec.label(k), states=self.codec_states))
+        return self.runtime.piece_plan(spec.kind, spec.codec, x, k, spec.key or "#", i, pieces,
+                                       spec.rank, spec.n,
+                                       None if norm is None else np.float32(norm), spec.tag(k),
+                                       spec.label(k))
 
     @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor: Any, ctx: Any) -> Any:

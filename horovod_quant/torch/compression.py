@@ -7,12 +7,13 @@ op and pre/postscale factors, which ``decompress`` applies to the mean. ``none``
 keep Horovod's own path.
 
 Tensors are matched across ranks by the name the user gave Horovod
-(:mod:`~horovod_quant.torch.horovod_calls`); tensor ``key``'s u-th exchange uses seed
-``derive_key(seed, u, name_key(key))`` and collective ``<check prefix>.<key>``; unnamed tensors
-are keyed ``#j`` (the j-th of the step). No exchange that waits for a peer starts before the
-configuration check passed; the first ``decompress`` of a step puts every exchange on the wire
-and finishes them in key order. Tags carry the use count (ranks out of step raise); after an
-error it refuses to go on. The use counters and codec states are a job's state (``state_dict``,
+(:mod:`~horovod_quant.torch.horovod_calls`); tensor ``key``'s u-th exchange (step u) uses seed
+``payload_seed(seed, u, key)``, as every door (:mod:`~horovod_quant.exchange.runtime`), and
+collective ``<check prefix>.<key>``; unnamed tensors are keyed ``#j`` (the j-th of the step). No
+exchange that waits for a peer starts before the configuration check passed; the first
+``decompress`` of a step puts every exchange on the wire and finishes them in key order. Tags carry
+the use count (ranks out of step raise); after an error it refuses to go on. The use counters and
+codec states are a job's state (``state_dict``,
 :func:`~horovod_quant.torch.broadcast.broadcast_state`). Horovod's optimizer averaging again
 (``step()`` after ``synchronize()``) gets the means back unchanged. docs/pytorch.md, section 2.
 """
@@ -26,13 +27,10 @@ import torch
 from horovod.torch.compression import Compressor
 
 from ..core.base import Codec
-from ..core.rng import derive_key, name_key
 from ..doors import (
     TORCH_COMPRESSOR_DOOR,
     CompressionNamespace,
     CompressorSettings,
-    ConfigCheck,
-    DoorEnvironment,
     DoorOptions,
     Refusal,
     RequestedCodec,
@@ -40,9 +38,7 @@ from ..doors import (
     load_codec_states,
     mpi_exchange_config,
 )
-from ..exchange.codec_states import CodecStates
-from ..exchange.driver import Exchange
-from ..exchange.wire import exchange_tag
+from ..exchange.runtime import ExchangeRuntime
 from ..policy import LayerPolicy
 from .horovod_calls import horovod_call
 from .tensors import as_tensor, flat_array, horovod_dtype, stream_of
@@ -59,17 +55,18 @@ def _warn_unnamed(policy: LayerPolicy) -> None:
 class _Job:
     """One tensor's exchange: started now or deferred (see the module doc), then finished."""
 
-    __slots__ = ("key", "codec", "flat", "seed", "name", "tag", "grad", "pending")
+    __slots__ = ("key", "codec", "flat", "use", "name", "grad", "pending")
 
-    def __init__(self, key: str, codec: Codec, flat: Any, seed: int, name: str, tag: Any,
+    def __init__(self, key: str, codec: Codec, flat: Any, use: int, name: str,
                  grad: torch.Tensor) -> None:
-        self.key, self.codec, self.flat, self.seed = key, codec, flat, seed
-        self.name, self.tag, self.grad = name, tag, grad
+        self.key, self.codec, self.flat, self.use = key, codec, flat, use
+        self.name, self.grad = name, grad
         self.pending = None
 
-    def start(self, exchange: Exchange) -> None:
+    def start(self, runtime: ExchangeRuntime) -> None:
         with stream_of(self.grad):
-            self.pending = exchange.start(self.flat, self.seed, self.name, tag=self.tag)
+            self.pending = runtime.start(self.codec, self.flat, self.use, self.key, self.name,
+                                         shape=tuple(self.grad.shape))
 
 
 class _Averaged:
@@ -98,14 +95,10 @@ class QuantizedCompressor(CompressorSettings, Compressor):
     def __init__(self, codec: Codec | RequestedCodec, process_set: Any = None,
                  options: DoorOptions | None = None, **settings: Any) -> None:
         super().__init__(codec, door_options(settings, options, door=TORCH_COMPRESSOR_DOOR),
-                         process_set)
-        self._environment = DoorEnvironment.read(TORCH_COMPRESSOR_DOOR)
-        self._check: ConfigCheck | None = None
+                         TORCH_COMPRESSOR_DOOR, process_set)
         self._comm: Any = None
-        self._exchanges: dict[str, Exchange] = {}
         self._uses: dict[str, int] = {}
         self._resumed: list = []  # the use counters loaded from a checkpoint, for the check
-        self.codec_states = CodecStates()
         self._unnamed = 0
         self._warned_unnamed = False
         self._decompressing = False
@@ -117,7 +110,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
     def shared_config(self) -> dict:
         return {**super().shared_config(),
                 **mpi_exchange_config(self.policy.codecs(self.codec),
-                                      self._environment.mpi_exchange),
+                                      self.environment.mpi_exchange),
                 "step": max((n for _, n in self._resumed), default=0),
                 "resumed_uses": self._resumed}
 
@@ -127,17 +120,13 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         runs in the same order on every rank), start the deferred jobs, start the pieces of
         every open job (so no job's transfer waits for the job before it to finish) and finish
         them, each in key order."""
-        if not self._exchanges:
-            self._check.wait()
+        if not self.runtime.opened:
+            self.runtime.open(self.policy.codecs(self.codec), self._comm)
             self._refusal.register(max(self._uses.values()) - 1, horovod_end_of_job(self._comm))
-            self._exchanges = {c.config_key(): Exchange(c, self._comm, gather=self.gather,
-                                                         pipeline_elems=self.pipeline_elems,
-                                                         states=self.codec_states)
-                               for c in self.policy.codecs(self.codec)}
         by_key = lambda j: j.key  # noqa: E731
         jobs, self._deferred = sorted(self._deferred, key=by_key), []
         for job in jobs:
-            job.start(self._exchanges[job.codec.config_key()])
+            job.start(self.runtime)
         jobs, self._open = sorted(self._open, key=by_key), []
         for job in jobs:
             with stream_of(job.grad):
@@ -168,7 +157,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         Raises:
             ValueError: ``state`` is not such a state, or the compressor has exchanged already.
         """
-        if self._check is not None:
+        if self.runtime.checking:
             raise ValueError("load_state_dict() on a compressor that has exchanged tensors: "
                              "load into a new compressor, before the first backward pass")
         try:
@@ -208,19 +197,17 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             name, self._unnamed = f"#{self._unnamed}", self._unnamed + 1
         use = self._uses.get(name, 0)
         self._uses[name] = use + 1
-        if self._check is None:  # the first compressed tensor: the check starts, unawaited
+        if not self.runtime.checking:  # the first compressed tensor: the check starts, unawaited
             # Horovod's collectives: a transport that pairs by call order would need the jobs
             # started in one order, and Horovod calls compress in each rank's hook order
             self._comm = transport_collectives(self.process_set, "horovod",
-                                               mpi_exchange=self._environment.mpi_exchange)
-            self._check = ConfigCheck(self._comm, self.shared_config())
-        job = _Job(name, codec, flat_array(tensor), derive_key(self.seed, use, name_key(name)),
-                   f"{self._check.prefix}.{name}", exchange_tag(name, tensor.shape, use), tensor)
-        exchange = self._exchanges.get(codec.config_key())  # none before the check passed
-        if exchange is None or exchange.blocks_on_peers:
+                                               mpi_exchange=self.environment.mpi_exchange)
+            self.runtime.check(self._comm, self.shared_config())
+        job = _Job(name, codec, flat_array(tensor), use, f"{self.runtime.prefix}.{name}", tensor)
+        if self.runtime.blocks_on_peers(codec):  # (every codec, before the check passed)
             self._deferred.append(job)
         else:
-            job.start(exchange)
+            job.start(self.runtime)
         self._open.append(job)
         return torch.ones(1, dtype=torch.float32), job
 
@@ -240,8 +227,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             self._finish_step()
         job, grad = ctx, ctx.grad
         with stream_of(grad):
-            mean = as_tensor(job.pending.wait()).reshape(grad.shape)
-        self.stats.add(job.pending.stats)
+            mean = as_tensor(self.runtime.finish(job.pending)).reshape(grad.shape)
         self.stats.bytes_sent += tensor.numel() * tensor.element_size()
         factor = float(tensor.reshape(-1)[0])
         if factor != 1.0:

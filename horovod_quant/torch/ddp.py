@@ -31,24 +31,18 @@ import torch.distributed as dist
 
 from .. import gpu
 from ..core.base import Codec
-from ..core.rng import bucket_seed
 from ..doors import (
     DDP_DOOR,
     CodecRequest,
     CompressorSettings,
-    ConfigCheck,
-    DoorEnvironment,
     DoorOptions,
     door_options,
     load_codec_states,
 )
 from ..exchange import job_end
-from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
-from ..exchange.driver import Exchange
 from ..exchange.job_end import LEDGER, DoorSteps
 from ..exchange.topology import SerialWorker, Topology
-from ..exchange.wire import exchange_tag
 from ..fallback import FallbackAttributes
 from ..stats import StepStats
 from .ddp_fallback import HookFallback
@@ -408,7 +402,7 @@ class _Checkpoints:
         Raises:
             ValueError: the state has run a step already, or ``saved`` is not such a state.
         """
-        if self._check is not None:
+        if self.runtime.checking:
             raise ValueError("load_state_dict() on a QuantizationState that has run a step: "
                              "load into a new state, before training")
         if not isinstance(saved, dict) or "step" not in saved or "codec_states" not in saved:
@@ -498,11 +492,10 @@ class _Checkpoints:
             saved.setdefault("world_size", codec.params["world_size"])
             params = {k: v for k, v in codec.params.items() if k != "world_size"}
             codec = CodecRequest(codec.name, params).build(lambda: comm.size)
-        CompressorSettings.__init__(self, codec, pickled["options"])
+        CompressorSettings.__init__(self, codec, pickled["options"], self.DOOR)
         self._names, self._parameters = None, pickled["parameters"]
         self.codecs = [codec]  # a state that pickles has no rules, so no other codec
         self._codec_indices = {c.config_key(): k for k, c in enumerate(self.codecs)}
-        self.codec_states = CodecStates()
         self._connect(None, comm, pickled.get("names"))
         self.step = 0
         self.load_state_dict(saved)
@@ -555,7 +548,7 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
                                "init_process_group before building its state")
         comm = process_group_collectives(own_group(process_group))
         codec, inherited = group_codec(codec, comm)
-        super().__init__(codec, door_options(settings, options, inherited, self.DOOR))
+        super().__init__(codec, door_options(settings, options, inherited, self.DOOR), self.DOOR)
         self._names = parameter_names(named_parameters)
         if self.policy.rules and self._names is None:
             raise ValueError(
@@ -571,7 +564,6 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
                 unique.setdefault(c.config_key(), c)
         self.codecs: list[Codec] = list(unique.values())
         self._codec_indices = {key: k for k, key in enumerate(unique)}
-        self.codec_states = CodecStates()
         self._connect(process_group, comm)
 
     def _connect(self, process_group: Any, comm: Any, names: list[str] | None = None) -> None:
@@ -580,13 +572,9 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
         position), the buckets' layouts and buffers, the worker (built again on unpickling)."""
         self.process_group = process_group
         self._comm = comm
-        self._environment = DoorEnvironment.read(self.DOOR)  # once: when built or unpickled
         # which ranks share nodes, where the exchanges may take hierarchical plans (several
         # nodes of several ranks, docs/codecs.md), else None: what mean_estimate needs
         self.topology = getattr(comm.hierarchy, "topology", None)
-        self.fabric: Fabric | None = None  # set at the first bucket (where the codecs run)
-        self._check: ConfigCheck | None = None
-        self._exchanges: list[Exchange] | None = None
         #: bucket index -> (its parameters' ids, parts, key, [[position, numel], ...])
         self._layouts: dict[int, tuple[tuple[int, ...], list[_Part], str, list[list[int]]]] = {}
         self._keys: dict[int, str] = {}  # bucket index -> its key, this step
@@ -601,7 +589,7 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
             lambda index, parts, copy, step: self._start_parts(index, parts, copy, step,
                                                                StepStats()),
             lambda: (self.fabric, self.topology or Topology.grid(comm.size, 1)), self._use_fabric,
-            self._environment.fabric_set)
+            self.environment.fabric_set)
         self._fallback = self._hook_fallback.controller
 
     @property
@@ -635,18 +623,23 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
 
     def seed_of(self, step: int, bucket: dist.GradBucket | str, codec_index: int = 0) -> int:
         """The seed of the exchange of ``codecs[codec_index]`` at ``step`` in ``bucket`` (the
-        DDP bucket, or its :meth:`bucket_key`): :func:`~horovod_quant.core.rng.bucket_seed`
+        DDP bucket, or its :meth:`bucket_key`): :func:`~horovod_quant.core.rng.payload_seed`
         of the key at offset 0 (module doc)."""
         if isinstance(bucket, int):
             raise TypeError("seed_of(step, bucket, codec_index) takes the DDP bucket or its "
                             "state.bucket_key(bucket), not its index: the seeds follow the "
                             "bucket's parameters, not DDP's numbering")
         key = bucket if isinstance(bucket, str) else self.bucket_key(bucket)
-        return bucket_seed(self.seed, step, key, 0, codec_index)
+        return self.runtime.seed_of(step, key, 0, codec_index)
 
-    def _seed(self, step: int, index: int, codec_index: int) -> int:
-        """The seed of codec ``codec_index``'s exchange in this step's bucket ``index``."""
-        return self.seed_of(step, self._keys[index], codec_index)
+    @property
+    def fabric(self) -> Fabric | None:
+        return self.runtime.fabric
+
+    def _payload_key(self, index: int) -> tuple[str, int]:
+        """The key and offset of this step's bucket ``index`` in the seeds
+        (:meth:`~horovod_quant.exchange.runtime.ExchangeRuntime.seed_of`)."""
+        return self._keys[index], 0
 
     def _codec_index(self, param: torch.Tensor) -> int | None:
         """Where the policy sends ``param``: ``codecs`` index, or None (exact)."""
@@ -694,7 +687,7 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
         waits for the cross-rank check. A resumed state's first step exchanges the saved
         step's buckets instead (:class:`_Replay`)."""
         grad = bucket.buffer()
-        if self._exchanges is None:
+        if not self.runtime.opened:
             self._open_exchanges(grad)
         last = bucket.is_last()
         self._steps.begin()
@@ -726,7 +719,7 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
                 self._replay = None
             self._last_layout, self._exchanged = self._exchanged, []
             start, pieces = jobs[-1]
-            start = self._hook_fallback.then_end_step(start, self.step, self._check.prefix)
+            start = self._hook_fallback.then_end_step(start, self.step, self.runtime.prefix)
             self.step += 1
             jobs[-1] = (_counted(start, self._steps, self.step), pieces)
         for n, (start, pieces) in enumerate(jobs):
@@ -740,14 +733,12 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
     def _open_exchanges(self, grad: torch.Tensor) -> None:
         """At the first bucket (``grad``, where the codecs run): the fabric, the cross-rank
         check, waited for (nothing is combined before it), and the exchanges."""
-        if self._check is None:
-            self.fabric = self._hook_fallback.fabric or self._environment.fabric(on_gpu(grad))
-            self._check = ConfigCheck(self._comm, self.shared_config())
-        self._check.wait()  # a mismatch raises here, at this and every later call
-        self._exchanges = [Exchange(c, self._comm, gather=self.gather,
-                                    pipeline_elems=self.pipeline_elems, fabric=self.fabric,
-                                    states=self.codec_states)
-                           for c in self.codecs]
+        if not self.runtime.checking:
+            self.runtime.use_fabric(self._hook_fallback.fabric
+                                    or self.environment.fabric(on_gpu(grad)))
+            self.runtime.check(self._comm, self.shared_config())
+        # a mismatch raises here, at this and every later call
+        self.runtime.open(self.codecs, self._comm)
         self._steps = LEDGER.register(self.DOOR, self.step, store_end_of_job(self._comm))
 
     def _start_parts(self, index: int, parts: list[_Part], grad: torch.Tensor, step: int,
@@ -755,7 +746,8 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
         """The start of bucket ``index``'s exact allreduce and codec exchanges of ``step``
         (its ``parts`` of buffer ``grad``): it returns the function that finishes them and
         writes the means into ``grad``; they count in ``stats`` (None: :attr:`stats`)."""
-        name = f"{self._check.prefix}.b{index}"
+        name = f"{self.runtime.prefix}.b{index}"
+        key, offset = self._payload_key(index)
         stats = self.stats if stats is None else stats
 
         def start() -> Finish:
@@ -768,10 +760,9 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
                     continue
                 k = part.codec_index
                 label = name if k == 0 else f"{name}.c{k}"
-                pending = self._exchanges[k].start(
-                    vector, self._seed(step, index, k), label,
-                    out=self._mean_buffer(index, k, vector),
-                    tag=exchange_tag(label, (vector.size,), step))
+                pending = self.runtime.start(self.codecs[k], vector, step, key, label,
+                                             offset=offset, codec_index=k,
+                                             out=self._mean_buffer(index, k, vector))
                 pending.advance(block=True)  # when a norm arrives differs between ranks
                 started.append((part, pending))
 
@@ -805,9 +796,7 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
 
     def _use_fabric(self, fabric: Fabric) -> None:
         """Choose the plans again for ``fabric`` (the fallback's measured one)."""
-        self.fabric = fabric
-        for exchange in self._exchanges:
-            exchange.use_fabric(fabric)
+        self.runtime.use_fabric(fabric)
 
 
 def quantization_hook(state: QuantizationState, bucket: dist.GradBucket

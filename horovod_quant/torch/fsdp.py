@@ -28,7 +28,6 @@ from torch.autograd import Variable
 
 from .. import gpu
 from ..core.base import Codec
-from ..core.rng import bucket_seed
 from ..doors import FSDP_DOOR, CompressorSettings, DoorOptions, door_options
 from .ddp import QuantizationState, _Part, _parts
 from .tensors import on_gpu, stream_of
@@ -138,10 +137,9 @@ class ReplicaState(QuantizationState):
     def shard_seed(self, step: int, key: str, offset: int, codec_index: int = 0) -> int:
         """The seed of the exchange of ``codecs[codec_index]`` at ``step`` for the shard of
         the parameters named ``key`` (comma-joined) starting at element ``offset`` of their
-        module's flat gradient: ``derive_key(seed, step, name_key(key), offset)``, and
-        ``codec_index`` after them where it is not 0 (:func:`~horovod_quant.core.rng.
-        bucket_seed`, the DDP hook's buckets' too)."""
-        return bucket_seed(self.seed, step, key, offset, codec_index)
+        module's flat gradient: the runtime's (:func:`~horovod_quant.core.rng.payload_seed`,
+        the DDP hook's buckets' too)."""
+        return self.runtime.seed_of(step, key, offset, codec_index)
 
     def seed_of(self, step: int, index: int, codec_index: int = 0) -> int:
         """The seed of ``codecs[codec_index]``'s exchange in the shard of ``fully_shard``
@@ -149,8 +147,9 @@ class ReplicaState(QuantizationState):
         shard = self._shards[index]
         return self.shard_seed(step, shard.key(), shard.offset(), codec_index)
 
-    def _seed(self, step: int, index: int, codec_index: int) -> int:
-        return self.seed_of(step, index, codec_index)
+    def _payload_key(self, index: int) -> tuple[str, int]:
+        shard = self._shards[index]
+        return shard.key(), shard.offset()
 
     def _codec_of(self, param: Any, name: str) -> int | None:
         codec = self.policy.codec_for(self.codec, param.shape, name)
@@ -159,7 +158,7 @@ class ReplicaState(QuantizationState):
     def exchange_shard(self, shard: _Shard, grad: torch.Tensor) -> None:
         """FSDP's all-reduce hook: ``grad`` (``shard``'s flat gradient) becomes its mean over
         the replicas, in place, before this returns; the step's first also queues its end."""
-        if self._exchanges is None:
+        if not self.runtime.opened:
             self._open_exchanges(grad)
         parts = shard.parts(grad.numel(), self._codec_of)
         self._steps.begin()
@@ -181,7 +180,7 @@ class ReplicaState(QuantizationState):
         self._step_open = False
         self._hook_fallback.bucket_arrived(True)
         end = self._hook_fallback.then_end_step(lambda: lambda: None, self.step,
-                                                self._check.prefix)
+                                                self.runtime.prefix)
         self.step += 1
         self._pipeline.submit(end, True).wait()
         self._steps.end(self.step)

@@ -2,11 +2,11 @@
 
 Its ideas, side by side: the buckets (:mod:`~horovod_quant.torch.buckets`), the exchange
 schedule (:mod:`~horovod_quant.torch.schedule`) and the fallback controller
-(:mod:`horovod_quant.fallback`); this module holds the hooks and the step. Bucket ``i`` of
-step ``t`` is exchanged with seed ``derive_key(seed, t, i)``, so ``mean_estimate(codec, [that
-vector on each rank], derive_key(seed, t, i), gather="auto", pipeline_elems=opt.pipeline_elems,
-topology=opt.topology, fabric=opt.fabric)`` reproduces it exactly, global-norm codecs included
-(the norm is the bucket's).
+(:mod:`horovod_quant.fallback`); this module holds the hooks and the step. A bucket of step
+``t`` is exchanged with seed ``opt.runtime.seed_of(t, names)`` (its parameters' names
+comma-joined, as every door keys a payload): ``mean_estimate(codec, [that vector on each rank],
+that seed, gather="auto", pipeline_elems=, topology=, fabric=)`` with ``opt``'s values
+reproduces it exactly, global-norm codecs included (the norm is the bucket's).
 
 As in Horovod, every parameter gets the averaged gradient on every rank, also where a rank did
 not use it (its gradient counts as zeros). Unlike Horovod's, it follows ``requires_grad`` changed
@@ -37,14 +37,13 @@ from ..doors import (
     DoorOptions,
     Refusal,
     SettingsAttributes,
-    check_same_config,
     door_options,
     load_codec_states,
     mpi_exchange_config,
 )
 from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
-from ..exchange.driver import Exchange
+from ..exchange.runtime import ExchangeRuntime
 from ..fallback import (
     BaselineChoice,
     BucketTrial,
@@ -210,7 +209,6 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self.op, self.gradient_predivide_factor = op, gradient_predivide_factor
         self.backward_passes_per_step = backward_passes_per_step
         self.sparse_as_dense, self.process_set = sparse_as_dense, process_set
-        self.stats = StepStats()
         self.last_stats: StepStats | None = None
         self._step = 0
         self._fallback = FallbackController(options.fallback, options.baseline,
@@ -233,18 +231,23 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         self._warned_resync = False
         # an error inside a step stops the optimizer: the ranks may have stopped apart
         self._refusal = Refusal("optimizer", "a new hq.torch.DistributedOptimizer")
-        #: the adaptive codecs' states (NDQSG's) the exchanges carry from step to step
-        self.codec_states = CodecStates()
         # where the codecs run: the first device whose gradients the CUDA kernels encode
         device = next((p.device for p in all_params if on_gpu(p)), torch.device("cpu"))
         #: the links' speeds the plan choice weighs (GPU or CPU ranks' defaults, HQ_LINK_GBIT,
         #: HQ_INTRA_GBYTE, HQ_ROUND_US): what mean_estimate needs to reproduce a bucket's plan
-        self.fabric = environment.fabric(device.type == "cuda")
+        #: the optimizer's exchanges, codec states, checks, seeds, statistics and the links'
+        #: speeds the plan choice weighs (``fabric``: GPU or CPU ranks' defaults,
+        #: HQ_LINK_GBIT, HQ_INTRA_GBYTE, HQ_ROUND_US): what mean_estimate needs to reproduce a
+        #: bucket's plan
+        self.runtime = ExchangeRuntime(options.seed, options.gather, options.pipeline_elems,
+                                       environment.fabric(device.type == "cuda"),
+                                       environment.config_timeout)
         # the check comes before anything that can wait for a peer (the transport's and the
         # exchanges' set-up), over Horovod's collectives
         self._transport = resolve_transport(environment.transport_for(options.transport))
         self._comm = HorovodTorchCollectives(process_set)
-        self._prefix = self._check_layout()
+        self.runtime.check(self._comm, self._layout_config())
+        self._prefix = self.runtime.wait_check()
         self._comm = transport_collectives(process_set, self._transport, device,
                                            environment.mpi_exchange)
         #: what carries the payloads: "gloo" (a group beside Horovod) or "horovod"
@@ -252,11 +255,9 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         #: which ranks share hosts, where the transport runs hierarchical exchanges (else None):
         #: what :func:`~horovod_quant.mean_estimate` needs to reproduce a bucket
         self.topology = getattr(self._comm.hierarchy, "topology", None)
-        self._exchanges = {c.config_key(): Exchange(c, self._comm, gather=options.gather,
-                                                    pipeline_elems=options.pipeline_elems,
-                                                    fabric=self.fabric, states=self.codec_states)
-                           for c in options.policy.codecs(codec)}
-        self._schedule = ExchangeSchedule(self._comm, self._exchanges, options.seed, self._prefix)
+        self.runtime.open(options.policy.codecs(codec), self._comm)
+        self._schedule = ExchangeSchedule(self._comm, self.runtime, self._layout.names,
+                                          self._prefix)
         self._schedule.use(self._layout.buckets)
         self._horovod = HorovodPath(op, gradient_predivide_factor, process_set, self._prefix)
         self._grad_accs: list[Any] = []
@@ -277,16 +278,28 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
         the next step on the layout no longer changes for the fallback's sake."""
         return self._fallback.settled(self._step)
 
-    def _check_layout(self) -> str:
-        """Every rank must agree on everything that changes what goes on the wire (the codecs,
-        policy, seed, transport, pipeline, op and factors, sparse handling, fallback and the
-        buckets); returns the check's prefix, which names this optimizer's collectives.
-        ``backward_passes_per_step`` is not checked: it changes when a rank starts its
-        exchanges, not which."""
+    @property
+    def stats(self) -> StepStats:
+        return self.runtime.stats
+
+    @property
+    def fabric(self) -> Fabric:
+        return self.runtime.fabric
+
+    @property
+    def codec_states(self) -> CodecStates:
+        """The adaptive codecs' states (NDQSG's) the exchanges carry from step to step."""
+        return self.runtime.states
+
+    def _layout_config(self) -> dict:
+        """What every rank must agree on, everything that changes what goes on the wire (the
+        codecs, policy, seed, transport, pipeline, op and factors, sparse handling, fallback
+        and the buckets). ``backward_passes_per_step`` is not checked: it changes when a rank
+        starts its exchanges, not which."""
         options, names = self.options, self._layout.names
         mpi = ({} if self._transport == "gloo" else mpi_exchange_config(
             options.policy.codecs(self.codec), self._environment.mpi_exchange))
-        return check_same_config(self._comm, {
+        return {
             "door": "optimizer", **self.codec.config(), "seed": options.seed, "step": self._step,
             "transport": self._transport, **mpi, "pipeline_elems": options.pipeline_elems,
             "op": self.op, "gradient_predivide_factor": self.gradient_predivide_factor,
@@ -295,7 +308,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
             "policy": describe(options.policy),
             "fallback": [options.fallback, options.baseline, self._fallback.baseline,
                          sorted(names[k] for k in self._fallback.fallen_back)],
-            **self._layout.describe()})
+            **self._layout.describe()}
 
     def _relayout(self, check: bool = True) -> None:
         """Form the buckets again (sparse and fallen-back parameters leave theirs); the ranks
@@ -304,7 +317,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
                           fallback_dtype=BASELINE_DTYPES[self._fallback.baseline])
         self._schedule.use(self._layout.buckets)
         if check:
-            self._check_layout()
+            self.runtime.check_again(self._comm, self._layout_config())
 
     # -- hooks --------------------------------------------------------------------------------
     def _trainable(self) -> list[torch.nn.Parameter]:
@@ -432,9 +445,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
 
     def _use_fabric(self, fabric: Fabric) -> None:
         """Choose the plans again for ``fabric`` (measured, or a checkpoint's)."""
-        self.fabric = fabric
-        for exchange in self._exchanges.values():
-            exchange.use_fabric(fabric)
+        self.runtime.use_fabric(fabric)
 
     def _finish_step(self) -> None:
         if self._fallback.choice is not None:

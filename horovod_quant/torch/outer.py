@@ -7,13 +7,13 @@
 
 It is the DDP hook's exchange (:mod:`horovod_quant.torch.ddp`), one tensor at a time and on the
 caller's thread: the codec resolved as the hook resolves it (:func:`~.ddp.group_codec`), the
-group's own collectives (:func:`~.distributed.own_group`), the cross-rank configuration check
-at the first call, one :class:`~horovod_quant.exchange.Exchange` whose codec states the holder
-keeps. A call with ``key`` first allgathers its tag (:func:`~horovod_quant.exchange.wire.
-exchange_tag`: name, shape, dtype and the key as its step), so ranks with different keys or
-tensors raise before anything is combined, whatever the plan; the exchange seed is
-:meth:`OuterAllreduce.seed_of` ``(key)``, and ``hq.mean_estimate(codec, rows, that seed,
-gather=, pipeline_elems=, topology=, fabric=, states=)`` with the holder's values reproduces
+group's own collectives (:func:`~.distributed.own_group`), the cross-rank configuration check at
+the first call, the door's :class:`~horovod_quant.exchange.runtime.ExchangeRuntime` (its exchange
+and the codec states the holder keeps). A call with ``key`` first allgathers its tag
+(:func:`~horovod_quant.exchange.wire.exchange_tag`: name, shape, dtype and the key as its step),
+so ranks with different keys or tensors raise before anything is combined, whatever the plan; the
+exchange seed is :meth:`OuterAllreduce.seed_of` ``(key)``, and ``hq.mean_estimate(codec, rows, that
+seed, gather=, pipeline_elems=, topology=, fabric=, states=)`` with the holder's values reproduces
 the result.
 """
 from __future__ import annotations
@@ -25,19 +25,15 @@ import torch
 import torch.distributed as dist
 
 from ..core.base import Codec
-from ..core.rng import derive_key, name_key
+from ..core.rng import name_key
 from ..doors import (
     OUTER_DOOR,
     CompressorSettings,
-    ConfigCheck,
-    DoorEnvironment,
     DoorOptions,
     door_options,
     load_codec_states,
 )
-from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
-from ..exchange.driver import Exchange
 from ..exchange.wire import OutOfStep, check_tag_words, exchange_tag, tag_words
 from .ddp import group_codec
 from .distributed import own_group, process_group_collectives
@@ -47,6 +43,8 @@ __all__ = ["OuterAllreduce", "allreduce"]
 
 #: the dtypes a call takes: the codecs encode float32, and 16-bit values exactly as float32
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: the key of the door's one tensor in its seeds (the call's key is the step)
+PAYLOAD_KEY = "outer"
 _DOOR = OUTER_DOOR
 
 
@@ -121,18 +119,18 @@ class OuterAllreduce(CompressorSettings):
         check_member(group)
         comm = process_group_collectives(own_group(group))
         codec, inherited = group_codec(compression, comm, "compression")
-        super().__init__(codec, door_options(settings, options, inherited, _DOOR))
-        self._environment = DoorEnvironment.read(_DOOR)
+        super().__init__(codec, door_options(settings, options, inherited, _DOOR), _DOOR)
         self.group, self._comm = group, comm
         self.topology = getattr(comm.hierarchy, "topology", None)
-        self.fabric: Fabric | None = None
-        self.codec_states = CodecStates()
-        self._check: ConfigCheck | None = None
-        self._exchange: Exchange | None = None
+
+    @property
+    def fabric(self) -> Fabric | None:
+        return self.runtime.fabric
 
     def seed_of(self, key: int | str) -> int:
-        """The exchange seed of a call with ``key``: ``derive_key(seed, key_number(key))``."""
-        return derive_key(self.seed, key_number(key))
+        """The exchange seed of a call with ``key``: ``payload_seed(seed, key_number(key),
+        "outer")``, the runtime's seed of the door's one tensor at step ``key``."""
+        return self.runtime.seed_of(key_number(key), PAYLOAD_KEY)
 
     def shared_config(self) -> dict:
         return {**super().shared_config(), "door": "outer",
@@ -142,15 +140,13 @@ class OuterAllreduce(CompressorSettings):
         """The mean estimate of ``tensor`` over the group, as :func:`allreduce` (its doc)."""
         step = key_number(key)
         check_tensor(tensor)
-        if self._exchange is None:  # the first call: the check, then the exchange
-            if self._check is None:
-                self.fabric = self._environment.fabric(on_gpu(tensor))
-                self._check = ConfigCheck(self._comm, self.shared_config())
-            self._check.wait()  # a mismatch raises here, on every rank, and at every call
-            self._exchange = Exchange(self.codec, self._comm, gather=self.gather,
-                                      pipeline_elems=self.pipeline_elems, fabric=self.fabric,
-                                      states=self.codec_states)
-        label = f"{self._check.prefix}.outer"
+        if not self.runtime.opened:  # the first call: the check, then the exchange
+            if not self.runtime.checking:
+                self.runtime.use_fabric(self.environment.fabric(on_gpu(tensor)))
+                self.runtime.check(self._comm, self.shared_config())
+            # a mismatch raises here, on every rank, and at every call
+            self.runtime.open([self.codec], self._comm)
+        label = f"{self.runtime.prefix}.outer"
         tag = exchange_tag(f"{label}|{tensor.dtype}", tuple(tensor.shape), step)
         words = tag_words(tag)
         try:  # the sum plans' allreduce carries no tag: every call checks it first
@@ -162,10 +158,10 @@ class OuterAllreduce(CompressorSettings):
         self.stats.bytes_sent += words.nbytes
         if tensor.numel() == 0:
             return tensor.detach().clone()
-        pending = self._exchange.start(flat_array(tensor), self.seed_of(key), label, tag=tag)
+        pending = self.runtime.start(self.codec, flat_array(tensor), step, PAYLOAD_KEY,
+                                     f"{label}|{tensor.dtype}", shape=tuple(tensor.shape))
         pending.advance(block=True)
-        mean = as_tensor(pending.wait())
-        self.stats.add(pending.stats)
+        mean = as_tensor(self.runtime.finish(pending))
         return mean.to(tensor.device).reshape(tensor.shape).to(tensor.dtype)
 
     def state_dict(self) -> dict[str, Any]:

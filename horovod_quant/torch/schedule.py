@@ -4,8 +4,10 @@ A bucket's exchange starts from the backward hook of its last gradient, so commu
 overlaps the rest of backward. Over collectives that pair by call order (the gloo transport)
 buckets start in bucket order, each once the ones before it have; a bucket whose exchange
 blocks on its peers (an exchange that pairs by call order over Horovod's collectives) starts at
-``synchronize()``, in bucket order. Bucket ``i`` of step ``t`` is exchanged with seed
-``derive_key(seed, t, i)`` under the collective name ``<check prefix>.b<i>``. Gradients the
+``synchronize()``, in bucket order. Bucket ``i`` of step ``t`` goes through the optimizer's
+:class:`~horovod_quant.exchange.runtime.ExchangeRuntime` keyed by its parameters' names
+(comma-joined: seed ``payload_seed(seed, t, names)``, as in every door) under the collective name
+``<check prefix>.b<i>``. Gradients the
 layout leaves to Horovod go through Horovod's own allreduce
 (:class:`~horovod_quant.torch.horovod_path.HorovodPath`). This module imports no Horovod: it
 runs on any :class:`~horovod_quant.exchange.collectives.Collectives`.
@@ -14,10 +16,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-from ..core.rng import derive_key
 from ..exchange.collectives import Collectives
 from ..exchange.driver import Exchange
-from ..exchange.wire import exchange_tag
+from ..exchange.runtime import ExchangeRuntime
 from ..stats import StepStats
 from .buckets import Bucket
 from .tensors import as_tensor, stream_of
@@ -31,15 +32,15 @@ class ExchangeSchedule:
 
     Args:
         comm: the collectives the exchanges run on.
-        exchanges: the exchange of each codec, by ``config_key()``.
-        seed: the base seed.
+        runtime: the optimizer's exchanges (open on ``comm``).
+        names: ``{id(parameter): name}`` (a bucket's key: its parameters' names).
         prefix: the configuration check's prefix (names the collectives).
     """
 
-    def __init__(self, comm: Collectives, exchanges: dict[tuple, Exchange], seed: int,
+    def __init__(self, comm: Collectives, runtime: ExchangeRuntime, names: dict[int, str],
                  prefix: str) -> None:
-        self._comm, self._exchanges = comm, exchanges
-        self._seed, self._prefix = seed, prefix
+        self._comm, self._runtime, self._names = comm, runtime, names
+        self._prefix = prefix
         self.buckets: list[Bucket] = []
         self._next = 0  # the first bucket not started, over collectives that pair by order
 
@@ -49,11 +50,15 @@ class ExchangeSchedule:
         self._next = 0
 
     def exchange_of(self, bucket: Bucket) -> Exchange:
-        return self._exchanges[bucket.codec.config_key()]
+        return self._runtime.exchange_of(bucket.codec)
+
+    def key_of(self, bucket: Bucket) -> str:
+        """``bucket``'s key in the seeds: its parameters' names, comma-joined."""
+        return ",".join(self._names[id(p)] for p in bucket.params)
 
     def seed_of(self, step: int, bucket: Bucket) -> int:
         """The seed of ``bucket``'s exchange at ``step``."""
-        return derive_key(self._seed, step, bucket.index)
+        return self._runtime.seed_of(step, self.key_of(bucket))
 
     def start(self, bucket: Bucket, step: int, flat_of: FlatOf) -> None:
         """Start ``bucket``'s exchange of ``flat_of(bucket)`` (its name is the same every step:
@@ -61,9 +66,8 @@ class ExchangeSchedule:
         name = f"{self._prefix}.b{bucket.index}"
         with stream_of(bucket.params[0]):
             flat = flat_of(bucket)
-            bucket.pending = self.exchange_of(bucket).start(
-                flat, self.seed_of(step, bucket), name, out=bucket.mean,
-                tag=exchange_tag(name, (flat.size,), step))
+            bucket.pending = self._runtime.start(bucket.codec, flat, step, self.key_of(bucket),
+                                                 name, out=bucket.mean)
 
     def bucket_ready(self, bucket: Bucket, step: int, flat_of: FlatOf) -> None:
         """One more of ``bucket``'s gradients is ready: start what may start now

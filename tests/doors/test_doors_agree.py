@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from horovod_quant.core.rng import bucket_seed, derive_key  # noqa: E402
+from horovod_quant.core.rng import derive_key, payload_seed  # noqa: E402
 
 import agreement  # noqa: E402
 
@@ -37,7 +37,7 @@ def test_door_gives_the_reference_bits(door):
 def test_doors_with_one_seed_give_one_result():
     """Doors that derive the same exchange seed from the base seed give identical bits; the
     optimizer seeds its bucket 0 at step 0 with ``derive_key(seed, 0, 0)``, the DDP hook the
-    bucket holding the tensor with ``bucket_seed(seed, 0, its name, 0)``."""
+    bucket holding the tensor with ``payload_seed(seed, 0, its name, 0)``."""
     groups: dict[int, list[str]] = {}
     for door in PRESENT:
         groups.setdefault(WRITTEN[door][1], []).append(door)
@@ -48,7 +48,7 @@ def test_doors_with_one_seed_give_one_result():
     if "optimizer" in PRESENT:
         assert WRITTEN["optimizer"][1] == derive_key(agreement.SEED, 0, 0)
     if "ddp" in PRESENT:
-        assert WRITTEN["ddp"][1] == bucket_seed(agreement.SEED, 0, agreement.NAME, 0)
+        assert WRITTEN["ddp"][1] == payload_seed(agreement.SEED, 0, agreement.NAME, 0)
 
 
 def test_default_pipeline_cuts_the_tensor():

@@ -12,7 +12,7 @@ import torch
 import horovod_quant as hq
 import horovod_quant.torch as hqt
 from horovod_quant.core.rng import derive_key, name_key
-from horovod_quant.doors import CHECKS, ConfigCheck
+from horovod_quant.exchange.check import CHECKS, ConfigCheck
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 
 from conftest import codec_params, rank_gradients
@@ -355,7 +355,7 @@ def test_configuration_wait_has_a_deadline(monkeypatch):
     comm = HorovodTorchCollectives()
     if hvd.rank() == 0:
         with pytest.raises(RuntimeError, match="waited .* configuration"):
-            ConfigCheck(comm, {"alone": True}).wait()
+            ConfigCheck(comm, {"alone": True}, timeout=2).wait()
     _resync()
 
 

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import horovod_quant as hq
 import horovod_quant.tensorflow as hqtf
-from horovod_quant.doors import CHECKS, ConfigCheck
+from horovod_quant.exchange.check import CHECKS, ConfigCheck
 from horovod_quant.tensorflow.collectives import HorovodTFCollectives
 
 from conftest import codec_params, linear_loss, rank_gradients, reference, same_on_every_rank

@@ -11,19 +11,16 @@ import horovod_quant as hq
 import horovod_quant.exchange
 from horovod_quant.core.payload import Payload
 from horovod_quant.doors import (
-    CHECKS,
     OPTIMIZER_DOOR,
     TF_DOOR,
     TORCH_COMPRESSOR_DOOR,
-    ConfigCheck,
     DoorEnvironment,
     Refusal,
-    check_same_config,
     load_codec_states,
-    wait_for_peers,
 )
 from horovod_quant.env import env_choice, env_flag, env_seconds, env_text
 from horovod_quant.exchange import Exchange
+from horovod_quant.exchange.check import CHECKS, ConfigCheck, check_same_config, wait_for_peers
 from horovod_quant.exchange.codec_states import CodecStates
 from horovod_quant.exchange.collectives import Handle, decode_objects, encode_object
 from horovod_quant.exchange.wire import (
@@ -124,8 +121,8 @@ def test_waiting_for_peers_has_a_deadline(monkeypatch):
         wait_for_peers(_Never(), "the test", timeout=0.2)
     assert time.monotonic() - t < 5
     monkeypatch.setenv("HQ_CONFIG_TIMEOUT", "0.1")
-    with pytest.raises(RuntimeError):
-        wait_for_peers(_Never(), "the test")
+    with pytest.raises(RuntimeError):  # the doors read the variable and pass it down
+        wait_for_peers(_Never(), "the test", DoorEnvironment.read(TF_DOOR).config_timeout)
 
 
 def test_objects_from_peers_are_json_never_pickle():
