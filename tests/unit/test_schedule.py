@@ -1,7 +1,7 @@
 """When ``hq.torch.DistributedOptimizer``'s bucket exchanges start and finish
 (``torch/schedule.py``), on threaded ranks without Horovod: each bucket's mean is the reference's
-for the seed ``payload_seed(seed, step, its parameters' names)``, whatever order the hooks run in; over
-collectives that pair by call order every rank starts the buckets in bucket order; an exchange
+for the seed ``payload_seed(seed, step, its parameters' names)``, whatever order the hooks run in;
+over collectives that pair by call order every rank starts the buckets in bucket order; an exchange
 that blocks on its peers waits for ``finish``."""
 from __future__ import annotations
 
