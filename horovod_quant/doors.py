@@ -259,6 +259,11 @@ DOOR_READS: dict[str, tuple[str, ...]] = {
 }
 
 
+def config_timeout() -> float:
+    """``HQ_CONFIG_TIMEOUT``, read now: seconds a rank waits for the others at a check."""
+    return env_seconds(CONFIG_TIMEOUT_ENV, CONFIG_TIMEOUT_S)
+
+
 @dataclasses.dataclass(frozen=True)
 class DoorEnvironment:
     """The environment variables of the doors' settings, read once, where a door resolves its
@@ -305,8 +310,7 @@ class DoorEnvironment:
             ValueError: a variable the door reads holds an invalid value (named).
         """
         reads = DOOR_READS[door]
-        values: dict[str, Any] = {"config_timeout": env_seconds(CONFIG_TIMEOUT_ENV,
-                                                                CONFIG_TIMEOUT_S)}
+        values: dict[str, Any] = {"config_timeout": config_timeout()}
         if "fabric" in reads:
             values.update({field: env_positive(name, None, unit)
                            for field, (name, unit) in FABRIC_ENV.items()})

@@ -122,8 +122,3 @@ def _steps_at_odds(configs: list[dict]) -> str:
     return (f"{ranks}: load the checkpoint on every rank, or broadcast the optimizer state from "
             "the rank that loaded it (horovod_quant.torch.broadcast_state beside Horovod's "
             "broadcasts); ")
-
-
-def check_same_config(comm: Collectives, config: dict, timeout: float = CONFIG_TIMEOUT_S) -> str:
-    """:class:`ConfigCheck`, blocking; returns the check's prefix."""
-    return ConfigCheck(comm, config, timeout).wait()

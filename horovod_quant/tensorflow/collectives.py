@@ -7,7 +7,7 @@ allreduce) its MPI communicator.
 
 Each collective runs on its own daemon thread, so the caller can stop waiting: a Horovod op
 that a peer never joins blocks its thread forever, and
-:func:`~horovod_quant.doors.wait_for_peers` gives up after ``HQ_CONFIG_TIMEOUT`` seconds by
+:func:`~horovod_quant.exchange.check.wait_for_peers` gives up after ``HQ_CONFIG_TIMEOUT`` seconds by
 polling :meth:`Handle.done` instead of blocking in it. A thread left behind that way is a
 daemon: it does not keep the process alive, and it finishes if the peer joins later.
 """

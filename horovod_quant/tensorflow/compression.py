@@ -9,7 +9,7 @@ whose reduced value is the factor of the user's op, which ``decompress`` applies
 
 Seeds: each compressor's int64 call counter is the step of the k-th compressed tensor (in the order
 Horovod calls ``compress``, the same on every rank), named after Horovod's own call
-(:func:`horovod_name`, unnamed: ``#``), seeded ``payload_seed(seed, k, name)`` as in every door
+(:func:`payload_key`), seeded ``payload_seed(seed, k, key)`` as in every door
 (:mod:`~horovod_quant.exchange.runtime`). Every exchange carries a tag of name, k and shape, so
 ranks whose tensors differ raise the same ValueError. A cross-rank configuration check runs before
 the first exchange. The counter and the adaptive codecs' states (NDQSG's) are a job's state:
@@ -133,6 +133,13 @@ def horovod_name(tensor: Any) -> str | None:
                 name = _variable_name(local.get("vars"), index) or name
             break
     return name if isinstance(name, str) else None
+
+
+def payload_key(name: str | None) -> str:
+    """The key of a tensor Horovod names ``name`` in the seeds: the name without a variable's
+    output index ``:0`` (``dense/kernel:0`` is ``dense/kernel``, as the torch doors name a
+    parameter), ``#`` for an unnamed one."""
+    return "#" if name is None else name.removesuffix(":0")
 
 
 class _Spec(NamedTuple):
@@ -428,7 +435,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         # read after this callback: TF may reuse its buffer
         if isinstance(spec.codec, SideInformation):
             x = np.array(x, copy=True)
-        return self.runtime.piece_plan(spec.kind, spec.codec, x, k, spec.key or "#", i, pieces,
+        return self.runtime.piece_plan(spec.kind, spec.codec, x, k, payload_key(spec.key), i,
+                                       pieces,
                                        spec.rank, spec.n,
                                        None if norm is None else np.float32(norm), spec.tag(k),
                                        spec.label(k))

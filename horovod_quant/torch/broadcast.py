@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..doors import wait_for_peers
+from ..doors import config_timeout
+from ..exchange.check import wait_for_peers
 from .collectives import HorovodTorchCollectives
 from .compression import QuantizedCompressor
 
@@ -48,6 +49,7 @@ def broadcast_state(obj: Any, root_rank: int = 0, process_set: Any = None) -> No
         return
     mine = state if comm.rank == root_rank else None
     gathered = wait_for_peers(comm.allgather_object_async(mine, "hq.broadcast_state"),
-                              "every rank's call of horovod_quant.torch.broadcast_state")
+                              "every rank's call of horovod_quant.torch.broadcast_state",
+                              config_timeout())
     if comm.rank != root_rank:
         load(gathered[root_rank])

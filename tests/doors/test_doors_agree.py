@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from horovod_quant.core.rng import derive_key, payload_seed  # noqa: E402
+from horovod_quant.core.rng import payload_seed  # noqa: E402
 
 import agreement  # noqa: E402
 
@@ -34,21 +34,15 @@ def test_door_gives_the_reference_bits(door):
     assert np.array_equal(mean, agreement.reference(seed)), door
 
 
-def test_doors_with_one_seed_give_one_result():
-    """Doors that derive the same exchange seed from the base seed give identical bits; the
-    optimizer seeds its bucket 0 at step 0 with ``derive_key(seed, 0, 0)``, the DDP hook the
-    bucket holding the tensor with ``payload_seed(seed, 0, its name, 0)``."""
-    groups: dict[int, list[str]] = {}
-    for door in PRESENT:
-        groups.setdefault(WRITTEN[door][1], []).append(door)
-    for doors in groups.values():
-        first = WRITTEN[doors[0]][0]
-        for door in doors[1:]:
-            assert np.array_equal(WRITTEN[door][0], first), (doors[0], door)
-    if "optimizer" in PRESENT:
-        assert WRITTEN["optimizer"][1] == derive_key(agreement.SEED, 0, 0)
-    if "ddp" in PRESENT:
-        assert WRITTEN["ddp"][1] == payload_seed(agreement.SEED, 0, agreement.NAME, 0)
+def test_every_door_derives_one_seed_and_gives_one_result():
+    """Every door keys a payload with the runtime's one function of (step, key, piece):
+    the tensor NAME at its first step gets ``payload_seed(seed, 0, NAME)`` through each of
+    them (the compressors' first use of the name, the optimizer's and the DDP hook's bucket
+    holding the parameter alone, TensorFlow's first call), and so the same bits."""
+    want = payload_seed(agreement.SEED, 0, agreement.NAME)
+    assert {door: WRITTEN[door][1] for door in PRESENT} == {door: want for door in PRESENT}
+    for door in PRESENT[1:]:
+        assert np.array_equal(WRITTEN[door][0], WRITTEN[PRESENT[0]][0]), (PRESENT[0], door)
 
 
 def test_default_pipeline_cuts_the_tensor():
@@ -56,7 +50,7 @@ def test_default_pipeline_cuts_the_tensor():
     reference with whole vectors differs (a door with another default would fail above)."""
     import horovod_quant as hq
 
-    seed = derive_key(agreement.SEED, 0, 0)
+    seed = payload_seed(agreement.SEED, 0, agreement.NAME)
     whole, _ = hq.mean_estimate(agreement.codec(), [agreement.gradients(r).reshape(-1)
                                                     for r in range(agreement.WORLD)], seed,
                                 pipeline_elems=None)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import horovod_quant.torch as hqt
-from horovod_quant.core.rng import derive_key, name_key
+from horovod_quant.core.rng import payload_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "doors"))
 import agreement  # noqa: E402
@@ -52,7 +52,7 @@ def test_horovod_compression_door(two_ranks):
                                    compression=compression)
     mean = _averaged(opt, param)
     _check_and_write("torch_compressor", mean,
-                     derive_key(agreement.SEED, 0, name_key(agreement.NAME)))
+                     payload_seed(agreement.SEED, 0, agreement.NAME))
 
 
 def test_hq_optimizer_door(two_ranks):
@@ -62,4 +62,4 @@ def test_hq_optimizer_door(two_ranks):
                                    compression=agreement.codec(), seed=agreement.SEED)
     assert opt.pipeline_elems == hqt.DoorOptions().pipeline_elems
     mean = _averaged(opt, param)
-    _check_and_write("optimizer", mean, derive_key(agreement.SEED, 0, 0))
+    _check_and_write("optimizer", mean, payload_seed(agreement.SEED, 0, agreement.NAME))

@@ -9,7 +9,7 @@ import torch
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt
-from horovod_quant.core.rng import derive_key
+from horovod_quant.core.rng import payload_seed
 from horovod_quant.exchange import Exchange, mean_estimate, plans
 from horovod_quant.exchange.wire import exchange_tag
 from horovod_quant.torch.collectives import HorovodTorchCollectives
@@ -86,7 +86,8 @@ def test_optimizer_defaults_take_the_hierarchy(name):
         opt.step()
         flats = [np.concatenate([g.reshape(-1) for g in reversed(rank_gradients(shapes, step, q))])
                  for q in range(hvd.size())]
-        want, _ = mean_estimate(codec, flats, seed=derive_key(3, step, 0), gather="auto",
+        want, _ = mean_estimate(codec, flats, seed=payload_seed(3, step, "ps.1,ps.0"),
+                                gather="auto",
                                 pipeline_elems=opt.pipeline_elems, topology=_reference_topology())
         got = np.concatenate([p.grad.reshape(-1).numpy() for p in reversed(list(model.ps))])
         assert np.array_equal(got, want, equal_nan=True), step

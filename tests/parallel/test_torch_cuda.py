@@ -14,7 +14,7 @@ import torch
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt
-from horovod_quant.core.rng import derive_key, name_key
+from horovod_quant.core.rng import payload_seed
 from horovod_quant.exchange import plans
 
 from conftest import codec_params, rank_gradients
@@ -50,6 +50,12 @@ class CudaLinear(torch.nn.Module):
 
     def loss(self, grads):
         return sum((p * torch.from_numpy(g).to(p.device)).sum() for p, g in zip(self.ps, grads))
+
+
+def _bucket_seed(seed, step, shapes):
+    """The seed of the one fused bucket of ``ps.*`` (gradients in reverse order) at ``step``:
+    its key is its parameters' names."""
+    return payload_seed(seed, step, ",".join(f"ps.{i}" for i in reversed(range(len(shapes)))))
 
 
 def _want(name, shapes, step, seed, reverse, opt=None):
@@ -90,8 +96,8 @@ def test_quant_optimizer_on_cuda_matches_cpu_reference(cuda, name):
         grads = [p.grad for p in reversed(list(model.ps))]
         assert all(g.is_cuda for g in grads)
         got = torch.cat([g.reshape(-1) for g in grads]).cpu().numpy()
-        assert np.array_equal(got, _want(name, shapes, step, derive_key(3, step, 0), reverse=True,
-                                           opt=opt), equal_nan=True), (name, step)
+        assert np.array_equal(got, _want(name, shapes, step, _bucket_seed(3, step, shapes),
+                                         reverse=True, opt=opt), equal_nan=True), (name, step)
 
 
 @pytest.mark.parametrize("name", ["qsgd", "global_qsgd", "natural", "nested_dithered"])
@@ -112,7 +118,7 @@ def test_quant_optimizer_on_cuda_takes_the_hierarchy_where_ranks_share_hosts(cud
     hierarchical = hvd.local_size() > 1 and hvd.cross_size() > 1
     for step in _trained_steps(model, opt, shapes):
         got = torch.cat([p.grad.reshape(-1) for p in reversed(list(model.ps))]).cpu().numpy()
-        assert np.array_equal(got, _want(name, shapes, step, derive_key(3, step, 0),
+        assert np.array_equal(got, _want(name, shapes, step, _bucket_seed(3, step, shapes),
                                          reverse=True, opt=opt), equal_nan=True), (name, step)
     if hvd.size() > 1:
         kinds = opt.last_stats.plans
@@ -136,5 +142,5 @@ def test_horovod_optimizer_door_on_cuda(cuda, name):
         assert grad.is_cuda
         # the compressor's seed: the tensor's name and its use (the step), docs/pytorch.md
         assert np.array_equal(grad.reshape(-1).cpu().numpy(),
-                              _want(name, shapes, step, derive_key(5, step, name_key("ps.0")),
+                              _want(name, shapes, step, payload_seed(5, step, "ps.0"),
                                     reverse=False), equal_nan=True)

@@ -6,7 +6,7 @@ import torch
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt
-from horovod_quant.core.rng import derive_key, name_key
+from horovod_quant.core.rng import payload_seed
 from horovod_quant.exchange import driver
 from horovod_quant.exchange.wire import FRAME_HEADER_BYTES
 
@@ -18,12 +18,12 @@ EVERYTHING = hqt.LayerPolicy.everything()
 
 def _expected(name, shapes, step, seed, factor=1.0, key="ps.0"):
     """The mean the compressor door gives the parameter Horovod names ``key``: its u-th
-    exchange (here u = step) has seed derive_key(seed, u, name_key(key))."""
+    exchange (here u = step) has seed payload_seed(seed, u, key)."""
     n = hvd.size()
     codec = hq.get_codec(name, **codec_params(name))
     per_rank = [rank_gradients(shapes, step, r) for r in range(n)]
     flats = [np.concatenate([g.reshape(-1) for g in gs]) for gs in per_rank]
-    est, _ = hq.mean_estimate(codec, flats, seed=derive_key(seed, step, name_key(key)),
+    est, _ = hq.mean_estimate(codec, flats, seed=payload_seed(seed, step, key),
                               gather="auto")
     return est * np.float32(factor)
 
@@ -75,7 +75,7 @@ def test_backward_passes_and_groups(name):
         for j in range(len(shapes)):
             flats = [rank_gradients(shapes, 0, r)[j].reshape(-1) * np.float32(2)
                      for r in range(hvd.size())]
-            want, _ = hq.mean_estimate(codec, flats, seed=derive_key(9, 0, name_key(f"ps.{j}")))
+            want, _ = hq.mean_estimate(codec, flats, seed=payload_seed(9, 0, f"ps.{j}"))
             assert np.array_equal(model.ps[j].grad.reshape(-1).numpy(), want)
 
 
@@ -98,7 +98,8 @@ def test_quant_optimizer_matches_reference(name):
         per_rank = [rank_gradients(shapes, step, r) for r in range(hvd.size())]
         # one fused bucket, gradients in reverse parameter order
         flats = [np.concatenate([g.reshape(-1) for g in reversed(gs)]) for gs in per_rank]
-        want, _ = hq.mean_estimate(codec, flats, seed=derive_key(3, step, 0), gather="auto",
+        names = ",".join(f"ps.{i}" for i in reversed(range(len(shapes))))  # the bucket's
+        want, _ = hq.mean_estimate(codec, flats, seed=payload_seed(3, step, names), gather="auto",
                                    topology=opt.topology)
         got = np.concatenate([p.grad.reshape(-1).numpy() for p in reversed(list(model.ps))])
         if name in ("none", "fp16") and hvd.size() > 2:  # Horovod's own float sum, its order
@@ -177,7 +178,9 @@ def test_global_qsgd_buckets_take_their_own_norm(levels):
             flats = [np.concatenate([gs[position[id(p)]].reshape(-1) for p in b.params])
                      for gs in per_rank]
             want, _ = hq.mean_estimate(hq.get_codec("global_qsgd", **params), flats,
-                                       seed=derive_key(8, step, b.index), pipeline_elems=500,
+                                       seed=payload_seed(8, step, ",".join(
+                                           f"ps.{position[id(p)]}" for p in b.params)),
+                                       pipeline_elems=500,
                                        gather="auto", topology=opt.topology)
             got = np.concatenate([p.grad.reshape(-1).numpy() for p in b.params])
             assert np.array_equal(got, want), (levels, step, b.index)
@@ -223,8 +226,9 @@ def test_channels_last_gradients(door):
         exempt = model.ps[1].grad
         np.testing.assert_allclose(exempt.numpy(), np.mean([g[1] for g in per_rank], axis=0),
                                    rtol=1e-6, atol=1e-6)
-        seed, topology = ((derive_key(3, step, name_key("ps.0")), None) if door == "horovod"
-                          else (derive_key(3, step, 0), opt.topology))
+        # one seed in both doors: the tensor ps.0 (a bucket of it alone) at this step
+        seed, topology = (payload_seed(3, step, "ps.0"),
+                          None if door == "horovod" else opt.topology)
         want, _ = hq.mean_estimate(hq.get_codec("qsgd"), [g[0].reshape(-1) for g in per_rank],
                                    seed=seed, gather="auto", topology=topology)
         if hvd.size() > 1:

@@ -14,7 +14,7 @@ import torch
 import horovod_quant as hq
 import horovod_quant.torch as hqt
 from horovod_quant import fallback
-from horovod_quant.core.rng import derive_key
+from horovod_quant.core.rng import payload_seed
 from horovod_quant.exchange.cost import Fabric
 from horovod_quant.fallback import FALLBACK_STEP, STEP_CHECK_ROUNDS
 
@@ -33,14 +33,14 @@ def _optimizer(model, name, **kw):
                                     fusion_bytes=1, **kw)
 
 
-def _codec_mean(opt, name, j, step, bucket):
-    """mean_estimate of parameter j's gradients when it is alone in bucket ``bucket`` (its plan
+def _codec_mean(opt, name, j, step):
+    """mean_estimate of parameter j's gradients when it is alone in its bucket (its plan
     chosen for CPU ranks' default links until the trial, at the end of FALLBACK_STEP, measured
     the optimizer's)."""
     codec = hq.get_codec(name, **codec_params(name))
     flats = [rank_gradients(SHAPES, step, r)[j].reshape(-1) for r in range(hvd.size())]
     fabric = opt.fabric if step > FALLBACK_STEP else Fabric.for_ranks(False)
-    want, _ = hq.mean_estimate(codec, flats, seed=derive_key(SEED, step, bucket),
+    want, _ = hq.mean_estimate(codec, flats, seed=payload_seed(SEED, step, f"ps.{j}"),
                                gather="auto", pipeline_elems=opt.pipeline_elems,
                                topology=opt.topology, fabric=fabric)
     return want
@@ -97,10 +97,10 @@ def test_slower_bucket_falls_back_to_horovods_average(name, monkeypatch, caplog)
             else:  # Horovod's float sum, in an order that depends on its fusion
                 np.testing.assert_allclose(got1, want1, rtol=1e-6, atol=1e-6)
             # the codec's bucket is now the only one: index 0
-            assert np.array_equal(got0, _codec_mean(opt, name, 0, step, 0)), step
+            assert np.array_equal(got0, _codec_mean(opt, name, 0, step)), step
         else:  # the trials at the end of FALLBACK_STEP leave its gradients alone
-            assert np.array_equal(got1, _codec_mean(opt, name, 1, step, 0)), step
-            assert np.array_equal(got0, _codec_mean(opt, name, 0, step, 1)), step
+            assert np.array_equal(got1, _codec_mean(opt, name, 1, step)), step
+            assert np.array_equal(got0, _codec_mean(opt, name, 0, step)), step
 
     with caplog.at_level(logging.WARNING, logger="horovod_quant"):
         _train(model, opt, check)
@@ -130,8 +130,8 @@ def test_faster_codec_is_kept(monkeypatch, caplog):
 
     def check(step):
         got0, got1 = (p.grad.reshape(-1).numpy() for p in model.ps)
-        assert np.array_equal(got1, _codec_mean(opt, "qsgd", 1, step, 0)), step
-        assert np.array_equal(got0, _codec_mean(opt, "qsgd", 0, step, 1)), step
+        assert np.array_equal(got1, _codec_mean(opt, "qsgd", 1, step)), step
+        assert np.array_equal(got0, _codec_mean(opt, "qsgd", 0, step)), step
 
     with caplog.at_level(logging.WARNING, logger="horovod_quant"):
         _train(model, opt, check)
@@ -149,7 +149,7 @@ def test_never_measures(monkeypatch):
 
     def check(step):
         got0 = model.ps[0].grad.reshape(-1).numpy()
-        assert np.array_equal(got0, _codec_mean(opt, "qsgd", 0, step, 1)), step
+        assert np.array_equal(got0, _codec_mean(opt, "qsgd", 0, step)), step
 
     _train(model, opt, check)
     assert opt.fallback_decisions == []
@@ -201,7 +201,7 @@ def test_a_fallen_back_bucket_takes_the_baseline(baseline, sixteen_s, want, monk
         if step == STEPS - 1:
             assert not torch.isfinite(got1[0, :2]).any() and torch.isfinite(got1[1:]).all()
         assert np.array_equal(model.ps[0].grad.reshape(-1).numpy(),
-                              _codec_mean(opt, "qsgd", 0, step, 0)), step
+                              _codec_mean(opt, "qsgd", 0, step)), step
     choice = opt.fallback_baseline
     assert choice.baseline == want and opt._fallback.baseline == want
     assert [(d.fallback, d.baseline) for d in opt.fallback_decisions] == [(True, want),
@@ -264,8 +264,8 @@ def _checked_run(monkeypatch, caplog, codec_s, fp32_s):
                 want = hvd.allreduce(raw, op=hvd.Average, name=f"check.{step}.{j}").numpy()
                 np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
         else:
-            assert np.array_equal(got1, _codec_mean(opt, "qsgd", 1, step, 0)), step
-            assert np.array_equal(got0, _codec_mean(opt, "qsgd", 0, step, 1)), step
+            assert np.array_equal(got1, _codec_mean(opt, "qsgd", 1, step)), step
+            assert np.array_equal(got0, _codec_mean(opt, "qsgd", 0, step)), step
         settled.append(opt.fallback_settled)
         if step == CHECK_FIRST + CHECK_STEPS - 1:
             final_fp32.append(opt.fallback_step_check.fallback)

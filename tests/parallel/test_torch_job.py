@@ -16,7 +16,7 @@ import torch
 import horovod_quant as hq
 import horovod_quant.torch as hqt
 from horovod_quant import fallback
-from horovod_quant.core.rng import derive_key
+from horovod_quant.core.rng import payload_seed
 from horovod_quant.torch.optimizer import STATE_KEY
 
 from conftest import Linear, codec_params, rank_gradients
@@ -131,7 +131,7 @@ def test_backward_passes_per_step_changes_between_steps():
         sums = [rank_gradients(SHAPES, 1, r)[1] + rank_gradients(SHAPES, 2, r)[1]
                 for r in range(hvd.size())]
         want, _ = hq.mean_estimate(hq.get_codec("qsgd"), [s.reshape(-1) for s in sums],
-                                   seed=derive_key(SEED, 1, 0), gather="auto",
+                                   seed=payload_seed(SEED, 1, "ps.1"), gather="auto",
                                    pipeline_elems=opt.pipeline_elems, topology=opt.topology)
         assert np.array_equal(model.ps[1].grad.reshape(-1).numpy(), want)
     with opt.skip_synchronize():
@@ -405,11 +405,10 @@ def test_low_precision_gradients_are_encoded_from_their_dtype(dtype):
             assert p.grad.dtype == dtype
             flats = [torch.from_numpy(rank_gradients(SHAPES, step, r)[j]).to(dtype).float()
                      .reshape(-1).numpy() for r in range(hvd.size())]
-            bucket = len(SHAPES) - 1 - j
             want = flats[0]  # a one-rank optimizer exchanges nothing
             if hvd.size() > 1:
                 want, _ = hq.mean_estimate(hq.get_codec("qsgd"), flats,
-                                           seed=derive_key(SEED, step, bucket), gather="auto",
+                                           seed=payload_seed(SEED, step, f"ps.{j}"), gather="auto",
                                            pipeline_elems=opt.pipeline_elems,
                                            topology=opt.topology)
             assert torch.equal(p.grad.reshape(-1), torch.from_numpy(want).to(dtype)), (j, step)
@@ -538,8 +537,11 @@ def test_layers_frozen_and_unfrozen_between_steps(named):
         flats = [np.concatenate([g[i].reshape(-1) if trainable[i] else np.zeros(g[i].size,
                                                                                  np.float32)
                                  for i in bucket]) for g in per_rank]
-        want, _ = hq.mean_estimate(codec, flats, seed=derive_key(SEED, step, 0), gather="auto",
-                                   topology=opt.topology)
+        # the bucket's key: its parameters' names (unnamed: param.<i> in the order the
+        # optimizer met them, the frozen first one last)
+        names = ",".join((f"ps.{i}" if named else f"param.{1 - i}") for i in bucket)
+        want, _ = hq.mean_estimate(codec, flats, seed=payload_seed(SEED, step, names),
+                                   gather="auto", topology=opt.topology)
         got = np.concatenate([model.ps[i].grad.reshape(-1).numpy() if trainable[i]
                               else np.zeros(model.ps[i].numel(), np.float32) for i in bucket])
         assert np.array_equal(got, want), step

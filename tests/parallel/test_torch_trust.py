@@ -11,7 +11,7 @@ import torch
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt
-from horovod_quant.core.rng import derive_key, name_key
+from horovod_quant.core.rng import payload_seed
 from horovod_quant.exchange.check import CHECKS, ConfigCheck
 from horovod_quant.torch.collectives import HorovodTorchCollectives
 
@@ -112,15 +112,10 @@ def test_unused_parameter_gets_the_mean_of_the_ranks_that_used_it(door, name, pa
     g0 = ref.extra.weight.grad.reshape(-1).numpy()
     flats = [g0] + [np.zeros_like(g0)] * (hvd.size() - 1)
     codec = hq.get_codec(name, **params, **codec_params(name))
-    if door == "horovod":
-        seed = derive_key(4, 0, name_key("extra.weight"))
-        want, _ = hq.mean_estimate(codec, flats, seed=seed, gather="auto")
-        assert np.array_equal(model.extra.weight.grad.reshape(-1).numpy(), want)
-    else:  # one parameter per bucket (fusion_bytes=1): its bucket index in reverse order
-        index = [n for n, _ in model.named_parameters()][::-1].index("extra.weight")
-        want, _ = hq.mean_estimate(codec, flats, seed=derive_key(4, 0, index), gather="auto",
-                                   topology=opt.topology)
-        assert np.array_equal(model.extra.weight.grad.reshape(-1).numpy(), want)
+    # one seed in both doors: the tensor extra.weight (one parameter per bucket, fusion_bytes=1)
+    want, _ = hq.mean_estimate(codec, flats, seed=payload_seed(4, 0, "extra.weight"),
+                               gather="auto", topology=getattr(opt, "topology", None))
+    assert np.array_equal(model.extra.weight.grad.reshape(-1).numpy(), want)
 
 
 # -- 2. layers of different shapes on different ranks -----------------------------------------
@@ -251,11 +246,7 @@ def test_rules_choose_the_codec_per_layer(door, grouping, rule_as):
     got = dict(model.named_parameters())
     # 2.weight at 8 bits; in the quant door it is the one bucket of the rule's codec (last)
     flats = [g["2.weight"] for g in per_rank]
-    if door == "horovod":
-        seed = derive_key(6, 0, name_key("2.weight"))
-    else:
-        seed = derive_key(6, 0, len(opt._layout.buckets) - 1)
-        assert [p for p in opt._layout.buckets[-1].params] == [got["2.weight"]]
+    seed = payload_seed(6, 0, "2.weight")  # one seed in both doors
     like = {"gather": "auto", "topology": getattr(opt, "topology", None)}
     want, _ = hq.mean_estimate(hq.get_codec("qsgd", bits=8), flats, seed=seed, **like)
     assert np.array_equal(got["2.weight"].grad.reshape(-1).numpy(), want)
@@ -280,7 +271,7 @@ def test_rules_apply_to_grouped_allreduce_names():
     got = hvd.grouped_allreduce([torch.from_numpy(g) for g in per_rank[hvd.rank()]],
                                 name="grads", compression=comp)
     want, _ = hq.mean_estimate(hq.get_codec("qsgd", bits=4), [g[0].reshape(-1) for g in per_rank],
-                               seed=derive_key(6, 0, name_key("grads[0]")))
+                               seed=payload_seed(6, 0, "grads[0]"))
     assert np.array_equal(got[0].reshape(-1).numpy(), want)
     np.testing.assert_allclose(got[1].numpy(), np.mean([g[1] for g in per_rank], axis=0),
                                rtol=1e-6, atol=1e-7)  # its rule: Horovod's float average

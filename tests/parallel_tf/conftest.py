@@ -3,8 +3,9 @@ also under plain pytest as a one-rank world. Every test issues its collectives i
 order on every rank, and no test skips on some ranks only (that would desynchronize them).
 
 Seeds: a compressor's k-th exchanged tensor (k = ``compressor.calls`` before it, counting from
-0 over the compressor's life, in the order Horovod calls ``compress``) uses the exchange seed
-``derive_key(seed, k)``; :func:`reference` recomputes it with ``mean_estimate``.
+0 over the compressor's life, in the order Horovod calls ``compress``) named ``name`` (a
+variable's name without ``:0``; unnamed: ``#``) uses ``payload_seed(seed, k, name)``;
+:func:`reference` recomputes it with ``mean_estimate``.
 """
 import os
 
@@ -20,7 +21,7 @@ hvd = pytest.importorskip("horovod.tensorflow")
 # after the TF environment and the skips
 import horovod_quant as hq  # noqa: E402
 from horovod_quant.core.registry import codec_class  # noqa: E402
-from horovod_quant.core.rng import derive_key  # noqa: E402
+from horovod_quant.core.rng import payload_seed  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -49,10 +50,15 @@ def codec_params(name):
     return {}
 
 
-def reference(codec, per_rank, seed, k, factor=1.0, gather="auto"):
-    """mean_estimate of one exchange: ``per_rank[r]`` is rank r's tensor, k its call index."""
+#: the key of an unnamed variable's gradient (``tf.Variable(...)`` is named ``Variable:0``)
+UNNAMED_VARIABLE = "Variable"
+
+
+def reference(codec, per_rank, seed, k, factor=1.0, gather="auto", name=UNNAMED_VARIABLE):
+    """mean_estimate of one exchange: ``per_rank[r]`` is rank r's tensor, k its call index,
+    ``name`` its key."""
     flats = [np.asarray(x, np.float32).reshape(-1) for x in per_rank]
-    est, _ = hq.mean_estimate(codec, flats, seed=derive_key(seed, k), gather=gather)
+    est, _ = hq.mean_estimate(codec, flats, seed=payload_seed(seed, k, name), gather=gather)
     return est * np.float32(factor) if factor != 1.0 else est
 
 

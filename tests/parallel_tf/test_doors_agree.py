@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import horovod_quant.tensorflow as hqtf
-from horovod_quant.core.rng import derive_key
+from horovod_quant.core.rng import payload_seed
 
 from conftest import linear_loss, same_on_every_rank
 
@@ -39,7 +39,7 @@ def test_tensorflow_door():
 
     assert comp.calls == 0
     mean = step_fn([agreement.gradients(hvd.rank())])[0].numpy()
-    seed = derive_key(agreement.SEED, 0)  # the compressor's first tensor: k = 0
+    seed = payload_seed(agreement.SEED, 0, agreement.NAME)  # the first tensor: k = 0
     assert np.array_equal(mean, agreement.reference(seed))
     assert same_on_every_rank(mean)
     if hvd.rank() == 0:

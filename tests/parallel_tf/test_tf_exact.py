@@ -13,10 +13,17 @@ import tensorflow as tf
 
 import horovod_quant as hq
 import horovod_quant.tensorflow as hqtf
-from horovod_quant.core.rng import derive_key
+from horovod_quant.core.rng import payload_seed
 from horovod_quant.exchange import CodecStates
 
-from conftest import codec_params, linear_loss, rank_gradients, reference, same_on_every_rank
+from conftest import (
+    UNNAMED_VARIABLE,
+    codec_params,
+    linear_loss,
+    rank_gradients,
+    reference,
+    same_on_every_rank,
+)
 
 EVERYTHING = hqtf.LayerPolicy.everything()
 CONFIGS = [(c, {}) for c in hq.available_codecs() if c not in ("none", "fp16")] + [
@@ -43,12 +50,14 @@ def _tape_fn(comp, vs, **tape_kw):
     return step_fn
 
 
-def _check(got, codec, shapes, step, seed, k0, factor=1.0, gather="auto", which=None):
-    """got[j] must equal the reference of exchange k0 + j (which: indices of compressed)."""
+def _check(got, codec, shapes, step, seed, k0, factor=1.0, gather="auto", which=None,
+           name=UNNAMED_VARIABLE):
+    """got[j] must equal the reference of exchange k0 + j (which: indices of compressed) of
+    tensors named ``name``."""
     which = range(len(shapes)) if which is None else which
     for k, j in enumerate(which):
         per_rank = [rank_gradients(shapes, step, r)[j] for r in range(hvd.size())]
-        want = reference(codec, per_rank, seed, k0 + k, factor, gather)
+        want = reference(codec, per_rank, seed, k0 + k, factor, gather, name)
         assert np.array_equal(np.asarray(got[j]).reshape(-1), want, equal_nan=True), (j, k0 + k)
 
 
@@ -170,7 +179,8 @@ def test_pipelined_pieces_match_reference(name, params, gather):
             continue
         for j in range(len(shapes)):
             flats = [_correlated(shapes, step, r)[j].reshape(-1) for r in range(hvd.size())]
-            want, _ = hq.mean_estimate(codec, flats, seed=derive_key(13, k0 + j),
+            want, _ = hq.mean_estimate(codec, flats,
+                                       seed=payload_seed(13, k0 + j, UNNAMED_VARIABLE),
                                        gather=gather, pipeline_elems=400)
             assert np.array_equal(got[j].reshape(-1), want, equal_nan=True), (name, step, j)
     if name == "nested_dithered" and hvd.size() > 1:
@@ -184,7 +194,7 @@ def test_direct_allreduce_eager_sum():
     k0 = comp.calls
     t = tf.constant(rank_gradients(shapes, 0, hvd.rank())[0])
     got = hvd.allreduce(t, op=hvd.Sum, compression=comp).numpy()
-    _check([got], codec, shapes, 0, 8, k0, factor=hvd.size())
+    _check([got], codec, shapes, 0, 8, k0, factor=hvd.size(), name="#")  # no name=
 
 
 @pytest.mark.parametrize("sparse_as_dense", [True, False])
@@ -270,6 +280,6 @@ def test_nested_outage_share_is_exact():
         ref_states = CodecStates()
         hq.mean_estimate(codec, [g.reshape(-1) for r in range(hvd.size())
                                  for g in rank_gradients(shapes, step, r)],
-                         seed=derive_key(2, k0), states=ref_states)
+                         seed=payload_seed(2, k0, UNNAMED_VARIABLE), states=ref_states)
         share = comp.codec_states.of(codec).last_stats["outside_share"]
         assert share is not None and share == ref_states.of(codec).last_stats["outside_share"]

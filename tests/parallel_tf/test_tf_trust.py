@@ -72,7 +72,8 @@ def _usable_after_error():
     vs = [tf.Variable(tf.zeros(s), name="hq_trust_after") for s in shapes]
     got = [g.numpy() for g in _tape_fn(comp, vs)(rank_gradients(shapes, 9, hvd.rank()))]
     per_rank = [rank_gradients(shapes, 9, r)[0] for r in range(hvd.size())]
-    assert np.array_equal(got[0].reshape(-1), reference(codec, per_rank, 31, 0))
+    assert np.array_equal(got[0].reshape(-1),
+                          reference(codec, per_rank, 31, 0, name="hq_trust_after"))
 
 
 # -- different shapes or names on different ranks ----------------------------------------------
@@ -162,7 +163,7 @@ def _check_rules(got, step, seed, k0, half=True):
               4: hq.get_codec("qsgd", bits=4)}
     per_rank = [rank_gradients(RULE_SHAPES, step, r) for r in range(hvd.size())]
     for k, j in enumerate(sorted(codecs)):
-        want = reference(codecs[j], [g[j] for g in per_rank], seed, k0 + k)
+        want = reference(codecs[j], [g[j] for g in per_rank], seed, k0 + k, name=RULE_NAMES[j])
         assert np.array_equal(np.asarray(got[j]).reshape(-1), want), RULE_NAMES[j]
     mean = [np.mean([g[j] for g in per_rank], axis=0) for j in (1, 2)]
     np.testing.assert_allclose(got[1], mean[0], rtol=1e-6, atol=1e-7)
@@ -215,9 +216,10 @@ def test_rules_match_the_name_of_a_direct_allreduce():
     got += hvd.grouped_allreduce(xs[1:], name="group_rule_nu", op=hvd.Sum, compression=comp)
     if hvd.size() > 1:
         codecs = [hq.get_codec("natural")] + 2 * [hq.get_codec("nuqsgd", bits=4, bucket_size=256)]
+        names = ["grad_rule_nat", "group_rule_nu[0]", "group_rule_nu[1]"]
         for j, codec in enumerate(codecs):
             per_rank = [rank_gradients(shapes, 0, r)[j] for r in range(hvd.size())]
-            want = reference(codec, per_rank, 6, k0 + j, factor=hvd.size())
+            want = reference(codec, per_rank, 6, k0 + j, factor=hvd.size(), name=names[j])
             assert np.array_equal(got[j].numpy().reshape(-1), want), j
 
 
@@ -233,7 +235,7 @@ def test_rules_as_compression_objects_or_codecs_are_one_configuration():
     got = _tape_fn(comp, vs)(rank_gradients(shapes, 0, hvd.rank()))[0].numpy()
     if hvd.size() > 1:
         per_rank = [rank_gradients(shapes, 0, r)[0] for r in range(hvd.size())]
-        want = reference(hq.get_codec("nuqsgd", bits=8), per_rank, 8, 0)
+        want = reference(hq.get_codec("nuqsgd", bits=8), per_rank, 8, 0, name="hq_rule_w")
         assert np.array_equal(got.reshape(-1), want)
 
 
@@ -329,7 +331,8 @@ def test_extra_unused_compressor_on_one_rank_shifts_nothing():
         if hvd.size() > 1:
             for j, g in enumerate(got):
                 per_rank = [rank_gradients(shapes, 0, r)[j] for r in range(hvd.size())]
-                assert np.array_equal(g.reshape(-1), reference(codec, per_rank, seed, j))
+                assert np.array_equal(g.reshape(-1), reference(codec, per_rank, seed, j,
+                                                               name=f"hq_trust_extra_{j}"))
             assert same_on_every_rank(np.concatenate([g.reshape(-1) for g in got]))
 
 

@@ -3,6 +3,7 @@
 * Every module is in a layer, or is one of the few that stand outside them (which no layer
   imports); no import cycles (lazy imports included); imports run one way through the layers.
 * No module outside the codec modules names a codec; codecs declare what the other layers need.
+* Only a door's exchange runtime builds exchanges, codec states and configuration checks.
 * Backends share only the protocol: no backend imports another, and only the backend picker
   (and the public GPU helpers) import a backend implementation.
 * The layers below the doors import no framework and no Horovod.
@@ -472,6 +473,56 @@ def test_the_exchange_and_the_fallback_read_no_environment() -> None:
                        "(read it once at the door, horovod_quant.doors.DoorEnvironment, and "
                        "pass the value down):\n"
                        + "\n".join(f"{m}: {h}" for m, h in found.items()))
+
+
+#: what only a door's runtime builds (horovod_quant.exchange.runtime), and the module defining
+#: each (which may build one itself: the exchange's own codec states for a caller without a door)
+RUNTIME_PARTS = {"Exchange": "horovod_quant.exchange.driver",
+                 "CodecStates": "horovod_quant.exchange.codec_states",
+                 "ConfigCheck": "horovod_quant.exchange.check"}
+RUNTIME_MODULE = "horovod_quant.exchange.runtime"
+
+
+def runtime_constructions(module: str, path: Path) -> list[str]:
+    """Calls in ``module``'s source that build an exchange, a codec state or a check
+    (:data:`RUNTIME_PARTS`, by name or attribute) outside the runtime and the part's own
+    module, as ``line: text``."""
+    if module == RUNTIME_MODULE:
+        return []
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else (
+            func.attr if isinstance(func, ast.Attribute) else None)
+        if name in RUNTIME_PARTS and RUNTIME_PARTS[name] != module:
+            hits.append(f"{node.lineno}: {ast.unparse(node)}")
+    return hits
+
+
+def test_only_the_runtime_builds_exchanges_codec_states_and_checks() -> None:
+    found = {module: hits for module, path in package_modules().items()
+             for hits in [runtime_constructions(module, path)] if hits}
+    assert not found, ("a module builds an exchange, a codec state or a check itself (a door "
+                       "hands (key, vector) to its horovod_quant.exchange.runtime."
+                       "ExchangeRuntime, which builds them):\n"
+                       + "\n".join(f"{m}: {h}" for m, h in found.items()))
+
+
+def test_runtime_constructions_are_found_on_a_made_up_module(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("from ..exchange.driver import Exchange\n"
+                   "from ..exchange import check\n"
+                   "e = Exchange(codec, comm)\n"
+                   "c = check.ConfigCheck(comm, {})\n"
+                   "s = CodecStates()\n"
+                   "t = Exchange\n")
+    hits = runtime_constructions("horovod_quant.torch.m", src)
+    assert [h.split(":")[0] for h in hits] == ["3", "4", "5"], hits
+    assert runtime_constructions(RUNTIME_MODULE, src) == []
+    assert [h.split(":")[0] for h in runtime_constructions("horovod_quant.exchange.driver",
+                                                           src)] == ["4", "5"]
 
 
 def test_the_exchange_uses_only_what_codec_declares() -> None:

@@ -20,7 +20,7 @@ from horovod_quant.doors import (
 )
 from horovod_quant.env import env_choice, env_flag, env_seconds, env_text
 from horovod_quant.exchange import Exchange
-from horovod_quant.exchange.check import CHECKS, ConfigCheck, check_same_config, wait_for_peers
+from horovod_quant.exchange.check import CHECKS, ConfigCheck, wait_for_peers
 from horovod_quant.exchange.codec_states import CodecStates
 from horovod_quant.exchange.collectives import Handle, decode_objects, encode_object
 from horovod_quant.exchange.wire import (
@@ -38,14 +38,14 @@ from threaded_comm import run_ranks
 
 
 def test_config_check_passes_when_ranks_agree():
-    prefixes = run_ranks(3, lambda comm: check_same_config(comm, {"codec": "qsgd", "bits": 4}))
+    prefixes = run_ranks(3, lambda comm: ConfigCheck(comm, {"codec": "qsgd", "bits": 4}).wait())
     assert prefixes[0].endswith(".0") and len({p.rsplit(".", 1)[1] for p in prefixes}) == 1
 
 
 def test_config_check_raises_the_same_error_on_every_rank():
     def rank_fn(comm):
         try:
-            check_same_config(comm, {"bits": 4 if comm.rank == 1 else 8})
+            ConfigCheck(comm, {"bits": 4 if comm.rank == 1 else 8}).wait()
         except ValueError as exc:
             return str(exc)
         return None
@@ -60,7 +60,7 @@ def test_config_check_names_the_steps_of_ranks_at_odds():
     """One rank loaded a checkpoint alone: the check names each rank's step and the fix."""
     def rank_fn(comm):
         try:
-            check_same_config(comm, {"codec": "qsgd", "step": 3 if comm.rank == 0 else 0})
+            ConfigCheck(comm, {"codec": "qsgd", "step": 3 if comm.rank == 0 else 0}).wait()
         except ValueError as exc:
             return str(exc)
 
