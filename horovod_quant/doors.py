@@ -254,8 +254,8 @@ DOOR_READS: dict[str, tuple[str, ...]] = {
     DDP_DOOR: ("fabric",),
     FSDP_DOOR: ("fabric",),
     OUTER_DOOR: ("fabric",),
-    TORCH_COMPRESSOR_DOOR: ("mpi_exchange",),
-    TF_DOOR: ("mpi_exchange",),
+    TORCH_COMPRESSOR_DOOR: ("fabric", "mpi_exchange"),
+    TF_DOOR: ("fabric", "mpi_exchange"),
 }
 
 

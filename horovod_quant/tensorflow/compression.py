@@ -229,6 +229,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
                  options: DoorOptions | None = None, **settings: Any) -> None:
         super().__init__(codec, door_options(settings, options, door=TF_DOOR), TF_DOOR,
                          process_set)
+        self.runtime.use_fabric(self.environment.fabric(False))  # the plans run on the host
         self._id = next(_IDS)
         # Created eagerly with the compressor, not by the first compress: a tf.function whose
         # first trace creates a variable and then raises (a configuration mismatch) is not
@@ -244,8 +245,9 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         self._lock = threading.Lock()
 
     def shared_config(self) -> dict:
-        return {**super().shared_config(), **mpi_exchange_config(
-            self.policy.codecs(self.codec), self.environment.mpi_exchange)}
+        return {**super().shared_config(), "fabric": list(self.runtime.fabric),
+                **mpi_exchange_config(self.policy.codecs(self.codec),
+                                      self.environment.mpi_exchange)}
 
     # -- bookkeeping ---------------------------------------------------------------------------
     @property
@@ -404,8 +406,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         n = ps.size()
         custom = self._custom_for(codec)
         size = int(np.prod(shape.as_list(), dtype=np.int64))
-        spec = _Spec(codec, plans.runnable(plans.plan_kind(codec, n, size, self.gather),
-                                           custom is not None),
+        kind = plans.plan_kind(codec, n, size, self.gather, fabric=self.runtime.fabric)
+        spec = _Spec(codec, plans.runnable(kind, custom is not None),
                      key, tuple(shape.as_list()), ps.rank(), n, prefix, custom)
         bounds = plans.pipeline_bounds(size, self.pipeline_elems)
         with tf.device("/cpu:0"):

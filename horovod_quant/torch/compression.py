@@ -41,7 +41,7 @@ from ..doors import (
 from ..exchange.runtime import ExchangeRuntime
 from ..policy import LayerPolicy
 from .horovod_calls import horovod_call
-from .tensors import as_tensor, flat_array, horovod_dtype, stream_of
+from .tensors import as_tensor, flat_array, horovod_dtype, on_gpu, stream_of
 from .transport import horovod_end_of_job, transport_collectives
 
 
@@ -111,6 +111,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         return {**super().shared_config(),
                 **mpi_exchange_config(self.policy.codecs(self.codec),
                                       self.environment.mpi_exchange),
+                "fabric": list(self.runtime.fabric),
                 "step": max((n for _, n in self._resumed), default=0),
                 "resumed_uses": self._resumed}
 
@@ -202,6 +203,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             # started in one order, and Horovod calls compress in each rank's hook order
             self._comm = transport_collectives(self.process_set, "horovod",
                                                mpi_exchange=self.environment.mpi_exchange)
+            # the plans weigh the links of the ranks where the gradients live
+            self.runtime.use_fabric(self.environment.fabric(on_gpu(tensor)))
             self.runtime.check(self._comm, self.shared_config())
         job = _Job(name, codec, flat_array(tensor), use, f"{self.runtime.prefix}.{name}", tensor)
         if self.runtime.blocks_on_peers(codec):  # (every codec, before the check passed)

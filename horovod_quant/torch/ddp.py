@@ -435,8 +435,8 @@ class _Checkpoints:
             positions = [pos for pos, _ in replay.layout[j]]
             grads = [replay.arrived[pos][0] for pos in positions]
             held = _Held(j, [replay.arrived[pos][1] for pos in positions])
+            self._keys[j] = self._met.key(positions)  # (its start reads the key)
             jobs.append((self._held_start(held, grads), replay.waiting.pop(j)))
-            self._keys[j] = self._met.key(positions)
             self._exchanged.append([list(pair) for pair in replay.layout[j]])
         return pieces.future, jobs
 

@@ -179,11 +179,11 @@ def test_the_environment_is_read_once_at_the_door(monkeypatch):
                                                    transport="horovod")
     for door in (DDP_DOOR, FSDP_DOOR, OUTER_DOOR):  # the fabric, not MPI nor the transport
         assert read[door] == DoorEnvironment(link_gbit=25.0)
-    for door in (TORCH_COMPRESSOR_DOOR, TF_DOOR):  # MPI alone: their plans weigh CPU_RANKS
-        assert read[door] == DoorEnvironment(mpi_exchange=False)
+    for door in (TORCH_COMPRESSOR_DOOR, TF_DOOR):  # the fabric and MPI, not the transport
+        assert read[door] == DoorEnvironment(link_gbit=25.0, mpi_exchange=False)
     assert read[DDP_DOOR].fabric(True) == GPU_RANKS._replace(link_gbit=25.0)
-    assert read[TF_DOOR].fabric(False) == CPU_RANKS and read[DDP_DOOR].fabric_set == {
-        "link_gbit": 25.0}
+    assert read[TF_DOOR].fabric(False) == CPU_RANKS._replace(link_gbit=25.0)
+    assert read[DDP_DOOR].fabric_set == {"link_gbit": 25.0}
     assert read[OPTIMIZER_DOOR].transport_for(None) == "horovod"
     assert read[OPTIMIZER_DOOR].transport_for("gloo") == "gloo"  # transport= wins
     monkeypatch.setenv("HQ_TRANSPORT", "fast")
