@@ -254,8 +254,8 @@ def test_rules_choose_the_codec_per_layer(door, grouping, rule_as):
     if door == "horovod":
         seed = derive_key(6, 0, name_key("2.weight"))
     else:
-        seed = derive_key(6, 0, len(opt._layout.buckets) - 1)
-        assert [p for p in opt._layout.buckets[-1].params] == [got["2.weight"]]
+        seed = derive_key(6, 0, len(opt._exchanger.layout.buckets) - 1)
+        assert [p for p in opt._exchanger.layout.buckets[-1].params] == [got["2.weight"]]
     like = {"gather": "auto", "topology": getattr(opt, "topology", None)}
     want, _ = hq.mean_estimate(hq.get_codec("qsgd", bits=8), flats, seed=seed, **like)
     assert np.array_equal(got["2.weight"].grad.reshape(-1).numpy(), want)
