@@ -126,11 +126,6 @@ class GradientExchanger:
         self._densified: set[int] = set()  # sparse this step, exchanged dense (sparse_as_dense)
 
     @property
-    def settled(self) -> bool:
-        """Whether the fallback has decided for good (:attr:`FallbackController.settled`)."""
-        return self.fallback.settled(self.step)
-
-    @property
     def in_flight(self) -> bool:
         """Whether a gradient reached the exchange this step and the step has not ended."""
         return bool(self._hooked)
@@ -334,8 +329,7 @@ class GradientExchanger:
 
     def load_own_state(self, own: dict[str, Any]) -> None:
         """Continue from :meth:`own_state`'s state (this rank alone, nothing waits for the
-        others). A state saved at another world size is adapted: the codecs built for the
-        number of workers start from their state re-keyed for this world, with one warning.
+        others); one saved at another world size is adapted, with one warning.
 
         Raises:
             ValueError: ``own`` is not such a state, or names parameters this optimizer does

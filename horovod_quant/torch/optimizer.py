@@ -163,7 +163,7 @@ class _QuantDistributedOptimizer(torch.optim.Optimizer):
     def fallback_settled(self) -> bool:
         """Whether the fallback has decided for good (always with ``fallback="never"``): from
         the next step on the layout no longer changes for the fallback's sake."""
-        return self._exchanger.settled
+        return self._exchanger.fallback.settled(self._exchanger.step)
 
     # -- hooks --------------------------------------------------------------------------------
     def _trainable(self) -> list[torch.nn.Parameter]:
