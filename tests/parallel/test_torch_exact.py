@@ -143,8 +143,9 @@ def test_wire_bytes_measured_at_the_collective(monkeypatch):
 def test_global_qsgd_buckets_take_their_own_norm(levels):
     """Several buckets of one Global-QSGD codec: each bucket's result is mean_estimate of that
     bucket's vectors alone (its own norm), pipelined in pieces, and the weights stay identical
-    on every rank. Buckets start from the backward hooks, except where the exchange pairs by
-    call order (the exponent allreduce under MPI): those start at synchronize()."""
+    on every rank. From the second step on, buckets start from the backward hooks, except
+    where the exchange pairs by call order (the exponent allreduce under MPI): those start at
+    synchronize(), as every bucket of the first step does (after the ranks' check)."""
     shapes = [(33, 40), (50,), (7, 9), (64,), (20, 30)]
     scales = [1.0, 100.0, 0.01, 10.0, 1.0]  # buckets of very different norms
     model = Linear(shapes)
@@ -155,7 +156,7 @@ def test_global_qsgd_buckets_take_their_own_norm(levels):
                                        seed=8, policy=EVERYTHING, **params),
                                    fusion_bytes=600, pipeline_elems=500,
                                    fallback="never")  # the same buckets at every step
-    assert len(opt._layout.buckets) >= 3
+    assert len(opt._exchanger.layout.buckets) >= 3
     position = {id(p): i for i, p in enumerate(model.ps)}
 
     def grads(step, rank):
@@ -164,17 +165,20 @@ def test_global_qsgd_buckets_take_their_own_norm(levels):
     for step in range(2):
         opt.zero_grad()
         model.loss(grads(step, hvd.rank())).backward()
-        if hvd.size() > 1:
-            for b in opt._layout.buckets:
+        if hvd.size() > 1 and step > 0:
+            ex = opt._exchanger
+            for b in ex.layout.buckets:
                 # over a transport that pairs by call order (gloo) every bucket starts in
                 # bucket order from the hooks; over Horovod's, custom collectives wait
-                blocks = opt._schedule.exchange_of(b).blocks_on_peers
-                assert (b.pending is not None) == (opt._comm.pairs_by_order or not blocks)
+                blocks = ex.schedule.exchange_of(b).blocks_on_peers
+                assert (b.pending is not None) == (ex.comm.pairs_by_order or not blocks)
+        elif hvd.size() > 1:  # the first step's exchanges wait for synchronize()
+            assert not any(b.pending for b in opt._exchanger.layout.buckets)
         opt.step()
         if hvd.size() == 1:
             continue
         per_rank = [grads(step, r) for r in range(hvd.size())]
-        for b in opt._layout.buckets:
+        for b in opt._exchanger.layout.buckets:
             flats = [np.concatenate([gs[position[id(p)]].reshape(-1) for p in b.params])
                      for gs in per_rank]
             want, _ = hq.mean_estimate(hq.get_codec("global_qsgd", **params), flats,
