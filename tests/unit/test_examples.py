@@ -1,6 +1,7 @@
 """examples/: every script takes --device cpu|cuda and shows a CUDA launch line in its header;
-examples/ddp_train.py trains under torchrun (the torchrun-only user's path) and leaves its
-warm-up steps out of the step time; asking for CUDA where torch sees none is an error that
+examples/ddp_train.py trains under torchrun (the torchrun-only user's path), its ranks ending
+with status 0 and without OutOfStep (they ran the same steps), and leaves its warm-up steps out
+of the step time; asking for CUDA where torch sees none is an error that
 says so. What the scripts do on a GPU is the GPU runs' to show (docs/dev/gpu.md)."""
 import ast
 import json
@@ -48,6 +49,9 @@ def test_ddp_train_trains_under_torchrun_and_times_after_its_warmup(tmp_path):
     res = _torchrun("--codecs", "allreduce qsgd:8", "--steps", "12", "--warmup", "4",
                     "--json", str(out))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    # ranks that ran the same steps agree at the job's end (tests/unit/test_uneven_steps.py
+    # checks the uneven case): status 0 above, and no OutOfStep on any rank
+    assert "OutOfStep" not in res.stdout + res.stderr, res.stdout[-2000:] + res.stderr[-2000:]
     table = json.loads(out.read_text())
     assert table["warmup"] == 4 and table["device"] == "cpu" and table["world"] == 2
     rows = {r["codec"]: r for r in table["rows"]}
