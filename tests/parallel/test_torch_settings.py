@@ -68,9 +68,12 @@ def test_optimizer_setting_that_differs_raises_on_every_rank(setting, monkeypatc
     model = Linear(SHAPES)
     kw = {"compression": _compressor(), "fallback": "never",
           **OPTIMIZER_SETTINGS[setting](model, _differs())}
-    with pytest.raises(ValueError, match="differs between ranks") as excinfo:
-        hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 named_parameters=model.named_parameters(), **kw)
+    opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), **kw)
+    with pytest.raises(ValueError, match="differs between ranks") as excinfo:  # at its first step
+        opt.zero_grad()
+        model.loss(rank_gradients(SHAPES, 0, hvd.rank())).backward()
+        opt.step()
     _same_error_everywhere(excinfo)
 
 
