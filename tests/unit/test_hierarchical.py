@@ -20,6 +20,7 @@ from horovod_quant.doors import (
     FSDP_DOOR,
     OPTIMIZER_DOOR,
     OUTER_DOOR,
+    TF_DOOR,
     TORCH_COMPRESSOR_DOOR,
     DoorEnvironment,
 )
@@ -193,7 +194,8 @@ def test_the_fabric_decides_between_the_plans(monkeypatch):
     monkeypatch.setenv("HQ_LINK_GBIT", "100")
     monkeypatch.setenv("HQ_INTRA_GBYTE", " 10 ")
     assert Fabric.for_ranks(True) == GPU_RANKS  # the environment is the doors' to read
-    for door in (OPTIMIZER_DOOR, DDP_DOOR, FSDP_DOOR, OUTER_DOOR):  # the doors that weigh it
+    for door in (OPTIMIZER_DOOR, DDP_DOOR, FSDP_DOOR, OUTER_DOOR, TORCH_COMPRESSOR_DOOR,
+                 TF_DOOR):  # every door weighs it
         assert DoorEnvironment.read(door).fabric(True) == \
             slow_inside._replace(round_us=GPU_RANKS.round_us)
     monkeypatch.setenv("HQ_ROUND_US", "20")
@@ -204,8 +206,6 @@ def test_the_fabric_decides_between_the_plans(monkeypatch):
     with pytest.raises(ValueError, match="HQ_ROUND_US='0' must be a positive number of "
                                          "microseconds"):
         DoorEnvironment.read(OUTER_DOOR)
-    # the Horovod compressors choose their plans on CPU ranks' fabric: they ignore these
-    assert DoorEnvironment.read(TORCH_COMPRESSOR_DOOR).fabric(False) == CPU_RANKS
 
 
 def test_a_door_fabric_reproduces_in_mean_estimate():
