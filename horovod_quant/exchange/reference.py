@@ -135,6 +135,37 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
         statistics, outage counts and a hierarchical plan's float32 shards inside a host are
         not counted).
     """
+    return start_estimate(codec, xs, seed, gather, pipeline_elems, topology, fabric,
+                          states).finish()
+
+
+class StartedEstimate:
+    """A simulated exchange whose ranks' plans have all run to their first collective (every
+    flat plan has encoded), none further: :meth:`finish` runs them to their ends, piece by
+    piece. Several started before any finishes encode as a door's buckets of one step do: all
+    of them with the codec states of the step's start (:func:`start_estimate`)."""
+
+    def __init__(self, out: np.ndarray, pieces: list[Lockstep]) -> None:
+        self._out, self._pieces = out, pieces
+
+    def finish(self) -> tuple[np.ndarray, int]:
+        """:func:`mean_estimate`'s ``(estimate, wire_bytes)``."""
+        for piece in self._pieces:  # every piece encoded before any is combined
+            piece.finish()
+        return self._out, sum(max(piece.payload_bytes) for piece in self._pieces)
+
+
+def start_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allgather",
+                   pipeline_elems: int | None = None, topology: Topology | None = None,
+                   fabric: Fabric | None = None,
+                   states: CodecStates | None = None) -> StartedEstimate:
+    """:func:`mean_estimate`'s exchange, started and not finished (same arguments and errors).
+
+    A door starts every bucket of a step before it finishes any: its flat exchanges all encode
+    before the first combines (and advances an adaptive codec's state), while its hierarchical
+    ones run one after the other on the hierarchy's worker. Starting each bucket's estimate
+    in the door's bucket order, then finishing them in that order, reproduces both.
+    """
     vecs = [as_vector(x) for x in xs]
     if not vecs:
         raise ValueError("mean_estimate needs at least one worker's vector")
@@ -163,9 +194,7 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
         out[lo:hi], place=place, states=states))
         for r, (v, out, place) in enumerate(zip(vecs, outs, places))],
         topology) for k, (lo, hi) in enumerate(bounds)]
-    for piece in pieces:  # every piece encoded before any is combined
-        piece.finish()
-    return outs[0], sum(max(piece.payload_bytes) for piece in pieces)
+    return StartedEstimate(outs[0], pieces)
 
 
 def _rank_zero_answer(request: plans.Request, members: int) -> Any:
