@@ -57,8 +57,9 @@ class SimulatedWorkers:
 
     Attributes:
         step: the step :meth:`average` simulates next (the seeds' step), from 0.
-        codec_states: the adaptive codecs' states, carried from step to step as the
-            optimizer's ``opt.codec_states``.
+        codec_states: each worker's adaptive codec states, carried from step to step:
+            worker r's is what rank r's ``opt.codec_states`` holds (a hierarchical plan's
+            ranks advance their shards' states, which differ).
         topology: the workers' hosts where the plans may be hierarchical, else None.
         last_wire_bytes: payload bytes the busiest worker sent in the last step (every bucket's
             :func:`~horovod_quant.mean_estimate` ``wire_bytes``).
@@ -83,7 +84,7 @@ class SimulatedWorkers:
         grid = Topology.grid(hosts, workers // hosts)
         self.topology = grid if grid.hierarchical else None
         self.step = 0
-        self.codec_states = CodecStates()
+        self.codec_states = [CodecStates() for _ in range(workers)]
         self.last_wire_bytes = 0
         self._params = {name: p for name, p in named}
         self._layout = BucketLayout([p for _, p in named], {id(p): name for name, p in named},
