@@ -3,13 +3,13 @@
 :class:`SimulatedWorkers` takes each worker's gradients (its own shard and mini-batch) and
 returns the averaged gradient every rank of an n-rank job with the same settings would get,
 step after step: the optimizer's bucket layout (:class:`~horovod_quant.torch.buckets.
-BucketLayout`: policy, ``fusion_bytes``, groups), its seeds (:func:`~horovod_quant.core.rng.
-payload_seed` of the step and the bucket's parameter names), its plans and pipeline pieces, its
-codec states, all run by the reference runner (:func:`~horovod_quant.exchange.reference.
-start_estimate`) instead of sockets. So 8 to 64 workers fit on one machine, where each
-quantizer's variance is averaged over as many payloads as on a cluster. It exchanges nothing
-and times nothing: the fallback (which moves buckets to Horovod by their timings) is not
-simulated, as with ``fallback="never"``.
+BucketLayout`: policy, ``fusion_bytes``, groups), a door's runtime per worker
+(:class:`~horovod_quant.exchange.runtime.ExchangeRuntime`: seeds of the step and the bucket's
+parameter names, codec states), its plans and pipeline pieces, all run by the reference runner
+(:func:`~horovod_quant.exchange.reference.start_estimate`) instead of sockets. So 8 to 64
+workers fit on one machine, each quantizer's variance averaged over as many payloads as on a
+cluster. It exchanges and times nothing: the fallback (which moves buckets to Horovod by their
+timings) is not simulated, as with ``fallback="never"``.
 """
 from __future__ import annotations
 
@@ -19,11 +19,10 @@ import numpy as np
 import torch
 
 from ..core.base import Codec
-from ..core.rng import payload_seed
 from ..doors import DoorOptions
-from ..exchange.codec_states import CodecStates
 from ..exchange.cost import Fabric
 from ..exchange.reference import start_estimate
+from ..exchange.runtime import ExchangeRuntime
 from ..exchange.topology import Topology
 from ..torch.buckets import BucketLayout
 
@@ -80,11 +79,14 @@ class SimulatedWorkers:
                 raise ValueError(f"{c.name} is built for world_size={c.world_size}, not for "
                                  f"the {workers} simulated workers")
         named = [(name, p) for name, p in named_parameters if p.requires_grad]
-        self.workers, self.fabric = workers, fabric
+        self.workers = workers
         grid = Topology.grid(hosts, workers // hosts)
         self.topology = grid if grid.hierarchical else None
         self.step = 0
-        self.codec_states = [CodecStates() for _ in range(workers)]
+        self._runtimes = [ExchangeRuntime(self.options.seed, self.options.gather,
+                                          self.options.pipeline_elems, fabric)
+                          for _ in range(workers)]
+        self.codec_states = [runtime.states for runtime in self._runtimes]
         self.last_wire_bytes = 0
         self._params = {name: p for name, p in named}
         self._layout = BucketLayout([p for _, p in named], {id(p): name for name, p in named},
@@ -114,10 +116,11 @@ class SimulatedWorkers:
             raise ValueError(f"got {len(gradients)} workers' gradients for {self.workers} "
                              "simulated workers")
         flats = [self._flat_by_name(g) for g in gradients]
+        runtime = self._runtimes[0]  # (every worker's has the same settings)
         started = [(b, start_estimate(
             b.codec, [np.concatenate([f[self._name_of[id(p)]] for p in b.params]) for f in flats],
-            payload_seed(self.options.seed, self.step, key), self.options.gather,
-            self.options.pipeline_elems, self.topology, self.fabric, self.codec_states))
+            runtime.seed_of(self.step, key), runtime.gather, runtime.pipeline_elems,
+            self.topology, runtime.fabric, self.codec_states))
             for b, key in zip(self._layout.buckets, self.bucket_keys)]
         out: dict[str, torch.Tensor] = {}
         self.last_wire_bytes = 0
