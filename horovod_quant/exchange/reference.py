@@ -2,10 +2,11 @@
 
 :func:`mean_estimate` runs the plans that every other runner runs, one generator per simulated
 rank, and answers each request as an exact n-rank world does (sums and concatenations in rank
-order, integers wrapping), without Horovod, TensorFlow or threads. The simulated ranks share
-one codec state (NDQSG's, ``states=``): every rank encodes (all pieces) before any combines, as
-in a real run, and a plan reads what a later rank's step would overwrite (its own outage count)
-into its request, so the state ends where every real rank's ends.
+order, integers wrapping), without Horovod, TensorFlow or threads. The codec states (NDQSG's,
+``states=``) are each rank's own, or one the ranks share: every rank encodes before any combines,
+as in a real run, and a plan reads what a later rank's step would overwrite (its own outage
+count) into its request, so a shared state ends where every rank's ends in a flat plan (a
+hierarchical plan's ranks advance their shards' states, which differ: pass one per rank).
 """
 from __future__ import annotations
 
@@ -90,17 +91,25 @@ class Lockstep:
             raise RuntimeError("the ranks' plans diverged: some ended, others yielded")
         return requests or None
 
+    def step(self) -> bool:
+        """Answer every rank's current collective, running each plan to its next one; returns
+        whether the plans have ended."""
+        if self._requests is not None:
+            self._requests = self._resume(_simulate_groups(self._requests, self.topology))
+        return self._requests is None
+
     def finish(self) -> list[Any]:
         """Run every rank's plan to its end; returns their results in rank order."""
-        while self._requests is not None:
-            self._requests = self._resume(_simulate_groups(self._requests, self.topology))
+        while not self.step():
+            pass
         return self.results
 
 
 def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allgather",
                   pipeline_elems: int | None = None, topology: Topology | None = None,
                   fabric: Fabric | None = None,
-                  states: CodecStates | None = None) -> tuple[np.ndarray, int]:
+                  states: CodecStates | Sequence[CodecStates] | None = None
+                  ) -> tuple[np.ndarray, int]:
     """The n-worker mean that the distributed exchange computes, simulated in one process.
 
     Runs the codec's exchange plan (:mod:`~.plans`) for n simulated ranks, rank ``r``
@@ -125,7 +134,9 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
             (:class:`~.cost.Fabric`; None: CPU ranks' defaults): pass the door's
             (``opt.fabric``, ``state.fabric``) to reproduce its choice.
         states: the codec states an adaptive codec (NDQSG) reads and advances
-            (:class:`~.codec_states.CodecStates`): keep one across calls to reproduce a door's
+            (:class:`~.codec_states.CodecStates`), one shared by the ranks or a list of one per
+            rank (a hierarchical plan's ranks advance different states, each its shard's, as
+            real ranks do): keep them across calls to reproduce a door's
             successive exchanges of one codec; None: fresh ones (the state of a first
             exchange).
 
@@ -134,6 +145,44 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
         bytes one worker sends (per piece, summed over pieces; frame headers, the norm
         statistics, outage counts and a hierarchical plan's float32 shards inside a host are
         not counted).
+    """
+    return start_estimate(codec, xs, seed, gather, pipeline_elems, topology, fabric,
+                          states).finish()
+
+
+class StartedEstimate:
+    """A simulated exchange whose ranks' plans have all run to their first collective (every
+    flat plan has encoded), none further: :meth:`finish` runs them to their ends, piece by
+    piece. Several started before any finishes encode as a door's buckets of one step do: all
+    of them with the codec states of the step's start (:func:`start_estimate`)."""
+
+    def __init__(self, out: np.ndarray, pieces: list[Lockstep], interleaved: bool) -> None:
+        self._out, self._pieces, self._interleaved = out, pieces, interleaved
+
+    def finish(self) -> tuple[np.ndarray, int]:
+        """:func:`mean_estimate`'s ``(estimate, wire_bytes)``: the pieces run to their ends one
+        after the other, or, ``interleaved`` (a hierarchical plan's, as the hierarchy's worker
+        runs them), one collective of each in turn."""
+        if self._interleaved:
+            running = list(self._pieces)
+            while running:
+                running = [piece for piece in running if not piece.step()]
+        for piece in self._pieces:  # (interleaved: ended already)
+            piece.finish()
+        return self._out, sum(max(piece.payload_bytes) for piece in self._pieces)
+
+
+def start_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allgather",
+                   pipeline_elems: int | None = None, topology: Topology | None = None,
+                   fabric: Fabric | None = None,
+                   states: CodecStates | Sequence[CodecStates] | None = None
+                   ) -> StartedEstimate:
+    """:func:`mean_estimate`'s exchange, started and not finished (same arguments and errors).
+
+    A door starts every bucket of a step before it finishes any: its flat exchanges all encode
+    before the first combines (and advances an adaptive codec's state), while its hierarchical
+    ones run one after the other on the hierarchy's worker. Starting each bucket's estimate
+    in the door's bucket order, then finishing them in that order, reproduces both.
     """
     vecs = [as_vector(x) for x in xs]
     if not vecs:
@@ -157,15 +206,16 @@ def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allg
     if topology is not None:
         places = [plans.Place(topology.host_of(r), topology.host_count, topology.local_rank(r),
                               topology.local_size) for r in range(n)]
+    rank_states = list(states) if isinstance(states, Sequence) else [states] * n
+    if len(rank_states) != n:
+        raise ValueError(f"got {len(rank_states)} ranks' codec states for {n} workers")
     outs = [np.empty(size, np.float32) for _ in vecs]
     pieces = [Lockstep([plans.plan_of(kind)(plans.Piece(
         codec, v[lo:hi], plans.pipeline_seed(seed, k, len(bounds)), r, n, norm, wire.NO_TAG,
-        out[lo:hi], place=place, states=states))
+        out[lo:hi], place=place, states=rank_states[r]))
         for r, (v, out, place) in enumerate(zip(vecs, outs, places))],
         topology) for k, (lo, hi) in enumerate(bounds)]
-    for piece in pieces:  # every piece encoded before any is combined
-        piece.finish()
-    return outs[0], sum(max(piece.payload_bytes) for piece in pieces)
+    return StartedEstimate(outs[0], pieces, kind.startswith(plans.HIERARCHICAL))
 
 
 def _rank_zero_answer(request: plans.Request, members: int) -> Any:

@@ -55,7 +55,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 #: demo, the tools (``horovod_quant.tools``: the predictor) and the predictor's command
 #: (``python -m horovod_quant.predict``).
 OUTSIDE_LAYERS = {"horovod_quant", "horovod_quant.demo", "horovod_quant.tools",
-                  "horovod_quant.tools.predict", "horovod_quant.predict"}
+                  "horovod_quant.tools.predict", "horovod_quant.predict",
+                  "horovod_quant.tools.simulated"}
 
 #: Modules that may name codecs besides the modules that define them: the registry and the
 #: registration in the codecs' package, and the demo, which is an application of the package
