@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .core.base import Codec
+from .core.contract import HorovodWire
 
 
 @dataclass
@@ -43,7 +44,8 @@ class LayerPolicy:
         if name is not None:
             for pattern, codec in self._compiled:
                 if pattern.search(name):
-                    return None if codec is None or codec.horovod_allreduce == "keep" else codec
+                    kept = codec is None or codec.traits.horovod_wire is HorovodWire.KEEP
+                    return None if kept else codec
         numel = 1
         for d in shape:
             numel *= int(d)
@@ -57,7 +59,7 @@ class LayerPolicy:
         configuration): the same list on every rank that agrees on the policy."""
         out: list[Codec] = []
         for codec in [default, *(c for _, c in self.rules)]:
-            if codec is not None and codec.horovod_allreduce is None and all(
+            if codec is not None and codec.traits.horovod_wire is None and all(
                     codec.config_key() != o.config_key() for o in out):
                 out.append(codec)
         return out

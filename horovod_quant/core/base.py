@@ -8,7 +8,7 @@ from typing import Any, ClassVar, NamedTuple, Sequence
 import numpy as np
 
 from ..backends import backend_of
-from .contract import ExchangeTraits, SumDecodable, traits_of
+from .contract import Combine, ExchangeTraits, traits_of
 from .payload import Payload
 from .rng import derive_key
 
@@ -141,22 +141,19 @@ class Codec(abc.ABC):
     Subclasses validate their parameters in ``__init__``, implement :meth:`encode` and
     :meth:`decode`, and call ``Codec.__init__`` last with their parameters. What they can do
     beyond that is a capability they inherit (:mod:`.contract`: ``SumDecodable``, ``Reduced``,
-    ``GlobalNorm``, ``SideInformation``); the exchange checks capabilities by type and reads
-    :attr:`traits`, fixed when the codec is built.
+    ``GlobalNorm``, ``SideInformation``); their wire format they declare as class keywords
+    (``class FP16(Codec, wire_dtype=np.float16, horovod_wire=HorovodWire.FLOAT16)``, the
+    names of :data:`.contract.DECLARED`). Both make :attr:`traits`, what the other layers
+    decide on.
     """
 
     name: ClassVar[str]
-    #: Horovod's own allreduce carries this codec's tensors in the framework doors (no payload
-    #: exchange of ours, and Horovod fuses them): None (the codec's exchange), ``"keep"`` (the
-    #: tensor as it is) or the dtype name it is cast to and back (``"float16"``, as Horovod's
-    #: ``Compression.fp16``).
-    horovod_allreduce: ClassVar[str | None] = None
+    #: what the exchange and the doors decide on about this codec (:class:`.contract.
+    #: ExchangeTraits`): fixed by :func:`.contract.traits_of` when the class is created, from
+    #: its capabilities and its class keywords (a bare codec: gathered uint8 payloads)
+    traits: ClassVar[ExchangeTraits] = ExchangeTraits(Combine.GATHER, np.dtype(np.uint8))
     #: the constructor needs ``world_size`` (the framework doors fill it from the process set)
     needs_world_size: ClassVar[bool] = False
-    #: dtype of ``Payload.data`` (what a collective moves)
-    wire_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
-    #: leading payload bytes :meth:`wire_layout` reads (a sparse count, an NDQSG header)
-    head_nbytes: ClassVar[int] = 0
     #: the suffixes a codec spec may give after the name (``"<name>-<suffix>:<bits>"``,
     #: :meth:`~horovod_quant.doors.CodecRequest.from_spec`), each with the parameters it sets
     spec_suffixes: ClassVar[dict[str, dict[str, Any]]] = {}
@@ -165,13 +162,12 @@ class Codec(abc.ABC):
         self.params = dict(params)
         #: the ranks this codec combines (codecs that :attr:`needs_world_size`), else None
         self.world_size: int | None = params.get("world_size")
-        self._traits = traits_of(self)
 
-    @property
-    def traits(self) -> ExchangeTraits:
-        """What an exchange needs to know about this codec (:class:`.contract.ExchangeTraits`),
-        computed once when it was built."""
-        return self._traits
+    def __init_subclass__(cls, **declared: Any) -> None:
+        """Fix the class's :attr:`traits` from its capabilities and the traits it declares
+        as class keywords (TypeError for an unknown one)."""
+        super().__init_subclass__()
+        cls.traits = traits_of(cls, cls.traits, **declared)
 
     # -- contract ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -198,13 +194,13 @@ class Codec(abc.ABC):
         raw = Payload(backend_of(data).array(data).view(np.uint8),
                       check_payload_size(self.name, size), dict(meta))
         self.check_payload(raw)  # before the view: a damaged length may not be whole words
-        return Payload(raw.data.view(self.wire_dtype), raw.size, raw.meta)
+        return Payload(raw.data.view(self.traits.wire_dtype), raw.size, raw.meta)
 
     # -- payload validation (every decode entry point, CPU and GPU, before any kernel) --------
     def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout | None:
         """The byte count of a valid payload of ``size`` elements (see :class:`WireLayout`).
 
-        ``head`` holds the payload's first :attr:`head_nbytes` bytes (host uint8) for formats
+        ``head`` holds the payload's first ``traits.head_nbytes`` bytes (host uint8) for formats
         whose length depends on a header field; raises ValueError on an invalid header. Every
         codec of this package defines it; None (the default, for codecs defined elsewhere)
         leaves the byte count unchecked.
@@ -215,7 +211,7 @@ class Codec(abc.ABC):
         """The payload bytes of ``size`` elements: :meth:`wire_layout`'s where the layout does
         not depend on a header, else ``bits`` per element (what the exchange's cost model
         weighs, never a check)."""
-        layout = None if self.head_nbytes else self.wire_layout(size)
+        layout = None if self.traits.head_nbytes else self.wire_layout(size)
         if layout is not None:
             return layout.nbytes
         return -(-size * int(self.params.get("bits", 32)) // 8)
@@ -259,12 +255,12 @@ class Codec(abc.ABC):
         name = self.name
         size = check_payload_size(name, payload.size)
         nbytes = _nbytes(payload.data)
-        head = None
-        if self.head_nbytes:
-            if nbytes < self.head_nbytes:
+        head, head_nbytes = None, self.traits.head_nbytes
+        if head_nbytes:
+            if nbytes < head_nbytes:
                 raise ValueError(f"{name}: payload has {nbytes} bytes, fewer than its "
-                                 f"{self.head_nbytes}-byte header (size={size})")
-            head = _head_bytes(payload.data, self.head_nbytes)
+                                 f"{head_nbytes}-byte header (size={size})")
+            head = _head_bytes(payload.data, head_nbytes)
         lay = self.wire_layout(size, head)
         if lay is None:
             lay = WireLayout(size, nbytes, True, "unchecked")
@@ -331,11 +327,11 @@ class Codec(abc.ABC):
         """The mean estimate from every worker's payload (rank order) as the exchange combines
         them: the elementwise sum of the words then ``decode_sum`` for
         :class:`~.contract.SumDecodable` codecs, :meth:`combine_gathered` otherwise."""
-        if isinstance(self, SumDecodable):
+        if self.traits.combine is Combine.SUM:
             self.check_payloads(payloads)
 
             def words(p: Payload) -> np.ndarray:
-                return np.asarray(p.data).reshape(-1).view(self.wire_dtype)
+                return np.asarray(p.data).reshape(-1).view(self.traits.wire_dtype)
 
             total = words(payloads[0]).copy()
             for p in payloads[1:]:

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..backends import backend_of
 from .base import Codec, WireLayout, check_int
-from .contract import SumDecodable
+from .contract import HorovodWire, SumDecodable
 from .payload import Payload
 
 
@@ -28,10 +28,10 @@ def bf16_bits_to_float32(h: Any) -> Any:
 
 
 def _wire_values(codec: Codec, payload: Payload, out: Any | None) -> Any:
-    """The payload's data as a flat array of ``codec.wire_dtype`` on its backend after
+    """The payload's data as a flat array of ``codec.traits.wire_dtype`` on its backend after
     :meth:`Codec.check_payload` (exactly ``size`` values)."""
     codec.check_payload(payload, out)
-    return backend_of(payload.data).array(payload.data).view(codec.wire_dtype)
+    return backend_of(payload.data).array(payload.data).view(codec.traits.wire_dtype)
 
 
 def _store(values: Any, out: Any | None) -> Any:
@@ -49,7 +49,7 @@ class _FloatBaseline(SumDecodable, Codec):
         super().__init__()
 
     def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout:
-        item = self.wire_dtype.itemsize
+        item = self.traits.wire_dtype.itemsize
         return WireLayout(size, item * size, True, f"{item} bytes per element")
 
     def decode_sum(self, payload: Payload, n: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -64,12 +64,10 @@ class _FloatBaseline(SumDecodable, Codec):
         return dst if out is None else out
 
 
-class NoCompression(_FloatBaseline):
+class NoCompression(_FloatBaseline, wire_dtype=np.float32, horovod_wire=HorovodWire.KEEP):
     """float32 on the wire (Horovod's default)."""
 
     name = "none"
-    wire_dtype = np.dtype(np.float32)
-    horovod_allreduce = "keep"
 
     def encode(self, x: Any, seed: int = 0) -> Payload:
         v = backend_of(x).vector(x)
@@ -79,12 +77,10 @@ class NoCompression(_FloatBaseline):
         return _store(_wire_values(self, payload, out), out)
 
 
-class FP16(_FloatBaseline):
+class FP16(_FloatBaseline, wire_dtype=np.float16, horovod_wire=HorovodWire.FLOAT16):
     """IEEE half precision on the wire (Horovod's ``Compression.fp16``); sums run in fp16."""
 
     name = "fp16"
-    wire_dtype = np.dtype(np.float16)
-    horovod_allreduce = "float16"
 
     def encode(self, x: Any, seed: int = 0) -> Payload:
         v = backend_of(x).vector(x)

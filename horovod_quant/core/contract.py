@@ -1,19 +1,21 @@
 """What a codec needs from an exchange: its :class:`ExchangeTraits` and its capabilities.
 
-Every codec carries one frozen :class:`ExchangeTraits` (``codec.traits``), computed once when it
-is built. What it can do beyond encode and decode is a capability it inherits, and the exchange
-checks capabilities by type (``isinstance``), never by name: :class:`SumDecodable` (payload words
-add under a plain allreduce), :class:`Reduced` (its own reduction, run by a custom collective),
-:class:`GlobalNorm` (encoding needs the norm of every rank's vector) and
-:class:`SideInformation` (decoding needs the other ranks' payloads and an outage count). A codec
-has the methods of the capabilities it has and no others (docs/dev/architecture.md).
+Every codec class carries one frozen :class:`ExchangeTraits` (``codec.traits``), fixed by
+:func:`traits_of` when the class is created, and every decision about a codec outside the codec
+modules reads it, never the codec's type. What a codec can do beyond encode and decode is a
+capability it inherits, the interface of the methods it then has: :class:`SumDecodable`
+(payload words add under a plain allreduce), :class:`Reduced` (its own reduction, run by a
+custom collective), :class:`GlobalNorm` (encoding needs the norm of every rank's vector) and
+:class:`SideInformation` (decoding needs the other ranks' payloads and an outage count). Its
+wire format is declared once, as class keywords (:data:`DECLARED`). A codec has the methods of
+the capabilities it has and no others (docs/dev/architecture.md).
 """
 from __future__ import annotations
 
 import abc
 import enum
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -31,23 +33,51 @@ class Combine(str, enum.Enum):
     CUSTOM = "custom"
 
 
+class HorovodWire(enum.Enum):
+    """Horovod's own allreduce carries a codec's tensors in the framework doors, instead of an
+    exchange of payloads (and Horovod fuses them)."""
+
+    #: the tensor as it is (``hvd.Compression.none``)
+    KEEP = "keep"
+    #: cast to float16 and back (``hvd.Compression.fp16``)
+    FLOAT16 = "float16"
+
+    @property
+    def cast(self) -> str | None:
+        """The name of the dtype the tensor travels in, None when it travels as it is."""
+        return None if self is HorovodWire.KEEP else self.value
+
+
 @dataclass(frozen=True)
 class ExchangeTraits:
-    """What an exchange needs to know about a codec, fixed when the codec is built.
+    """What the other layers decide on about a codec, fixed when its class is created.
 
     Attributes:
         combine: how n payloads combine (:class:`Combine`).
-        wire_dtype: dtype of ``Payload.data``, what a collective moves.
+        wire_dtype: dtype of ``Payload.data``, what a collective moves (declared).
         head_nbytes: leading payload bytes the payload's length depends on (a sparse count,
-            an NDQSG header), 0 for fixed-length formats.
+            an NDQSG header), 0 for fixed-length formats (declared).
         collective: the name in ``horovod_quant.exchange.CUSTOM_COLLECTIVES`` of the
-            collective that runs a :class:`Reduced` codec's reduction, else None.
+            collective that runs a :class:`Reduced` codec's reduction, else None (declared).
+        needs_norm: encoding needs the global norm first (:class:`GlobalNorm`).
+        side_information: decoding needs every rank's payload and an outage count
+            (:class:`SideInformation`).
+        horovod_wire: how Horovod's own allreduce carries the codec's tensors
+            (:class:`HorovodWire`), None when the codec's exchange does (declared).
     """
 
     combine: Combine
     wire_dtype: np.dtype
     head_nbytes: int = 0
     collective: str | None = None
+    needs_norm: bool = False
+    side_information: bool = False
+    horovod_wire: HorovodWire | None = None
+
+
+#: the traits a codec class declares, as class keywords (``class C(Codec, wire_dtype=...)``);
+#: a class that declares none of them keeps its base's
+DECLARED = ("wire_dtype", "head_nbytes", "collective", "horovod_wire")
 
 
 class SideInfoOutcome(NamedTuple):
@@ -76,16 +106,15 @@ class CombinedDecodable(abc.ABC):
 
 class SumDecodable(CombinedDecodable):
     """Payload words of n workers add up elementwise under a plain allreduce (as
-    ``traits.wire_dtype``); :meth:`decode_sum` turns the sum into the mean estimate."""
+    ``traits.wire_dtype``); :meth:`decode_sum` turns the sum into the mean estimate
+    (``traits.combine`` is :attr:`Combine.SUM`)."""
 
 
 class Reduced(CombinedDecodable):
     """Payloads combine by the codec's own reduction (Global-QSGD's exponent reduction,
-    Global-QSGD paper Algorithm 1), which the custom collective named :attr:`collective` runs
-    between ranks; without it the allgather plan runs :meth:`reduce` on every rank."""
-
-    #: the name of the collective in ``horovod_quant.exchange.CUSTOM_COLLECTIVES``
-    collective: ClassVar[str]
+    Global-QSGD paper Algorithm 1), which the custom collective the class declares
+    (``traits.collective``) runs between ranks; without it the allgather plan runs
+    :meth:`reduce` on every rank."""
 
     @abc.abstractmethod
     def reduce(self, payloads: Sequence[Payload], seed: int) -> Payload:
@@ -143,14 +172,30 @@ class SideInformation(abc.ABC):
         (what one integer allreduce gives every rank)."""
 
 
-def traits_of(codec: Any) -> ExchangeTraits:
-    """The traits of a codec from its capabilities and its class's wire format (what
-    ``Codec.__init__`` stores)."""
-    if isinstance(codec, SumDecodable):
-        combine = Combine.SUM
-    elif isinstance(codec, (Reduced, SideInformation)):
-        combine = Combine.CUSTOM
-    else:
-        combine = Combine.GATHER
-    return ExchangeTraits(combine, np.dtype(codec.wire_dtype), int(codec.head_nbytes),
-                          codec.collective if isinstance(codec, Reduced) else None)
+def traits_of(cls: type, base: ExchangeTraits, **declared: Any) -> ExchangeTraits:
+    """The traits of codec class ``cls`` (``Codec.__init_subclass__``): what it declares
+    (``declared``: its class keywords, :data:`DECLARED`; the others as ``base``, its base
+    class's traits) and what its capabilities decide.
+
+    Raises:
+        TypeError: an unknown keyword, or a collective declared by a class that is not
+            :class:`Reduced` (or a :class:`Reduced` class that names none).
+    """
+    unknown = sorted(set(declared) - set(DECLARED))
+    if unknown:
+        raise TypeError(f"{cls.__name__}: unknown codec class keywords {unknown}; a codec "
+                        f"class declares {list(DECLARED)}")
+    wire = {name: declared.get(name, getattr(base, name)) for name in DECLARED}
+    reduced = issubclass(cls, Reduced)
+    if reduced != (wire["collective"] is not None):
+        raise TypeError(f"{cls.__name__}: a Reduced codec class, and only one, declares the "
+                        f"collective that runs its reduction (collective=...)")
+    if wire["horovod_wire"] is not None and not isinstance(wire["horovod_wire"], HorovodWire):
+        raise TypeError(f"{cls.__name__}: horovod_wire={wire['horovod_wire']!r} is not a "
+                        f"HorovodWire")
+    side = issubclass(cls, SideInformation)
+    combine = (Combine.SUM if issubclass(cls, SumDecodable)
+               else Combine.CUSTOM if reduced or side else Combine.GATHER)
+    return ExchangeTraits(combine, np.dtype(wire["wire_dtype"]), int(wire["head_nbytes"]),
+                          wire["collective"], issubclass(cls, GlobalNorm), side,
+                          wire["horovod_wire"])

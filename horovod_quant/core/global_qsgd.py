@@ -457,11 +457,9 @@ class _DenseGlobalQSGD(GlobalQSGD):
         return self.decode_sum(self.reduce(payloads, seed), len(payloads), out)
 
 
-class GlobalQSGDLinear(_DenseGlobalQSGD, SumDecodable):
+class GlobalQSGDLinear(_DenseGlobalQSGD, SumDecodable, wire_dtype=np.uint64):
     """Global-L_s, dense: levels j/s in summable fields of uint64 words, whose plain integer
     sum over n workers is exact (docs/dev/formats.md)."""
-
-    wire_dtype = np.dtype(np.uint64)
 
     def payload_nbytes(self, d: int) -> int:
         """Payload bytes for d elements: whole uint64 words of ``64 // bits`` fields."""
@@ -484,12 +482,10 @@ class GlobalQSGDLinear(_DenseGlobalQSGD, SumDecodable):
         return total
 
 
-class GlobalQSGDExponential(_DenseGlobalQSGD, Reduced):
+class GlobalQSGDExponential(_DenseGlobalQSGD, Reduced, collective="exponent_allreduce"):
     """Global-E_s, dense: codes ``sign << (bits-1) | e`` of values ``sign * 2^-e``, combined by
     the stochastic exponent reduction (:mod:`.exponent_reduction`), which the mpi4py exponent
     allreduce runs between ranks."""
-
-    collective = "exponent_allreduce"
 
     def _encode_codes(self, be: Any, v: Any, norm: np.float32, keys: Any) -> Any:
         n = int(v.size)
@@ -508,11 +504,10 @@ class GlobalQSGDExponential(_DenseGlobalQSGD, Reduced):
                              payloads[0].size, self.bits, seed, self.reduction)
 
 
-class GlobalQSGDSparse(GlobalQSGD):
+class GlobalQSGDSparse(GlobalQSGD, head_nbytes=4):
     """Sparse Global-QSGD: only the nonzero codes and their positions travel, gathered and
-    decoded one by one (docs/dev/formats.md)."""
-
-    head_nbytes = 4  # the uint32 nonzero count decides the length
+    decoded one by one (docs/dev/formats.md); the leading uint32 nonzero count decides the
+    length."""
 
     def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout:
         """From the count in ``head``: ``4 + 4 count + packed_nbytes(count, bits)`` (count <=

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from .dithered import check_dither_bits, dither_keys, fine_levels, payload_bytes
 from .payload import Payload
 from .quantizers import DEFAULT_BUCKET, _check_bucket
 
-#: bytes of the NDQSG header (int32 k)
+#: bytes of the NDQSG header: the int32 k leads every payload and decides its code width
 HEADER = 4
 
 
@@ -208,7 +208,7 @@ def _host_vector(x: Any) -> np.ndarray:
     return numba_backend().vector(be.to_host(be.vector(x)))
 
 
-class NestedDitheredQuantizer(SideInformation, Codec):
+class NestedDitheredQuantizer(SideInformation, Codec, head_nbytes=HEADER):
     """NDQSG (eq. (6)-(7), Alg. 2, Theorem 6): P2 ranks send the fine bin's position inside a
     coarse bin; receivers resolve the coarse bin with the P1 mean as side information.
 
@@ -301,9 +301,6 @@ class NestedDitheredQuantizer(SideInformation, Codec):
     def _nbytes_k(self, n: int, k: int) -> int:
         bits = self.bits if k == 0 else coarse_bits(k)
         return HEADER + 4 * -(-n // self._bucket(n)) + int(packed_nbytes(n, bits))
-
-    #: the int32 k leads every payload and decides its code width
-    head_nbytes: ClassVar[int] = HEADER
 
     def wire_layout(self, size: int, head: np.ndarray | None = None) -> WireLayout:
         """From the header's k: 0 (P1, ``bits``-bit codes) or an odd coarse ratio in

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Codec
+from .contract import HorovodWire
 
 _CODECS: dict[str, type[Codec]] = {}
 
@@ -31,18 +32,18 @@ def available_codecs() -> list[str]:
     return list(_CODECS)
 
 
-def horovod_equivalent(horovod_allreduce: str) -> Codec:
+def horovod_equivalent(wire: HorovodWire) -> Codec:
     """The codec that does what one of Horovod's own compressors does: the registered codec
-    declaring ``horovod_allreduce`` (:attr:`Codec.horovod_allreduce`), ``"keep"`` for
-    ``hvd.Compression.none`` and ``"float16"`` for ``hvd.Compression.fp16``.
+    whose ``traits.horovod_wire`` is ``wire``, :attr:`HorovodWire.KEEP` for
+    ``hvd.Compression.none`` and :attr:`HorovodWire.FLOAT16` for ``hvd.Compression.fp16``.
 
     Raises:
         ValueError: no registered codec declares it.
     """
     for cls in _CODECS.values():
-        if cls.horovod_allreduce == horovod_allreduce:
+        if cls.traits.horovod_wire is wire:
             return cls()
-    raise ValueError(f"no codec declares horovod_allreduce={horovod_allreduce!r}")
+    raise ValueError(f"no codec declares horovod_wire={wire!r}")
 
 
 def get_codec(name: str, **params: Any) -> Codec:

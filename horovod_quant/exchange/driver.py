@@ -23,7 +23,6 @@ import numpy as np
 
 from .. import gpu
 from ..core.base import Codec, array_module
-from ..core.contract import GlobalNorm
 from . import job_end, plans, wire
 from .codec_states import CodecStates
 from .collectives import Collectives, Handle
@@ -330,7 +329,7 @@ class Exchange:
     def needs_norm(self) -> bool:
         """Whether the codec encodes with a global norm (the norm plan's allgather first,
         unless the caller gives the norm)."""
-        return isinstance(self.codec, GlobalNorm)
+        return self.codec.traits.needs_norm
 
     @property
     def blocks_on_peers(self) -> bool:

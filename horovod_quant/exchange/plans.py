@@ -8,13 +8,13 @@ returns the float32 mean estimate, the same on every rank. Runners: :class:`.dri
 (asynchronous collectives), the TensorFlow compressor (graph ops, laid out by
 :func:`signature`) and :func:`.reference.mean_estimate` (n ranks in lockstep).
 
-:func:`plan_kind` picks the plan from the codec's capabilities (:mod:`~..core.contract`,
-checked by type) and traits: ``"sum"``, ``"allgather"``,
-``"custom"``, ``"sra"`` (scatter-reduce-allgather) or ``"hierarchical-<inner>"``; the table
-of docs/dev/exchange.md says which codec takes which and what each sends. A vector longer than
-``pipeline_elems`` is exchanged as pieces (:func:`pipeline_bounds`), each its own plan with
-seed :func:`pipeline_seed`; runners start every piece before finishing any, so an adaptive codec
-(NDQSG) encodes every piece with one state (the runner's :class:`~.codec_states.CodecStates`).
+:func:`plan_kind` picks the plan from the codec's traits (:mod:`~..core.contract`):
+``"sum"``, ``"allgather"``, ``"custom"``, ``"sra"`` (scatter-reduce-allgather) or
+``"hierarchical-<inner>"``; the table of docs/dev/exchange.md says which codec takes which and
+what each sends. A vector longer than ``pipeline_elems`` is exchanged as pieces
+(:func:`pipeline_bounds`), each its own plan with seed :func:`pipeline_seed`; runners start
+every piece before finishing any, so an adaptive codec (NDQSG) encodes every piece with one
+state (the runner's :class:`~.codec_states.CodecStates`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from ..backends import backend_of
 from ..core.base import Codec, array_module, as_vector, worker_seed
-from ..core.contract import GlobalNorm, Reduced, SideInformation, SumDecodable
+from ..core.contract import Combine, GlobalNorm
 from ..core.exponent_reduction import chunk_bounds
 from ..core.limits import HIERARCHY_HINT
 from ..core.payload import Payload
@@ -164,7 +164,7 @@ def allgather_plan(p: Piece) -> Plan:
     payloads = [codec.payload_from_wire(b, p.x.size, **{**payload.meta,
                                                         "seed": worker_seed(p.seed, r)})
                 for r, b in enumerate(wire.unframe_all(gathered, n, "framed payloads", p.label))]
-    if not isinstance(codec, SideInformation):
+    if not codec.traits.side_information:
         return codec.combine_gathered(payloads, p.seed, out=p.out)
     # side information: each rank counts its own outages; one allreduce sums the counts
     outcome = codec.combine_side_info(payloads, p.seed, p.rank, p.x, out=p.out, state=state)
@@ -248,7 +248,7 @@ def hierarchical_plan(p: Piece, inner: str) -> Plan:
     codec = p.codec.for_world_size(place.hosts)
     norm, at_odds = None, mismatch
     try:
-        if isinstance(codec, GlobalNorm):
+        if codec.traits.needs_norm:
             norm = yield from _in_group(norm_plan(codec, [host_mean], tag, p.label), CROSS,
                                         ".norm")
         elif inner in ("sum", "custom"):  # their requests carry no tag: check it first
@@ -291,8 +291,7 @@ def signature(kind: str, codec: Codec) -> list[tuple[type, np.dtype | None]]:
     if kind == "sum":
         return [(Allreduce, _sum_dtype(codec))]
     if kind == "allgather":
-        outage = ([(Allreduce, np.dtype(np.int64))] if isinstance(codec, SideInformation)
-                  else [])
+        outage = [(Allreduce, np.dtype(np.int64))] if codec.traits.side_information else []
         return [(Allgather, np.dtype(np.uint8))] + outage
     if kind == "sra":
         return [(Alltoall, np.dtype(np.uint8)), (Allgather, np.dtype(np.uint8))]
@@ -322,15 +321,16 @@ def check_gather(schedule: str) -> str:
 
 
 def _flat_kinds(codec: Codec, gather: str) -> list[str]:
-    """The flat plans ``codec`` can take under ``gather``, by its capabilities: sum-decodable
-    codecs sum; reduced codecs run their own reduction; side-information codecs allgather;
-    gather codecs allgather or scatter-reduce-allgather (never global-norm ones: re-encoding a
-    chunk mean would need a second global norm)."""
-    if isinstance(codec, SumDecodable):
+    """The flat plans ``codec`` can take under ``gather``, by its traits: sum-decodable codecs
+    sum; reduced codecs (a collective of their own) run their own reduction; side-information
+    codecs allgather; gather codecs allgather or scatter-reduce-allgather (never global-norm
+    ones: re-encoding a chunk mean would need a second global norm)."""
+    traits = codec.traits
+    if traits.combine is Combine.SUM:
         return ["sum"]
-    if isinstance(codec, Reduced):
+    if traits.collective is not None:
         return ["custom"]
-    if isinstance(codec, (SideInformation, GlobalNorm)) or gather == "allgather":
+    if traits.side_information or traits.needs_norm or gather == "allgather":
         return ["allgather"]
     return ["sra"] if gather == "sra" else ["allgather", "sra"]
 

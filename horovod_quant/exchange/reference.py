@@ -15,7 +15,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..core.base import Codec, as_vector
-from ..core.contract import GlobalNorm, SideInformation
 from . import plans, wire
 from .codec_states import CodecStates
 from .cost import CPU_RANKS, Fabric
@@ -200,7 +199,7 @@ def start_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "all
                                           topology is not None, fabric or CPU_RANKS),
                           custom=False)
     norm = None
-    if isinstance(codec, GlobalNorm) and not kind.startswith(plans.HIERARCHICAL):
+    if codec.traits.needs_norm and not kind.startswith(plans.HIERARCHICAL):
         norm = Lockstep([plans.norm_plan(codec, [v]) for v in vecs]).finish()[0]
     places = [None] * n
     if topology is not None:
@@ -260,7 +259,7 @@ def one_rank(codec: Codec, x: np.ndarray, kind: str, topology: Topology,
     Raises:
         ValueError: a side-information codec.
     """
-    if isinstance(codec, SideInformation):
+    if codec.traits.side_information:
         raise ValueError(f"{codec.name}: its ranks' payloads must differ (side information); "
                          "one rank's payload cannot stand for every rank's")
     v = as_vector(x)
@@ -278,7 +277,7 @@ def one_rank(codec: Codec, x: np.ndarray, kind: str, topology: Topology,
     hierarchical = kind.startswith(plans.HIERARCHICAL)
     place = plans.Place(0, topology.host_count, 0, topology.local_size) if hierarchical else None
     norm = None
-    if isinstance(codec, GlobalNorm) and not hierarchical:
+    if codec.traits.needs_norm and not hierarchical:
         norm = run(plans.norm_plan(codec, [v]))
     out = np.empty(v.size, np.float32)
     bounds = plans.pipeline_bounds(v.size, plans.check_pipeline_elems(pipeline_elems))

@@ -32,7 +32,7 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
 from ..core.base import Codec
-from ..core.contract import GlobalNorm, SideInformation
+from ..core.contract import HorovodWire
 from ..doors import (
     TF_DOOR,
     CompressionNamespace,
@@ -397,11 +397,11 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         codec = None
         if shape.is_fully_defined() and tensor.dtype.is_floating:
             codec = self.policy.codec_for(self.codec, shape.as_list(), key)
-        wire = None if codec is None else codec.horovod_allreduce
-        if codec is None or wire == "keep":
+        wire = None if codec is None else codec.traits.horovod_wire
+        if codec is None or wire is HorovodWire.KEEP:
             return tensor, None
         if wire is not None:  # Horovod's own allreduce carries it, cast (as Compression.fp16)
-            return tf.cast(tensor, tf.as_dtype(wire)), tensor.dtype
+            return tf.cast(tensor, tf.as_dtype(wire.cast)), tensor.dtype
         ps = self._ps()
         n = ps.size()
         custom = self._custom_for(codec)
@@ -414,7 +414,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
             k = self._counter.assign_add(1) - 1
             norm = []
-            if isinstance(codec, GlobalNorm):
+            if codec.traits.needs_norm:
                 norm = self._run_plans(spec, k, [(
                     "norm", lambda kk, x: plans.norm_plan(codec, [x], spec.tag(kk),
                                                           spec.label(kk)), [flat])],
@@ -435,7 +435,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
                 self.stats.tensors += 1
                 self.stats.bytes_raw += 4 * int(np.prod(spec.shape, dtype=np.int64))
         # read after this callback: TF may reuse its buffer
-        if isinstance(spec.codec, SideInformation):
+        if spec.codec.traits.side_information:
             x = np.array(x, copy=True)
         return self.runtime.piece_plan(spec.kind, spec.codec, x, k, payload_key(spec.key), i,
                                        pieces,

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..core.base import Codec
 from ..core.baselines import BASELINE_CODECS, HOROVOD_SIXTEEN_BIT, baseline_element_bytes
-from ..core.contract import Combine, SideInformation
+from ..core.contract import Combine
 from ..core.limits import CodecLimitWarning
 from ..doors import (
     DEFAULT_FUSION_BYTES,
@@ -782,7 +782,7 @@ def _as_the_plan_runs(spec: str, rate: Throughput, topology: Topology, fabric: F
         codec = build_codec(spec, topology)
     except ValueError:
         return rate
-    if isinstance(codec, SideInformation):
+    if codec.traits.side_information:
         return rate
     even = topology.size * topology.local_size
     piece = max(even, (pipeline_elems or vector.size) // even * even)

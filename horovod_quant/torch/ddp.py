@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .. import gpu
 from ..core.base import Codec
+from ..core.contract import HorovodWire
 from ..doors import (
     DDP_DOOR,
     CodecRequest,
@@ -560,7 +561,7 @@ class QuantizationState(_Checkpoints, CompressorSettings, FallbackAttributes):
         self.step = 0
         unique = {self.codec.config_key(): self.codec}
         for _, c in self.policy.rules:
-            if c is not None and c.horovod_allreduce != "keep":  # a "keep" rule: exact
+            if c is not None and c.traits.horovod_wire is not HorovodWire.KEEP:  # kept: exact
                 unique.setdefault(c.config_key(), c)
         self.codecs: list[Codec] = list(unique.values())
         self._codec_indices = {key: k for k, key in enumerate(unique)}

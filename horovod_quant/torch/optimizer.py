@@ -28,6 +28,7 @@ import horovod.torch as hvd
 import torch
 
 from ..core.base import Codec
+from ..core.contract import HorovodWire
 from ..core.registry import get_codec, horovod_equivalent
 from ..doors import OPTIMIZER_DOOR, DoorEnvironment, DoorOptions, SettingsAttributes, door_options
 from ..exchange.codec_states import CodecStates
@@ -56,9 +57,9 @@ def _resolve_codec(compression: Any) -> tuple[Codec, DoorOptions | None]:
     if isinstance(compression, str):
         return get_codec(compression), None
     if compression is None or compression is hvd.Compression.none:
-        return horovod_equivalent("keep"), None
+        return horovod_equivalent(HorovodWire.KEEP), None
     if compression is hvd.Compression.fp16:
-        return horovod_equivalent("float16"), None
+        return horovod_equivalent(HorovodWire.FLOAT16), None
     raise ValueError(f"compression={compression!r} is not understood: pass "
                      "hq.torch.Compression.<codec>(...), a codec, a codec name, or "
                      "hvd.Compression.none/fp16")

@@ -18,6 +18,7 @@ import torch
 
 from ..core.base import Codec
 from ..core.baselines import BASELINE_TORCH_DTYPES
+from ..core.contract import HorovodWire
 
 
 def as_tensor(arr: Any) -> torch.Tensor:
@@ -95,15 +96,16 @@ BASELINE_DTYPES = {name: getattr(torch, dtype) for name, dtype in BASELINE_TORCH
 
 def horovod_dtype(codec: Codec | None, tensor: torch.Tensor) -> torch.dtype | None:
     """The dtype in which Horovod's own allreduce carries ``tensor`` (no codec, or a codec that
-    declares ``horovod_allreduce``), or None when the codec's exchange carries it. Horovod's CPU
+    declares a ``traits.horovod_wire``), or None when the codec's exchange carries it. Horovod's CPU
     operations take no bfloat16: a bfloat16 host tensor kept as it is travels as float32 (its
     values exactly; the mean is rounded to bfloat16 once, alike on every rank)."""
-    if codec is None or codec.horovod_allreduce == "keep":
+    wire = None if codec is None else codec.traits.horovod_wire
+    if codec is None or wire is HorovodWire.KEEP:
         if tensor.dtype == torch.bfloat16 and not tensor.is_cuda:
             return torch.float32
         return tensor.dtype
-    if codec.horovod_allreduce is not None:
-        return getattr(torch, codec.horovod_allreduce)
+    if wire is not None:
+        return getattr(torch, wire.cast)
     return None
 
 

@@ -9,6 +9,7 @@ import torch
 
 import horovod_quant as hq
 import horovod_quant.torch as hqt
+from horovod_quant.core.contract import HorovodWire
 from horovod_quant.core.rng import payload_seed
 from horovod_quant.exchange import Exchange, mean_estimate, plans
 from horovod_quant.exchange.wire import exchange_tag
@@ -58,8 +59,9 @@ def test_every_codec_gives_the_reference_bits(name):
                             topology=_reference_topology())
     hierarchical = any(k.startswith(plans.HIERARCHICAL) for k in pending.stats.plans)
     ranks_summing = _topology().host_count if hierarchical else hvd.size()
-    if codec.horovod_allreduce is not None and ranks_summing > 2:  # gloo's float sum order
-        tol = 1e-5 if codec.horovod_allreduce == "keep" else 4e-3  # float32; 16-bit words
+    wire = codec.traits.horovod_wire
+    if wire is not None and ranks_summing > 2:  # gloo's float sum order
+        tol = 1e-5 if wire is HorovodWire.KEEP else 4e-3  # float32; 16-bit words
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
     else:
         assert np.array_equal(got, want, equal_nan=True)

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import horovod_quant as hq
+from horovod_quant.core.contract import HorovodWire
 from horovod_quant.torch import ddp
 
 from conftest import codec_params, gather_rows, same_everywhere
@@ -86,7 +87,7 @@ class Recorder:
             rows = [r.numpy() for r in gather_rows(inp, self.group)]
             for k, idx in self.parts(params).items():
                 if k is None:  # a float32 sum in rank order, then / n (gloo may add otherwise)
-                    want, float_sum = sum(r[idx] for r in rows) / np.float32(n), "float32"
+                    want, float_sum = sum(r[idx] for r in rows) / np.float32(n), HorovodWire.KEEP
                 else:
                     codec = self.state.codecs[k]
                     want, _ = hq.mean_estimate(codec, [r[idx] for r in rows],
@@ -95,11 +96,11 @@ class Recorder:
                                                pipeline_elems=self.state.pipeline_elems,
                                                topology=self.state.topology,
                                                fabric=self.state.fabric)
-                    float_sum = codec.horovod_allreduce
+                    float_sum = codec.traits.horovod_wire
                 if float_sum is None or n <= 2:
                     assert np.array_equal(got[idx], want, equal_nan=True), (k, index)
                 else:  # a float allreduce adds in the backend's order (the default hook's numbers)
-                    eps = 4 * float(np.finfo(np.float16 if float_sum == "float16"
+                    eps = 4 * float(np.finfo(np.float16 if float_sum is HorovodWire.FLOAT16
                                              else np.float32).eps)
                     assert np.allclose(got[idx], want, rtol=eps,
                                        atol=eps * float(np.abs(want).max())), (k, index)

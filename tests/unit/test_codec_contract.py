@@ -1,6 +1,7 @@
-"""The codec contract: every codec carries frozen traits computed once, what it can do is a
-capability type the exchange checks with isinstance, and no method it has raises
-NotImplementedError (horovod_quant/core/contract.py)."""
+"""The codec contract: every codec class carries frozen traits fixed when it is created, from
+the capability types it inherits and the wire format it declares as class keywords; the other
+layers decide on the traits alone, and no method a codec has raises NotImplementedError
+(horovod_quant/core/contract.py)."""
 from __future__ import annotations
 
 import ast
@@ -14,9 +15,11 @@ import pytest
 import horovod_quant as hq
 from horovod_quant.core.base import Codec
 from horovod_quant.core.contract import (
+    DECLARED,
     Combine,
     ExchangeTraits,
     GlobalNorm,
+    HorovodWire,
     Reduced,
     SideInformation,
     SumDecodable,
@@ -41,15 +44,20 @@ def configurations() -> list[Codec]:
 
 @pytest.mark.parametrize("codec", configurations(), ids=repr)
 def test_traits_are_frozen_and_no_class_attribute_is_shadowed(codec):
-    assert isinstance(codec.traits, ExchangeTraits)
+    assert isinstance(codec.traits, ExchangeTraits) and codec.traits is type(codec).traits
     with pytest.raises(dataclasses.FrozenInstanceError):
         codec.traits.combine = Combine.SUM
-    with pytest.raises(AttributeError):
-        codec.traits = codec.traits
     shadowed = [k for k in vars(codec) if hasattr(type(codec), k)]
     assert not shadowed, f"{codec!r} overwrites class attributes per instance: {shadowed}"
-    assert codec.traits.wire_dtype == type(codec).wire_dtype
-    assert codec.traits.head_nbytes == type(codec).head_nbytes
+
+
+@pytest.mark.parametrize("codec", configurations(), ids=repr)
+def test_no_class_attribute_repeats_a_trait(codec):
+    """The traits are the one declaration: no codec (class or instance) has an attribute named
+    like a trait, nor the string flag the traits replaced."""
+    names = [f.name for f in dataclasses.fields(ExchangeTraits)] + ["horovod_allreduce"]
+    repeated = [name for name in names if hasattr(codec, name)]
+    assert not repeated, f"{codec!r} repeats traits as attributes: {repeated}"
 
 
 @pytest.mark.parametrize("codec", configurations(), ids=repr)
@@ -62,6 +70,37 @@ def test_traits_follow_the_capabilities(codec):
     else:
         assert traits.combine is Combine.GATHER
     assert (traits.collective is not None) == isinstance(codec, Reduced)
+    assert traits.needs_norm == isinstance(codec, GlobalNorm)
+    assert traits.side_information == isinstance(codec, SideInformation)
+
+
+def test_horovod_wire_names_the_baselines_horovod_carries():
+    assert hq.get_codec("none").traits.horovod_wire is HorovodWire.KEEP
+    assert hq.get_codec("fp16").traits.horovod_wire is HorovodWire.FLOAT16
+    assert HorovodWire.KEEP.cast is None and HorovodWire.FLOAT16.cast == "float16"
+    assert all(codec.traits.horovod_wire is None for codec in configurations()
+               if codec.name not in ("none", "fp16"))
+
+
+def test_a_codec_class_declares_its_wire_format_as_class_keywords():
+    qsgd = type(hq.get_codec("qsgd"))
+    wide = type("Wide", (qsgd,), {}, wire_dtype=np.uint32, head_nbytes=8)
+    assert wide.traits.wire_dtype == np.uint32 and wide.traits.head_nbytes == 8
+    assert wide.traits.combine is qsgd.traits.combine
+    assert type("Wider", (wide,), {}).traits == wide.traits  # inherited unless declared
+    assert set(DECLARED) < {f.name for f in dataclasses.fields(ExchangeTraits)}
+    with pytest.raises(TypeError, match="unknown codec class keywords"):
+        type("Bad", (qsgd,), {}, wire_type=np.uint32)
+    with pytest.raises(TypeError, match="Reduced"):
+        type("Lonely", (qsgd,), {}, collective="exponent_allreduce")
+    with pytest.raises(TypeError, match="Reduced"):
+        _capable(qsgd, Reduced)
+    with pytest.raises(TypeError, match="HorovodWire"):
+        type("Flag", (qsgd,), {}, horovod_wire="keep")
+    reduced = _capable(qsgd, Reduced, collective="exponent_allreduce")
+    assert reduced.traits.combine is Combine.CUSTOM
+    assert reduced.traits.collective == "exponent_allreduce"
+    assert plans.plan_kind(reduced, 4, 1 << 16) == "custom"
 
 
 def test_global_qsgd_configurations_have_their_capabilities():
@@ -79,11 +118,13 @@ def test_global_qsgd_configurations_have_their_capabilities():
     assert type(linear.for_world_size(2)) is type(linear)
 
 
-def _capable(base: type, *capabilities: type) -> Codec:
-    """A codec of ``base``'s configuration whose class adds ``capabilities``."""
+def _capable(base: type, *capabilities: type, **declared) -> Codec:
+    """A codec of ``base``'s configuration whose class adds ``capabilities`` (and declares
+    ``declared``)."""
     cls = type(f"Test{base.__name__}", (base, *capabilities), {
         name: (lambda self, *a, **k: None)
-        for cap in capabilities for name in getattr(cap, "__abstractmethods__", ())})
+        for cap in capabilities for name in getattr(cap, "__abstractmethods__", ())},
+        **declared)
     return cls(**{k: v for k, v in hq.get_codec("qsgd").params.items()})
 
 
@@ -96,7 +137,9 @@ def test_plans_accept_codecs_by_capability():
     side = _capable(qsgd, SideInformation)
     assert plans.plan_kind(side, 4, 1 << 16, "sra") == "allgather"
     assert plans.signature("allgather", side)[-1] == (plans.Allreduce, np.dtype(np.int64))
+    assert side.traits.side_information and side.traits.combine is Combine.CUSTOM
     normed = _capable(qsgd, GlobalNorm)
+    assert normed.traits.needs_norm and normed.traits.combine is Combine.GATHER
     assert plans.plan_kind(normed, 4, 1 << 16, "sra") == "allgather"
 
 
