@@ -124,16 +124,18 @@ class Reduced(CombinedDecodable):
 
 class GlobalNorm(abc.ABC):
     """Encoding needs the global norm of every rank's vector (Global-QSGD, Definition 3.1):
-    each rank gives :meth:`norm_statistic`, the statistics combine with :attr:`norm_op`, and
-    :meth:`norm_from_statistics` gives the norm. Never the sra plan (a chunk mean would need a
-    second norm)."""
-
-    #: how several statistics of one rank combine: "max" or "sum"
-    norm_op: str
+    each rank gives :meth:`norm_statistic` (of several vectors: :meth:`combine_statistics`),
+    and :meth:`norm_from_statistics` gives the norm. Never the sra plan (a chunk mean would need
+    a second norm)."""
 
     @abc.abstractmethod
     def norm_statistic(self, x: Any) -> float:
         """This rank's part of the global norm of ``x`` (float64; non-finite when x is)."""
+
+    @abc.abstractmethod
+    def combine_statistics(self, stats: Sequence[float]) -> float:
+        """The statistic of several vectors from theirs, combined in the order given (float64;
+        NaN when any is NaN, 0.0 for none)."""
 
     @abc.abstractmethod
     def norm_from_statistics(self, stats: Sequence[float]) -> np.float32:

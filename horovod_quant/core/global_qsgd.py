@@ -273,7 +273,6 @@ class GlobalQSGD(GlobalNorm, Codec):
             self.s = most if num_levels is None else check_int(
                 "num_levels", num_levels, 1, most,
                 hint=f"{bits} bits hold at most {most} levels with the sign; raise bits.")
-        self.norm_op = "max" if norm == "max" else "sum"
         self.table = signed_table(levels, bits, self.s, self.c)
         super().__init__(world_size=n, bits=bits, levels=levels, num_levels=self.s, norm=norm,
                          mode=mode, reduction=reduction)
@@ -297,7 +296,7 @@ class GlobalQSGD(GlobalNorm, Codec):
     def norm_statistic(self, x: Any) -> float:
         """This worker's part of the global norm: max|x| ("max") or sum x^2 ("l2"), computed
         in float64; NaN/Inf in x make it non-finite. Combine the workers' values with
-        ``norm_op`` ("max" or "sum") and pass the result to :meth:`norm_from_statistic`."""
+        :meth:`combine_statistics` and pass the result to :meth:`norm_from_statistic`."""
         be = backend_of(x)
         v = be.vector(x)
         return be.max_abs(v) if self.norm == "max" else be.sum_squares(v)
@@ -315,16 +314,21 @@ class GlobalQSGD(GlobalNorm, Codec):
         """The global norm of the workers' vectors ``xs`` (see :meth:`norm_from_statistics`)."""
         return self.norm_from_statistics([self.norm_statistic(x) for x in xs])
 
-    def norm_from_statistics(self, stats: Sequence[float]) -> np.float32:
-        """The global norm from per-worker statistics given in rank order: float64 max or
-        left-to-right sum (the exchange allgathers the statistics so every rank combines them
-        in this order), NaN if any is NaN."""
+    def combine_statistics(self, stats: Sequence[float]) -> float:
+        """Statistics combined in the order given: float64 max ("max") or left-to-right sum
+        ("l2"), NaN if any is NaN, 0.0 for none."""
         total = stats[0] if stats else 0.0
         for t in stats[1:]:
-            total = max(total, t) if self.norm_op == "max" else total + t
+            total = max(total, t) if self.norm == "max" else total + t
         if any(math.isnan(t) for t in stats):  # max() keeps the first operand on a NaN
             total = math.nan
-        return self.norm_from_statistic(total)
+        return total
+
+    def norm_from_statistics(self, stats: Sequence[float]) -> np.float32:
+        """The global norm from per-worker statistics given in rank order
+        (:meth:`combine_statistics`: the exchange allgathers the statistics so every rank
+        combines them in this order)."""
+        return self.norm_from_statistic(self.combine_statistics(stats))
 
     # -- contract --------------------------------------------------------------------------
     def _detail(self) -> str:

@@ -171,14 +171,12 @@ NORM_WIRE_WORDS = 1 + len(NO_TAG)
 
 def norm_wire(codec: GlobalNorm, xs: list[Any], tag: Tag = NO_TAG) -> np.ndarray:
     """This rank's part of the global norm over the vectors ``xs``: one float64 statistic
-    (max or sum over the vectors, as ``codec.norm_op``) and the exchange's tag (its bits in
+    (``codec.combine_statistics`` of the vectors') and the exchange's tag (its bits in
     float64 words), :data:`NORM_WIRE_WORDS` float64 to be allgathered. The norm is the
     first collective of a global-norm exchange, so the tag check happens before anything
     else (the exponent allreduce included) pairs the ranks' data."""
     stats = [codec.norm_statistic(as_vector(x)) for x in xs]
-    local = (max(stats) if codec.norm_op == "max" else sum(stats)) if stats else 0.0
-    if any(np.isnan(t) for t in stats):  # max() may drop a NaN operand
-        local = float("nan")
+    local = codec.combine_statistics(stats)
     wire = np.zeros(NORM_WIRE_WORDS, np.float64)
     wire[0] = local
     wire[1:].view(_HEADER)[:] = tag

@@ -806,7 +806,9 @@ def test_norm_statistics():
     x = np.array([3.0, -4.0, 0.5], np.float32)
     cmax = GlobalQSGD(world_size=2, norm="max")
     c2 = GlobalQSGD(world_size=2, norm="l2")
-    assert cmax.norm_op == "max" and c2.norm_op == "sum"
+    assert cmax.combine_statistics([1.0, 3.0, 2.0]) == 3.0
+    assert c2.combine_statistics([1.0, 3.0, 2.0]) == 6.0
+    assert math.isnan(cmax.combine_statistics([1.0, math.nan])) and c2.combine_statistics([]) == 0
     assert cmax.norm_statistic(x) == 4.0 and c2.norm_statistic(x) == 25.25
     assert cmax.norm_from_statistic(4.0) == np.float32(4.0)
     root = c2.norm_from_statistic(2.0)
