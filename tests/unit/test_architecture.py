@@ -4,6 +4,8 @@
   imports); no import cycles (lazy imports included); imports run one way through the layers.
 * No module outside the codec modules names a codec; codecs declare what the other layers need.
 * Only a door's exchange runtime builds exchanges, codec states and configuration checks.
+* Outside the codecs' layer a decision about a codec reads its traits (``codec.traits``): no
+  ``isinstance`` with a capability type, no read of what the traits carry from anything else.
 * Backends share only the protocol: no backend imports another, and only the backend picker
   (and the public GPU helpers) import a backend implementation.
 * The layers below the doors import no framework and no Horovod.
@@ -31,7 +33,14 @@ import pytest
 import horovod_quant
 from horovod_quant.core import registry
 from horovod_quant.core.base import Codec
-from horovod_quant.core.contract import GlobalNorm, Reduced, SideInformation, SumDecodable
+from horovod_quant.core.contract import (
+    DECLARED,
+    CombinedDecodable,
+    GlobalNorm,
+    Reduced,
+    SideInformation,
+    SumDecodable,
+)
 
 PACKAGE_DIR = Path(horovod_quant.__file__).resolve().parent
 PACKAGE = "horovod_quant"
@@ -257,6 +266,11 @@ MAX_CLASS_LINES = 300
 MAX_MODULE_DOC_LINES = 20
 #: The capabilities a codec may have (horovod_quant/core/contract.py).
 CAPABILITIES = (SumDecodable, Reduced, GlobalNorm, SideInformation)
+#: The capability types no module outside the codecs' layer checks a codec against.
+CAPABILITY_NAMES = {cap.__name__ for cap in (*CAPABILITIES, CombinedDecodable)}
+#: What a codec's traits carry and a codec class once declared as attributes, and the string
+#: flags they replaced: read only on traits (``codec.traits.wire_dtype``) outside the codecs.
+TRAIT_DECLARATIONS = set(DECLARED) | {"horovod_allreduce", "norm_op"}
 #: What ``Codec`` and its capabilities declare: the names the exchange may use on a codec.
 CODEC_DECLARES = set(dir(Codec)) | set(Codec.__annotations__) | {"params", "world_size"} | {
     name for cap in CAPABILITIES for name in set(dir(cap)) | set(cap.__annotations__)}
@@ -360,6 +374,46 @@ def undeclared_codec_uses(path: Path) -> list[str]:
         if name not in CODEC_DECLARES:
             hits.append(f"{node.lineno}: {name}")
     return hits
+
+
+def _is_traits(node: ast.AST) -> bool:
+    """``traits`` or ``<x>.traits``: where what :data:`TRAIT_DECLARATIONS` names may be read."""
+    return (isinstance(node, ast.Name) and node.id == "traits") or \
+        (isinstance(node, ast.Attribute) and node.attr == "traits")
+
+
+def capability_dispatch(path: Path) -> list[str]:
+    """Decisions on a codec that bypass its traits, as ``line: text``: ``isinstance`` or
+    ``issubclass`` with a capability type (by its name, an alias of it or ``<module>.<name>``,
+    alone or in a tuple), and a read of a name of :data:`TRAIT_DECLARATIONS` on anything but
+    traits (``x.<name>``, ``getattr(x, "<name>")``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    capabilities = CAPABILITY_NAMES | {a.asname for node in ast.walk(tree)
+                                       if isinstance(node, ast.ImportFrom)
+                                       for a in node.names
+                                       if a.name in CAPABILITY_NAMES and a.asname}
+
+    def is_capability(node: ast.AST) -> bool:
+        if isinstance(node, ast.Tuple):
+            return any(is_capability(e) for e in node.elts)
+        return (isinstance(node, ast.Name) and node.id in capabilities) or \
+            (isinstance(node, ast.Attribute) and node.attr in CAPABILITY_NAMES)
+
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            name, args = node.func.id, node.args
+            if name in ("isinstance", "issubclass") and len(args) == 2 \
+                    and is_capability(args[1]):
+                hits.append((node.lineno, ast.unparse(node)))
+            elif name in ("getattr", "hasattr") and len(args) >= 2 \
+                    and isinstance(args[1], ast.Constant) \
+                    and args[1].value in TRAIT_DECLARATIONS and not _is_traits(args[0]):
+                hits.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Attribute) and node.attr in TRAIT_DECLARATIONS \
+                and not _is_traits(node.value):
+            hits.append((node.lineno, ast.unparse(node)))
+    return [f"{line}: {text}" for line, text in sorted(hits)]
 
 
 def long_classes(path: Path, limit: int = MAX_CLASS_LINES) -> list[tuple[str, int]]:
@@ -537,6 +591,16 @@ def test_the_exchange_uses_only_what_codec_declares() -> None:
                        + "\n".join(f"{m}: {h}" for m, h in found.items()))
 
 
+def test_decisions_on_a_codec_read_its_traits() -> None:
+    found = {module: hits for module, path in package_modules().items()
+             if layer_of(module) is None or LAYERS[layer_of(module)][0] != "codecs"
+             for hits in [capability_dispatch(path)] if hits}
+    assert not found, ("modules outside the codecs decide on a codec by its type or by what its "
+                       "traits carry (read codec.traits, horovod_quant/core/contract.py; add a "
+                       "trait there where one is missing):\n"
+                       + "\n".join(f"{m}: {h}" for m, h in found.items()))
+
+
 def import_side_registrations(path: Path) -> list[str]:
     """Module-level item assignments into a name imported from the package (``TABLE[key] =
     value`` with ``TABLE`` from another package module: a registration run by importing), as
@@ -676,6 +740,22 @@ def test_environment_reads_are_found_on_a_made_up_module(tmp_path: Path) -> None
     assert environment_reads("horovod_quant.exchange.cost",
                              PACKAGE_DIR / "exchange" / "cost.py") == []
     assert environment_reads("horovod_quant.doors", PACKAGE_DIR / "doors.py")  # the door reads
+
+
+def test_capability_dispatch_is_found_on_a_made_up_module(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("from ..core import contract\n"
+                   "from ..core.contract import GlobalNorm, SideInformation as Side\n"
+                   "def f(codec: GlobalNorm, c, traits):\n"
+                   "    if isinstance(codec, GlobalNorm) or isinstance(c, (int, Side)):\n"
+                   "        return issubclass(type(c), contract.Reduced)\n"
+                   "    if c.horovod_allreduce == 'keep' or type(codec).wire_dtype:\n"
+                   "        return getattr(codec, 'head_nbytes', 0), codec.norm_op\n"
+                   "    return (codec.traits.wire_dtype, traits.collective, isinstance(c, int),\n"
+                   "            getattr(c.traits, 'horovod_wire'))\n")
+    hits = capability_dispatch(src)
+    assert [h.split(":")[0] for h in hits] == ["4", "4", "5", "6", "6", "7", "7"], hits
+    assert capability_dispatch(PACKAGE_DIR / "exchange" / "plans.py") == []
 
 
 def test_source_rules_fail_on_made_up_modules(tmp_path: Path) -> None:
