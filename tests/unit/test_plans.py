@@ -108,7 +108,7 @@ def test_plans_yield_their_signature(name, gather):
     xs = _inputs(n, 1500)
     kind = plans.runnable(plans.plan_kind(codec, n, 1500, gather), custom=False)
     norm = None
-    if isinstance(codec, GlobalNorm):
+    if codec.traits.needs_norm:  # as the runners decide
         norm = Lockstep([_checked(plans.norm_plan(codec, [x]), plans.signature("norm", codec))
                          for x in xs]).finish()[0]
     checked = [_checked(p, plans.signature(kind, codec)) for p in _pieces(codec, xs, 3, kind, norm)]
