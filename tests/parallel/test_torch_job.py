@@ -241,8 +241,8 @@ def _horovod_resume(fresh, saved, steps, broadcast_state):
         opt.load_state_dict(saved["opt"])
         if comp is not None:
             comp.load_state_dict(saved["compression"])
+    hvd.broadcast_optimizer_state(opt, root_rank=0)  # first: docs/dev/jobs.md
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(opt, root_rank=0)
     if broadcast_state:
         hqt.broadcast_state(opt, root_rank=0)
     _run_steps(model, opt, steps)
