@@ -244,7 +244,7 @@ class GradientExchanger:
         """Each bucket's mean into its parameters' gradients, times the number of ranks for
         ``op=hvd.Sum``; a parameter this rank did not use gets one (Horovod's zeros)."""
         factor = float(self.size) if self._op == hvd.Sum else 1.0
-        for bucket, mean in self.schedule.finish(self.step, self._flat, self.runtime.stats):
+        for bucket, mean in self.schedule.finish(self.step, self._flat):
             if factor != 1.0:
                 mean.mul_(factor)
             offset = 0

@@ -19,7 +19,6 @@ from typing import Any, Callable, Iterator
 from ..exchange.collectives import Collectives
 from ..exchange.driver import Exchange
 from ..exchange.runtime import ExchangeRuntime
-from ..stats import StepStats
 from .buckets import Bucket
 from .tensors import as_tensor, stream_of
 
@@ -101,10 +100,11 @@ class ExchangeSchedule:
                 with stream_of(b.params[0]):
                     b.pending.advance()
 
-    def finish(self, step: int, flat_of: FlatOf, stats: StepStats) -> Iterator[tuple[Bucket, Any]]:
+    def finish(self, step: int, flat_of: FlatOf) -> Iterator[tuple[Bucket, Any]]:
         """Start the buckets not started yet (in bucket order), put every bucket's pieces on
         the wire in bucket order (so no bucket's transfer waits for the one before it to
-        finish), then yield each bucket with its mean (a tensor), in bucket order."""
+        finish), then yield each bucket with its mean (a tensor), in bucket order; they count
+        in the runtime's statistics."""
         for b in self.buckets:
             if b.pending is None:
                 self.start(b, step, flat_of)
@@ -113,8 +113,7 @@ class ExchangeSchedule:
                 b.pending.advance(block=True)
         for b in self.buckets:
             with stream_of(b.params[0]):
-                mean = as_tensor(b.pending.wait())
-            stats.add(b.pending.stats)
+                mean = as_tensor(self._runtime.finish(b.pending))
             yield b, mean
             b.pending = None
             b.ready = 0

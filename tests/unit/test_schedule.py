@@ -16,7 +16,6 @@ torch = pytest.importorskip("torch")
 import horovod_quant as hq  # noqa: E402
 from horovod_quant.core.rng import payload_seed  # noqa: E402
 from horovod_quant.exchange import Exchange, plans, runtime  # noqa: E402
-from horovod_quant.stats import StepStats  # noqa: E402
 from horovod_quant.torch.buckets import form_buckets  # noqa: E402
 from horovod_quant.torch.schedule import ExchangeSchedule  # noqa: E402
 
@@ -80,7 +79,7 @@ def run_step(comm, codec, hook_order, exchange_type=Exchange, watch=None):
         if watch is not None:
             seen.append(watch(schedule, buckets))
     assert schedule.in_flight == any(b.pending is not None for b in buckets)
-    means = {b.index: mean.numpy().copy() for b, mean in schedule.finish(STEP, flat, StepStats())}
+    means = {b.index: mean.numpy().copy() for b, mean in schedule.finish(STEP, flat)}
     assert not schedule.in_flight and all(b.ready == 0 for b in buckets)
     return means, seen
 
