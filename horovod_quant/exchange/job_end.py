@@ -10,8 +10,10 @@ doors' steps there and waits for every rank's announcement. A rank still inside 
 announcement where it waits (:func:`wait` polls; a door's error path asks
 :meth:`Ledger.explain`, e.g. after the peer's Horovod shut down; an error raised inside
 Horovod's own wait is explained at this rank's exit), announces, and raises or prints
-:class:`~.wire.OutOfStep`; the ranks at exit print the same message and exit with status 1.
-Ranks that agree pay a few store round trips at exit.
+:class:`~.wire.OutOfStep`; the ranks at exit print the same message and exit with status 1. A
+rank stuck where nothing polls (a wait inside Horovod that its peer's shut-down did not end) is
+ended by the ledger's watch thread :data:`STUCK_AFTER_S` after the announcement, with the same
+message. Ranks that agree pay a few store round trips at exit.
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ LOOK_EVERY_S = 0.5
 #: seconds an announcement waits for every rank's (a rank busy elsewhere, e.g. evaluating, is
 #: waited for this long; then the job ends without an agreement, as it would without this)
 ANNOUNCE_TIMEOUT_S = 120.0
+#: seconds a rank stays inside a step after a peer announced the end of its job before the
+#: watch thread announces for it, prints the agreement and ends the process with status 1
+STUCK_AFTER_S = 10.0
 
 
 @dataclass
@@ -152,9 +157,11 @@ class Ledger:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._agreeing = threading.RLock()  # one announcement per process, whichever thread
         self.doors: list[DoorSteps] = []
         self.rendezvous: StoreRendezvous | None = None
-        self.ended = False  # announced (at exit, or while waiting)
+        self.ended = False  # announced (at exit, while waiting, or by the watch thread)
+        self._agreement: str | None = None  # the announcement's disagreement, once ended
         self._exit_hook = False
 
     def register(self, door: str, steps: int, rendezvous: StoreRendezvous | None) -> DoorSteps:
@@ -169,16 +176,55 @@ class Ledger:
             self.rendezvous = self.rendezvous or rendezvous
             if not self._exit_hook:
                 atexit.register(self.at_exit)
+                threading.Thread(target=self._watch, name="horovod_quant-job-end",
+                                 daemon=True).start()
                 self._exit_hook = True
             return entry
 
     def _agree(self) -> str | None:
-        """Announce the doors' steps and return the ranks' disagreement, if any."""
-        self.ended = True
-        record = {"doors": [[d.door, _STOPPED, False] if d.failed else [d.door, d.steps, d.begun]
-                            for d in self.doors]}
-        records = self.rendezvous.announce(record)
-        return None if records is None else disagreement(records)
+        """Announce the doors' steps (once per process) and return the ranks'
+        disagreement, if any."""
+        with self._agreeing:
+            if not self.ended:
+                self.ended = True
+                record = {"doors": [[d.door, _STOPPED, False] if d.failed
+                                    else [d.door, d.steps, d.begun] for d in self.doors]}
+                records = self.rendezvous.announce(record)
+                self._agreement = None if records is None else disagreement(records)
+            return self._agreement
+
+    @staticmethod
+    def _print(message: str) -> None:
+        """The disagreement on this rank's standard error."""
+        sys.stdout.flush()
+        sys.stderr.write(f"{OutOfStep.__module__}.OutOfStep: horovod_quant: {message}\n")
+        sys.stderr.flush()
+
+    def _stuck(self) -> bool:
+        """Whether a door is inside a step (not stopped at an error) while a peer has
+        announced the end of its job."""
+        return any(d.begun and not d.failed for d in self.doors) and self.rang()
+
+    def _watch(self) -> None:
+        """The watch thread: a rank inside a step :data:`STUCK_AFTER_S` after a peer
+        announced waits where nothing of this package polls (Horovod's own wait, which the
+        peer's shut-down normally ends): it announces for the rank, prints the agreement and
+        ends the process with status 1. It looks at the store only while a step is begun."""
+        since = None
+        while not self.ended:
+            time.sleep(LOOK_EVERY_S)
+            try:
+                stuck = not self.ended and self._stuck()
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                return
+            since = (since or time.monotonic()) if stuck else None
+            if since is not None and time.monotonic() - since >= STUCK_AFTER_S:
+                with self._agreeing:  # held to the end: the exit hook waits for it
+                    message = self._agree()
+                    if message is not None:
+                        self._print(message)
+                        os._exit(1)
+                return
 
     def rang(self) -> bool:
         """Whether a peer announced the end of its job (and this rank has not)."""
@@ -197,7 +243,10 @@ class Ledger:
         process exits with status 1. After an uncaught exception it agrees only where a peer
         announced first (this rank's error may be Horovod's, raised by its shut-down)."""
         crashed = getattr(sys, "last_value", None) is not None
-        if self.ended or not self.doors or (crashed and not self.rang()):
+        if self.ended:  # announced while waiting (raised), or by the watch thread (it ends
+            with self._agreeing:  # the process itself, holding this lock)
+                return
+        if not self.doors or (crashed and not self.rang()):
             return
         try:
             message = self._agree()
@@ -205,9 +254,7 @@ class Ledger:
             log.debug("horovod_quant: no agreement at exit: %s", exc)
             return
         if message is not None:
-            sys.stdout.flush()
-            sys.stderr.write(f"{OutOfStep.__module__}.OutOfStep: horovod_quant: {message}\n")
-            sys.stderr.flush()
+            self._print(message)
             if not crashed:
                 os._exit(1)
 

@@ -9,6 +9,7 @@ programs) on this machine. Without nvcc every test here skips.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import shutil
 import subprocess
@@ -76,12 +77,18 @@ _SIGS = {
 
 
 def build_hostlib(out_dir: Path) -> ctypes.CDLL:
-    """Compile tests/cuda_parity/host_parity.cu (+ kernels/*.cuh) with nvcc for the host."""
+    """Compile tests/cuda_parity/host_parity.cu (+ kernels/*.cuh) with nvcc for the host, once
+    per ``out_dir``: pytest-xdist's workers of one run share the folder, and the first to take
+    its lock builds while the others wait (a build takes a core for 11 s)."""
     lib_path = out_dir / "libhq_host.so"
-    cmd = [NVCC, *HOST_FLAGS, str(HERE / "host_parity.cu"), "-o", str(lib_path)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if res.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stdout}\n{res.stderr}")
+    with open(out_dir / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not lib_path.exists():
+            cmd = [NVCC, *HOST_FLAGS, str(HERE / "host_parity.cu"), "-o", str(lib_path)]
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if res.returncode != 0:
+                raise RuntimeError(
+                    f"nvcc failed ({' '.join(cmd)}):\n{res.stdout}\n{res.stderr}")
     lib = ctypes.CDLL(str(lib_path))
     for name, (restype, argtypes) in _SIGS.items():
         fn = getattr(lib, name)
@@ -242,7 +249,11 @@ def nvcc() -> str:
 def hostlib(tmp_path_factory):
     if NVCC is None:
         pytest.skip("nvcc not found: the host parity tests compile kernels/*.cuh with it")
-    return build_hostlib(tmp_path_factory.mktemp("hq_hostlib"))
+    # one folder per run: under pytest-xdist, its workers' temporary folders' shared parent
+    run = tmp_path_factory.getbasetemp()
+    folder = (run.parent if "PYTEST_XDIST_WORKER" in os.environ else run) / "hq_hostlib"
+    folder.mkdir(exist_ok=True)
+    return build_hostlib(folder)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import agreement  # noqa: E402
 
 # the doors' results of one 2-rank world, compared across frameworks (tests/doors):
 # the same bits under every controller (test_torch_exact.py)
-pytestmark = pytest.mark.controller_independent
+pytestmark = [pytest.mark.controller_independent, pytest.mark.size_independent]
 
 
 @pytest.fixture

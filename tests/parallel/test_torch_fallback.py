@@ -20,6 +20,7 @@ from horovod_quant.fallback import FALLBACK_STEP, STEP_CHECK_ROUNDS
 
 from conftest import Linear, codec_params, rank_gradients
 
+pytestmark = pytest.mark.size_independent
 EVERYTHING = hqt.LayerPolicy.everything()
 SHAPES = [(64, 128), (32, 64)]  # one bucket each (fusion_bytes=1), reversed: ps.1 is bucket 0
 STEPS = FALLBACK_STEP + 3

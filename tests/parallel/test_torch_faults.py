@@ -8,6 +8,7 @@ import horovod_quant.torch as hqt
 
 from conftest import Linear, codec_params, rank_gradients
 
+pytestmark = pytest.mark.size_independent
 EVERYTHING = hqt.LayerPolicy.everything()
 
 

@@ -23,7 +23,7 @@ from conftest import Linear, codec_params, rank_gradients
 
 # the optimizer's job logic (synchronize, checkpoints, GradScaler, compile, frozen layers):
 # the exchanges it runs are checked bit for bit under every controller (test_torch_exact.py)
-pytestmark = pytest.mark.controller_independent
+pytestmark = [pytest.mark.controller_independent, pytest.mark.size_independent]
 
 EVERYTHING = hqt.LayerPolicy.everything()
 SHAPES = [(40, 50), (30, 20)]  # one bucket each (fusion_bytes=1), reversed: ps.1 is bucket 0

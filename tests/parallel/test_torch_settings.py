@@ -11,6 +11,7 @@ import horovod_quant.torch as hqt
 
 from conftest import Linear, rank_gradients
 
+pytestmark = pytest.mark.size_independent
 EVERYTHING = hqt.LayerPolicy.everything()
 SHAPES = [(64, 128), (32, 64)]
 #: another policy that compresses the same tensors (else Horovod itself sees the placeholder

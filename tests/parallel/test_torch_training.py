@@ -9,7 +9,7 @@ from conftest import codec_params
 
 # training quality: the exchanges it runs are checked bit for bit under every controller
 # (test_torch_exact.py)
-pytestmark = pytest.mark.controller_independent
+pytestmark = [pytest.mark.controller_independent, pytest.mark.size_independent]
 
 EIGHT_BIT = [("qsgd", {"bits": 8}), ("nuqsgd", {"bits": 8}), ("natural", {"bits": 8}),
              ("natural_dithering", {"bits": 8}), ("global_qsgd", {"bits": 8}),

@@ -24,6 +24,7 @@ from horovod_quant.torch.tensors import BASELINE_DTYPES
 from conftest import codec_params, same_everywhere
 from test_ddp_exact import Net, Recorder, _batch, _model
 
+pytestmark = pytest.mark.size_independent
 SEED = 9
 
 

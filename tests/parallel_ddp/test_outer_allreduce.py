@@ -18,6 +18,7 @@ from horovod_quant.torch import outer as outer_module
 
 from conftest import codec_params, gather_rows, same_everywhere
 
+pytestmark = pytest.mark.size_independent
 MULTI = pytest.mark.usefixtures("several_ranks")
 CODECS = [("qsgd", {"bits": 8}), ("nuqsgd", {"bits": 4}), ("natural", {}), ("global_qsgd", {}),
           ("global_qsgd", {"levels": "linear"}), ("dithered", {}), ("nested_dithered", {})]

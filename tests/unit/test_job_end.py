@@ -184,3 +184,51 @@ def test_an_error_explained_only_once_a_peer_announced():
     assert "rank 0 waits in an exchange of its step 2 that no other rank started, rank 1 ended " \
            "its job after 2 steps" in str(error)
     assert ledgers[0].explain() is None  # announced once
+
+
+_STUCK_RANK = """
+import json, sys, time
+sys.path.insert(0, {tests!r})
+from test_job_end import MemoryStore
+from horovod_quant.exchange import job_end
+job_end.STUCK_AFTER_S, job_end.LOOK_EVERY_S = 1.0, 0.05
+store = MemoryStore()
+ledger = job_end.Ledger()
+ledger.register("compressor", 3, job_end.StoreRendezvous(store, 0, 2, "p"))
+ledger.doors[0].end(3)
+if {inside_step}:
+    ledger.doors[0].begin()
+# rank 1 ended its job after 3 steps: announced, and counted out once it read the records
+store.set("p/record1", json.dumps({{"doors": [["compressor", 3, False]]}}))
+store.add("p/in", 1)
+store.add("p/out", 1)
+time.sleep({sleep})  # a wait where nothing polls (inside Horovod's own, say)
+print("the sleep ended")
+"""
+
+
+@pytest.mark.parametrize("inside_step", [True, False])
+def test_a_rank_stuck_where_nothing_polls_is_ended_by_the_watch(inside_step):
+    """A rank inside a step that no peer will join, waiting where no wait of this package
+    polls: the watch thread announces, prints the agreement and ends the process with status 1
+    (STUCK_AFTER_S after the peer's announcement); a rank outside any step is left alone."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = _STUCK_RANK.format(tests=tests, inside_step=inside_step,
+                                sleep=60 if inside_step else 3)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=90)
+    took = time.monotonic() - start
+    if inside_step:
+        assert proc.returncode == 1 and "the sleep ended" not in proc.stdout, proc.stderr
+        assert took < 20, took
+        assert ("OutOfStep: horovod_quant: the ranks ran different numbers of steps of the "
+                "compressor: rank 0 waits in an exchange of its step 3 that no other rank "
+                "started, rank 1 ended its job after 3 steps") in proc.stderr
+    else:  # it ended its steps: the announcement at its exit agrees
+        assert proc.returncode == 0 and "the sleep ended" in proc.stdout, proc.stderr
+        assert "OutOfStep" not in proc.stderr
