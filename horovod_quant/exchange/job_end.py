@@ -214,7 +214,7 @@ class Ledger:
         while not self.ended:
             time.sleep(LOOK_EVERY_S)
             try:
-                stuck = not self.ended and self._stuck()
+                stuck = self._stuck()  # (false once this rank announced)
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 return
             since = (since or time.monotonic()) if stuck else None

@@ -84,11 +84,13 @@ def build_hostlib(out_dir: Path) -> ctypes.CDLL:
     with open(out_dir / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not lib_path.exists():
-            cmd = [NVCC, *HOST_FLAGS, str(HERE / "host_parity.cu"), "-o", str(lib_path)]
+            built = out_dir / "libhq_host.so.part"  # renamed once whole: no half-built library
+            cmd = [NVCC, *HOST_FLAGS, str(HERE / "host_parity.cu"), "-o", str(built)]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if res.returncode != 0:
                 raise RuntimeError(
                     f"nvcc failed ({' '.join(cmd)}):\n{res.stdout}\n{res.stderr}")
+            os.replace(built, lib_path)
     lib = ctypes.CDLL(str(lib_path))
     for name, (restype, argtypes) in _SIGS.items():
         fn = getattr(lib, name)
