@@ -243,6 +243,7 @@ def door_options(given: dict[str, Any], options: DoorOptions | None = None,
 #: the environment variables of the doors' settings, read by :meth:`DoorEnvironment.read`
 LINK_ENV, INTRA_ENV, ROUND_ENV = "HQ_LINK_GBIT", "HQ_INTRA_GBYTE", "HQ_ROUND_US"
 MPI_EXCHANGE_ENV, TRANSPORT_ENV = "HQ_MPI_EXCHANGE", "HQ_TRANSPORT"
+CUDA_AWARE_MPI_ENV, DEVICE_COLLECTIVES_ENV = "HQ_CUDA_AWARE_MPI", "HQ_DEVICE_COLLECTIVES"
 CONFIG_TIMEOUT_ENV = "HQ_CONFIG_TIMEOUT"
 #: the :class:`~.exchange.cost.Fabric` field each fabric variable sets, and its unit
 FABRIC_ENV = {"link_gbit": (LINK_ENV, "Gbit/s"), "intra_gbyte": (INTRA_ENV, "GB/s"),
@@ -250,11 +251,11 @@ FABRIC_ENV = {"link_gbit": (LINK_ENV, "Gbit/s"), "intra_gbyte": (INTRA_ENV, "GB/
 #: which parts of :class:`DoorEnvironment` each door reads; it ignores the other variables,
 #: which a job sets on all its ranks and may mean for another door of the same job
 DOOR_READS: dict[str, tuple[str, ...]] = {
-    OPTIMIZER_DOOR: ("fabric", "mpi_exchange", "transport"),
+    OPTIMIZER_DOOR: ("fabric", "mpi_exchange", "transport", "device_buffers"),
     DDP_DOOR: ("fabric",),
     FSDP_DOOR: ("fabric",),
     OUTER_DOOR: ("fabric",),
-    TORCH_COMPRESSOR_DOOR: ("fabric", "mpi_exchange"),
+    TORCH_COMPRESSOR_DOOR: ("fabric", "mpi_exchange", "device_buffers"),
     TF_DOOR: ("fabric", "mpi_exchange"),
 }
 
@@ -279,6 +280,9 @@ class DoorEnvironment:
             goes on the wire.
         transport: ``HQ_TRANSPORT`` (default "auto"): the optimizer's transport where its
             ``transport=`` is None.
+        cuda_aware_mpi, device_collectives: ``HQ_CUDA_AWARE_MPI``, ``HQ_DEVICE_COLLECTIVES``
+            (None: unset, detected): whether MPI, and Horovod's collectives, take CUDA buffers
+            (:mod:`horovod_quant.gpu.device_collectives`); read by the PyTorch Horovod doors.
         config_timeout: ``HQ_CONFIG_TIMEOUT`` (seconds, default 600, read by every door): how
             long a rank waits for the others at the configuration check
             (:func:`~.exchange.check.wait_for_peers`).
@@ -289,6 +293,8 @@ class DoorEnvironment:
     round_us: float | None = None
     mpi_exchange: bool = True
     transport: str = "auto"
+    cuda_aware_mpi: bool | None = None
+    device_collectives: bool | None = None
     config_timeout: float = CONFIG_TIMEOUT_S
 
     def __post_init__(self) -> None:
@@ -318,6 +324,9 @@ class DoorEnvironment:
             values["mpi_exchange"] = env_flag(MPI_EXCHANGE_ENV, default=True)
         if "transport" in reads:
             values["transport"] = env_choice(TRANSPORT_ENV, TRANSPORTS, "auto")
+        if "device_buffers" in reads:
+            values["cuda_aware_mpi"] = env_flag(CUDA_AWARE_MPI_ENV)
+            values["device_collectives"] = env_flag(DEVICE_COLLECTIVES_ENV)
         return cls(**values)
 
     @property

@@ -11,7 +11,7 @@ fallback controller reads the environment.
 | ``HQ_MPI_EXCHANGE`` | bool, default on | Global-QSGD's mpi4py exponent allreduce (Horovod doors) |
 | ``HQ_TRANSPORT`` | auto (default)/gloo/horovod | the optimizer's transport (optimizer) |
 | ``HQ_LINK_GBIT``, ``HQ_INTRA_GBYTE``, ``HQ_ROUND_US`` | numbers | fabric (optimizer, DDP, outer) |
-| ``HQ_CUDA_AWARE_MPI``, ``HQ_DEVICE_COLLECTIVES`` | bool, unset = detect | device buffers (gpu) |
+| ``HQ_CUDA_AWARE_MPI``, ``HQ_DEVICE_COLLECTIVES`` | bool, unset: detect | CUDA buffers (torch) |
 | ``HQ_CONFIG_TIMEOUT`` | seconds, default 600 | a rank's wait for the others' configuration |
 | ``HQ_PEER_ADDR`` | address, unset = detect | this rank's gloo bind address (rank 0 offers it) |
 """

@@ -2,7 +2,9 @@
 set as the base of their :class:`~horovod_quant.exchange.Collectives`, and the MPI
 communicator beside Horovod that Global-QSGD's exponent allreduce runs on
 (:mod:`horovod_quant.exchange.mpi_exponent_allreduce`), handed out only where the door's
-``HQ_MPI_EXCHANGE`` (``doors.DoorEnvironment``, passed in as ``mpi_exchange``) lets it.
+``HQ_MPI_EXCHANGE`` lets it. The door's environment (``doors.DoorEnvironment``) is passed in:
+also whether MPI and Horovod take CUDA buffers (``HQ_CUDA_AWARE_MPI``,
+``HQ_DEVICE_COLLECTIVES``, else detected by :mod:`horovod_quant.gpu`).
 
 The exchange layer never imports Horovod; only the doors do, through this module and their own
 collectives.
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import gpu
+from .doors import DoorEnvironment
 from .exchange.collectives import Collectives
 
 
@@ -43,11 +47,14 @@ class ProcessSetCollectives(Collectives):
 
     Args:
         process_set: the Horovod process set to run in (default: all ranks).
-        mpi_exchange: whether :meth:`mpi_communicator` may hand out MPI for a codec's custom
-            reduction: the door's ``HQ_MPI_EXCHANGE`` (``doors.DoorEnvironment``; default on).
+        environment: the door's environment (default: every variable unset): its
+            ``mpi_exchange`` says whether :meth:`mpi_communicator` may hand out MPI for a
+            codec's custom reduction, its ``cuda_aware_mpi`` whether that MPI takes CUDA
+            buffers.
     """
 
-    def __init__(self, process_set: Any = None, mpi_exchange: bool = True) -> None:
+    def __init__(self, process_set: Any = None,
+                 environment: DoorEnvironment = DoorEnvironment()) -> None:
         if process_set is None:
             from horovod.common.process_sets import global_process_set
 
@@ -56,4 +63,10 @@ class ProcessSetCollectives(Collectives):
         self.rank = process_set.rank()
         self.size = process_set.size()
         self.group_id = str(process_set.process_set_id)
-        self.mpi_exchange = mpi_exchange
+        self.environment = environment
+
+    @property
+    def mpi_moves_device_arrays(self) -> bool:
+        """Whether the MPI of :meth:`mpi_communicator` takes CUDA buffers
+        (:func:`horovod_quant.gpu.cuda_aware_mpi`, the door's ``HQ_CUDA_AWARE_MPI`` first)."""
+        return bool(gpu.cuda_aware_mpi(override=self.environment.cuda_aware_mpi))

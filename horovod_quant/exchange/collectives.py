@@ -127,6 +127,9 @@ class Collectives(abc.ABC):
     #: whether device (CuPy) arrays may be handed to these collectives (NCCL groups, Horovod's
     #: GPU operations, or staged through host memory: :func:`~.staging.for_device_arrays`)
     moves_device_arrays: bool = False
+    #: whether the communicator of :meth:`mpi_communicator` takes device arrays (a CUDA-aware
+    #: MPI, as the door says or detects); otherwise a custom collective stages them
+    mpi_moves_device_arrays: bool = False
 
     @abc.abstractmethod
     def allreduce_async(self, arr: np.ndarray, name: str, op: str = "sum") -> Handle:

@@ -110,13 +110,16 @@ class MpiExponentReduce:
             ``reduction`` parameters and its ``decode_sum``.
         comms: one communicator per lane (mpi4py's, or :class:`~horovod_quant.torch.
             distributed.PointToPoint`), created in the same order on every rank.
+        device_buffers: whether the communicators take device arrays (a CUDA-aware MPI);
+            otherwise a device payload's codes are copied to host memory and back.
     """
 
-    def __init__(self, codec: Reduced, comms: list[Any]) -> None:
+    def __init__(self, codec: Reduced, comms: list[Any], device_buffers: bool = False) -> None:
         if not comms:
             raise ValueError("MpiExponentReduce needs at least one communicator")
         self.codec = codec
         self.comms = comms
+        self.device_buffers = device_buffers
         self._lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hq-mpi-exp{i}")
                        for i in range(len(comms))]
         self._calls = 0
@@ -130,7 +133,7 @@ class MpiExponentReduce:
         on_device = array_module(codes) is not np
         if on_device:
             codes.device.synchronize()  # the worker thread runs on another stream
-        staged = on_device and not gpu.cuda_aware_mpi()
+        staged = on_device and not self.device_buffers
 
         def run() -> Any:
             with codes.device if on_device else contextlib.nullcontext():
@@ -157,5 +160,5 @@ def mpi_exponent_factory(codec: Reduced, collectives: Collectives) -> MpiExponen
     comm = collectives.mpi_communicator()
     if comm is None:
         return None
-    return MpiExponentReduce(codec, [comm] + [collectives.mpi_communicator()
-                                              for _ in range(EXPONENT_LANES - 1)])
+    lanes = [comm] + [collectives.mpi_communicator() for _ in range(EXPONENT_LANES - 1)]
+    return MpiExponentReduce(codec, lanes, collectives.mpi_moves_device_arrays)

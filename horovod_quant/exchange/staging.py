@@ -81,3 +81,7 @@ class HostStaged(Collectives):
 
     def mpi_communicator(self) -> Any | None:
         return self.inner.mpi_communicator()
+
+    @property
+    def mpi_moves_device_arrays(self) -> bool:  # type: ignore[override]
+        return self.inner.mpi_moves_device_arrays

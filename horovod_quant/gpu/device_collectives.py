@@ -2,7 +2,8 @@
 
 Order of evidence (first that answers wins):
 
-1. ``HQ_CUDA_AWARE_MPI=1`` / ``=0`` (also true/false, yes/no): the user's word.
+1. The user's word: ``HQ_CUDA_AWARE_MPI=1`` / ``=0``, read by the door
+   (``doors.DoorEnvironment``) and passed in as ``override``.
 2. ``MPIX_Query_cuda_support()`` of the MPI library mpi4py is linked against (Open MPI >= 2.0
    and MPICH derivatives export it), called through ctypes on ``mpi4py.MPI``'s library; it
    reports run-time support.
@@ -19,8 +20,6 @@ import functools
 import shutil
 import subprocess
 from typing import Any
-
-from ..env import env_flag
 
 
 def _from_mpix() -> bool | None:
@@ -78,40 +77,43 @@ def _detect() -> tuple[bool, str]:
     return False, "default"
 
 
-def cuda_aware_mpi(explain: bool = False) -> bool | tuple[bool, str]:
+def cuda_aware_mpi(explain: bool = False, override: bool | None = None
+                   ) -> bool | tuple[bool, str]:
     """Whether MPI can send/receive device buffers.
 
     Args:
         explain: also return where the answer came from ("HQ_CUDA_AWARE_MPI",
             "MPIX_Query_cuda_support", "ompi_info" or "default").
+        override: the user's answer (a door's ``HQ_CUDA_AWARE_MPI``); None detects.
     """
-    env = env_flag("HQ_CUDA_AWARE_MPI")
-    ans, source = (env, "HQ_CUDA_AWARE_MPI") if env is not None else _detect()
+    ans, source = (override, "HQ_CUDA_AWARE_MPI") if override is not None else _detect()
     return (ans, source) if explain else ans
 
 
-def horovod_device_collectives(horovod_module: Any) -> tuple[bool, str]:
+def horovod_device_collectives(horovod_module: Any, override: bool | None = None,
+                               cuda_aware: bool | None = None) -> tuple[bool, str]:
     """Whether Horovod's collectives can take CUDA tensors, and why.
 
     True when Horovod was built with NCCL (its GPU operations then move device buffers
     themselves), or built with CUDA and running on a CUDA-aware MPI (:func:`cuda_aware_mpi`).
-    ``HQ_DEVICE_COLLECTIVES=1``/``=0`` overrides (e.g. ``0`` for a Horovod whose allgather or
-    alltoall was built without GPU support). When False, exchanges of device gradients copy
-    their compressed payloads to host memory and back
+    ``override`` (a door's ``HQ_DEVICE_COLLECTIVES=1``/``=0``) decides instead (e.g. ``0`` for
+    a Horovod whose allgather or alltoall was built without GPU support). When False,
+    exchanges of device gradients copy their compressed payloads to host memory and back
     (:class:`horovod_quant.exchange.staging.HostStaged`).
 
     Args:
         horovod_module: ``horovod.torch`` or ``horovod.tensorflow`` (initialized).
+        override: the user's answer; None decides from Horovod's build.
+        cuda_aware: the user's answer for the MPI (:func:`cuda_aware_mpi`'s ``override``).
 
     Returns:
         ``(answer, reason)``.
     """
-    env = env_flag("HQ_DEVICE_COLLECTIVES")
-    if env is not None:
-        return env, "HQ_DEVICE_COLLECTIVES"
+    if override is not None:
+        return override, "HQ_DEVICE_COLLECTIVES"
     if horovod_module.nccl_built():
         return True, "Horovod built with NCCL"
     if horovod_module.cuda_built() and horovod_module.mpi_enabled():
-        aware, source = cuda_aware_mpi(explain=True)
+        aware, source = cuda_aware_mpi(explain=True, override=cuda_aware)
         return bool(aware), f"Horovod built with CUDA on MPI (CUDA-aware: {source})"
     return False, "Horovod built without GPU operations"

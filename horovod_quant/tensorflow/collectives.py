@@ -63,8 +63,9 @@ class HorovodTFCollectives(ProcessSetCollectives):
 
     Args:
         process_set: the Horovod process set to run in (default: all ranks).
-        mpi_exchange: the door's ``HQ_MPI_EXCHANGE``: whether a codec's custom reduction may
-            run over MPI (the global process set under an MPI controller only).
+        environment: the door's environment: its ``mpi_exchange`` says whether a codec's
+            custom reduction may run over MPI (the global process set under an MPI controller
+            only).
     """
 
     def _named(self, name: str, op: Callable[..., Any], *arrays: np.ndarray) -> Handle:
@@ -92,4 +93,4 @@ class HorovodTFCollectives(ProcessSetCollectives):
     def mpi_communicator(self) -> Any | None:
         if self.process_set is not hvd.global_process_set:
             return None
-        return world_communicator(hvd, self.mpi_exchange)
+        return world_communicator(hvd, self.environment.mpi_exchange)

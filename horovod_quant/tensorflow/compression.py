@@ -280,8 +280,8 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         """The codec's custom collective (set up once per codec, at the same trace point on
         every rank), or None: the allgather plan then reduces on every rank."""
         with tf.init_scope():
-            return self.runtime.custom_for(codec, HorovodTFCollectives(
-                self._ps(), self.environment.mpi_exchange))
+            return self.runtime.custom_for(codec, HorovodTFCollectives(self._ps(),
+                                                                       self.environment))
 
     # -- the graph runner of a plan --------------------------------------------------------------
     def _resume(self, spec: _Spec, key: tuple[int, str], plan: plans.Plan, value: Any,

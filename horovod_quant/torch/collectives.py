@@ -77,15 +77,17 @@ class HorovodTorchCollectives(ProcessSetCollectives):
 
     Args:
         process_set: the Horovod process set to run in (default: all ranks).
-        mpi_exchange: the door's ``HQ_MPI_EXCHANGE``: whether a codec's custom reduction may
-            run over MPI (the global process set under an MPI controller only).
+        environment: the door's environment: ``mpi_exchange``, whether a codec's custom
+            reduction may run over MPI (the global process set under an MPI controller only);
+            ``device_collectives`` and ``cuda_aware_mpi``, whether Horovod takes CUDA tensors.
     """
 
     @property
     def moves_device_arrays(self) -> bool:
         """Whether Horovod's collectives take CUDA tensors
-        (:func:`horovod_quant.gpu.horovod_device_collectives`)."""
-        return gpu.horovod_device_collectives(hvd)[0]
+        (:func:`horovod_quant.gpu.horovod_device_collectives`, the door's settings first)."""
+        return gpu.horovod_device_collectives(hvd, self.environment.device_collectives,
+                                              self.environment.cuda_aware_mpi)[0]
 
     def allreduce_async(self, arr: Any, name: str, op: str = "sum") -> Handle:
         return _TorchHandle(hvd.allreduce_async(as_tensor(arr), name=name, op=_OPS[op],
@@ -103,5 +105,5 @@ class HorovodTorchCollectives(ProcessSetCollectives):
     def mpi_communicator(self) -> Any | None:
         if self.process_set is not hvd.global_process_set:
             return None
-        return world_communicator(hvd, self.mpi_exchange)
+        return world_communicator(hvd, self.environment.mpi_exchange)
 

@@ -202,7 +202,7 @@ class QuantizedCompressor(CompressorSettings, Compressor):
             # Horovod's collectives: a transport that pairs by call order would need the jobs
             # started in one order, and Horovod calls compress in each rank's hook order
             self._comm = transport_collectives(self.process_set, "horovod",
-                                               mpi_exchange=self.environment.mpi_exchange)
+                                               environment=self.environment)
             # the plans weigh the links of the ranks where the gradients live
             self.runtime.use_fabric(self.environment.fabric(on_gpu(tensor)))
             self.runtime.check(self._comm, self.shared_config())

@@ -159,7 +159,7 @@ class GradientExchanger:
         self.runtime.check(horovod, self._config())
         prefix = self.runtime.wait_check()
         self.comm = transport_collectives(self._process_set, self._transport, self._device,
-                                          self._environment.mpi_exchange)
+                                          self._environment)
         self.transport = transport_of(self.comm)
         self.topology = getattr(self.comm.hierarchy, "topology", None)
         self.runtime.open(self.options.policy.codecs(self.codec), self.comm)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import gpu
-from ..doors import TRANSPORTS
+from ..doors import TRANSPORTS, DoorEnvironment
 from ..exchange.collectives import Collectives
 from ..exchange.job_end import StoreRendezvous
 from ..exchange.shared_memory import host_collectives
@@ -302,20 +302,20 @@ def topology_of_places(comm: Collectives, place: list[int]) -> Topology:
 
 def transport_collectives(process_set: Any = None, transport: str | None = None,
                           device: torch.device | None = None,
-                          mpi_exchange: bool = True) -> Collectives:
+                          environment: DoorEnvironment = DoorEnvironment()) -> Collectives:
     """The collectives the exchanges of ``process_set`` (a Horovod process set; default: all
     ranks) run on: :func:`collectives_for` over Horovod's collectives of the process set, the
     topology from Horovod's local and cross ranks. Collective on first use.
 
     Args:
         process_set, transport, device: as :func:`collectives_for` takes them.
-        mpi_exchange: the door's ``HQ_MPI_EXCHANGE`` (``doors.DoorEnvironment``): whether
-            Horovod's collectives may run a codec's custom reduction over MPI.
+        environment: the door's environment (``doors.DoorEnvironment``): whether Horovod's
+            collectives may run a codec's custom reduction over MPI, and take CUDA buffers.
     """
     from .collectives import HorovodTorchCollectives
 
     transport = resolve_transport(transport)  # an invalid one fails before Horovod is asked
-    return collectives_for(HorovodTorchCollectives(process_set, mpi_exchange), transport,
+    return collectives_for(HorovodTorchCollectives(process_set, environment), transport,
                            device)
 
 

@@ -257,7 +257,7 @@ MAY_IMPORT_BACKENDS = {"horovod_quant.backends", "horovod_quant.gpu"}
 FRAMEWORKS = ("horovod", "torch", "tensorflow")
 FRAMEWORK_FREE_LAYERS = ("codecs", "gpu helpers", "exchange", "fallback controller")
 #: Layers that read no environment variable (the doors read it, once, and pass values down).
-ENVIRONMENT_FREE_LAYERS = ("exchange", "fallback controller")
+ENVIRONMENT_FREE_LAYERS = ("gpu helpers", "exchange", "fallback controller")
 #: What reads the environment in ``os``; this package's helpers are the functions of
 #: :data:`ENV_MODULE` (any import of it counts, and so does a call of a helper's name).
 OS_ENVIRONMENT = {"environ", "environb", "getenv", "getenvb"}

@@ -167,20 +167,25 @@ def test_the_environment_is_read_once_at_the_door(monkeypatch):
     ignores the others: a job sets them for all its ranks, and another door of the same job may
     use them. A value the door reads that is not valid raises there, naming the variable."""
     for name in ("HQ_LINK_GBIT", "HQ_INTRA_GBYTE", "HQ_ROUND_US", "HQ_MPI_EXCHANGE",
-                 "HQ_TRANSPORT"):
+                 "HQ_TRANSPORT", "HQ_CUDA_AWARE_MPI", "HQ_DEVICE_COLLECTIVES"):
         monkeypatch.delenv(name, raising=False)
     assert all(DoorEnvironment.read(door) == DoorEnvironment() for door in DOOR_READS)
     assert set(DOOR_READS) == set(DOOR_TAKES)
     monkeypatch.setenv("HQ_LINK_GBIT", "25")
     monkeypatch.setenv("HQ_MPI_EXCHANGE", "off")
     monkeypatch.setenv("HQ_TRANSPORT", "horovod")
+    monkeypatch.setenv("HQ_CUDA_AWARE_MPI", "1")
+    monkeypatch.setenv("HQ_DEVICE_COLLECTIVES", "0")
     read = {door: DoorEnvironment.read(door) for door in DOOR_READS}
+    cuda = {"cuda_aware_mpi": True, "device_collectives": False}
     assert read[OPTIMIZER_DOOR] == DoorEnvironment(link_gbit=25.0, mpi_exchange=False,
-                                                   transport="horovod")
+                                                   transport="horovod", **cuda)
     for door in (DDP_DOOR, FSDP_DOOR, OUTER_DOOR):  # the fabric, not MPI nor the transport
         assert read[door] == DoorEnvironment(link_gbit=25.0)
-    for door in (TORCH_COMPRESSOR_DOOR, TF_DOOR):  # the fabric and MPI, not the transport
-        assert read[door] == DoorEnvironment(link_gbit=25.0, mpi_exchange=False)
+    # the fabric and MPI, not the transport; Horovod's CUDA buffers in PyTorch only
+    assert read[TORCH_COMPRESSOR_DOOR] == DoorEnvironment(link_gbit=25.0, mpi_exchange=False,
+                                                          **cuda)
+    assert read[TF_DOOR] == DoorEnvironment(link_gbit=25.0, mpi_exchange=False)
     assert read[DDP_DOOR].fabric(True) == GPU_RANKS._replace(link_gbit=25.0)
     assert read[TF_DOOR].fabric(False) == CPU_RANKS._replace(link_gbit=25.0)
     assert read[DDP_DOOR].fabric_set == {"link_gbit": 25.0}

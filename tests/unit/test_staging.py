@@ -6,8 +6,12 @@ import types
 import numpy as np
 import pytest
 
+import horovod_quant as hq
 import horovod_quant.gpu as G
+from horovod_quant.doors import DDP_DOOR, OPTIMIZER_DOOR, TORCH_COMPRESSOR_DOOR, DoorEnvironment
 from horovod_quant.exchange import HostStaged
+from horovod_quant.exchange.collectives import LocalCollectives
+from horovod_quant.exchange.mpi_exponent_allreduce import mpi_exponent_factory
 from horovod_quant.gpu import device_collectives
 
 from threaded_comm import run_ranks
@@ -93,25 +97,34 @@ def _horovod(nccl=0, cuda=False, mpi=False):
     (_horovod(), {"HQ_DEVICE_COLLECTIVES": "yes"}, True),
 ])
 def test_horovod_device_collectives(monkeypatch, hvd, env, want):
+    """The door reads the variables; the gpu helpers take its values and read nothing."""
     for k in ("HQ_CUDA_AWARE_MPI", "HQ_DEVICE_COLLECTIVES"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    answer, reason = G.horovod_device_collectives(hvd)
+    door = DoorEnvironment.read(OPTIMIZER_DOOR)
+    answer, reason = G.horovod_device_collectives(hvd, door.device_collectives,
+                                                  door.cuda_aware_mpi)
     assert answer is want and reason
+    assert G.horovod_device_collectives(hvd) == G.horovod_device_collectives(
+        hvd, DoorEnvironment().device_collectives, DoorEnvironment().cuda_aware_mpi)
 
 
 def test_bad_override_says_what_to_use(monkeypatch):
     monkeypatch.setenv("HQ_DEVICE_COLLECTIVES", "maybe")
-    with pytest.raises(ValueError, match="use 1 or 0"):
-        G.horovod_device_collectives(_horovod())
+    with pytest.raises(ValueError, match="HQ_DEVICE_COLLECTIVES='maybe'.*use 1 or 0"):
+        DoorEnvironment.read(TORCH_COMPRESSOR_DOOR)
+    assert DoorEnvironment.read(DDP_DOOR).device_collectives is None  # not its variable
 
 
 def test_cuda_aware_mpi_override_and_ompi_info(monkeypatch):
     monkeypatch.setenv("HQ_CUDA_AWARE_MPI", "true")
-    assert G.cuda_aware_mpi(explain=True) == (True, "HQ_CUDA_AWARE_MPI")
+    door = DoorEnvironment.read(TORCH_COMPRESSOR_DOOR)
+    assert G.cuda_aware_mpi(explain=True, override=door.cuda_aware_mpi) == (
+        True, "HQ_CUDA_AWARE_MPI")
     monkeypatch.setenv("HQ_CUDA_AWARE_MPI", "off")
-    assert G.cuda_aware_mpi() is False
+    door = DoorEnvironment.read(OPTIMIZER_DOOR)
+    assert G.cuda_aware_mpi(override=door.cuda_aware_mpi) is False
     text = "mca:mpi:base:param:mpi_built_with_cuda_support:value:{}\n"
     assert device_collectives.parse_ompi_info(text.format("true")) is True
     assert device_collectives.parse_ompi_info(text.format("false")) is False
@@ -128,3 +141,20 @@ def test_staging_keeps_how_the_inner_collectives_pair():
 
     assert HostStaged(ByOrder()).pairs_by_order
     assert not HostStaged(LocalCollectives()).pairs_by_order
+
+
+@pytest.mark.parametrize("cuda_aware", [False, True])
+def test_the_exponent_allreduce_takes_device_buffers_only_where_its_collectives_say(cuda_aware):
+    """Whether MPI gets device buffers comes down from the door through the collectives
+    (staged or not), never from the environment below the door."""
+    class WithMpi(LocalCollectives):
+        mpi_moves_device_arrays = cuda_aware
+
+        def mpi_communicator(self):
+            return object()
+
+    codec = hq.get_codec("global_qsgd", world_size=2, bits=8, levels="exponential")
+    for comm in (WithMpi(), HostStaged(WithMpi())):
+        reduce = mpi_exponent_factory(codec, comm)
+        assert reduce.device_buffers is cuda_aware and len(reduce.comms) >= 1
+    assert mpi_exponent_factory(codec, LocalCollectives()) is None
