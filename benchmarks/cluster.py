@@ -144,7 +144,8 @@ def build_plan(args, rate_bps: float, first_rate: bool) -> list[dict]:
                                   "steps": args.steps, "min_seconds": args.min_seconds,
                                   "paired": rate_bps >= args.paired_from_bps,
                                   "pipeline_elems": args.pipeline_elems,
-                                  "transport": args.transport, "fallback": args.fallback})
+                                  "transport": args.transport, "fallback": args.fallback,
+                                  "profile": args.profile})
     return items
 
 
@@ -286,9 +287,9 @@ def parse_args(argv=None):
                          "<codec>(bits=b)), rows 'hvd.<codec>:<bits>'); comma-separated "
                          "(default hq)")
     ap.add_argument("--models", default=None,
-                    help="training models at the first rate (mlp,cnn; mlp12: a 12 MiB MLP; "
-                         "resnet18: ResNet-18 on 32x32 images, 11.2M parameters; gpt25: a "
-                         "GPT-style decoder, 25.2M parameters)")
+                    help="training models at the first rate (mlp,cnn; mlp48, mlp12: MLPs of "
+                         "48 and 12 MiB; resnet18: ResNet-18 on 32x32 images, 11.2M "
+                         "parameters; gpt25: a GPT-style decoder, 25.2M parameters)")
     ap.add_argument("--models-other-rates", default=None,
                     help="training models at the other rates (default mlp: the cnn is "
                          "compute-bound already at 1 Gbit/s)")
@@ -345,6 +346,10 @@ def parse_args(argv=None):
                          "exchange rows apply the trial's rule after their warm-up round")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "cluster"),
                     help="output prefix (PREFIX.json, .md, _*.png)")
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="sample the measured training steps with py-spy (every thread, waits "
+                         "included): rank 0's collapsed stacks DIR/<row>.txt, rank 1's flame "
+                         "graph DIR/<row>.svg (benchmarks/step_budget.py reads them)")
     args = ap.parse_args(argv)
     try:
         args.shapes = ([tuple(int(v) for v in s.lower().split("x")) for s in
@@ -397,7 +402,8 @@ def parse_args(argv=None):
     args.steps = args.steps or (2 if q else 5)
     args.min_seconds = args.min_seconds if args.min_seconds is not None else (1.0 if q else 5.0)
     args.paired_from_bps = parse_rate(args.paired_from)
-    args.batch = {"mlp": 32, "mlp12": 32, "cnn": 16, "resnet18": 4, "gpt25": 2}
+    args.batch = {"mlp": 32, "mlp48": 32, "mlp12": 32, "cnn": 16, "resnet18": 4, "gpt25": 2}
+    args.profile = args.profile and os.path.abspath(args.profile)  # the ranks' cwd may differ
     if args.quick and args.out == os.path.join(ROOT, "docs", "results", "cluster"):
         args.out += "_quick"
     return args

@@ -37,7 +37,9 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
+import subprocess
 import time
 import traceback
 
@@ -255,9 +257,9 @@ def run_exchange(item: dict, emit) -> None:
 
 # -- training -------------------------------------------------------------------------------
 #: MLP models: name -> (width, hidden layers); "mlp" = 3 hidden 4096x4096 layers, 50.4M
-#: parameters, 192 MiB of float32 gradients; "mlp12" = 3 hidden 1024x1024 layers, 3.16M
-#: parameters, 12 MiB
-MLPS = {"mlp": (4096, 3), "mlp12": (1024, 3)}
+#: parameters, 192 MiB of float32 gradients; "mlp48" = 3 hidden 2048x2048 layers, 12.6M
+#: parameters, 48 MiB; "mlp12" = 3 hidden 1024x1024 layers, 3.16M parameters, 12 MiB
+MLPS = {"mlp": (4096, 3), "mlp48": (2048, 3), "mlp12": (1024, 3)}
 #: the GPT-style model "gpt25": vocabulary, context, width, layers, heads (25.3M parameters)
 GPT25 = {"vocab": 12288, "context": 64, "width": 512, "layers": 6, "heads": 8}
 
@@ -472,6 +474,27 @@ def _measured_steps(item: dict, last_step_s: float) -> int:
 MAX_STEPS = 60
 
 
+class SampledSteps:
+    """py-spy sampling this rank (every thread, waits included) from now until :meth:`stop`:
+    rank 0 writes collapsed stacks (``<profile>/<id>.txt``, for benchmarks/step_budget.py),
+    rank 1 a flame graph (``<profile>/<id>.svg``). Collective (a barrier once py-spy runs)."""
+
+    def __init__(self, item: dict) -> None:
+        os.makedirs(item["profile"], exist_ok=True)
+        raw = hvd.rank() == 0
+        self.path = os.path.join(item["profile"], item["id"] + (".txt" if raw else ".svg"))
+        self.proc = subprocess.Popen(
+            ["py-spy", "record", "--pid", str(os.getpid()), "--rate", "100", "--idle",
+             "--threads", "--format", "raw" if raw else "flamegraph", "-o", self.path],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # py-spy attaches before the first measured step
+        barrier()
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)  # py-spy writes its output when interrupted
+        self.proc.wait(timeout=60)
+
+
 def host_nic_bytes() -> dict | None:
     """This host's NIC counters (``emulator.nic_counters``), read by its local rank 0 when the
     launcher named the NIC; None on other ranks and outside the emulator."""
@@ -520,6 +543,7 @@ def run_train(item: dict) -> dict:
     barrier()
     nic_before = host_nic_bytes()
     barrier()  # every host read its counters before any step's traffic
+    profiler = SampledSteps(item) if item.get("profile") else None
     cpu_before, main_before = cpu_snapshot(), time.thread_time()
     for i in range(measured):
         if ref is not None and i % 2 == 0:
@@ -532,6 +556,8 @@ def run_train(item: dict) -> dict:
         row["ref_step_s"] = ref_steps[-1] if ref_steps else None
         steps.append(row)
     cpu_after, main_after = cpu_snapshot(), time.thread_time()
+    if profiler is not None:
+        profiler.stop()
     barrier()  # every step's traffic arrived
     nic_after = host_nic_bytes()
     per_rank = gather_rows(steps)
