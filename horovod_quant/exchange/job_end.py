@@ -62,10 +62,11 @@ class DoorSteps:
 
 
 class StoreRendezvous:
-    """The ranks' announcements in a key-value store they share (torch's ``TCPStore``): each
-    rank sets its record and counts itself in (the count is the alarm a waiting rank looks
-    at); every rank waits for the count, reads the records, and counts itself out (the
-    store's host waits for that before its process ends).
+    """The ranks' announcements in a key-value store they share (torch's ``TCPStore``, or the
+    pure-Python one of ``horovod_quant.store``): each rank sets its record and counts itself
+    in (the count is the alarm a waiting rank looks at); every rank waits for the count, reads
+    the records, and counts itself out (the store's host waits for that before its process
+    ends).
 
     Args:
         store: the store (``set``, ``get``, ``add``, ``check``).

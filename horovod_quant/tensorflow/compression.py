@@ -46,6 +46,7 @@ from ..doors import (
 from ..exchange import plans, wire
 from ..exchange.codec_states import CodecStates
 from ..exchange.job_end import LEDGER
+from ..rendezvous import horovod_end_of_job
 from ._fenv import ieee_denormals
 from .collectives import HorovodTFCollectives
 
@@ -53,16 +54,6 @@ _IDS = itertools.count()
 _PLACEHOLDER_BYTES = 4
 _HOROVOD_TF = "horovod.tensorflow"
 _MAX_FRAMES = 96  # autograph and tf.cond put ~40 frames between Horovod's allreduce_grads and us
-
-
-def _end_of_job(comm: HorovodTFCollectives) -> Any:
-    """The store beside Horovod the job's end is agreed in (built with torch's ``TCPStore``
-    where torch is installed; else None: a rank with extra calls waits for the launcher)."""
-    try:
-        from ..torch.transport import horovod_end_of_job
-    except ImportError:
-        return None
-    return horovod_end_of_job(comm, hvd.shutdown)
 
 
 def _variable_name(variables: Any, index: int) -> str | None:
@@ -270,10 +261,12 @@ class QuantizedCompressor(CompressorSettings, Compressor):
         """
         if self._prefix is None:
             with tf.init_scope():
-                self.runtime.check(HorovodTFCollectives(self._ps()), self.shared_config())
+                horovod = HorovodTFCollectives(self._ps())
+                self.runtime.check(horovod, self.shared_config())
                 self._prefix = self.runtime.wait_check()
+                # the job's end is agreed in a store of horovod_quant.store (no torch)
                 self._steps = LEDGER.register("TensorFlow compressor", self.calls,
-                                              _end_of_job(HorovodTFCollectives(self._ps())))
+                                              horovod_end_of_job(horovod, hvd.shutdown))
         return self._prefix
 
     def _custom_for(self, codec: Codec) -> Any:

@@ -12,30 +12,30 @@ buffers), as does a failed build (one warning). The world group is gloo's: its c
 pair by call order, so the optimizer starts its buckets in bucket order, as DDP does.
 
 The groups are built once per Horovod process set and device, collectively: rank 0 opens a
-``TCPStore``, the ranks find an address of rank 0 they all reach (:mod:`.addresses`) through
-Horovod's collectives, and each connects its groups through it (:func:`connect_group`); the
-default ``torch.distributed`` group is left alone. Horovod is imported only by the functions
-that build Horovod's collectives (:func:`transport_collectives`, :func:`horovod_topology`); the
+``TCPStore`` beside Horovod (:func:`~horovod_quant.rendezvous.store_beside_horovod`), and each
+rank connects its groups through it (:func:`connect_group`); the default ``torch.distributed``
+group is left alone. The job's end is agreed in that store too (:func:`horovod_end_of_job`).
+Horovod is imported only by the functions that build Horovod's collectives
+(:func:`transport_collectives`, :func:`horovod_topology`, :func:`horovod_end_of_job`); the
 choice itself (:func:`collectives_for`) runs on any :class:`Collectives`.
 """
 from __future__ import annotations
 
+import functools
 import logging
-import secrets
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from .. import gpu
+from .. import gpu, rendezvous
 from ..doors import TRANSPORTS, DoorEnvironment
 from ..exchange.collectives import Collectives
 from ..exchange.job_end import StoreRendezvous
 from ..exchange.shared_memory import host_collectives
 from ..exchange.staging import HostStaged, for_device_arrays
 from ..exchange.topology import Hierarchy, SerialWorker, Topology
-from . import addresses
 from .distributed import StandaloneGroupCollectives
 
 log = logging.getLogger("horovod_quant")
@@ -50,7 +50,7 @@ OPERATION_TIMEOUT = timedelta(minutes=30)
 _TOKEN_KEY = "hq.token"  # rank 0's store holds a random token: a probe reached the right store
 #: (process set id, device) -> its world group (with its hierarchy), or why it has none
 _groups: dict[tuple[str, str], StandaloneGroupCollectives | str] = {}
-#: process set id -> the store beside Horovod its ranks share (None: it could not be built)
+#: process set id -> the ``TCPStore`` of its gloo group (the job's end is agreed there too)
 _stores: dict[str, Any] = {}
 
 
@@ -68,39 +68,6 @@ def resolve_transport(transport: str | None = None) -> str:
         raise ValueError(f"transport={transport!r} is not valid: choose one of {list(TRANSPORTS)}"
                          " ('auto': a gloo group beside Horovod for CPU gradients)")
     return transport
-
-
-class _Agreement:
-    """The steps of building a group, each agreed over Horovod's collectives: a step that
-    failed on any rank fails on every rank, with every rank's reason.
-
-    Args:
-        comm: Horovod's collectives of the ranks.
-        name: prefix of the steps' collective names.
-    """
-
-    def __init__(self, comm: Collectives, name: str) -> None:
-        self._comm = comm
-        self._name = name
-
-    def gather(self, step: str, value: Any, error: str | None) -> list[Any]:
-        """Every rank's ``value`` for ``step``; RuntimeError on every rank when any rank's
-        ``error`` is set."""
-        reports = self._comm.allgather_object({"value": value, "error": error},
-                                              f"{self._name}.{step}")
-        errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if rep["error"]]
-        if errors:
-            raise RuntimeError("; ".join(errors))
-        return [rep["value"] for rep in reports]
-
-
-def _attempt(action: Callable[[], Any]) -> tuple[Any, str | None]:
-    """``(action(), None)``, or ``(None, why)`` when it raised as a failed connection does."""
-    try:
-        return action(), None
-    except (RuntimeError, OSError, ValueError) as exc:
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        return None, f"{type(exc).__name__}: {first_line}"
 
 
 def connect_group(backend: str, store: Any, prefix: str, rank: int, size: int,
@@ -151,50 +118,20 @@ def host_group_backend(reports: list[dict | None], topology: Topology) -> tuple[
     return "nccl", "every rank of a host has a GPU of its own"
 
 
-def _store_beside_horovod(comm: Collectives, agree: _Agreement) -> tuple[Any, str, str]:
-    """Rank 0's ``TCPStore`` and every rank's client of it, at an address of rank 0 that every
-    rank reaches (found through Horovod's collectives); returns the store, that address, and
-    the local address this rank reaches it from (what its gloo device binds). Collective.
+def _serve_tcp_store(size: int, host: str, token: str) -> Any:
+    """Rank 0's ``TCPStore`` for ``size`` ranks, holding ``token``."""
+    store = dist.TCPStore(host, 0, size, True, timeout=CONNECT_TIMEOUT, wait_for_workers=False)
+    store.set(_TOKEN_KEY, token)
+    return store
 
-    Raises:
-        RuntimeError: on every rank, naming each rank that failed and why.
-    """
-    own, error = _attempt(addresses.own_addresses)
-    store = token = None
-    if comm.rank == 0 and error is None:
-        token = secrets.token_hex(8)
-        store, error = _attempt(lambda: dist.TCPStore(
-            own[0], 0, comm.size, True, timeout=CONNECT_TIMEOUT, wait_for_workers=False))
-    if store is not None:
-        store.set(_TOKEN_KEY, token)
-    offer = agree.gather("offer", {"addresses": own, "port": store.port if store else 0,
-                                   "token": token}, error)[0]
-    # which of rank 0's addresses each rank reaches, and the local address it leaves from
-    reached = own if comm.rank == 0 else addresses.probe(offer["addresses"], offer["port"])
-    reports = agree.gather("probe", reached, None)
-    common = next((i for i in range(len(offer["addresses"]))
-                   if all(rep[i] is not None for rep in reports)), None)
-    if common is None:
-        missed = "; ".join(f"rank {r} reached {[a for a, x in zip(offer['addresses'], rep) if x]}"
-                           for r, rep in enumerate(reports) if not all(rep))
-        raise RuntimeError(f"no address of rank 0 ({', '.join(offer['addresses'])}, port "
-                           f"{offer['port']}) is reachable from every rank ({missed})")
-    address = offer["addresses"][common]
-    # the address this rank's gloo device binds: its route to rank 0, unless the user named
-    # this rank's address or interfaces
-    local = address if comm.rank == 0 else (own[0] if addresses.named_in_environment()
-                                            else reached[common])
 
-    def join_store() -> Any:
-        client = dist.TCPStore(address, offer["port"], comm.size, False, timeout=CONNECT_TIMEOUT)
-        if client.get(_TOKEN_KEY).decode() != offer["token"]:
-            raise RuntimeError(f"{address}:{offer['port']} is not rank 0's store")
-        return client
-
-    if comm.rank != 0:
-        store, error = _attempt(join_store)
-    agree.gather("store", None, error)
-    return store, address, local
+def _join_tcp_store(size: int, address: str, port: int, token: str) -> Any:
+    """A client of the ``TCPStore`` at ``address:port``; RuntimeError where it does not hold
+    ``token`` (another job's store)."""
+    client = dist.TCPStore(address, port, size, False, timeout=CONNECT_TIMEOUT)
+    if client.get(_TOKEN_KEY).decode() != token:
+        raise RuntimeError(f"{address}:{port} is not rank 0's store")
+    return client
 
 
 def gloo_group_beside_horovod(comm: Collectives, topology: Topology | None = None,
@@ -214,12 +151,15 @@ def gloo_group_beside_horovod(comm: Collectives, topology: Topology | None = Non
         RuntimeError: on every rank, naming each rank that failed and why.
     """
     name = f"hq.transport.{comm.group_id}"
-    agree = _Agreement(comm, name)
-    store, address, local = _store_beside_horovod(comm, agree)
-    gloo_device, error = _attempt(lambda: dist.ProcessGroupGloo.create_device(hostname=local))
+    agree = rendezvous.Agreement(comm, name)
+    store, address, local = rendezvous.store_beside_horovod(
+        comm, agree, functools.partial(_serve_tcp_store, comm.size),
+        functools.partial(_join_tcp_store, comm.size))
+    gloo_device, error = rendezvous.attempt(
+        lambda: dist.ProcessGroupGloo.create_device(hostname=local))
     if error is None:
-        group, error = _attempt(lambda: connect_group("gloo", store, name, comm.rank, comm.size,
-                                                      gloo_device))
+        group, error = rendezvous.attempt(
+            lambda: connect_group("gloo", store, name, comm.rank, comm.size, gloo_device))
     agree.gather("connect", local, error)
     groups = [StandaloneGroupCollectives(group, f"gloo:{comm.group_id}")]
     if topology is not None and topology.hierarchical:
@@ -228,8 +168,8 @@ def gloo_group_beside_horovod(comm: Collectives, topology: Topology | None = Non
         host, shard = topology.host_of(comm.rank), topology.local_rank(comm.rank)
         subgroups = [(f"{name}.host{host}", shard, topology.local_size),
                      (f"{name}.shard{shard}", host, topology.host_count)]
-        built, error = _attempt(lambda: [connect_group(backend, store, *g, gloo_device)
-                                         for g in subgroups])
+        built, error = rendezvous.attempt(
+            lambda: [connect_group(backend, store, *g, gloo_device) for g in subgroups])
         agree.gather("subgroups", None, error)
         on = device if backend == "nccl" else None
         groups += [StandaloneGroupCollectives(g, f"{backend}:{comm.group_id}:{prefix}", on)
@@ -237,7 +177,8 @@ def gloo_group_beside_horovod(comm: Collectives, topology: Topology | None = Non
         if comm.rank == 0 and device is not None:
             log.info("horovod_quant: the host and shard groups of process set %s are %s's (%s)",
                      comm.group_id, backend.upper() if backend == "nccl" else "gloo", why)
-    _, error = _attempt(lambda: [g.allgather_object(comm.rank, name + ".hello") for g in groups])
+    _, error = rendezvous.attempt(
+        lambda: [g.allgather_object(comm.rank, name + ".hello") for g in groups])
     agree.gather("hello", None, error)  # every pair of ranks has exchanged data
     for g in groups:
         g.group.set_timeout(OPERATION_TIMEOUT)
@@ -252,30 +193,17 @@ def gloo_group_beside_horovod(comm: Collectives, topology: Topology | None = Non
 
 def horovod_end_of_job(comm: Collectives, shutdown: Callable[[], Any] | None = None
                        ) -> StoreRendezvous | None:
-    """Where the doors over ``comm`` (Horovod's collectives of a process set, PyTorch's or
-    TensorFlow's) agree on the job's end (:mod:`~horovod_quant.exchange.job_end`): the store
-    beside Horovod (the gloo group's, else one built now: collective on first use), Horovod's
-    ``shutdown`` (None: ``horovod.torch``'s) unblocking a rank waiting inside Horovod's own
-    collectives; None where no store can be built (logged once)."""
+    """Where the torch Horovod doors over ``comm`` agree on the job's end
+    (:func:`~horovod_quant.rendezvous.horovod_end_of_job`): the gloo group's ``TCPStore``
+    where the process set has one, else the store of :mod:`horovod_quant.store` (collective on
+    first use); ``shutdown``, None: ``horovod.torch``'s."""
     if shutdown is None:
         import horovod.torch as hvd
 
         shutdown = hvd.shutdown
-    if comm.group_id not in _stores:
-        try:
-            _stores[comm.group_id] = _store_beside_horovod(
-                comm, _Agreement(comm, f"hq.end.{comm.group_id}"))[0]
-        except RuntimeError as exc:
-            _stores[comm.group_id] = None
-            # one warning per cause: a gloo group that failed to build has said why already
-            warned = any(gid == comm.group_id and isinstance(g, str)
-                         for (gid, _), g in _groups.items())
-            (log.info if warned else log.warning)(
-                "horovod_quant: no store beside Horovod (%s): a rank that runs more steps than "
-                "the others waits for its exchange", exc)
-    store = _stores[comm.group_id]
-    return None if store is None else StoreRendezvous(
-        store, comm.rank, comm.size, f"hq.end.{comm.group_id}", shutdown)
+    # one warning per cause: a gloo group that failed to build has said why already
+    warned = any(gid == comm.group_id and isinstance(g, str) for (gid, _), g in _groups.items())
+    return rendezvous.horovod_end_of_job(comm, shutdown, _stores.get(comm.group_id), warned)
 
 
 def horovod_topology(comm: Collectives) -> Topology:

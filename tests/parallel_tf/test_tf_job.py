@@ -1,6 +1,9 @@
 """A whole TensorFlow training job through the compressor: resumed from a tf.train.Checkpoint
 (the compressor's call counter and codec states beside the variables and the optimizer) it
-continues bit for bit on every rank; float16 and bfloat16 gradients keep their dtype."""
+continues bit for bit on every rank; float16 and bfloat16 gradients keep their dtype; the job
+loads no torch."""
+import sys
+
 import horovod.tensorflow as hvd
 import numpy as np
 import pytest
@@ -101,3 +104,11 @@ def test_low_precision_gradients_are_encoded_from_their_dtype(dtype):
             want = reference(hq.get_codec("qsgd"), per_rank, 6, k0 + j)
         np.testing.assert_array_equal(g.numpy(), tf.cast(want.reshape(SHAPES[j]), dtype).numpy())
         assert same_on_every_rank(tf.cast(g, tf.float32).numpy())
+
+
+def test_the_job_loads_no_torch():
+    """The compressor agrees on the job's end in the store of horovod_quant.store, so a
+    TensorFlow job never imports torch (seconds and memory on every rank)."""
+    job = _Job("qsgd", {})
+    job.step(0)
+    assert job.comp.calls > 0 and "torch" not in sys.modules

@@ -1,12 +1,11 @@
-"""How the gloo transport finds the addresses its ranks reach each other at (no host name is
+"""How the ranks find the addresses they reach each other at beside Horovod (no host name is
 resolved: on most Debian/Ubuntu hosts it maps to 127.0.1.1)."""
 import socket
 import time
 
 import pytest
 
-pytest.importorskip("torch")
-from horovod_quant.torch import addresses  # noqa: E402
+from horovod_quant import addresses
 
 INTERFACES = {"lo": "127.0.0.1", "docker0": "172.17.0.1", "eth0": "10.0.0.5",
               "eth1": "10.1.0.5", "ib0": "192.168.7.5"}

@@ -56,7 +56,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("exchange", ("horovod_quant.exchange",)),
     ("fallback controller", ("horovod_quant.fallback",)),
     ("doors", ("horovod_quant.doors", "horovod_quant.policy", "horovod_quant.stats",
-               "horovod_quant.process_sets", "horovod_quant.torch", "horovod_quant.tensorflow")),
+               "horovod_quant.process_sets", "horovod_quant.addresses", "horovod_quant.store",
+               "horovod_quant.rendezvous", "horovod_quant.torch", "horovod_quant.tensorflow")),
 ]
 
 #: Modules that stand outside the layers (docs/dev/architecture.md): the package's top, and the
@@ -256,6 +257,11 @@ MAY_IMPORT_BACKENDS = {"horovod_quant.backends", "horovod_quant.gpu"}
 #: so the backends layer is not among them).
 FRAMEWORKS = ("horovod", "torch", "tensorflow")
 FRAMEWORK_FREE_LAYERS = ("codecs", "gpu helpers", "exchange", "fallback controller")
+#: Modules of the doors' layer that every door uses and that import no framework, nor does a
+#: module of the doors' layer they import (the layers below obey their own rules): the
+#: rendezvous beside Horovod and its store (the TensorFlow door must not load torch).
+FRAMEWORK_FREE_DOORS = ("horovod_quant.addresses", "horovod_quant.store",
+                        "horovod_quant.rendezvous")
 #: Layers that read no environment variable (the doors read it, once, and pass values down).
 ENVIRONMENT_FREE_LAYERS = ("gpu helpers", "exchange", "fallback controller")
 #: What reads the environment in ``os``; this package's helpers are the functions of
@@ -517,6 +523,42 @@ def test_layers_below_the_doors_import_no_framework() -> None:
                   if name in FRAMEWORKS]
     assert not found, ("framework imports below the doors (move them into a door, e.g. "
                        "horovod_quant/process_sets.py):\n" + "\n".join(found))
+
+
+def framework_imports_of(modules: tuple[str, ...], graph: dict[str, set[str]],
+                         paths: dict[str, Path], within: str = "doors") -> list[str]:
+    """Framework imports of ``modules`` and of every module of the layer ``within`` they
+    import, directly or not, as ``module:line imports name``."""
+    seen, todo = set(), list(modules)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += [m for m in graph.get(module, ())
+                     if layer_of(m) is not None and LAYERS[layer_of(m)][0] == within]
+    return [f"{module}:{line} imports {name}" for module in sorted(seen)
+            for line, name in external_imports(paths[module]) if name in FRAMEWORKS]
+
+
+def test_the_rendezvous_beside_horovod_imports_no_framework() -> None:
+    found = framework_imports_of(FRAMEWORK_FREE_DOORS, import_graph(), package_modules())
+    assert not found, ("the rendezvous beside Horovod (or a module it imports) imports a "
+                       "framework; every door uses it:\n" + "\n".join(found))
+
+
+def test_framework_imports_of_a_module_and_its_doors_are_found(tmp_path: Path) -> None:
+    texts = {"horovod_quant.store": "from . import doors\n",
+             "horovod_quant.doors": "from .core import base\ndef f():\n    import torch\n",
+             "horovod_quant.core.base": "import tensorflow\n",  # its layer's rule tells
+             "horovod_quant.policy": "import horovod\n"}  # not imported
+    paths = {}
+    for module, text in texts.items():
+        paths[module] = tmp_path / f"{module}.py"
+        paths[module].write_text(text)
+    graph = {"horovod_quant.store": {"horovod_quant.doors"},
+             "horovod_quant.doors": {"horovod_quant.core.base"}}
+    assert framework_imports_of(("horovod_quant.store",), graph, paths) == [
+        "horovod_quant.doors:3 imports torch"]
 
 
 def test_the_exchange_and_the_fallback_read_no_environment() -> None:

@@ -1,10 +1,11 @@
-"""Which network addresses the ranks of a gloo group built beside Horovod reach each other at.
+"""Which network addresses the ranks reach each other at beside Horovod (rank 0's store of
+:mod:`.rendezvous`, and the torch door's gloo groups). Framework-free.
 
 A host's name often resolves to a loopback address (``127.0.1.1`` on most Debian/Ubuntu
 installs), so nothing here resolves it: rank 0 offers the IPv4 addresses of its interfaces
 (:func:`own_addresses`, loopback last), every other rank tries them all at once with a short
-timeout (:func:`probe`), and each rank binds its gloo device to the local address its
-connection to rank 0 left from. The environment narrows the choice as it does for the
+timeout (:func:`probe`), and a gloo device binds to the local address its rank's connection
+to rank 0 left from. The environment narrows the choice as it does for the
 frameworks: ``HQ_PEER_ADDR`` names this rank's own address, ``GLOO_SOCKET_IFNAME``,
 ``HOROVOD_GLOO_IFACE`` and ``NCCL_SOCKET_IFNAME`` (NCCL's syntax: ``^`` excludes, ``=`` matches
 exactly, else by prefix) the interfaces to use.
@@ -17,7 +18,7 @@ import ipaddress
 import socket
 import struct
 
-from ..env import env_text
+from .env import env_text
 
 #: environment variable naming the address this rank is reached at
 ADDRESS_ENV = "HQ_PEER_ADDR"
