@@ -7,22 +7,25 @@
 Each rank prints when it finished its steps (``rank R done at T``) or what it raised (``rank R
 raised at T: ...``); with ``even`` as the second argument every rank runs the same steps.
 tests/unit/test_uneven_steps.py launches it and checks that every rank reports the same error.
+The TensorFlow job loads no torch (its ranks agree on the job's end without it): a rank that
+finds torch loaded raises.
 """
 import sys
 import time
 
-import torch
-
 STEPS = 3
 
 
-def _model() -> torch.nn.Module:
+def _model():
+    import torch
+
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 
 
 def _horovod(door: str):
     import horovod.torch as hvd
+    import torch
 
     import horovod_quant.torch as hq
 
@@ -40,6 +43,7 @@ def _horovod(door: str):
 
 
 def _ddp():
+    import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -74,6 +78,8 @@ def _tensorflow():
 
 
 def _torch_step(model, opt):
+    import torch
+
     def step():
         opt.zero_grad()
         model(torch.randn(16, 32)).pow(2).mean().backward()
@@ -96,6 +102,8 @@ def main() -> None:
         print(f"rank {rank} raised at {time.time():.3f}: {type(exc).__name__}: {exc}",
               flush=True)
         raise
+    if door == "tensorflow" and "torch" in sys.modules:
+        raise RuntimeError("the TensorFlow job loaded torch")
     print(f"rank {rank} done at {time.time():.3f}", flush=True)
 
 
