@@ -6,7 +6,7 @@
 
 2 emulated hosts x 1 rank on a 1 Gbit/s link (benchmarks/cluster.py: one core per rank), the
 48 MiB MLP ("mlp48"), float32 and 16-bit through Horovod's optimizer, qsgd at 8 and 4 bits and
-exponential Global-QSGD at 8 bits through ``hq.DistributedOptimizer`` and through Horovod's
+exponential Global-QSGD at 8 and 4 bits through ``hq.DistributedOptimizer`` and through Horovod's
 ``compression=``, the compute-only step; fallback off, so each row is its codec's own step.
 Each row's measured steps are sampled by py-spy at 100 Hz (every thread, waits included):
 rank 0's main-thread samples, each given to one part by its innermost frame (:data:`PARTS`),
@@ -16,12 +16,11 @@ fraction of the physical limit: max(compute-only step, float32's communication x
 its step, with float32's communication = float32's step - the compute-only step.
 
 Outputs (``--out PREFIX``, default docs/results/step_budget): PREFIX.json, PREFIX.md and the
-flame graphs PREFIX_flame/<row>.svg.
+flame graphs of :data:`FLAME_ROWS`, PREFIX_<controller>_<row>.svg.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -33,8 +32,11 @@ from collections import Counter
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 #: what each row sends per float32 element's 32 bits (None: the compute-only floor)
-ROWS = {"compute": None, "fp32": 32, "fp16": 16, "qsgd:8": 8, "hvd.qsgd:8": 8, "qsgd:4": 4,
-        "hvd.qsgd:4": 4, "global_qsgd-exp:8": 8, "hvd.global_qsgd-exp:8": 8}
+ROWS = {"compute": None, "fp32": 32, "fp16": 16, "qsgd:8": 8, "hvd.qsgd:8": 8,
+        "global_qsgd-exp:8": 8, "hvd.global_qsgd-exp:8": 8, "qsgd:4": 4, "hvd.qsgd:4": 4,
+        "global_qsgd-exp:4": 4, "hvd.global_qsgd-exp:4": 4}
+#: the rows whose flame graphs are kept (the others stay in ``--work``)
+FLAME_ROWS = ("qsgd:8", "qsgd:4", "hvd.qsgd:4")
 #: the parts of a step, each a test on the innermost frame of a sample: its function's name,
 #: its qualified name and its file; the first that matches takes the sample, "rest" the others
 PARTS = [
@@ -76,8 +78,9 @@ def main_thread_parts(path: str) -> tuple[Counter, int]:
     return parts, skipped
 
 
-def budget(rows: dict[str, dict], profile_dir: str) -> list[dict]:
-    """Each row's budget: its step, its parts in ms, the package's timers, its limit."""
+def budget(rows: dict[str, dict], profile_dir: str, ranks: int = 2) -> list[dict]:
+    """Each row's budget: its step, its parts in ms, the package's timers, its ranks' CPU,
+    its limit."""
     floor = rows.get("compute", {}).get("step_s")
     fp32 = rows.get("fp32", {}).get("step_s")
     wire = None if floor is None or fp32 is None else fp32 - floor
@@ -97,22 +100,30 @@ def budget(rows: dict[str, dict], profile_dir: str) -> list[dict]:
             "samples": total, "samples_left_out": skipped,
             "timers_ms": {k: row.get(k + "_s", 0.0) * 1e3
                           for k in ("fwd_bwd", "sync", "update", "encode", "exchange", "decode")},
+            # CPU of a rank per step (the mean over the ranks): its main thread's, and its
+            # other threads' (Horovod's background loop, the transport's), which take the
+            # same core; what is left of the step its core idles
+            "main_thread_cpu_ms": row["ranks_main_thread_cpu_s_per_step"] * 1e3 / ranks,
+            "other_threads_cpu_ms": (row["ranks_cpu_s_per_step"]
+                                     - row["ranks_main_thread_cpu_s_per_step"]) * 1e3 / ranks,
             "limit_ms": None if limit is None else limit * 1e3,
             "fraction_of_limit": None if limit is None else limit / step,
-            "other_load_cores": row.get("other_load_cores")})
+            "other_load_cores": row["other_load_cores"]})
     return out
 
 
 def render(data: dict) -> str:
     lines = [f"# A training step's time budget at one rank per core ({data['controller_note']})",
-             "", f"Command: `{data['command']}`  ", f"Machine: {data['machine']}; "
-             f"load before the run: {data['load_before']}", ""]
+             "", f"Command: `{data['command']}` ({data['date']})  ",
+             f"Machine: {_machine(data['machine'])}; load average before the runs: "
+             f"{data['load_before']}; each row's other load (cores busy with anything but the "
+             "ranks) in its column", ""]
     for ctrl, table in data["budgets"].items():
         names = [n for n, _ in PARTS] + ["rest"]
         lines += [f"## {ctrl}", "",
                   "| row | step ms | " + " | ".join(names) + " | encode / exchange / decode "
-                  "(timers) | limit ms | of limit |",
-                  "|---|" + "---:|" * (len(names) + 4)]
+                  "(timers) | CPU: main / other threads | other load | limit ms | of limit |",
+                  "|---|" + "---:|" * (len(names) + 6)]
         for b in table:
             t = b["timers_ms"]
             frac = "" if b["fraction_of_limit"] is None else f"{b['fraction_of_limit']:.2f}"
@@ -120,7 +131,8 @@ def render(data: dict) -> str:
             lines.append(f"| {b['row']} | {b['step_ms']:.0f} | "
                          + " | ".join(f"{b['parts_ms'][n]:.0f}" for n in names)
                          + f" | {t['encode']:.0f} / {t['exchange']:.0f} / {t['decode']:.0f}"
-                         f" | {lim} | {frac} |")
+                         f" | {b['main_thread_cpu_ms']:.0f} / {b['other_threads_cpu_ms']:.0f}"
+                         f" | {b['other_load_cores']:.2f} | {lim} | {frac} |")
         lines.append("")
     lines += ["Parts: rank 0's main-thread samples (py-spy, 100 Hz, waits included) by their "
               "innermost frame (benchmarks/step_budget.py, PARTS), times the slowest rank's "
@@ -129,11 +141,13 @@ def render(data: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> dict:
-    from cluster import machine_info
+def _machine(machine: dict) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in machine.get("versions", {}).items())
+    return f"{machine.get('cpus')} cores ({machine.get('cpu')}), {versions}, {machine.get('mpi')}"
 
-    budgets, flames = {}, []
-    load = open("/proc/loadavg").read().split()[:3]
+
+def measure(args) -> None:
+    """cluster.py's runs, one per controller, into ``args.work``."""
     for ctrl in args.controllers:
         prof = os.path.join(args.work, ctrl)
         shutil.rmtree(prof, ignore_errors=True)
@@ -144,22 +158,30 @@ def run(args) -> dict:
                "--doors", "hq,compression", "--fallback", "never", "--steps", str(args.steps),
                "--min-seconds", str(args.min_seconds), "--profile", prof, "--out", prefix]
         subprocess.run(cmd, check=True)
-        with open(prefix + ".json") as f:
+
+
+def collect(args) -> dict:
+    """The budgets of the runs in ``args.work``, and their flame graphs copied beside
+    ``args.out``."""
+    budgets, flames, machine = {}, [], None
+    for ctrl in args.controllers:
+        prof = os.path.join(args.work, ctrl)
+        with open(os.path.join(args.work, f"cluster_{ctrl}.json")) as f:
             data = json.load(f)
+        machine, date = machine or data["machine"], data["date"]  # of the runs
         rows = {r["config_id"]: r for link in data["links"] for r in link["results"]
                 if r.get("kind") == "train"}
         budgets[ctrl] = budget(rows, prof)
-        flame_dir = args.out + "_flame"
-        os.makedirs(flame_dir, exist_ok=True)
-        for rid in ROWS:
+        for rid in FLAME_ROWS:
             svg = os.path.join(prof, f"t-mlp48-{rid}.svg")
             if os.path.exists(svg):
-                dest = os.path.join(flame_dir, f"{ctrl}_{rid.replace(':', '_')}.svg")
+                dest = f"{args.out}_{ctrl}_{rid.replace(':', '_').replace('.', '_')}.svg"
                 shutil.copy(svg, dest)
                 flames.append(os.path.relpath(dest, ROOT))
-    return {"command": "sudo python3 benchmarks/step_budget.py " + " ".join(sys.argv[1:]),
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": machine_info(), "load_before": " ".join(load),
+    command = [a for a in sys.argv[1:] if a != "--from-work"]
+    return {"command": " ".join(["sudo python3 benchmarks/step_budget.py", *command]),
+            "date": date,
+            "machine": machine, "load_before": machine.get("loadavg_before"),
             "controller_note": "2 x 1, 1 Gbit/s, 48 MiB MLP",
             "budgets": budgets, "flame_graphs": flames}
 
@@ -173,6 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/hq-step-budget", help="cluster.py's outputs")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "step_budget"))
     ap.add_argument("--render", metavar="JSON", help="re-render the tables of a run")
+    ap.add_argument("--from-work", action="store_true",
+                    help="no new runs: the budgets of the runs --work holds")
     args = ap.parse_args(argv)
     if args.render:
         with open(args.render) as f:
@@ -181,7 +205,9 @@ def main(argv=None) -> int:
         args.controllers = args.controllers.split(",")
         if shutil.which("py-spy") is None:
             ap.error("py-spy is not installed: pip install py-spy")
-        data = run(args)
+        if not args.from_work:
+            measure(args)
+        data = collect(args)
         with open(args.out + ".json", "w") as f:
             json.dump(data, f, indent=1)
     with open(args.out + ".md", "w") as f:

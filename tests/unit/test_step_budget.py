@@ -45,8 +45,10 @@ def test_the_parts_split_the_step_from_the_main_thread_only(tmp_path):
         "thread (2): horovod_quant-job-end;wait (threading.py:320) 500\n")
     parts, skipped = sb.main_thread_parts(str(stacks))
     assert skipped == 40 and parts == {"compute": 30, "encode": 10, "wait": 60}
-    rows = {"compute": {"step_s": 0.1}, "fp32": {"step_s": 0.74},
-            "qsgd:4": {"step_s": 0.2, "encode_s": 0.01}}
+    cpu = {"ranks_cpu_s_per_step": 0.3, "ranks_main_thread_cpu_s_per_step": 0.2,
+           "other_load_cores": 0.1}
+    rows = {"compute": {"step_s": 0.1, **cpu}, "fp32": {"step_s": 0.74, **cpu},
+            "qsgd:4": {"step_s": 0.2, "encode_s": 0.01, **cpu}}
     for rid in ("compute", "fp32"):
         (tmp_path / f"t-mlp48-{rid}.txt").write_text("")
     (row,) = [b for b in sb.budget(rows, str(tmp_path)) if b["row"] == "qsgd:4"]
@@ -55,3 +57,5 @@ def test_the_parts_split_the_step_from_the_main_thread_only(tmp_path):
     assert row["limit_ms"] == pytest.approx(100.0)  # the compute floor beats 640 ms x 4/32
     assert row["fraction_of_limit"] == pytest.approx(0.5)
     assert row["timers_ms"]["encode"] == pytest.approx(10.0)
+    assert row["main_thread_cpu_ms"] == pytest.approx(100.0)  # per rank, of 2
+    assert row["other_threads_cpu_ms"] == pytest.approx(50.0)
