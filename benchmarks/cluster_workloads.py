@@ -485,7 +485,8 @@ class SampledSteps:
         self.path = os.path.join(item["profile"], item["id"] + (".txt" if raw else ".svg"))
         self.proc = subprocess.Popen(
             ["py-spy", "record", "--pid", str(os.getpid()), "--rate", "100", "--idle",
-             "--threads", "--format", "raw" if raw else "flamegraph", "-o", self.path],
+             "--threads", "--nonblocking", "--format", "raw" if raw else "flamegraph",
+             "-o", self.path],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # py-spy attaches before the first measured step
         barrier()
