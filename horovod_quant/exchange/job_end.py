@@ -9,8 +9,9 @@ the interpreter's exit (before Horovod and torch.distributed shut down) each ran
 doors' steps there and waits for every rank's announcement. A rank still inside a step sees the
 announcement where it waits (:func:`wait` polls; a door's error path asks
 :meth:`Ledger.explain`, e.g. after the peer's Horovod shut down; an error raised inside
-Horovod's own wait is explained at this rank's exit), announces, and raises or prints
-:class:`~.wire.OutOfStep`; the ranks at exit print the same message and exit with status 1. A
+Horovod's own wait is explained at this rank's exit), announces and raises
+:class:`~.wire.OutOfStep`; the ranks at exit exit with status 1. Every rank prints the message
+before any rank may end (a launcher stops the job at its first failed rank). A
 rank stuck where nothing polls (a wait inside Horovod that its peer's shut-down did not end) is
 ended by the ledger's watch thread :data:`STUCK_AFTER_S` after the announcement, with the same
 message. Ranks that agree pay a few store round trips at exit.
@@ -98,9 +99,13 @@ class StoreRendezvous:
             time.sleep(next(pauses))
         return True
 
-    def announce(self, record: dict) -> list[dict] | None:
+    def announce(self, record: dict, agreed: Callable[[list[dict]], Any] | None = None
+                 ) -> list[dict] | None:
         """This rank's record to every rank; every rank's records (rank order), or None when
-        some rank did not announce within :data:`ANNOUNCE_TIMEOUT_S`."""
+        some rank did not announce within :data:`ANNOUNCE_TIMEOUT_S`. ``agreed(records)`` runs
+        before this rank counts itself out: no rank returns (and ends its process) before
+        every rank has acted on the records, so a launcher that stops a job at its first
+        failed rank cuts no rank's report short."""
         self._store.set(f"{self._prefix}/record{self.rank}", json.dumps(record))
         self._store.add(f"{self._prefix}/in", 1)
         if self._unblock is not None:
@@ -109,8 +114,13 @@ class StoreRendezvous:
             return None
         records = [json.loads(self._store.get(f"{self._prefix}/record{r}"))
                    for r in range(self.size)]
+        if agreed is not None:
+            agreed(records)
         self._store.add(f"{self._prefix}/out", 1)
-        self._count("out", 10.0)
+        try:
+            self._count("out", 10.0)
+        except Exception:  # noqa: BLE001 - the store's host ends once every rank counted out
+            pass
         return records
 
 
@@ -184,15 +194,19 @@ class Ledger:
 
     def _agree(self) -> str | None:
         """Announce the doors' steps (once per process) and return the ranks'
-        disagreement, if any."""
+        disagreement, if any, which every rank prints before any rank may end."""
         with self._agreeing:
             if not self.ended:
                 self.ended = True
                 record = {"doors": [[d.door, _STOPPED, False] if d.failed
                                     else [d.door, d.steps, d.begun] for d in self.doors]}
-                records = self.rendezvous.announce(record)
-                self._agreement = None if records is None else disagreement(records)
+                self.rendezvous.announce(record, self._agreed)
             return self._agreement
+
+    def _agreed(self, records: list[dict]) -> None:
+        self._agreement = disagreement(records)
+        if self._agreement is not None:
+            self._print(self._agreement)
 
     @staticmethod
     def _print(message: str) -> None:
@@ -221,9 +235,7 @@ class Ledger:
             since = (since or time.monotonic()) if stuck else None
             if since is not None and time.monotonic() - since >= STUCK_AFTER_S:
                 with self._agreeing:  # held to the end: the exit hook waits for it
-                    message = self._agree()
-                    if message is not None:
-                        self._print(message)
+                    if self._agree() is not None:  # (printed)
                         os._exit(1)
                 return
 
@@ -254,10 +266,8 @@ class Ledger:
         except Exception as exc:  # noqa: BLE001 - the job is ending anyway (a peer failed)
             log.debug("horovod_quant: no agreement at exit: %s", exc)
             return
-        if message is not None:
-            self._print(message)
-            if not crashed:
-                os._exit(1)
+        if message is not None and not crashed:  # (printed)
+            os._exit(1)
 
 
 #: the process's ledger

@@ -155,3 +155,51 @@ def test_the_end_of_job_store_loads_no_framework():
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_no_rank_ends_before_every_rank_acted_and_a_host_gone_after_counting_out_is_no_error(
+        server):
+    """Launchers stop a job at its first failed rank: every rank acts on the records (prints)
+    before any rank's announce returns (and its process may end), and a rank still counting
+    after the store's host ended (it ends once every rank counted out) returns its records
+    instead of raising."""
+    events = []
+
+    class SlowHost:  # rank 0 reads the records after rank 1 counted out (it is busier)
+        def __getattr__(self, name):
+            return getattr(server, name)
+
+        def get(self, key):
+            time.sleep(0.5)
+            return server.get(key)
+
+    class SlowPolls:  # rank 1 looks at the count out again only once the host has ended
+        def __init__(self, client):
+            self.client = client
+
+        def __getattr__(self, name):
+            return getattr(self.client, name)
+
+        def add(self, key, amount):
+            if key.endswith("/out") and amount == 0:
+                time.sleep(2.0)
+            return self.client.add(key, amount)
+
+    ranks = [StoreRendezvous(SlowHost(), 0, 2, "p"),
+             StoreRendezvous(SlowPolls(StoreClient("127.0.0.1", server.port, TOKEN,
+                                                   timeout=5.0)), 1, 2, "p")]
+    got = {}
+
+    def rank(r):
+        got[r] = ranks[r].announce({"rank": r}, lambda records: events.append(("acted", r)))
+        events.append(("returned", r))
+        if r == 0:
+            server.close()  # the host's process ends as soon as it returns
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got[0] == got[1] == [{"rank": 0}, {"rank": 1}]
+    assert {e for e, _ in events[:2]} == {"acted"}, events
