@@ -27,6 +27,8 @@ log = logging.getLogger("horovod_quant")
 STORE_TIMEOUT_S = 20.0
 #: the longest line a request or an answer may be (the job's records are a few kB)
 MAX_LINE = 1 << 20
+#: the longest wait a ``get`` may ask the host for
+MAX_WAIT_S = 3600.0
 #: seconds an answer may take beyond the wait of the ``get`` it answers
 _GRACE_S = 5.0
 
@@ -74,9 +76,15 @@ class _Table:
                 self.set(str(key), str(request["value"]))
                 return {"value": None}
             if op == "get":
-                return {"value": self.get(str(key), float(request["timeout"]))}
+                timeout = float(request["timeout"])
+                if not 0 <= timeout <= MAX_WAIT_S:  # (NaN too): no thread held for ever
+                    raise ValueError(f"timeout {timeout!r} outside [0, {MAX_WAIT_S:g}] s")
+                return {"value": self.get(str(key), timeout)}
             if op == "add":
-                return {"value": self.add(str(key), int(request["amount"]))}
+                amount = request["amount"]
+                if isinstance(amount, bool) or not isinstance(amount, int):
+                    raise TypeError(f"amount {amount!r} is not an integer")
+                return {"value": self.add(str(key), amount)}
             if op == "check":
                 return {"value": self.check([str(k) for k in request["keys"]])}
             return {"error": f"unknown request {op!r}"}
@@ -117,9 +125,11 @@ class _Handler(socketserver.StreamRequestHandler):
         with server.lock:
             server.connections.add(self.request)
         try:
+            self.request.settimeout(STORE_TIMEOUT_S)  # a connection that never says hello
             hello = _read(self.rfile)
             if hello is None:  # a probe: it only wanted to know that the port answers
                 return
+            self.request.settimeout(None)  # a rank's calls may be hours apart
             if not hmac.compare_digest(str(hello.get("token")), server.token):
                 self.wfile.write(_line({"error": "a wrong token: another job's store"}))
                 return

@@ -2,6 +2,7 @@
 (horovod_quant.rendezvous): its calls between threads, a ``get`` that waits and one that times
 out, probes and strangers that leave it undisturbed, a wrong token refused, the threaded ranks'
 rendezvous and end-of-job agreement over it, and no framework loaded on the way."""
+import json
 import os
 import socket
 import subprocess
@@ -203,3 +204,21 @@ def test_no_rank_ends_before_every_rank_acted_and_a_host_gone_after_counting_out
         t.join(30)
     assert got[0] == got[1] == [{"rank": 0}, {"rank": 1}]
     assert {e for e, _ in events[:2]} == {"acted"}, events
+
+
+def test_requests_that_would_hold_the_host_or_lose_bits_are_refused(server):
+    """A ``get`` without a finite bounded wait and an ``add`` of a non-integer get an error
+    answer; the connection goes on serving."""
+    with socket.create_connection(("127.0.0.1", server.port), 5) as sock:
+        stream = sock.makefile("rwb")
+
+        def call(request):
+            stream.write((json.dumps(request) + "\n").encode())
+            stream.flush()
+            return json.loads(stream.readline())
+
+        assert call({"op": "hello", "token": TOKEN}) == {"value": None}
+        assert "timeout" in call({"op": "get", "key": "k", "timeout": float("nan")})["error"]
+        assert "timeout" in call({"op": "get", "key": "k", "timeout": 1e308})["error"]
+        assert "integer" in call({"op": "add", "key": "n", "amount": 1.5})["error"]
+        assert call({"op": "add", "key": "n", "amount": 2}) == {"value": 2}
