@@ -31,6 +31,8 @@ from collections import Counter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+#: the model of every row (benchmarks/cluster_workloads.py's MLPS)
+MODEL = "mlp48"
 #: what each row sends per float32 element's 32 bits (None: the compute-only floor)
 ROWS = {"compute": None, "fp32": 32, "fp16": 16, "qsgd:8": 8, "hvd.qsgd:8": 8,
         "global_qsgd-exp:8": 8, "hvd.global_qsgd-exp:8": 8, "qsgd:4": 4, "hvd.qsgd:4": 4,
@@ -90,7 +92,7 @@ def budget(rows: dict[str, dict], profile_dir: str, ranks: int = 2) -> list[dict
         if row is None or row.get("step_s") is None:
             continue
         step = row["step_s"]
-        parts, skipped = main_thread_parts(os.path.join(profile_dir, f"t-mlp48-{rid}.txt"))
+        parts, skipped = main_thread_parts(os.path.join(profile_dir, f"t-{MODEL}-{rid}.txt"))
         total = sum(parts.values()) or 1
         limit = None if bits is None or wire is None else max(floor, wire * bits / 32)
         out.append({
@@ -153,7 +155,7 @@ def measure(args) -> None:
         shutil.rmtree(prof, ignore_errors=True)
         prefix = os.path.join(args.work, f"cluster_{ctrl}")
         cmd = [sys.executable, os.path.join(HERE, "cluster.py"), "--shapes", "2x1",
-               "--controller", ctrl, "--rates", "1gbit", "--models", "mlp48", "--no-exchange",
+               "--controller", ctrl, "--rates", "1gbit", "--models", MODEL, "--no-exchange",
                "--train-codecs", "qsgd,global_qsgd-exp", "--bits", "8,4",
                "--doors", "hq,compression", "--fallback", "never", "--steps", str(args.steps),
                "--min-seconds", str(args.min_seconds), "--profile", prof, "--out", prefix]
@@ -173,7 +175,7 @@ def collect(args) -> dict:
                 if r.get("kind") == "train"}
         budgets[ctrl] = budget(rows, prof)
         for rid in FLAME_ROWS:
-            svg = os.path.join(prof, f"t-mlp48-{rid}.svg")
+            svg = os.path.join(prof, f"t-{MODEL}-{rid}.svg")
             if os.path.exists(svg):
                 dest = f"{args.out}_{ctrl}_{rid.replace(':', '_').replace('.', '_')}.svg"
                 shutil.copy(svg, dest)

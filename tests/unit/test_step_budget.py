@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 _spec = importlib.util.spec_from_file_location(
     "step_budget", os.path.join(ROOT, "benchmarks", "step_budget.py"))
 sb = importlib.util.module_from_spec(_spec)
