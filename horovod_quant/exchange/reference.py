@@ -10,7 +10,7 @@ hierarchical plan's ranks advance their shards' states, which differ: pass one p
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -64,21 +64,41 @@ class Lockstep:
     Args:
         ranks: the plans in rank order, not yet started.
         topology: which ranks share hosts (for requests to a hierarchical plan's groups).
+        witness: a rank whose result alone is wanted, of plans that keep no state past their
+            last collective: each answer goes to it first, and where its plan ends there, the
+            others are left before their last local work (a gathered exchange's n decodes on
+            every rank: n^2 in all). Every other rank's result is then None. None (default):
+            every plan runs to its end.
 
     Attributes:
         payload_bytes: per rank, the codec payload bytes its requests carried.
     """
 
-    def __init__(self, ranks: Sequence[plans.Plan], topology: Topology | None = None) -> None:
+    def __init__(self, ranks: Sequence[plans.Plan], topology: Topology | None = None,
+                 witness: int | None = None) -> None:
         self.ranks = list(ranks)
         self.topology = topology or Topology.grid(len(self.ranks), 1)
+        self.witness = witness
         self.payload_bytes = [0] * len(self.ranks)
         self.results: list[Any] = [None] * len(self.ranks)
         self._requests = self._resume([None] * len(self.ranks))
 
     def _resume(self, values: list[Any]) -> list[plans.Request] | None:
+        w = self.witness
+        if w is not None and values[w] is not None:
+            try:  # the plans run in lockstep: where the witness's ends, every one's would
+                request = self.ranks[w].send(values[w])
+            except StopIteration as stop:
+                self.results[w] = stop.value
+                return None
+            values = list(values)
+            values[w] = _Sent(request)
         requests = []
         for r, (plan, value) in enumerate(zip(self.ranks, values)):
+            if isinstance(value, _Sent):
+                self.payload_bytes[r] += value.request.payload_bytes
+                requests.append(value.request)
+                continue
             try:
                 request = plan.send(value)
             except StopIteration as stop:
@@ -102,6 +122,12 @@ class Lockstep:
         while not self.step():
             pass
         return self.results
+
+
+class _Sent(NamedTuple):
+    """A witness's request, already resumed (:class:`Lockstep`)."""
+
+    request: plans.Request
 
 
 def mean_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "allgather",
@@ -209,11 +235,14 @@ def start_estimate(codec: Codec, xs: Sequence, seed: int = 0, gather: str = "all
     if len(rank_states) != n:
         raise ValueError(f"got {len(rank_states)} ranks' codec states for {n} workers")
     outs = [np.empty(size, np.float32) for _ in vecs]
+    # rank 0's mean is the estimate; the other ranks' last decodes matter only where they
+    # advance a codec state
+    witness = 0 if codec.new_state() is None else None
     pieces = [Lockstep([plans.plan_of(kind)(plans.Piece(
         codec, v[lo:hi], plans.pipeline_seed(seed, k, len(bounds)), r, n, norm, wire.NO_TAG,
         out[lo:hi], place=place, states=rank_states[r]))
         for r, (v, out, place) in enumerate(zip(vecs, outs, places))],
-        topology) for k, (lo, hi) in enumerate(bounds)]
+        topology, witness) for k, (lo, hi) in enumerate(bounds)]
     return StartedEstimate(outs[0], pieces, kind.startswith(plans.HIERARCHICAL))
 
 

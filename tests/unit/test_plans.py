@@ -62,6 +62,19 @@ def test_lockstep_counts_payload_bytes_per_rank():
     assert run.payload_bytes == [2 * chunk[0] + chunk[0]] * 2
 
 
+@pytest.mark.parametrize("kind", ["allgather", "sra"])
+def test_a_witness_gets_every_rank_s_bits_and_the_others_stop_before_their_last_decode(kind):
+    codec = hq.get_codec("qsgd", bits=4)
+    xs = _inputs(4, 3000)
+    every = Lockstep(_pieces(codec, xs, 3, kind))
+    every.finish()
+    witnessed = Lockstep(_pieces(codec, xs, 3, kind), witness=2)
+    got = witnessed.finish()
+    assert np.array_equal(got[2], every.results[2])
+    assert got[:2] == [None, None] and got[3] is None  # their last decodes never ran
+    assert witnessed.payload_bytes == every.payload_bytes
+
+
 def test_lockstep_refuses_diverging_plans():
     def plan(request):
         yield request
