@@ -1,0 +1,104 @@
+"""benchmarks/plateau.py: each simulated worker's gradient is the mean over its own windows (their
+mean is the full batch's gradient); a run's row carries its curve, plateau and payload bytes;
+the report flags divergence, a growing gap and a gap beyond the seed spread, and shows the
+levels a summed codec keeps at each world."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+_spec = importlib.util.spec_from_file_location(
+    "plateau", os.path.join(ROOT, "benchmarks", "plateau.py"))
+plateau = importlib.util.module_from_spec(_spec)
+sys.modules["plateau"] = plateau
+_spec.loader.exec_module(plateau)
+import plateau_report  # noqa: E402 (after the benchmark's path is set)
+
+
+@pytest.fixture(scope="module")
+def task_and_data():
+    task = plateau.plateau_task()
+    return task, task.data()
+
+
+def test_the_workers_gradients_average_to_the_full_batch_gradient(task_and_data):
+    task, data = task_and_data
+    torch.manual_seed(0)
+    model = task.model()
+    gen = torch.Generator().manual_seed(1)
+    x, y = task.batch_of(data["train"], gen, 8)
+    per_worker = plateau.worker_gradients(model, x.reshape(4, 2, -1), y.reshape(4, 2, -1))
+    assert per_worker.shape == (4, sum(p.numel() for p in model.parameters()))
+    model.zero_grad()
+    task.loss(model, x, y).backward()
+    full = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(per_worker.mean(0), full, rtol=1e-4, atol=1e-6)
+    # the workers' batches differ, so their gradients do
+    assert not torch.allclose(per_worker[0], per_worker[1])
+
+
+def test_a_run_records_its_curve_plateau_and_payload_bytes(task_and_data):
+    task, data = task_and_data
+    plateau.EVAL_EVERY, saved = 2, plateau.EVAL_EVERY
+    try:
+        row = plateau.train_one(task, data, "qsgd 4b", "adamw", 4, 1, 0, 4)
+        base = plateau.train_one(task, data, "fp32", "adamw", 4, 1, 0, 4)
+    finally:
+        plateau.EVAL_EVERY = saved
+    assert [c[0] for c in row["curve"]] == [0, 2, 4] and row["steps"] == 4
+    assert row["curve"][0] == base["curve"][0]  # one initialisation per seed
+    assert row["val_loss"] < row["curve"][0][1] and not row["diverged"]
+    assert 0 < row["payload_bytes_per_step"] < 4 * sum(
+        p.numel() for p in task.model().parameters()) / 4  # about 4 bits an element
+    assert base["payload_bytes_per_step"] == 0  # float32 travels uncompressed, as Horovod's
+    json.dumps(row)
+
+
+def test_the_plateau_is_the_first_evaluation_near_the_best():
+    curve = [[0, 5.0], [50, 2.1], [100, 2.02], [150, 2.0], [200, 2.01]]
+    assert plateau.plateau_step(curve) == 100
+    assert plateau.plateau_step([[0, math.nan]]) == 0
+    assert plateau_report.steps_to_reach(curve, 2.0) == 100
+    assert plateau_report.steps_to_reach(curve, 1.5) is None
+
+
+def _row(codec, seed, final, at_plateau, workers=4, hosts=1, diverged=False):
+    curve = [[0, 5.0, 0.0, 5.0], [100, at_plateau, 0.5, 1.5], [200, final, 0.5, 1.4]]
+    return {"optimizer": "adamw", "workers": workers, "hosts": hosts, "codec": codec,
+            "seed": seed, "steps": 200, "val_loss": final, "val_acc": 0.5,
+            "train_loss": 1.4, "plateau_step": 100, "best_val_loss": min(final, at_plateau),
+            "diverged": diverged, "lr": 3e-3, "load_1min": [1.0, 2.0], "curve": curve}
+
+
+def test_the_report_flags_divergence_a_growing_gap_and_a_gap_beyond_the_spread(tmp_path):
+    rows = []
+    for seed, base in enumerate((2.00, 2.01, 1.99)):
+        rows += [_row("fp32", seed, base, base),
+                 _row("qsgd 8b", seed, base + 0.001, base + 0.001),
+                 _row("qsgd 4b", seed, base + 0.06, base + 0.01),
+                 _row("ndqsg", seed, math.inf if seed == 1 else base, base, diverged=seed == 1),
+                 _row("global-qsgd lin 8b", seed, base + 0.03, base + 0.03, workers=64)]
+        rows.append(_row("fp32", seed, base, base, workers=64))
+    plateau_report.report(rows, SimpleNamespace(out=str(tmp_path)))
+    lines = (tmp_path / "plateau.md").read_text().splitlines()
+
+    def gaps(codec):  # the codec's row of the gap table (the first table it leads a row of)
+        return next(r for r in lines if r.startswith(f"| {codec} |"))
+
+    assert "**" not in gaps("qsgd 8b")
+    assert "**growing**" in gaps("qsgd 4b") and "**spread**" in gaps("qsgd 4b")
+    assert "**diverged**" in gaps("ndqsg")
+    assert "[1 levels]" in gaps("global-qsgd lin 8b")  # 64 workers' sum: one linear level
+    saved = json.loads((tmp_path / "plateau.json").read_text())
+    assert saved["meta"]["load_1min"] == [1.0, 2.0] and len(saved["rows"]) == len(rows)
+    assert (tmp_path / "plateau_adamw.png").stat().st_size > 0
