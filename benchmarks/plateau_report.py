@@ -3,8 +3,8 @@
 Writes ``plateau.md`` (float32's plateau per world; every codec's final validation loss and its
 gap to float32 paired by seed, with the seed spread; steps to come within 1 % of float32's
 final loss; divergence and growing-gap flags; Global-QSGD's levels per world) and one
-``plateau_<optimizer>.png`` per optimizer (validation loss against steps, a panel per world,
-mean over seeds), next to the JSON lines.
+``plateau_<optimizer>.png`` per optimizer (validation loss against steps and its gap to
+float32, a column per world, mean over seeds), next to the JSON lines.
 """
 from __future__ import annotations
 
@@ -13,15 +13,35 @@ import math
 import os
 import statistics
 import warnings
-from collections import defaultdict
 
 from plateau import CODECS, WORLDS, build_codec
 
+#: a run's final loss: the mean of its last this many evaluations
+FINAL_EVALUATIONS = 5
 #: a codec's final loss counts as float32's within this fraction of it
 REACH_TOLERANCE = 0.01
 #: a gap that grows by more than this (nats/byte) between float32's plateau and the end is
 #: flagged as growing
 GROWING_GAP = 0.02
+
+
+def final_loss(row: dict) -> float:
+    """A run's final validation loss: the mean of its last :data:`FINAL_EVALUATIONS`
+    evaluations (one evaluation moves by about 0.01 nats/byte from the next), non-finite where
+    the run diverged."""
+    if row["diverged"]:
+        return math.inf
+    return statistics.mean(c[1] for c in row["curve"][-FINAL_EVALUATIONS:])
+
+
+def paired_gaps(rows: list[dict], optimizer: str, label: str, world: tuple[int, int]
+                ) -> list[float]:
+    """``label``'s :func:`final_loss` minus float32's, per seed both ran."""
+    runs = {(r["codec"], r["seed"]): r for r in rows
+            if r["optimizer"] == optimizer and _world(r) == world}
+    return [final_loss(r) - final_loss(runs[("fp32", seed)])
+            for (codec, seed), r in sorted(runs.items(), key=lambda kv: kv[0][1])
+            if codec == label and ("fp32", seed) in runs]
 
 
 def _world(row: dict) -> tuple[int, int]:
@@ -56,6 +76,12 @@ def _val_at(curve: list[list[float]], step: int) -> float:
     return next((c[1] for c in curve if c[0] >= step), curve[-1][1])
 
 
+def _window_at(curve: list[list[float]], step: int) -> float:
+    """The mean validation loss of :data:`FINAL_EVALUATIONS` evaluations from ``step`` on."""
+    later = [c[1] for c in curve if c[0] >= step][:FINAL_EVALUATIONS]
+    return statistics.mean(later) if later else curve[-1][1]
+
+
 def steps_to_reach(curve: list[list[float]], target: float) -> int | None:
     """The first evaluated step whose validation loss is within :data:`REACH_TOLERANCE` of
     ``target``, or None."""
@@ -86,7 +112,7 @@ def optimizer_tables(rows: list[dict], optimizer: str) -> list[str]:
     out = [f"### {optimizer} (learning rate {next(iter(runs.values()))['lr']:g})", ""]
     out += ["float32's plateau (the first evaluation within 1 % of its best validation loss), "
             "mean over seeds:", "",
-            "| workers | seeds | plateau step | val loss there | best val loss | final val loss "
+            "| workers | seeds | plateau step | val loss there | best val loss | final val loss* "
             "| final train loss | next-byte acc | steps |",
             "|---|---|---|---|---|---|---|---|---|"]
     for w in worlds:
@@ -97,10 +123,12 @@ def optimizer_tables(rows: list[dict], optimizer: str) -> list[str]:
                 f"| {statistics.mean(r['plateau_step'] for r in base):.0f} "
                 f"| {_mean_sd([_val_at(r['curve'], r['plateau_step']) for r in base])} "
                 f"| {_mean_sd([r['best_val_loss'] for r in base])} "
-                f"| {_mean_sd([r['val_loss'] for r in base])} "
+                f"| {_mean_sd([final_loss(r) for r in base])} "
                 f"| {_mean_sd([r['train_loss'] for r in base])} "
                 f"| {statistics.mean(r['val_acc'] for r in base):.3f} | {base[0]['steps']} |")
-    out += ["", "Final validation loss (nats/byte; mean ± sample sd over seeds) and its gap to "
+    out += ["", "\\* final: the mean of the last "
+            f"{FINAL_EVALUATIONS} evaluations (the last {FINAL_EVALUATIONS - 1} x 50 steps).", "",
+            "Final validation loss (nats/byte; mean ± sample sd over seeds) and its gap to "
             "float32 of the same seed (paired; ± its sd). Flags: **diverged** (a non-finite "
             "loss), **growing** (the gap grew by more than "
             f"{GROWING_GAP} nats/byte between float32's plateau and the end), **spread** (the "
@@ -116,10 +144,10 @@ def optimizer_tables(rows: list[dict], optimizer: str) -> list[str]:
             if not mine:
                 cells.append("-")
                 continue
-            cell = _mean_sd([r["val_loss"] for r in mine.values()])
+            cell = _mean_sd([final_loss(r) for r in mine.values()])
             paired = [s for s in mine if s in base]
             if label != "fp32" and paired:
-                gaps = [mine[s]["val_loss"] - base[s]["val_loss"] for s in paired]
+                gaps = paired_gaps(rows, optimizer, label, w)
                 cell += f" ({_gap(gaps)})"
                 flags = _flags(mine, base, paired, gaps)
                 cell += "".join(f" **{f}**" for f in flags)
@@ -139,7 +167,7 @@ def optimizer_tables(rows: list[dict], optimizer: str) -> list[str]:
             for (c, rw, s), r in runs.items():
                 base = runs.get(("fp32", w, s))
                 if c == label and rw == w and base:
-                    reached.append(steps_to_reach(r["curve"], base["val_loss"]))
+                    reached.append(steps_to_reach(r["curve"], final_loss(base)))
             cells.append("-" if not reached else "never" if None in reached
                          else f"{statistics.mean(reached):.0f}")
         out.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -150,12 +178,12 @@ def _flags(mine: dict, base: dict, paired: list[int], gaps: list[float]) -> list
     if any(mine[s]["diverged"] for s in paired):
         return ["diverged"]
     flags = []
-    grown = [(mine[s]["val_loss"] - base[s]["val_loss"])
-             - (_val_at(mine[s]["curve"], base[s]["plateau_step"])
-                - _val_at(base[s]["curve"], base[s]["plateau_step"])) for s in paired]
+    grown = [(final_loss(mine[s]) - final_loss(base[s]))
+             - (_window_at(mine[s]["curve"], base[s]["plateau_step"])
+                - _window_at(base[s]["curve"], base[s]["plateau_step"])) for s in paired]
     if statistics.mean(grown) > GROWING_GAP:
         flags.append("growing")
-    finals = [base[s]["val_loss"] for s in paired]
+    finals = [final_loss(base[s]) for s in paired]
     spread = 2 * statistics.stdev(finals) if len(finals) > 1 else 0.01
     if statistics.mean(gaps) > spread:
         flags.append("spread")
@@ -163,7 +191,8 @@ def _flags(mine: dict, base: dict, paired: list[int], gaps: list[float]) -> list
 
 
 def plot(rows: list[dict], optimizer: str, path: str) -> None:
-    """Validation loss against steps, one panel per world, mean over seeds."""
+    """One column per world: validation loss against steps (top) and its gap to float32 of
+    the same seed (bottom), each the mean over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,30 +202,42 @@ def plot(rows: list[dict], optimizer: str, path: str) -> None:
     worlds = [w for w in WORLDS if any(_world(r) == w for r in mine)]
     if not worlds:
         return
-    fig, axes = plt.subplots(1, len(worlds), figsize=(4.2 * len(worlds), 3.6), squeeze=False)
-    for ax, w in zip(axes[0], worlds):
-        curves = defaultdict(list)
-        for r in mine:
-            if _world(r) == w:
-                curves[r["codec"]].append(r["curve"])
+    colors = dict(zip(CODECS, ["black"] + [f"C{i}" for i in range(len(CODECS))]))
+    fig, axes = plt.subplots(2, len(worlds), figsize=(4.2 * len(worlds), 6.4), squeeze=False,
+                             sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for column, w in enumerate(worlds):
+        runs = {(r["codec"], r["seed"]): r for r in mine if _world(r) == w}
+        top, bottom = axes[0][column], axes[1][column]
         floor = math.inf
         for label in CODECS:
-            if label not in curves:
+            curves = [r["curve"] for (c, _), r in runs.items() if c == label]
+            if not curves:
                 continue
-            length = min(len(c) for c in curves[label])
-            steps = [c[0] for c in curves[label][0][:length]]
-            mean = [statistics.mean(c[i][1] for c in curves[label]) for i in range(length)]
-            floor = min(floor, min(v for v in mean if math.isfinite(v)))
-            ax.plot(steps, mean, label=label, lw=2.2 if label == "fp32" else 1.1,
-                    color="black" if label == "fp32" else None)
-        ax.set_ylim(floor - 0.05, floor + 0.8)
-        ax.set_title(f"{optimizer}, {world_name(w)} workers", fontsize=9)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
+            length = min(len(c) for c in curves)
+            steps = [c[0] for c in curves[0][:length]]
+            mean = [statistics.mean(c[i][1] for c in curves) for i in range(length)]
+            floor = min([floor] + [v for v in mean if math.isfinite(v)])
+            width = 2.2 if label == "fp32" else 1.1
+            top.plot(steps, mean, label=label, lw=width, color=colors[label])
+            gaps = [[a[1] - b[1] for a, b in zip(r["curve"], runs[("fp32", s)]["curve"])]
+                    for (c, s), r in runs.items() if c == label and ("fp32", s) in runs]
+            if gaps:
+                length = min(len(g) for g in gaps)
+                bottom.plot(steps[:length], [statistics.mean(g[i] for g in gaps)
+                                             for i in range(length)], lw=width,
+                            color=colors[label])
+        top.set_ylim(floor - 0.03, floor + 0.45)
+        top.set_title(f"{optimizer}, {world_name(w)} workers", fontsize=9)
+        bottom.set_ylim(-0.04, 0.12)
+        bottom.axhline(0, color="black", lw=0.8)
+        bottom.set_xlabel("step")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("validation loss (nats/byte)")
+    axes[1][0].set_ylabel("gap to float32")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

@@ -395,6 +395,61 @@ def accuracy() -> str:
     return _table(head, rows)
 
 
+#: (benchmarks/plateau.py label, what the table calls it)
+PLATEAU_ROWS = [("bf16", "`bf16`"), ("qsgd 8b", "`qsgd(bits=8)`"), ("qsgd 4b", "`qsgd(bits=4)`"),
+                ("global-qsgd exp 8b", "`global_qsgd(bits=8)`"),
+                ("global-qsgd lin 8b", "`global_qsgd(bits=8, levels=\"linear\")`"),
+                ("natural dithering 4b", "`natural_dithering(bits=4)`"),
+                ("ndqsg", "`nested_dithered()`")]
+
+
+def _plateau_columns() -> list[tuple[str, tuple[int, int]]]:
+    """(optimizer, world) of every column the plateau runs fill, in the study's order."""
+    import plateau as study
+    rows = _load("plateau.json")["rows"]
+    return [(opt, w) for opt in study.OPTIMIZERS for w in study.WORLDS
+            if any(r["optimizer"] == opt and (r["workers"], r["hosts"]) == w for r in rows)]
+
+
+def _plateau_gap(optimizer: str, world: tuple[int, int], label: str) -> str:
+    """A codec's paired final-loss gap to float32, mean ± sd over seeds (benchmarks/plateau.py)."""
+    import plateau_report
+    gaps = plateau_report.paired_gaps(_load("plateau.json")["rows"], optimizer, label, world)
+    if not gaps:
+        return "-"
+    if not all(math.isfinite(g) for g in gaps):
+        return "diverged"
+    if len(gaps) == 1:
+        return f"{gaps[0]:+.4f}"
+    return f"{statistics.mean(gaps):+.4f} ± {statistics.stdev(gaps):.4f}"
+
+
+def _plateau_fp32_sd(optimizer: str, world: tuple[int, int]) -> str:
+    """float32's final-loss sd over seeds (plateau.json)."""
+    import plateau_report
+    finals = [plateau_report.final_loss(r) for r in _load("plateau.json")["rows"]
+              if r["codec"] == "fp32" and r["optimizer"] == optimizer
+              and (r["workers"], r["hosts"]) == world]
+    return f"{statistics.stdev(finals):.4f}" if len(finals) > 1 else "not measured (1 seed)"
+
+
+def plateau() -> str:
+    """choosing.md's table: every codec's final validation loss minus float32's of the same seed,
+    per optimizer and world (plateau.json); float32's own final loss and spread first."""
+    import plateau_report
+    rows = _load("plateau.json")["rows"]
+    columns = _plateau_columns()
+    head = ["codec"] + [f"{opt}, {plateau_report.world_name(w)}" for opt, w in columns]
+    first = ["fp32: final loss (sd), seeds"]
+    for opt, w in columns:
+        finals = [plateau_report.final_loss(r) for r in rows if r["codec"] == "fp32"
+                  and r["optimizer"] == opt and (r["workers"], r["hosts"]) == w]
+        sd = f" ({statistics.stdev(finals):.4f})" if len(finals) > 1 else ""
+        first.append(f"{statistics.mean(finals):.4f}{sd}, {len(finals)}" if finals else "-")
+    return _table(head, [first] + [[name] + [_plateau_gap(opt, w, label) for opt, w in columns]
+                                   for label, name in PLATEAU_ROWS])
+
+
 def validation() -> str:
     """The predictor's validation (predictor_validation.json) per shape and link: the counted
     rows' median and largest absolute error, and how many there are (each link by the rate
@@ -418,7 +473,7 @@ def validation() -> str:
 TABLES = {"exchange": exchange, "training": training, "transport": transport, "ddp": ddp,
           "throughput": throughput, "codecs": codecs, "scaling": scaling,
           "prediction": prediction, "accuracy": accuracy, "validation": validation,
-          "external": external}
+          "external": external, "plateau": plateau}
 
 
 def _exchange_256mb(name: str, bits: int) -> str:
@@ -454,17 +509,6 @@ def _fp32_step() -> str:
     return f"{statistics.median(steps):.1f} s"
 
 
-def _exchange_decode() -> str:
-    """GB/s of gradient the 2-rank exchange's decode ran at (256 MB, 1 Gbit/s): the per-worker
-    codecs', whose decode combines every rank's payload."""
-    rows = _link("cluster.json", "1 Gbit/s")["results"]
-    rates = [r["size_mb"] * (1 << 20) / r["decode_s"] / 1e9 for r in rows
-             if r.get("kind") == "exchange" and r.get("size_mb") == 256.0 and not r.get("error")
-             and r["config_id"].split(":")[0] in ("qsgd", "nuqsgd", "natural",
-                                                   "natural_dithering", "standard_dithering")]
-    return _range(rates, ".1f", " GB/s")
-
-
 def _on_fp32_10g() -> dict:
     return {c: m for c, (m, fell_back) in _training_medians("10 Gbit/s").items() if fell_back}
 
@@ -477,7 +521,6 @@ def _omega(label: str) -> float:
     return _variance()[0][label]["omega_1"]["mean"]
 
 
-CONTROL = "fp32 control (lr x (1+1e-6))"
 
 #: measured figures of the pages' running text, each rendered from the JSON
 FIGURES = {
@@ -510,7 +553,6 @@ FIGURES = {
     "combine-gbps": lambda: _range([_throughput_rows()[k]["combine_gbps"]
                                     for k in THROUGHPUT_ROWS
                                     if _throughput_rows()[k]["combine_gbps"]], ".1f", " GB/s"),
-    "exchange-decode-gbps": _exchange_decode,
     "prediction-best-vs-baseline": lambda: format(100 * (max(
         r["vs_best"] for r in _load("predict_resnet50_8x8_25g.json")["rows"]) - 1), ".0f") + "%",
     "prediction-best-baseline": lambda: _best_baseline("predict_resnet50_8x8_25g.json"),
@@ -537,29 +579,21 @@ FIGURES = {
         _shared_cores_best_vs_fp32("predictor_validation_epyc.json"), ".2f", "x"),
     "shared-cores-best-vs-fp32-first": lambda: _range(
         _shared_cores_best_vs_fp32("predictor_validation_first.json"), ".2f", "x"),
-    "omega-qsgd-8-max": lambda: _g(_variance()[1]["omega"]["mean"]),
-    "omega-qsgd-4-max": lambda: _g(_omega("qsgd 4b b512 max-norm")),
     "l2-over-max-4": lambda: f"{_omega('qsgd 4b b512') / _omega('qsgd 4b b512 max-norm'):.0f}x",
-    "omega-natural-dithering-4": lambda: _g(_omega("natural_dithering 4b p=inf b512")),
-    "bound-natural-dithering-4": lambda: _g(
-        _variance()[0]["natural_dithering 4b p=inf b512"]["omega_bound"], 3),
-    "omega-nuqsgd-4": lambda: _g(_omega("nuqsgd 4b b512")),
-    "bound-nuqsgd-4": lambda: _g(_variance()[0]["nuqsgd 4b b512"]["omega_bound"], 3),
     "bound-qsgd-4-max": lambda: _g(_variance()[0]["qsgd 4b b512 max-norm"]["omega_bound"], 3),
     "bound-over-omega-qsgd-4-max": lambda: format(
         _variance()[0]["qsgd 4b b512 max-norm"]["omega_bound"] / _omega("qsgd 4b b512 max-norm"),
         ".0f") + "x",
-    "theta-global-linear-4-n2": lambda: _g(_variance()[2][2]["theta_gradient"]["mean"]),
-    "theta-global-linear-4-n4": lambda: _g(_variance()[2][4]["theta_gradient"]["mean"]),
-    "accuracy-bytelm-qsgd8-n2": lambda: _accuracy_gap("bytelm", 2, "qsgd 8b b512 max"),
-    "accuracy-bytelm-qsgd4-n2": lambda: _accuracy_gap("bytelm", 2, "qsgd 4b b512 max"),
-    "accuracy-bytelm-global8-n2": lambda: _accuracy_gap("bytelm", 2, "global_qsgd exp 8b"),
-    "accuracy-bytelm-fp32-std-n2": lambda: f"{_accuracy('bytelm')[2]['fp32']['test_loss'][1]:.4f}",
-    "accuracy-cnn-qsgd8-n2": lambda: _accuracy_gap("cnn", 2, "qsgd 8b b512 max"),
-    "accuracy-bytelm-qsgd4-n4": lambda: _accuracy_gap("bytelm", 4, "qsgd 4b b512 max"),
-    "accuracy-cnn-fp32-std-n2": lambda: f"{_accuracy('cnn')[2]['fp32']['test_loss'][1]:.4f}",
-    "control-gap-n2": lambda: f"{_convergence_gaps('')[2, CONTROL]:+.4f}",
-    "control-gap-n4": lambda: f"{_convergence_gaps('')[4, CONTROL]:+.4f}",
+    "plateau-fp32-sd-4": lambda: _plateau_fp32_sd("adamw", (4, 1)),
+    "plateau-qsgd8-64": lambda: _plateau_gap("adamw", (64, 1), "qsgd 8b"),
+    "plateau-qsgd4-64": lambda: _plateau_gap("adamw", (64, 1), "qsgd 4b"),
+    "plateau-natural4-64": lambda: _plateau_gap("adamw", (64, 1), "natural dithering 4b"),
+    "plateau-exp8-4": lambda: _plateau_gap("adamw", (4, 1), "global-qsgd exp 8b"),
+    "plateau-exp8-16": lambda: _plateau_gap("adamw", (16, 1), "global-qsgd exp 8b"),
+    "plateau-exp8-64": lambda: _plateau_gap("adamw", (64, 1), "global-qsgd exp 8b"),
+    "plateau-lin8-16": lambda: _plateau_gap("adamw", (16, 1), "global-qsgd lin 8b"),
+    "plateau-lin8-4x4": lambda: _plateau_gap("adamw", (16, 4), "global-qsgd lin 8b"),
+    "plateau-bf16-64": lambda: _plateau_gap("adamw", (64, 1), "bf16"),
 }
 
 

@@ -73,9 +73,10 @@ def test_the_plateau_is_the_first_evaluation_near_the_best():
 
 
 def _row(codec, seed, final, at_plateau, workers=4, hosts=1, diverged=False):
-    curve = [[0, 5.0, 0.0, 5.0], [100, at_plateau, 0.5, 1.5], [200, final, 0.5, 1.4]]
+    curve = ([[0, 5.0, 0.0, 5.0]] + [[s, at_plateau, 0.5, 1.5] for s in range(100, 600, 100)]
+             + [[s, final, 0.5, 1.4] for s in range(600, 1100, 100)])
     return {"optimizer": "adamw", "workers": workers, "hosts": hosts, "codec": codec,
-            "seed": seed, "steps": 200, "val_loss": final, "val_acc": 0.5,
+            "seed": seed, "steps": 1000, "val_loss": final, "val_acc": 0.5,
             "train_loss": 1.4, "plateau_step": 100, "best_val_loss": min(final, at_plateau),
             "diverged": diverged, "lr": 3e-3, "load_1min": [1.0, 2.0], "curve": curve}
 
