@@ -190,11 +190,20 @@ def _run(spec: tuple) -> dict:
     return train_one(task, task.data(), label, opt, workers, hosts, seed, _run.steps)
 
 
-def read_rows(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+def read_rows(out: str) -> list[dict]:
+    """The runs in ``out``: ``plateau.jsonl`` (a line as each run ends), else the rows of the
+    report's ``plateau.json`` (the committed file); a run's last row where it ran twice."""
+    log, report_file = os.path.join(out, "plateau.jsonl"), os.path.join(out, "plateau.json")
+    rows = []
+    if os.path.exists(log):
+        with open(log, encoding="utf-8") as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+    elif os.path.exists(report_file):
+        with open(report_file, encoding="utf-8") as fh:
+            rows = json.load(fh)["rows"]
+    last = {run_key(r["codec"], r["optimizer"], r["workers"], r["hosts"], r["seed"]): r
+            for r in rows}
+    return list(last.values())
 
 
 def main() -> None:
@@ -211,8 +220,12 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "plateau.jsonl")
     if not args.report_only:
+        rows = read_rows(args.out)
+        if rows and not os.path.exists(path):  # resuming from the report's rows: keep them
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in rows)
         done = {run_key(r["codec"], r["optimizer"], r["workers"], r["hosts"], r["seed"])
-                for r in read_rows(path) if r["steps"] == args.steps or r["diverged"]}
+                for r in rows if r["steps"] == args.steps or r["diverged"]}
         todo = [spec for spec in planned(args) if spec not in done]
         _run.steps = args.steps
         with multiprocessing.get_context("fork").Pool(args.processes, maxtasksperchild=1) as pool:
@@ -225,7 +238,10 @@ def main() -> None:
                       f"({row['s_per_step'] * 1e3:.0f} ms/step)", flush=True)
     from plateau_report import report
 
-    report(read_rows(path), args)
+    rows = read_rows(args.out)
+    if not rows:
+        sys.exit(f"no runs in {args.out} (plateau.jsonl or plateau.json): nothing to report")
+    report(rows, args)
 
 
 if __name__ == "__main__":

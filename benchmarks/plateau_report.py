@@ -14,7 +14,7 @@ import os
 import statistics
 import warnings
 
-from plateau import CODECS, WORLDS, build_codec
+from plateau import CODECS, EVAL_EVERY, WORLDS, build_codec
 
 #: a run's final loss: the mean of its last this many evaluations
 FINAL_EVALUATIONS = 5
@@ -36,12 +36,13 @@ def final_loss(row: dict) -> float:
 
 def paired_gaps(rows: list[dict], optimizer: str, label: str, world: tuple[int, int]
                 ) -> list[float]:
-    """``label``'s :func:`final_loss` minus float32's, per seed both ran."""
+    """``label``'s :func:`final_loss` minus float32's, per seed both ran (float32 not
+    diverged)."""
     runs = {(r["codec"], r["seed"]): r for r in rows
             if r["optimizer"] == optimizer and _world(r) == world}
     return [final_loss(r) - final_loss(runs[("fp32", seed)])
             for (codec, seed), r in sorted(runs.items(), key=lambda kv: kv[0][1])
-            if codec == label and ("fp32", seed) in runs]
+            if codec == label and ("fp32", seed) in runs and not runs[("fp32", seed)]["diverged"]]
 
 
 def _world(row: dict) -> tuple[int, int]:
@@ -64,22 +65,23 @@ def _mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
-def _gap(values: list[float]) -> str:
+def format_gaps(values: list[float]) -> str:
+    """Paired gaps as ``+mean ± sd`` (the mean alone for one seed; '-' for none)."""
     if not values or not all(math.isfinite(v) for v in values):
         return "-"
-    mean = statistics.mean(values)
-    spread = f" ± {statistics.stdev(values):.4f}" if len(values) > 1 else ""
-    return f"{mean:+.4f}{spread}"
+    mean = f"{statistics.mean(values):+.4f}".replace("-0.0000", "+0.0000")
+    return mean + (f" ± {statistics.stdev(values):.4f}" if len(values) > 1 else "")
 
 
 def _val_at(curve: list[list[float]], step: int) -> float:
     return next((c[1] for c in curve if c[0] >= step), curve[-1][1])
 
 
-def _window_at(curve: list[list[float]], step: int) -> float:
-    """The mean validation loss of :data:`FINAL_EVALUATIONS` evaluations from ``step`` on."""
-    later = [c[1] for c in curve if c[0] >= step][:FINAL_EVALUATIONS]
-    return statistics.mean(later) if later else curve[-1][1]
+def _window_to(curve: list[list[float]], step: int) -> float:
+    """The mean validation loss of the :data:`FINAL_EVALUATIONS` evaluations up to ``step``
+    that precede the final ones (:func:`final_loss`'s)."""
+    earlier = [c[1] for c in curve[:-FINAL_EVALUATIONS] if c[0] <= step][-FINAL_EVALUATIONS:]
+    return statistics.mean(earlier) if earlier else curve[0][1]
 
 
 def steps_to_reach(curve: list[list[float]], target: float) -> int | None:
@@ -127,11 +129,13 @@ def optimizer_tables(rows: list[dict], optimizer: str) -> list[str]:
                 f"| {_mean_sd([r['train_loss'] for r in base])} "
                 f"| {statistics.mean(r['val_acc'] for r in base):.3f} | {base[0]['steps']} |")
     out += ["", "\\* final: the mean of the last "
-            f"{FINAL_EVALUATIONS} evaluations (the last {FINAL_EVALUATIONS - 1} x 50 steps).", "",
+            f"{FINAL_EVALUATIONS} evaluations (the last {FINAL_EVALUATIONS - 1} x {EVAL_EVERY} "
+            "steps).", "",
             "Final validation loss (nats/byte; mean ± sample sd over seeds) and its gap to "
             "float32 of the same seed (paired; ± its sd). Flags: **diverged** (a non-finite "
             "loss), **growing** (the gap grew by more than "
-            f"{GROWING_GAP} nats/byte between float32's plateau and the end), **spread** (the "
+            f"{GROWING_GAP} nats/byte from the {FINAL_EVALUATIONS} evaluations up to float32's "
+            "plateau, before the final ones, to the final ones), **spread** (the "
             "gap exceeds twice the seed spread of float32's final loss, or 0.01 nats/byte where "
             "one seed ran).", ""]
     out += ["| codec | " + " | ".join(world_name(w) for w in worlds) + " |",
@@ -145,10 +149,10 @@ def optimizer_tables(rows: list[dict], optimizer: str) -> list[str]:
                 cells.append("-")
                 continue
             cell = _mean_sd([final_loss(r) for r in mine.values()])
-            paired = [s for s in mine if s in base]
+            paired = [s for s in mine if s in base and not base[s]["diverged"]]
             if label != "fp32" and paired:
                 gaps = paired_gaps(rows, optimizer, label, w)
-                cell += f" ({_gap(gaps)})"
+                cell += f" ({format_gaps(gaps)})"
                 flags = _flags(mine, base, paired, gaps)
                 cell += "".join(f" **{f}**" for f in flags)
             elif any(r["diverged"] for r in mine.values()):
@@ -179,8 +183,8 @@ def _flags(mine: dict, base: dict, paired: list[int], gaps: list[float]) -> list
         return ["diverged"]
     flags = []
     grown = [(final_loss(mine[s]) - final_loss(base[s]))
-             - (_window_at(mine[s]["curve"], base[s]["plateau_step"])
-                - _window_at(base[s]["curve"], base[s]["plateau_step"])) for s in paired]
+             - (_window_to(mine[s]["curve"], base[s]["plateau_step"])
+                - _window_to(base[s]["curve"], base[s]["plateau_step"])) for s in paired]
     if statistics.mean(grown) > GROWING_GAP:
         flags.append("growing")
     finals = [final_loss(base[s]) for s in paired]

@@ -415,13 +415,9 @@ def _plateau_gap(optimizer: str, world: tuple[int, int], label: str) -> str:
     """A codec's paired final-loss gap to float32, mean ± sd over seeds (benchmarks/plateau.py)."""
     import plateau_report
     gaps = plateau_report.paired_gaps(_load("plateau.json")["rows"], optimizer, label, world)
-    if not gaps:
-        return "-"
-    if not all(math.isfinite(g) for g in gaps):
+    if gaps and not all(math.isfinite(g) for g in gaps):
         return "diverged"
-    if len(gaps) == 1:
-        return f"{gaps[0]:+.4f}"
-    return f"{statistics.mean(gaps):+.4f} ± {statistics.stdev(gaps):.4f}"
+    return plateau_report.format_gaps(gaps)
 
 
 def _plateau_fp32_sd(optimizer: str, world: tuple[int, int]) -> str:

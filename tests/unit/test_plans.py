@@ -75,6 +75,20 @@ def test_a_witness_gets_every_rank_s_bits_and_the_others_stop_before_their_last_
     assert witnessed.payload_bytes == every.payload_bytes
 
 
+def test_mean_estimate_runs_every_rank_to_its_end_where_a_codec_state_advances():
+    """NDQSG's ranks each finish their side-information decode: every rank's state moves (a
+    witness alone would leave ranks 1-3 at their fresh state, and their next encode apart
+    from a real run's)."""
+    from horovod_quant.exchange.codec_states import CodecStates
+
+    codec = _codec("nested_dithered", 4)
+    states = [CodecStates() for _ in range(4)]
+    fresh = CodecStates().of(codec).state_dict()
+    hq.mean_estimate(codec, _inputs(4, 5000), seed=1, states=states)
+    moved = [s.of(codec).state_dict() for s in states]
+    assert all(m != fresh for m in moved) and all(m == moved[0] for m in moved)
+
+
 def test_lockstep_refuses_diverging_plans():
     def plan(request):
         yield request

@@ -72,23 +72,28 @@ def test_the_plateau_is_the_first_evaluation_near_the_best():
     assert plateau_report.steps_to_reach(curve, 1.5) is None
 
 
-def _row(codec, seed, final, at_plateau, workers=4, hosts=1, diverged=False):
+def _row(codec, seed, final, at_plateau, workers=4, hosts=1, diverged=False, plateau=100):
     curve = ([[0, 5.0, 0.0, 5.0]] + [[s, at_plateau, 0.5, 1.5] for s in range(100, 600, 100)]
              + [[s, final, 0.5, 1.4] for s in range(600, 1100, 100)])
     return {"optimizer": "adamw", "workers": workers, "hosts": hosts, "codec": codec,
             "seed": seed, "steps": 1000, "val_loss": final, "val_acc": 0.5,
-            "train_loss": 1.4, "plateau_step": 100, "best_val_loss": min(final, at_plateau),
+            "train_loss": 1.4, "plateau_step": plateau, "best_val_loss": min(final, at_plateau),
             "diverged": diverged, "lr": 3e-3, "load_1min": [1.0, 2.0], "curve": curve}
 
 
-def test_the_report_flags_divergence_a_growing_gap_and_a_gap_beyond_the_spread(tmp_path):
+def test_the_report_pairs_by_seed_and_flags_divergence_growth_and_spread(tmp_path):
     rows = []
     for seed, base in enumerate((2.00, 2.01, 1.99)):
         rows += [_row("fp32", seed, base, base),
                  _row("qsgd 8b", seed, base + 0.001, base + 0.001),
-                 _row("qsgd 4b", seed, base + 0.06, base + 0.01),
+                 # paired by seed its gaps are 0.05, 0.06, 0.07; paired otherwise not
+                 _row("qsgd 4b", seed, base + 0.05 + 0.01 * seed, base + 0.01),
                  _row("ndqsg", seed, math.inf if seed == 1 else base, base, diverged=seed == 1),
-                 _row("global-qsgd lin 8b", seed, base + 0.03, base + 0.03, workers=64)]
+                 _row("global-qsgd lin 8b", seed, base + 0.03, base + 0.03, workers=64),
+                 # float32's plateau at the final window's first evaluation: the growth is
+                 # measured from the evaluations before it
+                 _row("fp32", seed, base, base, workers=16, plateau=600),
+                 _row("qsgd 4b", seed, base + 0.05, base, workers=16)]
         rows.append(_row("fp32", seed, base, base, workers=64))
     plateau_report.report(rows, SimpleNamespace(out=str(tmp_path)))
     lines = (tmp_path / "plateau.md").read_text().splitlines()
@@ -97,9 +102,20 @@ def test_the_report_flags_divergence_a_growing_gap_and_a_gap_beyond_the_spread(t
         return next(r for r in lines if r.startswith(f"| {codec} |"))
 
     assert "**" not in gaps("qsgd 8b")
-    assert "**growing**" in gaps("qsgd 4b") and "**spread**" in gaps("qsgd 4b")
+    cells = gaps("qsgd 4b").split(" | ")
+    assert "(+0.0600 ± 0.0100) **growing** **spread**" in cells[1]
+    assert "(+0.0500 ± 0.0000) **growing** **spread**" in cells[2]
     assert "**diverged**" in gaps("ndqsg")
     assert "[1 levels]" in gaps("global-qsgd lin 8b")  # 64 workers' sum: one linear level
     saved = json.loads((tmp_path / "plateau.json").read_text())
     assert saved["meta"]["load_1min"] == [1.0, 2.0] and len(saved["rows"]) == len(rows)
     assert (tmp_path / "plateau_adamw.png").stat().st_size > 0
+    # the committed plateau.json alone is enough to report again and to resume from
+    again = plateau.read_rows(str(tmp_path))
+    assert sorted(map(json.dumps, again)) == sorted(map(json.dumps, rows))
+
+
+def test_a_run_s_last_row_counts_where_it_ran_twice(tmp_path):
+    first, second = _row("fp32", 0, 2.0, 2.0), _row("fp32", 0, 1.9, 1.9)
+    (tmp_path / "plateau.jsonl").write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
+    assert plateau.read_rows(str(tmp_path)) == [second]
