@@ -581,6 +581,8 @@ FIGURES = {
         _variance()[0]["qsgd 4b b512 max-norm"]["omega_bound"] / _omega("qsgd 4b b512 max-norm"),
         ".0f") + "x",
     "plateau-fp32-sd-4": lambda: _plateau_fp32_sd("adamw", (4, 1)),
+    "plateau-qsgd8-4": lambda: _plateau_gap("adamw", (4, 1), "qsgd 8b"),
+    "plateau-qsgd4-4": lambda: _plateau_gap("adamw", (4, 1), "qsgd 4b"),
     "plateau-qsgd8-64": lambda: _plateau_gap("adamw", (64, 1), "qsgd 8b"),
     "plateau-qsgd4-64": lambda: _plateau_gap("adamw", (64, 1), "qsgd 4b"),
     "plateau-natural4-64": lambda: _plateau_gap("adamw", (64, 1), "natural dithering 4b"),
