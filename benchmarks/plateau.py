@@ -75,10 +75,14 @@ def plateau_task():
 
 def build_codec(label: str, workers: int):
     """The codec of ``label`` for ``workers`` ranks (world-sized codecs built for them)."""
+    return codec_for(*CODECS[label], workers)
+
+
+def codec_for(name: str, params: dict, workers: int):
+    """``get_codec(name, **params)``, a world-sized codec built for ``workers`` ranks."""
     import horovod_quant as hq
     from horovod_quant.core.registry import codec_class
 
-    name, params = CODECS[label]
     if codec_class(name).needs_world_size:
         params = {**params, "world_size": workers}
     return hq.get_codec(name, **params)

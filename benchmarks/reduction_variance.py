@@ -37,15 +37,13 @@ WORKERS, SIZE, REPEATS = (4, 16, 64), 133_120, 3
 def added_variance(label: str, n: int) -> float:
     """The variance per element the codec adds to the n workers' mean (the mean of
     :data:`REPEATS` exchanges)."""
-    import horovod_quant as hq
-    from horovod_quant.core.registry import codec_class
+    from plateau import codec_for
 
-    name, params = CODECS[label]
-    if codec_class(name).needs_world_size:
-        params = {**params, "world_size": n}
+    import horovod_quant as hq
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the linear codec's limit note: the point here
-        codec = hq.get_codec(name, **params)
+        codec = codec_for(*CODECS[label], n)
     rng = np.random.default_rng(n)
     g = (0.1 * rng.standard_normal(SIZE)).astype(np.float32)
     added = []
