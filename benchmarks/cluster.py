@@ -462,6 +462,7 @@ def main(argv=None) -> int:
         if shutil.which(tool) is None:
             print(f"cluster.py needs `{tool}` on PATH", file=sys.stderr)
             return 2
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # (before the runs)
     from tqdm import tqdm
 
     def on_signal(signum, _frame):

@@ -28,6 +28,7 @@ collectives per step (horovod_quant: ``state.stats``; DDP's Python hooks: the te
 ``dist.all_reduce``; fp32: the gradients); test accuracy and loss after the same steps
 (warm-up included). Outputs: ``PREFIX.json``, ``PREFIX.md``, ``PREFIX.png``.
 
+``--hidden-layers 4`` makes the MLP 48.5 MiB (benchmarks/step_fractions.py's DDP rows);
 ``--bucket-mb`` cuts the gradients into several DDP buckets (the hooks can then overlap
 backward; not with PowerSGD, see ``BUCKET_MB``); ``--package-root DIR`` runs the ranks on the
 ``horovod_quant`` under DIR (another version, e.g. ``git archive <commit> | tar -x -C DIR``), to
@@ -59,12 +60,13 @@ BUCKET_MB = 64
 
 
 # -- one rank ---------------------------------------------------------------------------------
-def _model():
+def _model(hidden_layers: int = 3):
+    """64 -> ``hidden_layers`` x 2048 -> 10 (3: 8.5M parameters; 4: 12.7M, 48.5 MiB)."""
     import torch
 
     torch.manual_seed(0)
     layers, width = [], 64
-    for _ in range(3):
+    for _ in range(hidden_layers):
         layers += [torch.nn.Linear(width, HIDDEN), torch.nn.ReLU()]
         width = HIDDEN
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
@@ -86,12 +88,13 @@ def _hook(spec: str, model):
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return None
     import horovod_quant.torch as hqt
+    from horovod_quant.doors import CodecRequest
     from horovod_quant.torch import ddp
 
-    name, _, bits = spec.partition(":")
+    request = CodecRequest.from_spec(spec)  # qsgd:8, global_qsgd-lin:8
     # the codec's own step times: no fallback to DDP's allreduce in the middle of a run
-    state = ddp.QuantizationState(getattr(hqt.Compression, name)(
-        **({"bits": int(bits)} if bits else {})), fallback="never")
+    state = ddp.QuantizationState(getattr(hqt.Compression, request.name)(**request.params),
+                                  fallback="never")
     model.register_comm_hook(state, ddp.quantization_hook)
     return state
 
@@ -128,7 +131,7 @@ def worker(args) -> None:
         opt.step()
         return time.perf_counter() - t
 
-    local = DDP(_model(), bucket_cap_mb=args.bucket_mb)
+    local = DDP(_model(args.hidden_layers), bucket_cap_mb=args.bucket_mb)
     opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(args.rank)
     with local.no_sync():
@@ -137,7 +140,7 @@ def worker(args) -> None:
     del local, opt
     runs = []  # every configuration's model, trained side by side: step k of each in turn
     for spec in args.configs.split(","):
-        model = DDP(_model(), bucket_cap_mb=args.bucket_mb)
+        model = DDP(_model(args.hidden_layers), bucket_cap_mb=args.bucket_mb)
         runs.append({"spec": spec, "model": model, "state": _hook(spec, model),
                      "opt": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                      "gen": torch.Generator().manual_seed(args.rank), "times": [], "sent": 0})
@@ -195,7 +198,7 @@ def run_rate(cluster, rate: float, args) -> dict:
                    "--master", cluster.hosts[0].address, "--configs", args.configs,
                    "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
                    "--batch", str(args.batch), "--bucket-mb", str(args.bucket_mb),
-                   "--rows", rows_path]
+                   "--hidden-layers", str(args.hidden_layers), "--rows", rows_path]
             procs.append(subprocess.Popen(cluster.in_host(host, cmd), env=env,
                                           start_new_session=True))
         deadline = time.time() + args.timeout
@@ -216,8 +219,9 @@ def run_rate(cluster, rate: float, args) -> dict:
 
 
 def render(data: dict, prefix: str) -> list[str]:
+    widths = "-".join(["64"] + ["2048"] * data.get("hidden_layers", 3) + ["10"])
     lines = [f"Command: `{data['command']}` ({data['date']}, {data['wall_s']:.0f} s). MLP "
-             f"64-2048-2048-2048-10 on digits ({data['links'][0]['params'] / 1e6:.2f}M "
+             f"{widths} on digits ({data['links'][0]['params'] / 1e6:.2f}M "
              f"parameters), 2 ranks (one per emulated host, gloo), batch {data['batch']} per "
              f"rank, DDP buckets of {data.get('bucket_mb', BUCKET_MB):g} MB, "
              f"{data['warmup_steps']} warm-up + {data['steps']} measured steps; step = "
@@ -280,6 +284,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32, help="batch per rank (default: %(default)s)")
     ap.add_argument("--bucket-mb", type=float, default=BUCKET_MB,
                     help="DDP's bucket_cap_mb (default: %(default)s, one bucket)")
+    ap.add_argument("--hidden-layers", type=int, default=3,
+                    help="2048-wide hidden layers (default: %(default)s; 4: 48.5 MiB)")
     ap.add_argument("--package-root", default=ROOT,
                     help="the folder holding the horovod_quant the ranks run (default: this "
                          "checkout)")
@@ -321,6 +327,7 @@ def main(argv=None) -> int:
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": machine_info(), "steps": args.steps, "warmup_steps": args.warmup_steps,
             "batch": args.batch, "bucket_mb": args.bucket_mb,
+            "hidden_layers": args.hidden_layers,
             "package_root": os.path.abspath(args.package_root), "links": []}
     try:
         with EmulatedCluster(hosts=2) as cluster:

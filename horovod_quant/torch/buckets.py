@@ -28,7 +28,8 @@ class Bucket:
         index: the bucket's place in the layout (its seed and collective name).
         ready: how many of its parameters' gradients are ready this step.
         pending: its exchange in flight, or None.
-        mean: the buffer its mean estimate is written to.
+        mean: the buffer its mean estimate is written to; the float32 contiguous gradients
+            handed over by :meth:`hand_over` are views of it until the next exchange.
     """
 
     __slots__ = ("index", "params", "codec", "numel", "ready", "pending", "flat", "mean")
@@ -77,6 +78,23 @@ class Bucket:
                 dst[:] = part
             offset += p.numel()
         return self.flat
+
+    def hand_over(self, p: torch.nn.Parameter, mean: torch.Tensor) -> None:
+        """``p``'s averaged gradient (``mean``: its part of the bucket's mean) as ``p.grad``:
+        the part itself where ``p`` is float32 and contiguous (as DDP's
+        ``gradient_as_bucket_view``: no copy of the whole bucket on every step; the next
+        exchange writes over it), else copied into ``p.grad`` (made if missing).
+
+        A gradient ``zero_grad(set_to_none=False)`` keeps is then the next exchange's input
+        and its output at once: every plan encodes a piece's input before it writes the
+        piece's mean (tests/parallel/test_simulated_workers.py runs such steps)."""
+        view = mean.view(p.shape)
+        if p.dtype == torch.float32 and p.is_contiguous() and view.device == p.device:
+            p.grad = view
+            return
+        if p.grad is None:  # unused here, used elsewhere
+            p.grad = torch.zeros_like(p)
+        p.grad.copy_(view)
 
 
 def form_buckets(params: list, codec: Codec, groups: Any, fusion_bytes: int,

@@ -241,8 +241,9 @@ class GradientExchanger:
                 self._start(p)
 
     def _copy_means_back(self) -> None:
-        """Each bucket's mean into its parameters' gradients, times the number of ranks for
-        ``op=hvd.Sum``; a parameter this rank did not use gets one (Horovod's zeros)."""
+        """Each bucket's mean handed to its parameters' gradients (:meth:`.Bucket.hand_over`),
+        times the number of ranks for ``op=hvd.Sum``; a parameter this rank did not use gets
+        one (Horovod's zeros)."""
         factor = float(self.size) if self._op == hvd.Sum else 1.0
         for bucket, mean in self.schedule.finish(self.step, self._flat):
             if factor != 1.0:
@@ -251,9 +252,7 @@ class GradientExchanger:
             for p in bucket.params:
                 n = p.numel()
                 if not self._horovod.carries(p):
-                    if p.grad is None:  # unused here, used elsewhere
-                        p.grad = torch.zeros_like(p)
-                    p.grad.copy_(mean[offset:offset + n].view_as(p.grad))
+                    bucket.hand_over(p, mean[offset:offset + n])
                 offset += n
 
     def _sparsify_again(self) -> None:

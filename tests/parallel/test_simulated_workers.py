@@ -1,8 +1,11 @@
 """The simulated workers (horovod_quant/tools/simulated.py) give a real job's averaged gradients
 bit for bit: hq.torch.DistributedOptimizer on these ranks and SimulatedWorkers in each rank's
 process, for the same world shape (hosts x ranks per host, hierarchical where run.sh's 2 x 2
-world has it), every codec, three steps (step counters, NDQSG's states carried over), the
+world has it), every codec, four steps (step counters, NDQSG's states carried over), the
 default policy's uncompressed bias and small matrix, two buckets, one of them in two pieces.
+The optimizer hands each bucket's mean over as the gradients (views, no copy); zero_grad keeps
+them in two of the steps (set_to_none=False: backward accumulates into the bucket's buffer,
+which the exchange must not read while it writes it).
 Every rank recomputes every rank's gradients (a common part plus the rank's own, so NDQSG's
 side information adapts)."""
 import horovod.torch as hvd
@@ -53,8 +56,8 @@ def test_simulated_workers_equal_the_real_ranks(name):
                                    fallback="never", **SETTINGS)
     sim = SimulatedWorkers(model.named_parameters(), opt.codec, hvd.size(), hvd.cross_size(),
                            options=opt.options, fabric=opt.fabric)
-    for step in range(3):
-        opt.zero_grad()
+    for step in range(4):
+        opt.zero_grad(set_to_none=step in (0, 3))
         model.loss(gradients(step, hvd.rank())).backward()
         opt.step()
         want = sim.average([gradients(step, r) for r in range(hvd.size())])
@@ -67,6 +70,9 @@ def test_simulated_workers_equal_the_real_ranks(name):
                 np.testing.assert_allclose(p.grad.numpy(), want[n].numpy(), rtol=tol, atol=tol)
             else:
                 assert torch.equal(p.grad, want[n]), (name, step, n)
+            if not raw:  # handed over: a view of its bucket's mean
+                mean = opt._exchanger.layout.bucket_of[id(p)].mean
+                assert np.shares_memory(p.grad.numpy(), mean), (name, step, n)
     assert sim.topology == opt.topology  # (known from the first step on)
     assert sim.bucket_keys in ([], ["b.weight", "a.weight"])  # none, fp16: Horovod's
     assert sim.codec_states[hvd.rank()].state_dict() == opt.codec_states.state_dict()
