@@ -46,7 +46,8 @@ PARTS = [
      or f.endswith("threading.py") or "sleep" in fn),
     ("encode", lambda fn, q, f: "encode" in fn),
     ("copies", lambda fn, q, f: "copy" in fn or fn in (
-        "flat_input", "flat_array", "as_array", "as_tensor", "to_host", "to_device", "like")),
+        "flat_input", "flat_array", "as_array", "as_tensor", "to_host", "to_device", "like",
+        "hand_over")),
     ("decode and combine", lambda fn, q, f: any(w in fn for w in ("decode", "combine", "mean"))),
     ("framing", lambda fn, q, f: f.endswith("exchange/wire.py")
      or (f.endswith("torch/distributed.py") and "allgather_async" in q)),

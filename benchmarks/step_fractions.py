@@ -1,6 +1,6 @@
 """Every codec's step against its physical limit at one rank per core, through the three doors.
 
-    sudo python3 benchmarks/step_fractions.py                 # MPI controller, about 15 min
+    sudo python3 benchmarks/step_fractions.py                 # MPI controller, about 10 min
     python3 benchmarks/step_fractions.py --render docs/results/step_fractions.json
 
 2 emulated hosts x 1 rank on a 1 Gbit/s link, a 48 MiB MLP, each codec at 8 and 4 bits through
@@ -32,26 +32,35 @@ BITS = (8, 4)
 TARGET_FRACTION = 0.85
 
 
-def measure(args) -> dict:
+def measure(args) -> None:
     """cluster.py's rows (both Horovod doors) and cluster_ddp.py's rows, into ``args.work``."""
     os.makedirs(args.work, exist_ok=True)
-    horovod = os.path.join(args.work, f"cluster_{args.controller}")
+    horovod, ddp = run_prefixes(args)
     subprocess.run([sys.executable, os.path.join(HERE, "cluster.py"), "--shapes", "2x1",
                     "--controller", args.controller, "--rates", "1gbit", "--models", "mlp48",
                     "--no-exchange", "--train-codecs", ",".join(args.codecs),
                     "--bits", ",".join(map(str, BITS)), "--doors", "hq,compression",
                     "--fallback", "never", "--steps", str(args.steps),
                     "--min-seconds", str(args.min_seconds), "--out", horovod], check=True)
-    ddp = os.path.join(args.work, "ddp")
     configs = ["fp32", "fp16"] + [f"{c}:{b}" for b in BITS for c in args.codecs]
     subprocess.run([sys.executable, os.path.join(HERE, "cluster_ddp.py"), "--rates", "1gbit",
                     "--hidden-layers", "4", "--configs", ",".join(configs),
                     "--steps", str(args.ddp_steps), "--out", ddp], check=True)
-    with open(horovod + ".json") as f:
-        horovod_data = json.load(f)
-    with open(ddp + ".json") as f:
-        ddp_data = json.load(f)
-    return {"horovod": horovod_data, "ddp": ddp_data}
+
+
+def run_prefixes(args) -> tuple[str, str]:
+    """The prefixes of the two runs' outputs in ``args.work``."""
+    return (os.path.join(args.work, f"cluster_{args.controller}"),
+            os.path.join(args.work, "ddp"))
+
+
+def load_runs(args) -> dict:
+    """The two runs' JSON."""
+    runs = {}
+    for key, prefix in zip(("horovod", "ddp"), run_prefixes(args)):
+        with open(prefix + ".json") as f:
+            runs[key] = json.load(f)
+    return runs
 
 
 def bits_of(config: str) -> int | None:
@@ -101,11 +110,11 @@ def fractions(measured: dict) -> dict:
         "hq.DistributedOptimizer": door_rows(
             {**common, **{k: v for k, v in train.items() if ":" in k and
                           not k.startswith("hvd.")}}, compute),
-        "compression= (Horovod's optimizer)": door_rows(
+        "compression=": door_rows(
             {**common, **{k[4:]: v for k, v in train.items() if k.startswith("hvd.")}},
             compute)}
     ddp_link = measured["ddp"]["links"][0]
-    doors["DDP comm hook"] = door_rows({r["config"]: r["step_ms"] for r in ddp_link["rows"]},
+    doors["DDP hook"] = door_rows({r["config"]: r["step_ms"] for r in ddp_link["rows"]},
                                        ddp_link["local_step_ms"])
     h, d = measured["horovod"], measured["ddp"]
     return {"horovod_run": {"command": h.get("command"), "date": h.get("date"),
@@ -162,15 +171,19 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/hq-step-fractions", help="the runs' own outputs")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "step_fractions"))
     ap.add_argument("--render", metavar="JSON", help="the tables of an earlier run again")
+    ap.add_argument("--from-work", action="store_true",
+                    help="no new runs: the fractions of the runs --work holds")
     args = ap.parse_args(argv)
     if args.render:
         with open(args.render) as f:
             data = json.load(f)
     else:
         args.codecs = args.codecs.split(",")
-        data = fractions(measure(args))
-        data["command"] = " ".join(["sudo python3 benchmarks/step_fractions.py",
-                                    *(sys.argv[1:] if argv is None else argv)])
+        if not args.from_work:
+            measure(args)
+        data = fractions(load_runs(args))
+        data["command"] = " ".join(["sudo python3 benchmarks/step_fractions.py", *[
+            a for a in (sys.argv[1:] if argv is None else argv) if a != "--from-work"]])
         data["controller"] = args.controller
         with open(args.out + ".json", "w") as f:
             json.dump(data, f, indent=1)

@@ -466,10 +466,26 @@ def validation() -> str:
                    for shape in shapes])
 
 
+def fractions() -> str:
+    """Every codec's limit over its step at one rank per core (step_fractions.json), 8 / 4 bits,
+    the three doors side by side; 16-bit: Horovod's fp16 allreduce and DDP's fp16 hook."""
+    doors = _load("step_fractions.json")["doors"]
+    cells = {d: {r["config"]: r["fraction"] for r in door["rows"]} for d, door in doors.items()}
+    codecs = list(dict.fromkeys(c.rsplit(":", 1)[0] for d in cells for c in cells[d] if ":" in c))
+
+    def pair(door: dict, codec: str) -> str:
+        return "/".join(f"{door[f'{codec}:{b}']:.2f}" if f"{codec}:{b}" in door else "-"
+                          for b in (8, 4))
+
+    return _table(["codec (8/4 bits)"] + list(doors),
+                  [["16-bit"] + [f"{cells[d]['fp16']:.2f}" for d in doors]]
+                  + [[f"`{c}`"] + [pair(cells[d], c) for d in doors] for c in codecs])
+
+
 TABLES = {"exchange": exchange, "training": training, "transport": transport, "ddp": ddp,
           "throughput": throughput, "codecs": codecs, "scaling": scaling,
           "prediction": prediction, "accuracy": accuracy, "validation": validation,
-          "external": external, "plateau": plateau}
+          "external": external, "plateau": plateau, "fractions": fractions}
 
 
 def _exchange_256mb(name: str, bits: int) -> str:
@@ -489,14 +505,6 @@ def _wire_overhead() -> str:
     worst = max(t["range"][1] for t in _load("cluster.json")["summary"]["targets"]
                 if "payload wire time" in t["target"])
     return f"{(worst - 1) * 100:.0f}%"
-
-
-def _trial_margin() -> str:
-    """The smallest fp32/codec time ratio of the fallback's trials at 1 Gbit/s, rounded down."""
-    least = min(r["fallback_fp32_s"] / r["fallback_codec_s"]
-                for r in _link("cluster.json", "1 Gbit/s")["results"]
-                if r.get("fallback_codec_s") and r.get("fallback_fp32_s"))
-    return f"{math.floor(least * 10) / 10:.1f}x"
 
 
 def _fp32_step() -> str:
@@ -526,7 +534,6 @@ FIGURES = {
     "exchange-256MB-8bit": lambda: _exchange_256mb("cluster.json", 8),
     "exchange-256MB-4bit": lambda: _exchange_256mb("cluster.json", 4),
     "wire-overhead": _wire_overhead,
-    "trial-margin": _trial_margin,
     "fp32-step": _fp32_step,
     "training-vs-fp16": lambda: _range(
         [m for c, (m, _) in _training_medians("1 Gbit/s", "speedup_vs_fp16").items()

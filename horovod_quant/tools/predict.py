@@ -10,10 +10,11 @@ pipelined pieces) takes the plan ``plans.plan_choice`` picks on the same ``Fabri
 time is its ``Cost`` at ``LinkTimes`` (NCCL's or gloo's rates and latencies), its codec time
 ``codec_work`` at measured ``Throughput`` (built-in tables, or ``--measure``; CPU ranks: their
 share of the host's cores). float32 and 16-bit take the faster of a flat ring and the
-hierarchical allreduce. Every row copies each bucket into one vector and its mean back at the
-device's copy rate; CPU ranks also pay ``transport_ns`` of CPU per byte they send (TCP, both
-ends), and a codec's step ``step_overhead_ns`` per gradient element beyond its exchanges timed
-alone. Overlap, the same for every row: the device runs forward, backward (the last
+hierarchical allreduce. Every row copies each bucket into one vector at the device's copy
+rate, the baselines their sums back too (a codec's mean is handed over as the gradients); CPU
+ranks also pay ``transport_ns`` of CPU per byte they send (TCP, both ends), and a codec's step
+``step_overhead_ns`` per gradient element beyond its exchanges timed alone. Overlap, the
+same for every row: the device runs forward, backward (the last
 :data:`BACKWARD_SHARE` of the compute) and the codecs one after the other; the wire carries the
 buckets one after the other, each once backward produced it and it is encoded; the step ends
 when both are done: ``max(compute + encode + decode, last wire end + its decode)``.
@@ -118,16 +119,16 @@ GPU_THROUGHPUT: dict[str, Throughput] = {
     "copy": Throughput(1506.6, 1506.6),
 }
 #: the CPU (ns, both ends) one byte a CPU rank sends through TCP costs the host: the median of
-#: the emulated links' calibrations of docs/results/predictor_calibration_runs.json and
-#: predictor_calibration_runs_4x2.json (0.17-0.96 ns); ``--measure`` times a stream over
+#: the emulated links' calibrations of docs/results/predictor_recalibration_runs.json and
+#: predictor_recalibration_runs_4x2.json (0.70-1.22 ns); ``--measure`` times a stream over
 #: loopback instead
-CPU_TRANSPORT_NS = 0.50
+CPU_TRANSPORT_NS = 1.10
 #: the CPU (ns per gradient element, per rank and step) a CPU rank's codec step costs beyond
 #: its buckets' exchanges timed alone, where they run beside backward on the same cores.
-#: The median over the codec rows of docs/results/predictor_calibration_runs.json and
-#: predictor_calibration_runs_4x2.json (each row's CPU over its compute row's, less its
-#: exchanges': benchmarks/validate_predictor.py's step_overhead_ns); other runs validate it
-CPU_STEP_OVERHEAD_NS = 2.98
+#: The median over the codec rows of the same runs (each row's CPU over its compute row's,
+#: less its exchanges' and its copy into the bucket: benchmarks/validate_predictor.py's
+#: step_overhead_ns); other runs validate it
+CPU_STEP_OVERHEAD_NS = 2.35
 #: the baselines a measured step (``--measured-ms``) can name
 BASELINES = ("fp32", HOROVOD_SIXTEEN_BIT)
 #: the baselines' plans: a flat ring over every rank (Horovod's and NCCL's default), or
@@ -537,13 +538,15 @@ class DeviceWork(NamedTuple):
     step_overhead_ns: float
 
     def bucket(self, encode: float, cost: Cost, times: LinkTimes, decode: float,
-               numel: int) -> BucketTime:
+               numel: int, copy_back: bool) -> BucketTime:
         """A bucket's times with its copies added (its gradients into one vector before the
-        encode, the mean back into them after the decode) and, after the decode, the CPU of
-        the bytes the rank sends (``Cost.rank_bytes``)."""
+        encode; with ``copy_back`` the mean back into them after the decode: an allreduce's
+        fusion buffer, where ``hq.torch.DistributedOptimizer`` hands its mean over as the
+        gradients) and, after the decode, the CPU of the bytes the rank sends
+        (``Cost.rank_bytes``)."""
         copy_in, copy_out = self.copy.seconds(CodecWork(numel, numel, 0.0), self.share)
         return BucketTime(encode + copy_in, times.seconds(cost),
-                          decode + copy_out
+                          decode + (copy_out if copy_back else 0.0)
                           + cost.rank_bytes * self.transport_ns * 1e-9 / self.share)
 
 
@@ -583,7 +586,7 @@ class Baseline:
         encode = decode = 0.0
         if self.cast is not None:  # the CPU's float16 cast of every element, and back
             encode, decode = self.cast.seconds(CodecWork(numel, numel, 0.0), self.work.share)
-        return self.work.bucket(encode, cost, times, decode, numel)
+        return self.work.bucket(encode, cost, times, decode, numel, copy_back=True)
 
 
 def _calibrated(measured_ms: tuple[str, float], baselines: Mapping[str, Baseline],
@@ -669,7 +672,7 @@ def _codec_row(spec: str, topology: Topology, sizes: list[int], compute_s: float
         encode, decode = _codec_seconds(kind, topology, numel, rate, work.share)
         # the step's CPU beyond the exchange delays backward, as an encode does
         encode += numel * work.step_overhead_ns * 1e-9 / work.share
-        buckets.append(work.bucket(encode, cost, times, decode, numel))
+        buckets.append(work.bucket(encode, cost, times, decode, numel, copy_back=False))
         kinds.append(kind)
         host_bytes += cost.host_bytes
     row = _row(spec.strip(), _plan_label(kinds), host_bytes, buckets, sizes, compute_s)

@@ -212,7 +212,7 @@ def test_the_builtin_throughput_tables_are_the_committed_measurements():
                 assert rate.combine == pytest.approx(comb, rel=2e-3), key
     # the CPU per byte sent: the median of the calibration runs' link calibrations
     ns = [link["calibration"]["tcp_cpu_ns_per_byte"]
-          for name in ("predictor_calibration_runs.json", "predictor_calibration_runs_4x2.json")
+          for name in ("predictor_recalibration_runs.json", "predictor_recalibration_runs_4x2.json")
           for link in json.load(open(os.path.join(RESULTS, name)))["links"]]
     assert pr.CPU_TRANSPORT_NS == pytest.approx(statistics.median(ns), abs=0.005)
 

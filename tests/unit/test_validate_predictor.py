@@ -214,14 +214,14 @@ def test_the_predictor_s_step_overhead_is_the_calibration_runs_figure():
     """The predictor's default ``step_overhead_ns`` is what the committed calibration runs give;
     the validation table is made of other runs."""
     runs = []
-    for name in ("predictor_calibration_runs.json", "predictor_calibration_runs_4x2.json"):
+    for name in ("predictor_recalibration_runs.json", "predictor_recalibration_runs_4x2.json"):
         with open(os.path.join(ROOT, "docs", "results", name)) as f:
             runs.append(json.load(f))
     assert vp.predictor.CPU_STEP_OVERHEAD_NS == pytest.approx(vp.step_overhead_ns(runs),
                                                               abs=0.005)
     with open(os.path.join(ROOT, "docs", "results", "predictor_validation.json")) as f:
         assert not {os.path.basename(p) for p in json.load(f)["inputs"]} & {
-            "predictor_calibration_runs.json", "predictor_calibration_runs_4x2.json"}
+            "predictor_recalibration_runs.json", "predictor_recalibration_runs_4x2.json"}
 
 
 def test_the_command_writes_its_table_and_fails_on_large_errors(tmp_path):
