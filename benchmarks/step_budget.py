@@ -81,12 +81,17 @@ def main_thread_parts(path: str) -> tuple[Counter, int]:
     return parts, skipped
 
 
+def physical_limit(compute: float, fp32: float, bits: int) -> float:
+    """A step's limit at ``bits`` per float32 element: max(the compute-only step, float32's
+    communication x b/32), float32's communication = its step - the compute-only step."""
+    return max(compute, (fp32 - compute) * bits / 32)
+
+
 def budget(rows: dict[str, dict], profile_dir: str, ranks: int = 2) -> list[dict]:
     """Each row's budget: its step, its parts in ms, the package's timers, its ranks' CPU,
     its limit."""
     floor = rows.get("compute", {}).get("step_s")
     fp32 = rows.get("fp32", {}).get("step_s")
-    wire = None if floor is None or fp32 is None else fp32 - floor
     out = []
     for rid, bits in ROWS.items():
         row = rows.get(rid)
@@ -95,7 +100,8 @@ def budget(rows: dict[str, dict], profile_dir: str, ranks: int = 2) -> list[dict
         step = row["step_s"]
         parts, skipped = main_thread_parts(os.path.join(profile_dir, f"t-{MODEL}-{rid}.txt"))
         total = sum(parts.values()) or 1
-        limit = None if bits is None or wire is None else max(floor, wire * bits / 32)
+        limit = (None if bits is None or floor is None or fp32 is None
+                 else physical_limit(floor, fp32, bits))
         out.append({
             "row": rid, "bits": bits, "step_ms": step * 1e3,
             "parts_ms": {name: step * 1e3 * parts[name] / total

@@ -25,10 +25,15 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)  # the sibling benchmark modules
+from step_budget import physical_limit  # noqa: E402
+
 #: the codecs (cluster.py's specs, without bits), each at 8 and 4 bits
 CODECS = ("qsgd", "nuqsgd", "natural", "natural_dithering", "standard_dithering",
           "global_qsgd-lin", "global_qsgd-exp", "dithered", "nested_dithered")
 BITS = (8, 4)
+#: the baselines' bits per float32 element (a codec row's are its spec's, ``qsgd:8``)
+BASELINE_BITS = {"fp32": 32, "fp16": 16}
 TARGET_FRACTION = 0.85
 
 
@@ -63,25 +68,14 @@ def load_runs(args) -> dict:
     return runs
 
 
-def bits_of(config: str) -> int | None:
-    """The bits a row sends per float32 element (None: the compute-only row)."""
-    if config == "compute":
-        return None
-    if config == "fp32":
-        return 32
-    if config == "fp16":
-        return 16
-    return int(config.rpartition(":")[2])
-
-
 def door_rows(steps_ms: dict[str, float], compute_ms: float) -> dict:
     """One door's rows, {config: step ms} with ``fp32`` among them: each row's limit and
     fraction, and the door's targets."""
     wire = steps_ms["fp32"] - compute_ms
     rows = []
     for config, step in steps_ms.items():
-        bits = bits_of(config)
-        limit = max(compute_ms, wire * bits / 32)
+        bits = BASELINE_BITS.get(config) or int(config.rpartition(":")[2])
+        limit = physical_limit(compute_ms, steps_ms["fp32"], bits)
         rows.append({"config": config, "bits": bits, "step_ms": step, "limit_ms": limit,
                      "fraction": limit / step})
     best = {b: min((r for r in rows if r["bits"] == b and ":" in r["config"]),
@@ -115,7 +109,7 @@ def fractions(measured: dict) -> dict:
             compute)}
     ddp_link = measured["ddp"]["links"][0]
     doors["DDP hook"] = door_rows({r["config"]: r["step_ms"] for r in ddp_link["rows"]},
-                                       ddp_link["local_step_ms"])
+                                  ddp_link["local_step_ms"])
     h, d = measured["horovod"], measured["ddp"]
     return {"horovod_run": {"command": h.get("command"), "date": h.get("date"),
                             "machine": h.get("machine")},

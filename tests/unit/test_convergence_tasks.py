@@ -3,18 +3,14 @@ each task's model and batches fit its loss, and the output names keep the MLP's.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 
 import pytest
+from benchmark_module import load_benchmark
 
 torch = pytest.importorskip("torch")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location(
-    "convergence", os.path.join(ROOT, "benchmarks", "convergence.py"))
-conv = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(conv)
+conv = load_benchmark("convergence")
 
 
 def test_stdlib_split_is_by_file_deterministic_and_disjoint():

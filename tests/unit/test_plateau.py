@@ -4,24 +4,16 @@ the report flags divergence, a growing gap and a gap beyond the seed spread, and
 levels a summed codec keeps at each world."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
+from benchmark_module import load_benchmark
 
 torch = pytest.importorskip("torch")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-_spec = importlib.util.spec_from_file_location(
-    "plateau", os.path.join(ROOT, "benchmarks", "plateau.py"))
-plateau = importlib.util.module_from_spec(_spec)
-sys.modules["plateau"] = plateau
-_spec.loader.exec_module(plateau)
+plateau = load_benchmark("plateau")
 import plateau_report  # noqa: E402 (after the benchmark's path is set)
 
 

@@ -3,16 +3,10 @@ rank 0's main thread only, the sampler's own attach left out; the parts split th
 step, and the limit is max(compute-only step, float32's communication x b/32)."""
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
+from benchmark_module import load_benchmark
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location(
-    "step_budget", os.path.join(ROOT, "benchmarks", "step_budget.py"))
-sb = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sb)
+sb = load_benchmark("step_budget")
 
 
 @pytest.mark.parametrize("frame, part", [

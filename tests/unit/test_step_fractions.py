@@ -3,16 +3,10 @@ x b/32) and its fraction limit / step; the targets take each width's fastest cod
 the baselines) and compare 8 with 4 bits by half the wire time 4 bits remove."""
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
+from benchmark_module import load_benchmark
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location(
-    "step_fractions", os.path.join(ROOT, "benchmarks", "step_fractions.py"))
-sf = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sf)
+sf = load_benchmark("step_fractions")
 
 
 def test_limits_fractions_and_targets():

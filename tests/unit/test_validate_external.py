@@ -4,17 +4,14 @@ for every row and the committed output is what the code computes from them."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 
 import pytest
+from benchmark_module import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location(
-    "validate_external", os.path.join(ROOT, "benchmarks", "validate_external.py"))
-ve = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ve)
+ve = load_benchmark("validate_external")
 RESULTS = os.path.join(ROOT, "docs", "results")
 
 

@@ -2,17 +2,14 @@
 runs that agree with the predictor and fails when one term of the model is broken on purpose."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import pytest
+from benchmark_module import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location(
-    "validate_predictor", os.path.join(ROOT, "benchmarks", "validate_predictor.py"))
-vp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vp)
+vp = load_benchmark("validate_predictor")
 
 SHAPES = [(2, 1), (2, 2), (4, 1), (4, 2)]
 CODECS = ["qsgd:8", "qsgd:4", "global_qsgd-lin:8"]
